@@ -1,0 +1,356 @@
+"""Typed settings for a run: model shape, parallel layout, training recipe.
+
+TOML in, validated dataclasses out. Every layout rule lives in :func:`validate`, which runs
+before any process group exists, so a bad config is one clear ``ValueError`` instead of a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+Recompute = Literal["none", "selective", "full"]
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key, the value and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Llama-style decoder shape. ``preset`` names the published shape the others started from."""
+
+    preset: str = "tiny"
+    dim: int = 128
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_hidden: int = 384
+    vocab_size: int = 256
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Exact parameter count of :class:`hybridpar.models.llama.Llama` for this shape."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        mlp = 3 * self.dim * self.ffn_hidden
+        layer = attn + mlp + 2 * self.dim
+        embed = self.vocab_size * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.n_layers * layer + embed + head + self.dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul parameters + 12 x n_layers x dim x seq_len.
+
+        Forward + backward = 3x forward (PaLM, appendix B). The embedding lookup is no matmul;
+        the output head is (tied or not). Attention scores count in full, as in PaLM.
+        """
+        matmul_params = self.num_params() - self.dim * (2 * self.n_layers + 1)
+        if not self.tie_embeddings:
+            matmul_params -= self.vocab_size * self.dim
+        return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
+
+
+# Published shapes. gpt3-175b is expressed with a SwiGLU MLP whose hidden size (8/3 * 4 * dim)
+# gives exactly the parameter count of GPT-3's 4x GELU MLP, so memory and FLOP models agree.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # Every layout up to 16 ranks fits: heads/kv-heads powers of two, 8 layers, 256-byte vocab.
+    "tiny": dict(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=384, vocab_size=256,
+                 max_seq_len=1024, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
+    "llama3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                      vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
+                      tie_embeddings=False),
+    "llama3-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
+                       tie_embeddings=False),
+    "llama3-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
+                        vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
+                        tie_embeddings=False),
+    "gpt3-175b": dict(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_hidden=32768,
+                      vocab_size=50257, max_seq_len=2048, rope_theta=10000.0, norm_eps=1e-5,
+                      tie_embeddings=True),
+}
+
+
+def model_preset(name: str) -> ModelConfig:
+    """The named published shape; raises naming the known presets."""
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"model.preset = {name!r} is unknown; choose one of {sorted(MODEL_PRESETS)}")
+    return ModelConfig(preset=name, **MODEL_PRESETS[name])
+
+
+@dataclass
+class ParallelConfig:
+    """The layout: world size = dp * tp * pp * cp, mesh axes ordered (pp, dp, cp, tp)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    pipeline_schedule: Schedule = "1f1b"
+    microbatches: int = 0  # 0: global batch / (dp * micro batch)
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: Recompute = "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class TrainConfig:
+    """The recipe. Batch sizes count sequences; ``global_batch`` is per optimizer step."""
+
+    steps: int = 300
+    global_batch: int = 16
+    micro_batch: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    precision: Precision = "fp32"
+    seed: int = 1234
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 0  # 0: only at the end
+    run_dir: str = "runs/default"
+    data: str = "builtin"
+    sample_tokens: int = 200
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per rank per step (before pipeline splitting)."""
+        return self.global_batch // self.micro_batch
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=lambda: model_preset("tiny"))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- loading
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against the field's type hint, converting strings from the command line."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        choices = get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported union type for {key}")
+    if hint is bool:
+        if isinstance(value, str):
+            low = value.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} = {value!r} must be true or false")
+    if hint is int:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} = {value!r} must be an integer")
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} = {value!r} must be a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} = {value!r} must be a string")
+    raise TypeError(f"unsupported type {hint} for {key}")
+
+
+def _apply(cfg: Config, section: str, values: dict[str, Any]) -> None:
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown config section [{section}]; known sections: {sorted(_SECTIONS)}")
+    target = getattr(cfg, section)
+    hints = typing.get_type_hints(type(target))
+    names = {f.name for f in dataclasses.fields(target)}
+    if section == "model" and "preset" in values:  # a preset replaces the shape, then keys refine it
+        preset = _coerce("model.preset", values["preset"], str)
+        target = model_preset(preset)
+        cfg.model = target
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key {section}.{key}; known keys: {sorted(names)}")
+        if section == "model" and key == "preset":
+            continue
+        setattr(target, key, _coerce(f"{section}.{key}", value, hints[key]))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then ``--section.key value`` overrides, then :func:`validate`
+    of everything that does not need the world size."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing TOML file to --config")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        for section in ("model", "parallel", "train"):  # model first: its preset resets the shape
+            if section in data:
+                if not isinstance(data[section], dict):
+                    raise ConfigError(f"{section} in {path} must be a [table]")
+                _apply(cfg, section, data[section])
+        for section in data:
+            if section not in _SECTIONS:
+                raise ConfigError(f"unknown config section [{section}] in {path}; known sections: {sorted(_SECTIONS)}")
+    pairs = parse_overrides(overrides or [])
+    presets = [(k, v) for k, v in pairs if k == "model.preset"]
+    for key, value in presets + [(k, v) for k, v in pairs if k != "model.preset"]:
+        section, _, name = key.partition(".")
+        _apply(cfg, section, {name: value})
+    validate(cfg)
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``["--train.steps", "50", "--parallel.dp=2"]`` -> ``[("train.steps", "50"), ...]``."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --train.steps 50")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} needs a value, e.g. {arg} 2")
+            value = args[i + 1]
+            i += 2
+        out.append((key, value))
+    return out
+
+
+# ----------------------------------------------------------------------------- validation
+
+# Parallelism implemented so far; the rest is rejected with a message saying so.
+BUILT = {"dp": True, "tp": False, "pp": False, "cp": False, "zero": False}
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Every layout and shape rule, in one place. Raises one ConfigError naming numbers and fix."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+        need(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")
+    need(m.dim % m.n_heads == 0,
+         f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; pick a dim that is a multiple of n_heads")
+    need(m.head_dim % 2 == 0, f"head dim = dim / n_heads = {m.head_dim} must be even for RoPE")
+    need(m.n_kv_heads <= m.n_heads and m.n_heads % m.n_kv_heads == 0,
+         f"model.n_heads = {m.n_heads} must be a multiple of model.n_kv_heads = {m.n_kv_heads} (grouped-query attention)")
+    need(m.rope_theta > 0 and m.norm_eps > 0, "model.rope_theta and model.norm_eps must be > 0")
+
+    for key in ("dp", "tp", "pp", "cp", "virtual_stages"):
+        need(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be >= 1")
+    need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
+    need(p.microbatches >= 0, f"parallel.microbatches = {p.microbatches} must be >= 0 (0 = automatic)")
+
+    for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
+        need(getattr(t, key) >= 1, f"train.{key} = {getattr(t, key)} must be >= 1")
+    for key in ("eval_every", "checkpoint_every", "warmup_steps", "sample_tokens"):
+        need(getattr(t, key) >= 0, f"train.{key} = {getattr(t, key)} must be >= 0")
+    need(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 <= train.min_lr ({t.min_lr}) <= train.lr ({t.lr}) and lr > 0")
+    need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 = {t.beta1}, beta2 = {t.beta2} must be in [0, 1)")
+    need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)")
+    need(t.seq_len <= m.max_seq_len,
+         f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; lower seq_len or raise max_seq_len")
+
+    # Layout rules.
+    need(t.global_batch % (p.dp * t.micro_batch) == 0,
+         f"train.global_batch = {t.global_batch} is not divisible by parallel.dp * train.micro_batch = "
+         f"{p.dp} * {t.micro_batch} = {p.dp * t.micro_batch}; make global_batch a multiple of {p.dp * t.micro_batch}")
+    need(m.n_heads % p.tp == 0,
+         f"model.n_heads = {m.n_heads} is not divisible by parallel.tp = {p.tp}; use a tp that divides {m.n_heads}")
+    need(m.n_kv_heads % p.tp == 0,
+         f"model.n_kv_heads = {m.n_kv_heads} is not divisible by parallel.tp = {p.tp}; use tp <= {m.n_kv_heads} that divides it")
+    need(m.ffn_hidden % p.tp == 0,
+         f"model.ffn_hidden = {m.ffn_hidden} is not divisible by parallel.tp = {p.tp}")
+    stages = p.pp * p.virtual_stages
+    need(m.n_layers % stages == 0,
+         f"model.n_layers = {m.n_layers} is not divisible by parallel.pp * virtual_stages = {p.pp} * {p.virtual_stages} = {stages}")
+    need(p.virtual_stages == 1 or p.pipeline_schedule == "interleaved",
+         f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pipeline_schedule = 'interleaved'")
+    if p.pp > 1:
+        micro = p.microbatches or t.global_batch // (p.dp * t.micro_batch)
+        need(micro >= p.pp,
+             f"pipeline needs at least pp = {p.pp} micro-batches per step, got {micro} "
+             f"(= global_batch / (dp * micro_batch)); raise train.global_batch or lower train.micro_batch")
+    if p.cp > 1:
+        need(t.seq_len % (2 * p.cp) == 0,
+             f"train.seq_len = {t.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} (causal load balancing)")
+    need(p.sequence_parallel is False or p.tp > 1,
+         "parallel.sequence_parallel = true needs parallel.tp > 1")
+    if world_size is not None:
+        need(world_size == p.world_size,
+             f"world size {world_size} != dp * tp * pp * cp = {p.dp} * {p.tp} * {p.pp} * {p.cp} = {p.world_size}; "
+             f"launch {p.world_size} processes (--nproc {p.world_size}) or change the layout")
+
+    # Not built yet: say so rather than run something that is not there.
+    for axis, size in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)):
+        need(BUILT[axis] or size == 1,
+             f"parallel.{axis} = {size}: {axis} parallelism is not implemented in this version yet; set parallel.{axis} = 1")
+    need(BUILT["zero"] or p.zero_stage == 0,
+         f"parallel.zero_stage = {p.zero_stage}: ZeRO is not implemented in this version yet; set parallel.zero_stage = 0")
+    need(not p.offload_optimizer, "parallel.offload_optimizer = true: not implemented in this version yet")
+    need(not p.sequence_parallel, "parallel.sequence_parallel: not implemented in this version yet")
+    need(p.recompute == "none",
+         f"parallel.recompute = {p.recompute!r}: activation recomputation is not implemented yet; use 'none'")
+    need(t.precision != "fp16", "train.precision = 'fp16' (loss scaling) is not implemented yet; use bf16 or fp32")
