@@ -162,8 +162,13 @@ class Config:
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
 
 
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against the field's type hint, converting strings from the command line."""
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number"}
+
+
+def _coerce(key: str, value: Any, hint: Any, from_cli: bool = False) -> Any:
+    """Check ``value`` against the field's type hint; strings are parsed only from the command line."""
+    if not from_cli and isinstance(value, str) and hint in (bool, int, float):
+        raise ConfigError(f"{key} = {value!r} must be {_TYPE_WORDS[hint]} (write it without quotes)")
     origin = get_origin(hint)
     if origin is Literal:
         choices = get_args(hint)
@@ -207,7 +212,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise TypeError(f"unsupported type {hint} for {key}")
 
 
-def _apply(cfg: Config, section: str, values: dict[str, Any]) -> None:
+def _apply(cfg: Config, section: str, values: dict[str, Any], from_cli: bool = False) -> None:
     if section not in _SECTIONS:
         raise ConfigError(f"unknown config section [{section}]; known sections: {sorted(_SECTIONS)}")
     target = getattr(cfg, section)
@@ -222,7 +227,7 @@ def _apply(cfg: Config, section: str, values: dict[str, Any]) -> None:
             raise ConfigError(f"unknown config key {section}.{key}; known keys: {sorted(names)}")
         if section == "model" and key == "preset":
             continue
-        setattr(target, key, _coerce(f"{section}.{key}", value, hints[key]))
+        setattr(target, key, _coerce(f"{section}.{key}", value, hints[key], from_cli))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -249,7 +254,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     presets = [(k, v) for k, v in pairs if k == "model.preset"]
     for key, value in presets + [(k, v) for k, v in pairs if k != "model.preset"]:
         section, _, name = key.partition(".")
-        _apply(cfg, section, {name: value})
+        _apply(cfg, section, {name: value}, from_cli=True)
     validate(cfg)
     return cfg
 

@@ -1,0 +1,106 @@
+"""Single-process overhead: hybridpar's training step vs a plain PyTorch loop, side by side.
+
+Both train the same Llama model with the same AdamW settings, micro-batching and clipping on
+the built-in corpus. Steps alternate between the two in rounds, so machine noise hits both
+alike; the reported number is the ratio of median step times (target <= 1.05).
+
+    python benchmarks/overhead.py [--steps 30] [--rounds 3] [--section.key value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hybridpar.config import load_config
+from hybridpar.data.corpus import load_tokens
+from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.models.llama import Llama
+from hybridpar.training.optim import lr_at
+from hybridpar.training.trainer import Trainer
+
+
+class PlainLoop:
+    """What a user would write by hand: model, AdamW, random windows, clip, step."""
+
+    def __init__(self, cfg) -> None:
+        t = cfg.train
+        self.cfg = cfg
+        self.model = Llama(cfg.model)
+        self.model.init_weights(t.seed)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        rest = [p for p in self.model.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        self.tokens = torch.from_numpy(load_tokens(t.data).train.astype("int64"))
+        self.gen = torch.Generator().manual_seed(t.seed)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.cfg.train
+        starts = torch.randint(0, len(self.tokens) - t.seq_len - 1, (t.micro_batch,), generator=self.gen)
+        rows = torch.stack([self.tokens[s : s + t.seq_len + 1] for s in starts.tolist()])
+        return rows[:, :-1], rows[:, 1:]
+
+    def step(self, step: int) -> float:
+        t = self.cfg.train
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(step, t)
+        self.opt.zero_grad(set_to_none=False)
+        accum = t.global_batch // t.micro_batch
+        total = 0.0
+        for _ in range(accum):
+            x, y = self.batch()
+            loss = F.cross_entropy(self.model(x).float().flatten(0, 1), y.flatten())
+            (loss / accum).backward()
+            total += loss.item() / accum
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.opt.step()
+        return total
+
+
+def timed(fn, step: int) -> float:
+    t0 = time.perf_counter()
+    fn(step)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per side per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    args, overrides = ap.parse_known_args()
+    cfg = load_config(None, overrides)
+    torch.manual_seed(cfg.train.seed)
+    ours = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
+    plain = PlainLoop(cfg)
+    for s in range(1, 4):  # warm-up both
+        ours.train_step(s)
+        plain.step(s)
+    times: dict[str, list[float]] = {"hybridpar": [], "plain": []}
+    step = 4
+    for _ in range(args.rounds):
+        for _ in range(args.steps):  # interleave step by step
+            times["hybridpar"].append(timed(ours.train_step, step))
+            times["plain"].append(timed(plain.step, step))
+            step += 1
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["hybridpar"] / med["plain"]
+    t = cfg.train
+    print(f"model {cfg.model.preset} ({cfg.model.num_params() / 1e6:.2f}M params), batch {t.global_batch}x{t.seq_len}, "
+          f"micro {t.micro_batch}, {t.precision}, torch threads {torch.get_num_threads()}")
+    print(f"{'loop':<12}{'median step (ms)':>18}{'min (ms)':>12}{'steps':>8}")
+    for k, v in times.items():
+        print(f"{k:<12}{1e3 * statistics.median(v):>18.1f}{1e3 * min(v):>12.1f}{len(v):>8}")
+    print(f"ratio hybridpar / plain = {ratio:.3f} (target <= 1.05)")
+    print(json.dumps({"benchmark": "overhead", "ratio": round(ratio, 4), "target": 1.05,
+                      "median_step_s": {k: round(v, 5) for k, v in med.items()}, "steps": len(times["plain"])}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Command line: ``hybridpar train [--config FILE] [--nproc N] [--section.key value ...]``.
+
+A thin entry point: parse, validate (before any process exists), then either launch N local
+processes through torch's own launcher or, inside a launched process, build the topology and
+hand over to the Trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from hybridpar.config import ConfigError, load_config, validate
+
+LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def under_launcher() -> bool:
+    """True inside a process started by torchrun / torch.distributed.run."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hybridpar train",
+        description="Train a Llama-style model. Any config key can be overridden as --section.key value, "
+        "e.g. --train.steps 50 --parallel.dp 2.",
+    )
+    p.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local processes to launch (default: the layout's world size dp*tp*pp*cp)")
+    return p
+
+
+def cmd_train(argv: list[str]) -> int:
+    args, overrides = _train_parser().parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    if under_launcher():
+        if args.nproc is not None:
+            raise ConfigError("--nproc cannot be combined with an external torchrun launch; "
+                              "drop --nproc and set the process count with torchrun --nproc-per-node")
+        world = int(os.environ["WORLD_SIZE"])
+        validate(cfg, world_size=world)
+        return _run_worker(cfg)
+    nproc = args.nproc if args.nproc is not None else cfg.parallel.world_size
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} must be >= 1")
+    validate(cfg, world_size=nproc)
+    if nproc == 1:
+        return _run_worker(cfg)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+              "-m", "hybridpar.cli", "train", *[a for a in _strip_nproc(argv)]]
+    print(f"hybridpar: launching {nproc} local processes: {' '.join(launch[1:])}", flush=True)
+    return subprocess.call(launch)
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out
+
+
+def _run_worker(cfg) -> int:
+    from hybridpar.distributed.mesh import ParallelDims, destroy_distributed, init_distributed
+    from hybridpar.training import device as devices
+    from hybridpar.training.trainer import Trainer
+
+    device = devices.pick_device(cfg.train.device, devices.local_rank())
+    init_distributed(backend=devices.backend_for(device))
+    try:
+        topo = ParallelDims.from_config(cfg.parallel).build(device.type)
+        Trainer(cfg, topo, device).fit()
+    finally:
+        destroy_distributed()
+    return 0
+
+
+COMMANDS = {"train": cmd_train}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["train"]
+    if argv[0] in ("-h", "--help"):
+        print("usage: hybridpar {train} [options]\n\n  train   train a model (hybridpar train --help)")
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"hybridpar: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as e:
+        print(f"hybridpar: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

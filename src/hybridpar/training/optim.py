@@ -1,0 +1,52 @@
+"""Optimizer, learning-rate schedule and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from hybridpar.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and other vectors are not decayed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps`` then cosine decay to ``min_lr`` at ``steps``.
+
+    ``step`` counts from 1 (the first optimizer step uses ``lr / warmup_steps``).
+    """
+    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def grad_norm_sq(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    """Sum of squared gradient entries of the given parameters, in fp32."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+
+
+def clip_by_total_norm(params: list[nn.Parameter], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients in place so their global norm is at most ``max_norm`` (0 disables)."""
+    if max_norm <= 0:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))

@@ -1,0 +1,208 @@
+"""The training loop: one object owns model, optimizer, data and layout for a run.
+
+``train_step`` is one optimizer step over the global batch; ``forward_backward_step`` is one
+micro-batch. Parallel axes enter in exactly two places: which sample ids this rank reads, and
+how gradients and the logged loss are reduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridpar.config import Config
+from hybridpar.data.corpus import WindowSampler, decode_bytes, encode_bytes, load_tokens
+from hybridpar.distributed.mesh import Topology
+from hybridpar.models.llama import Llama
+from hybridpar.training import device as devices
+from hybridpar.training.generate import sample
+from hybridpar.training.metrics import MetricsLogger, atomic_write_text
+from hybridpar.training.optim import build_optimizer, clip_by_total_norm, grad_norm_sq, lr_at
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+class Trainer:
+    """Trains ``cfg.model`` under the layout in ``topo`` on ``cfg.train.data``."""
+
+    def __init__(self, cfg: Config, topo: Topology, device: torch.device | None = None) -> None:
+        self.cfg = cfg
+        self.topo = topo
+        self.device = device or torch.device("cpu")
+        t = cfg.train
+        data = load_tokens(t.data)
+        if data.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"data vocabulary {data.vocab_size} > model.vocab_size = {cfg.model.vocab_size}; "
+                             f"raise model.vocab_size to at least {data.vocab_size}")
+        self.train_data = WindowSampler(data.train, t.seq_len, t.seed)
+        self.val_data = WindowSampler(data.val, t.seq_len, t.seed + 1)
+        self.model = Llama(cfg.model).to(self.device)
+        self.model.init_weights(t.seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, t)
+        self.is_logger = topo.rank == 0
+        self.run_dir = Path(t.run_dir)
+
+    # ------------------------------------------------------------------ data
+    def micro_batches(self, step: int, per_step: int, sampler: WindowSampler) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of step ``step`` (from 1) when a step reads ``per_step``
+        global sample ids: the dp axis takes contiguous equal shares of the ids."""
+        dp = self.topo.dp
+        share = per_step // dp.size
+        first = (step - 1) * per_step + dp.rank * share
+        mb = self.cfg.train.micro_batch
+        out = []
+        for start in range(first, first + share, mb):
+            x, y = sampler.batch(range(start, start + mb))
+            out.append((x.to(self.device), y.to(self.device)))
+        return out
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.train.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def loss_fn(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of one micro-batch (logits upcast to fp32)."""
+        with self._autocast():
+            logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    # ------------------------------------------------------------------ steps
+    def forward_backward_step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients accumulate ``scale * dloss``."""
+        loss = self.loss_fn(inputs, targets)
+        (loss * scale).backward()
+        return loss.detach()
+
+    def reduce_gradients(self) -> None:
+        """Average gradients over the data-parallel axis in one flat all-reduce."""
+        dp = self.topo.dp
+        if dp.size == 1:
+            return
+        grads = [p.grad for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.topo.comm.all_reduce(flat, dp, op="avg")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step over the global batch; returns the global mean loss."""
+        t = self.cfg.train
+        lr = lr_at(step, t)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=False)
+        batches = self.micro_batches(step, t.global_batch, self.train_data)
+        losses = [self.forward_backward_step(x, y, 1.0 / len(batches)) for x, y in batches]
+        self.reduce_gradients()
+        norm = grad_norm_sq(self.params).sqrt()
+        clip_by_total_norm(self.params, norm, t.grad_clip)
+        self.optimizer.step()
+        loss = torch.stack(losses).mean().float()
+        self.topo.comm.all_reduce(loss, self.topo.dp, op="avg")
+        return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over a fixed validation set of ``eval_batches * global_batch`` sequences."""
+        t = self.cfg.train
+        self.model.eval()
+        per_eval = t.eval_batches * t.global_batch
+        losses = [self.loss_fn(x, y) for x, y in self.micro_batches(1, per_eval, self.val_data)]
+        self.model.train()
+        loss = torch.stack(losses).mean().float()
+        self.topo.comm.all_reduce(loss, self.topo.dp, op="avg")
+        return float(loss)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, Any]:
+        """Run ``train.steps`` steps with logging, evaluation, plot and sample; returns a summary."""
+        t, m = self.cfg.train, self.cfg.model
+        if self.is_logger:
+            self._prepare_run_dir()
+        log = MetricsLogger(self.run_dir, t.steps, self.is_logger)
+        peak, peak_src = devices.peak_flops(self.device, t.precision)
+        tokens_per_step = t.global_batch * t.seq_len
+        flops_per_token = m.flops_per_token(t.seq_len)
+        log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
+        first_loss = last_loss = val_loss = float("nan")
+        window_t0, window_steps = time.perf_counter(), 0
+        for step in range(1, t.steps + 1):
+            result = self.train_step(step)
+            window_steps += 1
+            last_loss = result.loss
+            if step == 1:
+                first_loss = result.loss
+            do_eval = t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps)
+            if step == 1 or step % t.log_every == 0 or step == t.steps or do_eval:
+                devices.synchronize(self.device)
+                elapsed = time.perf_counter() - window_t0
+                tps = tokens_per_step * window_steps / elapsed
+                record: dict[str, Any] = {
+                    "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                    "tokens_per_s": tps,
+                    "mfu": flops_per_token * tps / (peak * self.topo.world_size),
+                    "mem_bytes": devices.memory_bytes(self.device),
+                    "step_time_s": elapsed / window_steps,
+                }
+                if do_eval:
+                    val_loss = self.evaluate()
+                    record["val_loss"] = val_loss
+                log.step(record)
+                window_t0, window_steps = time.perf_counter(), 0
+            else:
+                log.step(None)
+        log.close()
+        summary = {"first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
+                   "steps": t.steps, "layout": self.layout_name(), "params": m.num_params()}
+        if self.is_logger:
+            plot = log.plot()
+            text = self.sample_text()
+            atomic_write_text(self.run_dir / "sample.txt", text)
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+            log.write(f"--- sample ---\n{text}\n--------------")
+            log.write(f"loss {first_loss:.4f} (step 1) -> {last_loss:.4f} (step {t.steps}), "
+                      f"validation {val_loss:.4f}; run dir {self.run_dir} (metrics.jsonl, {plot and plot.name}, "
+                      "tensorboard/, sample.txt)")
+        return summary
+
+    def sample_text(self, prompt: str = "def ") -> str:
+        tokens = sample(self.model, encode_bytes(prompt).tolist(), self.cfg.train.sample_tokens,
+                        self.cfg.model.max_seq_len, seed=self.cfg.train.seed)
+        return decode_bytes(tokens)
+
+    def layout_name(self) -> str:
+        p = self.cfg.parallel
+        return f"dp{p.dp} tp{p.tp} pp{p.pp} cp{p.cp} zero{p.zero_stage}"
+
+    def describe(self) -> str:
+        t, m = self.cfg.train, self.cfg.model
+        return (f"hybridpar: model {m.preset} ({m.num_params() / 1e6:.2f}M params), layout {self.layout_name()} "
+                f"on {self.topo.world_size} x {self.device.type}, {t.steps} steps x {t.global_batch} seqs x "
+                f"{t.seq_len} tokens, micro-batch {t.micro_batch}, {t.precision}")
+
+    def _prepare_run_dir(self) -> None:
+        """Start a fresh run directory; a previous run there is kept as ``<run_dir>.prev``."""
+        if self.run_dir.exists() and any(self.run_dir.iterdir()):
+            prev = self.run_dir.with_name(self.run_dir.name + ".prev")
+            shutil.rmtree(prev, ignore_errors=True)
+            self.run_dir.rename(prev)
+            print(f"hybridpar: moved the previous run in {self.run_dir} to {prev}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n")
