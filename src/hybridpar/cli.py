@@ -72,12 +72,17 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 
 def _run_worker(cfg) -> int:
-    from hybridpar.distributed.mesh import ParallelDims, destroy_distributed, init_distributed
+    from hybridpar.distributed.mesh import (
+        ParallelDims,
+        backend_for,
+        destroy_distributed,
+        init_distributed,
+    )
     from hybridpar.training import device as devices
     from hybridpar.training.trainer import Trainer
 
     device = devices.pick_device(cfg.train.device, devices.local_rank())
-    init_distributed(backend=devices.backend_for(device))
+    init_distributed(backend=backend_for(device.type))
     try:
         topo = ParallelDims.from_config(cfg.parallel).build(device.type)
         Trainer(cfg, topo, device).fit()

@@ -34,11 +34,6 @@ def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def backend_for(device: torch.device) -> str:
-    """The process-group backend for a device type: NCCL on GPUs, gloo elsewhere."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work so wall-clock timings mean something."""
     if device.type == "cuda":

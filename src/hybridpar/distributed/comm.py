@@ -1,0 +1,309 @@
+"""Every collective and point-to-point call of the library, with traffic accounting.
+
+This is the only module that calls ``torch.distributed`` communication functions. Each call is
+issued on one :class:`~hybridpar.distributed.mesh.Axis` (a process group of the mesh) and recorded
+in a per-rank :class:`CommCounter` as ``(op, axis name, payload bytes)``:
+
+* payload bytes = ``numel * element_size`` of the tensor this rank contributes: the whole tensor
+  for all-reduce, broadcast, send and recv; the local shard for all-gather; the full input for
+  reduce-scatter; 0 for a barrier;
+* wire bytes = what this rank sends under the bandwidth-optimal ring algorithms (NCCL's model),
+  see :func:`wire_bytes`. This is the number to compare layouts with: ZeRO-3 (two all-gathers and
+  one reduce-scatter) moves exactly 1.5x the wire bytes of one all-reduce.
+
+Calls on a size-1 axis return at once and record nothing: a size-1 axis costs nothing.
+
+The counter also keeps a flight recorder: the last 64 ops with a per-rank sequence number and
+whether each completed, so a hang report can show where each rank stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from hybridpar.distributed.mesh import Axis
+
+ReduceName = Literal["sum", "avg", "max"]
+
+# torch 2.13 renamed the flat-tensor collectives; older versions only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Op(enum.StrEnum):
+    """The communication operations the counter knows."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+    SEND = "send"
+    RECV = "recv"
+    BARRIER = "barrier"
+
+
+def wire_bytes(op: Op | str, nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends for ``op`` with payload ``nbytes`` in a group of ``group_size``,
+    under ring algorithms: all-reduce 2(n-1)/n B, all-gather (n-1) B (B = local shard),
+    reduce-scatter (n-1)/n B (B = full input), broadcast/send B, recv and barrier 0.
+
+    (Gloo implements reduce-scatter as all-reduce + slice, so on CPU it really moves twice
+    this; the model counts what the algorithm needs, which is what NCCL sends.)
+    """
+    op, n = Op(op), group_size
+    if n <= 1:
+        return 0
+    if op is Op.ALL_REDUCE:
+        return 2 * (n - 1) * nbytes // n
+    if op is Op.ALL_GATHER:
+        return (n - 1) * nbytes
+    if op is Op.REDUCE_SCATTER:
+        return (n - 1) * nbytes // n
+    if op in (Op.BROADCAST, Op.SEND):
+        return nbytes
+    return 0
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One entry of the flight recorder. ``done`` turns true when the call returned."""
+
+    seq: int
+    op: Op
+    axis: str
+    nbytes: int
+    peer: int | None = None
+    done: bool = False
+
+    def __str__(self) -> str:
+        peer = f" peer={self.peer}" if self.peer is not None else ""
+        state = "done" if self.done else "IN FLIGHT"
+        return f"#{self.seq} {self.op}/{self.axis}{peer} {self.nbytes} B {state}"
+
+
+class CommCounter:
+    """Per-rank traffic totals keyed by (op, axis), plus a ring of the most recent ops."""
+
+    def __init__(self, history: int = 64) -> None:
+        self._totals: dict[tuple[Op, str], list[int]] = {}  # -> [calls, bytes, wire bytes]
+        self._recent: deque[OpRecord] = deque(maxlen=history)
+        self._seq = 0
+
+    def record(self, op: Op | str, axis: str, nbytes: int, *, peer: int | None = None,
+               wire: int | None = None) -> OpRecord:
+        """Count one call of ``op`` on ``axis`` moving ``nbytes`` of payload (``wire`` bytes on
+        the wire, default ``nbytes``) and append it to the flight recorder."""
+        op = Op(op)
+        entry = self._totals.setdefault((op, axis), [0, 0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+        entry[2] += nbytes if wire is None else wire
+        rec = OpRecord(self._seq, op, axis, nbytes, peer)
+        self._seq += 1
+        self._recent.append(rec)
+        return rec
+
+    def reset(self) -> None:
+        """Zero the traffic totals. The flight recorder and its sequence numbers keep running,
+        so sequence numbers stay comparable across ranks in a hang report."""
+        self._totals.clear()
+
+    def _sum(self, column: int, op: Op | str | None, axis: str | None) -> int:
+        want = None if op is None else Op(op)
+        return sum(v[column] for (o, a), v in self._totals.items()
+                   if (want is None or o is want) and (axis is None or a == axis))
+
+    def calls(self, op: Op | str | None = None, axis: str | None = None) -> int:
+        """Number of recorded calls, optionally only of one op and/or one axis."""
+        return self._sum(0, op, axis)
+
+    def bytes(self, op: Op | str | None = None, axis: str | None = None) -> int:
+        """Payload bytes this rank contributed, optionally only of one op and/or one axis."""
+        return self._sum(1, op, axis)
+
+    def wire_bytes(self, op: Op | str | None = None, axis: str | None = None) -> int:
+        """Bytes this rank sent under the ring model (see :func:`wire_bytes`)."""
+        return self._sum(2, op, axis)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{"all_reduce/dp": {"calls": n, "bytes": b, "wire_bytes": w}, ...}``, sorted."""
+        return {f"{op}/{axis}": {"calls": c, "bytes": b, "wire_bytes": w}
+                for (op, axis), (c, b, w) in sorted(self._totals.items())}
+
+    def recent(self) -> list[OpRecord]:
+        """The flight recorder, oldest first (at most ``history`` entries)."""
+        return list(self._recent)
+
+
+class Pending:
+    """Outstanding point-to-point transfers from :meth:`Comm.batch_p2p`; ``wait()`` them."""
+
+    def __init__(self, works: Sequence[dist.Work] = (), records: Sequence[OpRecord] = ()) -> None:
+        self._works = list(works)
+        self._records = list(records)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        for rec in self._records:
+            rec.done = True
+        self._works.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _reduce_op(op: str, t: torch.Tensor) -> dist.ReduceOp:
+    """The backend reduction for ``op``. ``avg`` is SUM followed by a division (gloo has no AVG;
+    one code path keeps CPU and GPU results identical)."""
+    if op == "max":
+        return dist.ReduceOp.MAX
+    if op in ("sum", "avg"):
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(f"op='avg' needs a floating-point tensor, got {t.dtype}")
+        return dist.ReduceOp.SUM
+    raise ValueError(f"unknown reduction op={op!r}; use 'sum', 'avg' or 'max'")
+
+
+class Comm:
+    """Issues collectives and p2p on mesh axes and records their traffic in ``self.counter``."""
+
+    def __init__(self, counter: CommCounter | None = None) -> None:
+        self.counter = counter if counter is not None else CommCounter()
+
+    def _record(self, op: Op, axis: Axis, nbytes: int, peer: int | None = None) -> OpRecord:
+        return self.counter.record(op, axis.name, nbytes, peer=peer,
+                                   wire=wire_bytes(op, nbytes, axis.size))
+
+    def all_reduce(self, t: torch.Tensor, axis: Axis, op: ReduceName = "sum") -> torch.Tensor:
+        """In place: every rank of ``axis`` ends with the elementwise sum / mean / max of ``t``
+        over the group. Returns ``t``."""
+        if axis.size == 1:
+            return t
+        red = _reduce_op(op, t)
+        rec = self._record(Op.ALL_REDUCE, axis, _nbytes(t))
+        dist.all_reduce(t, op=red, group=axis.group)
+        if op == "avg":
+            t.div_(axis.size)
+        rec.done = True
+        return t
+
+    def all_gather(self, t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
+        """The shards ``t`` of all ranks of ``axis``, concatenated along ``dim`` in local-rank
+        order (same shape on every rank). Returns ``t`` itself on a size-1 axis."""
+        if axis.size == 1:
+            return t
+        n, dim = axis.size, dim % t.dim()
+        rec = self._record(Op.ALL_GATHER, axis, _nbytes(t))
+        flat = t.new_empty((n * t.numel(),))
+        _all_gather_flat(flat, t.contiguous().view(-1), group=axis.group)
+        out = flat.view(n, *t.shape)  # stacked in rank order; concatenate along dim
+        out = out.movedim(0, dim).reshape(*t.shape[:dim], n * t.shape[dim], *t.shape[dim + 1:])
+        rec.done = True
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, axis: Axis, dim: int = 0,
+                       op: Literal["sum", "avg"] = "sum") -> torch.Tensor:
+        """Reduce ``t`` (same shape on every rank) over ``axis`` and return this rank's chunk:
+        ``reduce(t).chunk(axis.size, dim)[axis.rank]``. ``t.shape[dim]`` must divide evenly.
+        Returns ``t`` itself on a size-1 axis."""
+        if axis.size == 1:
+            return t
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter op={op!r}; use 'sum' or 'avg'")
+        n, dim = axis.size, dim % t.dim()
+        if t.shape[dim] % n:
+            raise ValueError(f"reduce_scatter: size {t.shape[dim]} of dim {dim} is not divisible by "
+                             f"{axis.name} size {n}; pad the tensor to a multiple of {n}")
+        red = _reduce_op(op, t)
+        rec = self._record(Op.REDUCE_SCATTER, axis, _nbytes(t))
+        # Lay the n chunks out one after another in memory, so chunk k is contiguous block k.
+        chunks = torch.stack(t.chunk(n, dim)) if dim else t.contiguous()
+        out = t.new_empty(t.chunk(n, dim)[0].shape)
+        _reduce_scatter_flat(out.view(-1), chunks.view(-1), op=red, group=axis.group)
+        if op == "avg":
+            out.div_(n)
+        rec.done = True
+        return out
+
+    def broadcast(self, t: torch.Tensor, axis: Axis, src: int) -> torch.Tensor:
+        """In place: every rank of ``axis`` gets the ``t`` of local rank ``src``. Returns ``t``."""
+        if axis.size == 1:
+            return t
+        rec = self._record(Op.BROADCAST, axis, _nbytes(t), peer=axis.global_rank(src))
+        dist.broadcast(t, src=axis.global_rank(src), group=axis.group)
+        rec.done = True
+        return t
+
+    def _check_peer(self, peer: int, axis: Axis) -> None:
+        if peer not in axis.ranks or peer == axis.global_rank(axis.rank):
+            raise ValueError(f"peer {peer} is not another rank of the {axis.name} group {list(axis.ranks)}")
+
+    def send(self, t: torch.Tensor, peer: int, axis: Axis) -> None:
+        """Blocking send of ``t`` to global rank ``peer`` (a rank of this ``axis`` group)."""
+        if axis.size == 1:
+            return
+        self._check_peer(peer, axis)
+        rec = self._record(Op.SEND, axis, _nbytes(t), peer=peer)
+        dist.send(t.contiguous(), dst=peer, group=axis.group)
+        rec.done = True
+
+    def recv(self, t: torch.Tensor, peer: int, axis: Axis) -> torch.Tensor:
+        """Blocking receive into contiguous ``t`` from global rank ``peer``. Returns ``t``."""
+        if axis.size == 1:
+            return t
+        self._check_peer(peer, axis)
+        if not t.is_contiguous():
+            raise ValueError("recv needs a contiguous buffer")
+        rec = self._record(Op.RECV, axis, _nbytes(t), peer=peer)
+        dist.recv(t, src=peer, group=axis.group)
+        rec.done = True
+        return t
+
+    def batch_p2p(self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor, int]],
+                  axis: Axis, *, wait: bool = True) -> Pending:
+        """Post all ``(kind, tensor, peer global rank)`` sends and receives at once (no ordering
+        deadlocks, e.g. a ring exchange). With ``wait=False`` the caller waits on the result."""
+        if axis.size == 1 or not ops:
+            return Pending()
+        p2p, records = [], []
+        for kind, t, peer in ops:
+            self._check_peer(peer, axis)
+            if kind == "send":
+                fn, op = dist.isend, Op.SEND
+                t = t.contiguous()
+            elif kind == "recv":
+                fn, op = dist.irecv, Op.RECV
+                if not t.is_contiguous():
+                    raise ValueError("recv needs a contiguous buffer")
+            else:
+                raise ValueError(f"batch_p2p kind {kind!r}; use 'send' or 'recv'")
+            records.append(self._record(op, axis, _nbytes(t), peer=peer))
+            p2p.append(dist.P2POp(fn, t, peer=peer, group=axis.group))
+        pending = Pending(dist.batch_isend_irecv(p2p), records)
+        if wait:
+            pending.wait()
+        return pending
+
+    def barrier(self, axis: Axis | None = None) -> None:
+        """Wait until every rank of ``axis`` (all ranks when None) gets here."""
+        if axis is None:
+            if not dist.is_initialized() or dist.get_world_size() == 1:
+                return
+            rec = self.counter.record(Op.BARRIER, "world", 0)
+            dist.barrier()
+        else:
+            if axis.size == 1:
+                return
+            rec = self._record(Op.BARRIER, axis, 0)
+            dist.barrier(group=axis.group)
+        rec.done = True

@@ -1,0 +1,257 @@
+"""The parallel layout as a device mesh: which ranks share each axis.
+
+Axes are ordered ``("pp", "dp", "cp", "tp")`` with tp innermost: consecutive global ranks form a
+tensor-parallel group (the fastest links), pipeline stages are the furthest apart. Rank ``r`` has
+coordinates ``unravel(r, shape=(pp, dp, cp, tp))``, exactly like ``torch.arange(world).view(shape)``
+which :func:`~torch.distributed.device_mesh.init_device_mesh` uses.
+
+:class:`ParallelDims` is pure arithmetic; :meth:`ParallelDims.build` makes the :class:`Topology`
+that library code receives explicitly (there is no module-level process-group state). At world
+size 1 the topology never touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.config import ParallelConfig
+from hybridpar.distributed.comm import Comm
+
+AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the four mesh axes; world size = dp * tp * pp * cp."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in AXES:
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"ParallelDims.{name} = {size!r} must be an integer >= 1")
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig) -> ParallelDims:
+        return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Axis sizes in :data:`AXES` order: ``(pp, dp, cp, tp)``."""
+        return tuple(getattr(self, name) for name in AXES)
+
+    def size(self, axis: str) -> int:
+        _check_axis(axis)
+        return getattr(self, axis)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"pp": i, "dp": j, "cp": k, "tp": l}`` of global ``rank`` (tp varies fastest)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        out: dict[str, int] = {}
+        for name, size in reversed(list(zip(AXES, self.shape, strict=True))):
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name in AXES}
+
+    def rank_of(self, **coords: int) -> int:
+        """Global rank at the given coordinates; axes left out count as 0."""
+        unknown = set(coords) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
+        rank = 0
+        for name, size in zip(AXES, self.shape, strict=True):
+            c = coords.get(name, 0)
+            if not 0 <= c < size:
+                raise ValueError(f"{name} coordinate {c} is outside 0..{size - 1}")
+            rank = rank * size + c
+        return rank
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group along ``axis``, each in local-rank order; groups are
+        ordered by the other coordinates (row-major in :data:`AXES` order)."""
+        _check_axis(axis)
+        others = [name for name in AXES if name != axis]
+        return [[self.rank_of(**dict(zip(others, combo, strict=True)), **{axis: k})
+                 for k in range(self.size(axis))]
+                for combo in itertools.product(*(range(self.size(n)) for n in others))]
+
+    def build(self, device_type: str = "cpu") -> Topology:
+        """The :class:`Topology` of this process (collective when world size > 1)."""
+        return Topology(self, device_type)
+
+
+def _check_axis(axis: str) -> None:
+    if axis not in AXES:
+        raise ValueError(f"unknown axis {axis!r}; axes are {AXES}")
+
+
+@dataclass(frozen=True, eq=False)
+class Axis:
+    """This rank's view of one mesh axis: its group and its place in it."""
+
+    name: str
+    size: int
+    rank: int  # local rank on this axis
+    ranks: tuple[int, ...]  # global ranks of this rank's group, indexed by local rank
+    group: dist.ProcessGroup | None  # None when size == 1 (or world size 1)
+    comm: Comm = field(repr=False)
+
+    def global_rank(self, local: int) -> int:
+        """Global rank of local rank ``local`` (taken modulo the axis size)."""
+        return self.ranks[local % self.size]
+
+    def peer(self, offset: int) -> int:
+        """Global rank ``offset`` steps along the ring of this axis (+1 next, -1 previous)."""
+        return self.global_rank(self.rank + offset)
+
+
+class Topology:
+    """One process's place in the mesh: its rank, device, per-axis groups and traffic counter.
+
+    Build it once (``ParallelDims.build``) and pass it in. ``topo.tp``, ``topo.dp``, ``topo.pp``,
+    ``topo.cp`` (or ``topo.axis(name)``) are :class:`Axis` objects; ``topo.world`` spans all
+    ranks. ``close()`` (or a ``with`` block) frees the process groups it created.
+    """
+
+    def __init__(self, dims: ParallelDims, device_type: str = "cpu", comm: Comm | None = None) -> None:
+        self.dims = dims
+        self.world_size = dims.world_size
+        self.comm = comm if comm is not None else Comm()
+        self.device = _device(device_type)
+        self.mesh = None
+        groups: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES)
+        world_group = None
+        if self.world_size == 1:
+            self.rank = 0
+        else:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    f"layout {_describe(dims)} needs {self.world_size} processes but torch.distributed "
+                    f"is not initialized; launch with torchrun --nproc-per-node {self.world_size} and "
+                    "call hybridpar.distributed.mesh.init_distributed() first")
+            if dist.get_world_size() != self.world_size:
+                raise ValueError(
+                    f"world size {dist.get_world_size()} != dp * tp * pp * cp = {dims.dp} * {dims.tp} * "
+                    f"{dims.pp} * {dims.cp} = {self.world_size}; launch {self.world_size} processes "
+                    f"(torchrun --nproc-per-node {self.world_size}) or change the layout")
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.rank = dist.get_rank()
+            self.mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+            world_group = dist.group.WORLD
+            for name in AXES:
+                if dims.size(name) > 1:
+                    groups[name] = self.mesh.get_group(name)
+        self.coords = dims.coords(self.rank)
+        self._axes: dict[str, Axis] = {}
+        for name in AXES:
+            ranks = next(g for g in dims.group_ranks(name) if self.rank in g)
+            group = groups[name]
+            if group is not None and dist.get_process_group_ranks(group) != ranks:
+                raise RuntimeError(f"device mesh {name} group {dist.get_process_group_ranks(group)} "
+                                   f"!= expected {ranks}: mesh layout and ParallelDims disagree")
+            self._axes[name] = Axis(name, dims.size(name), self.coords[name], tuple(ranks), group,
+                                    self.comm)
+        self.world = Axis("world", self.world_size, self.rank, tuple(range(self.world_size)),
+                          world_group, self.comm)
+
+    def axis(self, name: str) -> Axis:
+        _check_axis(name)
+        return self._axes[name]
+
+    @property
+    def pp(self) -> Axis:
+        return self._axes["pp"]
+
+    @property
+    def dp(self) -> Axis:
+        return self._axes["dp"]
+
+    @property
+    def cp(self) -> Axis:
+        return self._axes["cp"]
+
+    @property
+    def tp(self) -> Axis:
+        return self._axes["tp"]
+
+    def close(self) -> None:
+        """Destroy the process groups the mesh created (not the default group). Collective-free;
+        the topology must not be used afterwards."""
+        if self.mesh is None:
+            return
+        if dist.is_initialized():
+            world = dist.group.WORLD
+            for group in self.mesh.get_all_groups():
+                if group is not world:
+                    dist.destroy_process_group(group)
+        self.mesh = None
+
+    def __enter__(self) -> Topology:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        coords = " ".join(f"{k}={v}" for k, v in self.coords.items())
+        return f"Topology(rank={self.rank}/{self.world_size}, {_describe(self.dims)}, coords: {coords})"
+
+
+def _describe(dims: ParallelDims) -> str:
+    return " ".join(f"{name}={size}" for name, size in zip(AXES, dims.shape, strict=True))
+
+
+def _device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def backend_for(device_type: str) -> str:
+    """The process-group backend for a device type: nccl for cuda, gloo otherwise."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 300) -> tuple[int, int]:
+    """Initialize torch.distributed when launched by torchrun (RANK and WORLD_SIZE set) and
+    return ``(rank, world_size)``; ``(0, 1)`` without a launcher. Idempotent.
+
+    ``backend`` defaults to nccl when a CUDA accelerator is present, gloo otherwise (pass
+    ``backend_for("cpu")`` to train on CPU on a GPU machine).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    if not dist.is_available():
+        raise RuntimeError("launched by torchrun but this torch build has no torch.distributed")
+    if backend is None:
+        accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        backend = backend_for(accel.type if accel is not None else "cpu")
+    if backend == "nccl":  # one GPU per local rank; set_device_idx is the torch 2.6 name
+        acc = torch.accelerator
+        set_index = getattr(acc, "set_device_index", None) or acc.set_device_idx
+        set_index(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if one exists."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
