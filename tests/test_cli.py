@@ -1,0 +1,69 @@
+"""The command line: overrides, errors before launch, and --nproc through torch's launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybridpar.cli import main
+
+BASE = [
+    "--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+    "--model.ffn_hidden", "64", "--model.max_seq_len", "64", "--train.seq_len", "32",
+    "--train.global_batch", "4", "--train.micro_batch", "2",
+    "--train.log_every", "1", "--train.eval_every", "0", "--train.sample_tokens", "8",
+]
+TINY = [*BASE, "--train.steps", "4"]
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_in_process(tmp_path):
+    assert main(["train", *TINY, "--train.run_dir", str(tmp_path / "r")]) == 0
+    assert len(losses(tmp_path / "r")) == 4
+
+
+def test_config_file_and_override(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[train]\nsteps = 2\nlog_every = 5\nrun_dir = "{tmp_path / "r"}"\n')
+    assert main(["train", "--config", str(cfg), *BASE]) == 0  # BASE overrides log_every to 1
+    assert len(losses(tmp_path / "r")) == 2
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--parallel.dp", "2", "--nproc", "3"], "world size 3 != dp * tp * pp * cp = 2 * 1 * 1 * 1 = 2"),
+        (["--parallel.tp", "3"], "n_heads = 4 is not divisible by parallel.tp = 3"),
+        (["--train.stepz", "1"], "unknown config key train.stepz"),
+    ],
+)
+def test_bad_input_is_one_line_before_launch(tmp_path, capsys, args, needle):
+    run = tmp_path / "r"
+    assert main(["train", *TINY, "--train.run_dir", str(run), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+    assert not run.exists()  # nothing was started
+
+
+def test_nproc_with_external_launcher_is_rejected(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["train", *TINY, "--nproc", "1", "--train.run_dir", str(tmp_path / "r")]) == 2
+    assert "--nproc cannot be combined with an external torchrun" in capsys.readouterr().err
+
+
+def test_nproc_launches_data_parallel_that_matches_one_process(tmp_path):
+    """`hybridpar train --nproc 2 --parallel.dp 2` through torch.distributed.run: same losses."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, extra in (("one", []), ("two", ["--nproc", "2", "--parallel.dp", "2"])):
+        cmd = [sys.executable, "-m", "hybridpar.cli", "train", *TINY, "--train.run_dir", str(tmp_path / name), *extra]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
