@@ -123,23 +123,49 @@ def _train_worker(rank: int, world: int, tmp: str, steps: int, extra: list[str])
         losses = [trainer.train_step(s).loss for s in range(1, steps + 1)]
         val = trainer.evaluate()
         return {"losses": losses, "val": val, "state": trainer.model.state_dict(),
+                "buckets": len(trainer.reducer.buckets),
                 "traffic": topo.comm.counter.snapshot()}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_data_parallel_matches_one_process(tmp_path, dist_run, world):
-    """Same global sample ids, so dp=N reproduces dp=1 losses and weights to fp32 tolerance."""
+@pytest.mark.parametrize("world, bucket_mb", [(2, 25.0), (4, 0.01)])
+def test_data_parallel_matches_one_process(tmp_path, dist_run, world, bucket_mb):
+    """Same global sample ids, so dp=N reproduces dp=1 losses and weights; tolerance 1e-5
+    relative (fp32; only the summation order of the gradient average differs)."""
     steps = 3
-    ref = _train_worker(0, 1, str(tmp_path), steps, [])
-    results = dist_run(world, _train_worker, str(tmp_path), steps, [])
+    extra = ["--parallel.bucket_mb", str(bucket_mb)]
+    ref = _train_worker(0, 1, str(tmp_path), steps, extra)
+    results = dist_run(world, _train_worker, str(tmp_path), steps, extra)
     n_params = sum(v.numel() for v in ref["state"].values())
     for r in results:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert r["val"] == pytest.approx(ref["val"], rel=1e-5)
         for k, v in r["state"].items():
             torch.testing.assert_close(v, ref["state"][k], rtol=1e-5, atol=1e-6)
-        # per step: one flat gradient all-reduce of every parameter, one scalar for the loss;
-        # one scalar for the validation loss
+        # per step: every parameter's fp32 gradient once (in buckets) and one scalar for the
+        # logged loss; plus one scalar for the validation loss
+        buckets = r["buckets"]
+        assert (buckets > 1) == (bucket_mb < 1)
         dp = r["traffic"]["all_reduce/dp"]
-        assert dp["calls"] == 2 * steps + 1
+        assert dp["calls"] == steps * (buckets + 1) + 1
         assert dp["bytes"] == steps * 4 * (n_params + 1) + 4
+
+
+def _overlap_worker(rank: int, world: int, tmp: str) -> tuple[int, int]:
+    cfg = load_config(None, [*SMALL, "--train.run_dir", tmp, "--parallel.dp", str(world),
+                             "--parallel.bucket_mb", "0.01"])
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        x, y = trainer.micro_batches(1, cfg.train.global_batch, trainer.train_data)[0]
+        with trainer.reducer.no_sync():
+            trainer.forward_backward_step(x, y, 1.0)
+        during_no_sync = topo.comm.counter.calls()
+        trainer.forward_backward_step(x, y, 1.0)
+        during_backward = topo.comm.counter.calls()  # before finish(): started by the hooks
+        trainer.reducer.finish()
+        return during_no_sync, during_backward
+
+
+def test_buckets_reduce_during_backward_and_not_under_no_sync(tmp_path, dist_run):
+    for no_sync_calls, backward_calls in dist_run(2, _overlap_worker, str(tmp_path)):
+        assert no_sync_calls == 0
+        assert backward_calls > 1  # several buckets already in flight when backward returns

@@ -11,8 +11,10 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from hybridpar.config import ConfigError, load_config, validate
+from hybridpar.config import Config, ConfigError, load_config, validate
+from hybridpar.errors import UserError
 
 LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -29,6 +31,8 @@ def _train_parser() -> argparse.ArgumentParser:
         "e.g. --train.steps 50 --parallel.dp 2.",
     )
     p.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="continue from the latest complete checkpoint in train.run_dir, or from CHECKPOINT")
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes to launch (default: the layout's world size dp*tp*pp*cp)")
     return p
@@ -41,15 +45,13 @@ def cmd_train(argv: list[str]) -> int:
         if args.nproc is not None:
             raise ConfigError("--nproc cannot be combined with an external torchrun launch; "
                               "drop --nproc and set the process count with torchrun --nproc-per-node")
-        world = int(os.environ["WORLD_SIZE"])
-        validate(cfg, world_size=world)
-        return _run_worker(cfg)
+        return _run_worker(cfg, _preflight(cfg, int(os.environ["WORLD_SIZE"]), args.resume))
     nproc = args.nproc if args.nproc is not None else cfg.parallel.world_size
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
-    validate(cfg, world_size=nproc)
+    resume = _preflight(cfg, nproc, args.resume)
     if nproc == 1:
-        return _run_worker(cfg)
+        return _run_worker(cfg, resume)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
               "-m", "hybridpar.cli", "train", *[a for a in _strip_nproc(argv)]]
     print(f"hybridpar: launching {nproc} local processes: {' '.join(launch[1:])}", flush=True)
@@ -71,7 +73,22 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _run_worker(cfg) -> int:
+def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
+    """Every check that needs no process group: layout for this world size, the checkpoint to
+    resume, the shape of ``train.init_from``. Returns the checkpoint path to resume from."""
+    validate(cfg, world_size=world_size)
+    if cfg.train.init_from and resume is None:
+        from hybridpar.models.hf import check_same_shape, model_config_from_hf
+
+        check_same_shape(model_config_from_hf(cfg.train.init_from), cfg.model, cfg.train.init_from)
+    if resume is None:
+        return None
+    from hybridpar.training.checkpoint import resolve_resume
+
+    return resolve_resume(resume, Path(cfg.train.run_dir))
+
+
+def _run_worker(cfg: Config, resume: Path | None = None) -> int:
     from hybridpar.distributed.mesh import (
         ParallelDims,
         backend_for,
@@ -85,13 +102,25 @@ def _run_worker(cfg) -> int:
     init_distributed(backend=backend_for(device.type))
     try:
         topo = ParallelDims.from_config(cfg.parallel).build(device.type)
-        Trainer(cfg, topo, device).fit()
+        Trainer(cfg, topo, device).fit(resume)
     finally:
         destroy_distributed()
     return 0
 
 
-COMMANDS = {"train": cmd_train}
+def cmd_convert(argv: list[str]) -> int:
+    from hybridpar.models.hf import cmd_convert as convert  # torch/safetensors only when used
+
+    return convert(argv)
+
+
+def cmd_prepare(argv: list[str]) -> int:
+    from hybridpar.data.prepare import cmd_prepare as prepare
+
+    return prepare(argv)
+
+
+COMMANDS = {"train": cmd_train, "convert": cmd_convert, "prepare": cmd_prepare}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,15 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["train"]
     if argv[0] in ("-h", "--help"):
-        print("usage: hybridpar {train} [options]\n\n  train   train a model (hybridpar train --help)")
+        print("usage: hybridpar {train,convert,prepare} [options]\n\n  train   train a model (hybridpar train --help)\n"
+              "  convert export a checkpoint as Hugging Face weights (hybridpar convert --help)\n"
+              "  prepare tokenize text files into a dataset for --train.data (hybridpar prepare --help)")
         return 0
     if argv[0] not in COMMANDS:
         print(f"hybridpar: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except ConfigError as e:
-        print(f"hybridpar: config error: {e}", file=sys.stderr)
+    except UserError as e:
+        print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from hybridpar.errors import UserError
+
 Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
 Recompute = Literal["none", "selective", "full"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config value is wrong; the message names the key, the value and the fix."""
 
 
@@ -108,6 +110,7 @@ class ParallelConfig:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Recompute = "none"
+    bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
 
     @property
     def world_size(self) -> int:
@@ -140,6 +143,7 @@ class TrainConfig:
     data: str = "builtin"
     sample_tokens: int = 200
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    init_from: str = ""  # a Hugging Face Llama directory to start from; "" = random init from seed
 
     @property
     def grad_accum(self) -> int:
@@ -230,6 +234,26 @@ def _apply(cfg: Config, section: str, values: dict[str, Any], from_cli: bool = F
         setattr(target, key, _coerce(f"{section}.{key}", value, hints[key], from_cli))
 
 
+def _apply_sections(cfg: Config, data: dict[str, Any], source: str) -> None:
+    for section in data:
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown config section [{section}] in {source}; known sections: {sorted(_SECTIONS)}")
+    for section in ("model", "parallel", "train"):  # model first: its preset resets the shape
+        if section in data:
+            if not isinstance(data[section], dict):
+                raise ConfigError(f"{section} in {source} must be a [table]")
+            _apply(cfg, section, data[section])
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
+    """A validated Config from ``{"model": {...}, "parallel": {...}, "train": {...}}`` (e.g. a
+    checkpoint's config.json), with the same key and type checks as a TOML file."""
+    cfg = Config()
+    _apply_sections(cfg, data, source)
+    validate(cfg)
+    return cfg
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file, then ``--section.key value`` overrides, then :func:`validate`
     of everything that does not need the world size."""
@@ -242,14 +266,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-        for section in ("model", "parallel", "train"):  # model first: its preset resets the shape
-            if section in data:
-                if not isinstance(data[section], dict):
-                    raise ConfigError(f"{section} in {path} must be a [table]")
-                _apply(cfg, section, data[section])
-        for section in data:
-            if section not in _SECTIONS:
-                raise ConfigError(f"unknown config section [{section}] in {path}; known sections: {sorted(_SECTIONS)}")
+        _apply_sections(cfg, data, str(path))
     pairs = parse_overrides(overrides or [])
     presets = [(k, v) for k, v in pairs if k == "model.preset"]
     for key, value in presets + [(k, v) for k, v in pairs if k != "model.preset"]:
@@ -306,6 +323,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for key in ("dp", "tp", "pp", "cp", "virtual_stages"):
         need(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be >= 1")
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
+    need(p.bucket_mb > 0, f"parallel.bucket_mb = {p.bucket_mb} must be > 0")
     need(p.microbatches >= 0, f"parallel.microbatches = {p.microbatches} must be >= 0 (0 = automatic)")
 
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):

@@ -144,7 +144,7 @@ class CommCounter:
 
 
 class Pending:
-    """Outstanding point-to-point transfers from :meth:`Comm.batch_p2p`; ``wait()`` them."""
+    """Outstanding transfers (:meth:`Comm.batch_p2p`, :meth:`Comm.all_reduce_async`); ``wait()`` them."""
 
     def __init__(self, works: Sequence[dist.Work] = (), records: Sequence[OpRecord] = ()) -> None:
         self._works = list(works)
@@ -196,6 +196,15 @@ class Comm:
             t.div_(axis.size)
         rec.done = True
         return t
+
+    def all_reduce_async(self, t: torch.Tensor, axis: Axis) -> Pending:
+        """Start an in-place sum of ``t`` over ``axis`` and return at once; ``wait()`` the result
+        before reading ``t``. Lets gradient buckets reduce while backward keeps computing."""
+        if axis.size == 1:
+            return Pending()
+        rec = self._record(Op.ALL_REDUCE, axis, _nbytes(t))
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+        return Pending([work], [rec])
 
     def all_gather(self, t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
         """The shards ``t`` of all ranks of ``axis``, concatenated along ``dim`` in local-rank

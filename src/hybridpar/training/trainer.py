@@ -21,10 +21,13 @@ import torch.nn.functional as F
 from hybridpar.config import Config
 from hybridpar.data.corpus import WindowSampler, decode_bytes, encode_bytes, load_tokens
 from hybridpar.distributed.mesh import Topology
+from hybridpar.models.hf import init_from_hf
 from hybridpar.models.llama import Llama
+from hybridpar.parallel.data import GradientReducer
+from hybridpar.training import checkpoint
 from hybridpar.training import device as devices
 from hybridpar.training.generate import sample
-from hybridpar.training.metrics import MetricsLogger, atomic_write_text
+from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
 from hybridpar.training.optim import build_optimizer, clip_by_total_norm, grad_norm_sq, lr_at
 
 
@@ -50,9 +53,13 @@ class Trainer:
         self.train_data = WindowSampler(data.train, t.seq_len, t.seed)
         self.val_data = WindowSampler(data.val, t.seq_len, t.seed + 1)
         self.model = Llama(cfg.model).to(self.device)
-        self.model.init_weights(t.seed)
+        if t.init_from:  # checks the weights' shape against cfg.model, then loads them (strict)
+            init_from_hf(self.model, t.init_from)
+        else:
+            self.model.init_weights(t.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, t)
+        self.reducer = GradientReducer(self.params, topo.dp, int(cfg.parallel.bucket_mb * 2**20))
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
 
@@ -88,19 +95,6 @@ class Trainer:
         (loss * scale).backward()
         return loss.detach()
 
-    def reduce_gradients(self) -> None:
-        """Average gradients over the data-parallel axis in one flat all-reduce."""
-        dp = self.topo.dp
-        if dp.size == 1:
-            return
-        grads = [p.grad for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.topo.comm.all_reduce(flat, dp, op="avg")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     def train_step(self, step: int) -> StepResult:
         """One optimizer step over the global batch; returns the global mean loss."""
         t = self.cfg.train
@@ -109,8 +103,12 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=False)
         batches = self.micro_batches(step, t.global_batch, self.train_data)
-        losses = [self.forward_backward_step(x, y, 1.0 / len(batches)) for x, y in batches]
-        self.reduce_gradients()
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.reducer.no_sync():
+                losses.append(self.forward_backward_step(x, y, 1.0 / len(batches)))
+        self.reducer.finish()
         norm = grad_norm_sq(self.params).sqrt()
         clip_by_total_norm(self.params, norm, t.grad_clip)
         self.optimizer.step()
@@ -131,23 +129,45 @@ class Trainer:
         return float(loss)
 
     # ------------------------------------------------------------------ loop
-    def fit(self) -> dict[str, Any]:
-        """Run ``train.steps`` steps with logging, evaluation, plot and sample; returns a summary."""
+    def save_checkpoint(self, step: int) -> Path:
+        """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this)."""
+        path = checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,
+                               self.cfg, step, self.topo)
+        return path
+
+    def load_checkpoint(self, path: Path) -> int:
+        """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
+        return checkpoint.load(path, self.model, self.optimizer, self.cfg, self.topo)
+
+    def fit(self, resume: Path | None = None) -> dict[str, Any]:
+        """Run steps up to ``train.steps`` with logging, evaluation, checkpoints, plot and sample,
+        continuing after checkpoint ``resume`` if given; returns a summary."""
         t, m = self.cfg.train, self.cfg.model
+        start = 0
+        if resume is not None:
+            start = self.load_checkpoint(resume)
+            if start >= t.steps:
+                raise checkpoint.CheckpointError(f"checkpoint {resume} is at step {start} >= train.steps = {t.steps}; "
+                                                 "raise --train.steps to train further")
         if self.is_logger:
-            self._prepare_run_dir()
-        log = MetricsLogger(self.run_dir, t.steps, self.is_logger)
+            if resume is None:
+                self._prepare_run_dir()
+            else:
+                self._truncate_metrics(start)
+        log = MetricsLogger(self.run_dir, t.steps, self.is_logger, start_step=start)
+        if resume is not None:
+            log.write(f"resumed from {resume} at step {start}")
         peak, peak_src = devices.peak_flops(self.device, t.precision)
         tokens_per_step = t.global_batch * t.seq_len
         flops_per_token = m.flops_per_token(t.seq_len)
         log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
         first_loss = last_loss = val_loss = float("nan")
         window_t0, window_steps = time.perf_counter(), 0
-        for step in range(1, t.steps + 1):
+        for step in range(start + 1, t.steps + 1):
             result = self.train_step(step)
             window_steps += 1
             last_loss = result.loss
-            if step == 1:
+            if step == start + 1:
                 first_loss = result.loss
             do_eval = t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps)
             if step == 1 or step % t.log_every == 0 or step == t.steps or do_eval:
@@ -168,6 +188,9 @@ class Trainer:
                 window_t0, window_steps = time.perf_counter(), 0
             else:
                 log.step(None)
+            if step == t.steps or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0):
+                self.save_checkpoint(step)
+                window_t0 = time.perf_counter()  # saving is not training time
         log.close()
         summary = {"first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
                    "steps": t.steps, "layout": self.layout_name(), "params": m.num_params()}
@@ -177,7 +200,7 @@ class Trainer:
             atomic_write_text(self.run_dir / "sample.txt", text)
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
             log.write(f"--- sample ---\n{text}\n--------------")
-            log.write(f"loss {first_loss:.4f} (step 1) -> {last_loss:.4f} (step {t.steps}), "
+            log.write(f"loss {first_loss:.4f} (step {start + 1}) -> {last_loss:.4f} (step {t.steps}), "
                       f"validation {val_loss:.4f}; run dir {self.run_dir} (metrics.jsonl, {plot and plot.name}, "
                       "tensorboard/, sample.txt)")
         return summary
@@ -196,6 +219,13 @@ class Trainer:
         return (f"hybridpar: model {m.preset} ({m.num_params() / 1e6:.2f}M params), layout {self.layout_name()} "
                 f"on {self.topo.world_size} x {self.device.type}, {t.steps} steps x {t.global_batch} seqs x "
                 f"{t.seq_len} tokens, micro-batch {t.micro_batch}, {t.precision}")
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metrics logged after ``step`` by an interrupted run, so steps never repeat."""
+        path = self.run_dir / METRICS_FILE
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+            atomic_write_text(path, "".join(line + "\n" for line in keep))
 
     def _prepare_run_dir(self) -> None:
         """Start a fresh run directory; a previous run there is kept as ``<run_dir>.prev``."""

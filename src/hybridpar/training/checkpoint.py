@@ -1,0 +1,234 @@
+"""Checkpoints: model + optimizer through ``torch.distributed.checkpoint`` (so a later layout can
+reshard them), plus the run's config and position as plain JSON.
+
+Layout of ``<run_dir>/checkpoints/step-000010/``: DCP's ``.distcp`` shards and ``.metadata``,
+``config.json``, and ``complete.json`` written last. Everything is written into a temporary
+sibling first and renamed once every rank has finished, so a directory named ``step-*`` with a
+``complete.json`` is always whole; anything else is ignored by ``--resume``.
+
+Nothing here unpickles untrusted data: tensors load with ``weights_only``, and DCP's pickled
+metadata goes through an allow-list unpickler (:class:`SafeReader`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from hybridpar.config import Config, ConfigError, config_from_dict
+from hybridpar.distributed.mesh import Topology
+from hybridpar.errors import UserError
+from hybridpar.training.metrics import atomic_write_text
+
+COMPLETE = "complete.json"
+CKPT_DIR = "checkpoints"
+FORMAT = 1
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit this run."""
+
+
+# ----------------------------------------------------------------------------- safe metadata
+
+_ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
+_ALLOWED_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("builtins", "getattr"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),  # maps "torch.strided" to the layout object
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata but refuses any global outside DCP's own dataclasses and a few
+    torch value types, so a crafted ``.metadata`` cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose metadata is read with the allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        path = Path(self.path) / (".metadata" if kwargs.get("rank") is None else f"__{kwargs['rank']}.metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = _AllowListUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+            raise CheckpointError(f"checkpoint metadata {path} is corrupt or unsafe: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CKPT_DIR / f"step-{step:06d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / COMPLETE).is_file()
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete ``step-*`` checkpoint under ``run_dir``, or None."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and is_complete(p))
+    return done[-1] if done else None
+
+
+def resolve_resume(resume: str, run_dir: Path) -> Path:
+    """``--resume`` with no value (``"latest"``) or a path -> a complete checkpoint directory."""
+    if resume == "latest":
+        found = latest_checkpoint(run_dir)
+        if found is None:
+            raise CheckpointError(f"--resume: no complete checkpoint under {Path(run_dir) / CKPT_DIR}; "
+                                  "start without --resume or pass a checkpoint path")
+        return found
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
+    if not is_complete(path):
+        raise CheckpointError(f"--resume {resume}: checkpoint is incomplete (no {COMPLETE}); "
+                              "it was interrupted while saving — pick an earlier one")
+    return path
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    """The completion record (step, format, time) of a complete checkpoint."""
+    try:
+        return json.loads((Path(path) / COMPLETE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable {COMPLETE} ({e})") from None
+
+
+def read_config(path: Path) -> Config:
+    try:
+        return config_from_dict(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable config.json ({e})") from None
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {path}: config.json is invalid: {e}") from None
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, step: int,
+         topo: Topology) -> Path:
+    """Write a complete checkpoint for ``step`` at ``path`` atomically (all ranks call this)."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    if topo.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    topo.comm.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(topo),
+             no_dist=topo.world_size == 1)
+    topo.comm.barrier()
+    if topo.rank == 0:
+        atomic_write_text(tmp / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+        atomic_write_text(tmp / COMPLETE, json.dumps({"step": step, "format": FORMAT, "time": time.time(),
+                                                      "world_size": topo.world_size}) + "\n")
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    topo.comm.barrier()
+    return path
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, topo: Topology) -> int:
+    """Restore model, optimizer and RNG from a complete checkpoint; returns its step."""
+    path = Path(path)
+    info = read_info(_require_complete(path))
+    check_compatible(read_config(path), cfg, path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()}}
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), process_group=_group(topo),
+                 no_dist=topo.world_size == 1)
+    except CheckpointError:
+        raise
+    except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    torch.set_rng_state(state["rng"]["torch_cpu"])
+    return int(info["step"])
+
+
+def load_model_state(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
+    """The run's Config and the full model state (our naming) of a checkpoint, in one process."""
+    from hybridpar.models.llama import Llama
+
+    path = Path(path)
+    cfg = read_config(_require_complete(path))
+    model = Llama(cfg.model)
+    state = {"model": get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))}
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
+    return cfg, state["model"]
+
+
+def check_compatible(saved: Config, cfg: Config, path: Path) -> None:
+    """A checkpoint resumes only into the same model shape; name every differing field."""
+    diffs = [f"model.{k}: checkpoint {v!r} vs run {getattr(cfg.model, k)!r}"
+             for k, v in vars(saved.model).items() if k != "preset" and getattr(cfg.model, k) != v]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} has another model shape ({'; '.join(diffs)}); "
+                              "set the run's model.* to match or start a new run")
+
+
+def _require_complete(path: Path) -> Path:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not is_complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE}); it was interrupted while saving")
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint {path} has no .metadata; it is not a complete hybridpar checkpoint")
+    SafeReader(str(path)).read_metadata()  # refuse unsafe or corrupt metadata before DCP wraps the error
+    return path
+
+
+def _group(topo: Topology) -> Any:
+    """The process group spanning every rank (None in a single process: DCP then needs none)."""
+    return topo.world.group if topo.world_size > 1 else None
