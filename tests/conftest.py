@@ -17,3 +17,12 @@ def dist_run():
 def _worker_pools():
     yield
     shutdown_pool()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Prepared datasets (the built-in corpus cache) go to a per-session folder, not ~/.cache."""
+    import os
+
+    os.environ["HYBRIDPAR_CACHE"] = str(tmp_path_factory.mktemp("hybridpar-cache"))
+    yield

@@ -1,16 +1,27 @@
-"""Token sources: the built-in corpus (Python's own standard library, byte-level) and the
-layout-invariant sampler that turns global sample ids into (input, target) windows."""
+"""Token sources: prepared datasets (see ``hybridpar prepare``), the built-in corpus (Python's own
+standard library, byte-level, prepared once into a cache directory), and the layout-invariant
+sampler that turns global sample ids into (input, target) windows."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import sys
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-BYTE_VOCAB = 256
+from hybridpar.data.dataset import FORMAT_VERSION, META_FILE, TokenSplits, load_dataset
+from hybridpar.data.errors import DataError, DatasetExistsError
+from hybridpar.data.prepare import prepare_dataset
+from hybridpar.data.tokenizer import BYTE_VOCAB, ByteTokenizer
+
+__all__ = ["BYTE_VOCAB", "TokenSplits", "WindowSampler", "builtin_cache_dir", "builtin_corpus_files",
+           "decode_bytes", "encode_bytes", "load_builtin", "load_tokens"]
 
 
 def builtin_corpus_files() -> list[Path]:
@@ -29,47 +40,64 @@ def encode_bytes(text: str) -> np.ndarray:
 
 
 def decode_bytes(tokens: list[int]) -> str:
-    return bytes(t for t in tokens if 0 <= t < BYTE_VOCAB).decode("utf-8", errors="replace")
+    return ByteTokenizer().decode(tokens)
 
 
-@dataclass
-class TokenSplits:
-    train: np.ndarray
-    val: np.ndarray
-    vocab_size: int
-    source: str
+def cache_root() -> Path:
+    """``$HYBRIDPAR_CACHE``, else ``$XDG_CACHE_HOME/hybridpar``, else ``~/.cache/hybridpar``."""
+    if os.environ.get("HYBRIDPAR_CACHE"):
+        return Path(os.environ["HYBRIDPAR_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hybridpar"
+
+
+def _builtin_selection(max_bytes: int) -> list[Path]:
+    """Standard-library files in sorted order until ``max_bytes`` is reached (the last one included)."""
+    chosen, total = [], 0
+    for path in builtin_corpus_files():
+        chosen.append(path)
+        total += path.stat().st_size
+        if total >= max_bytes:
+            break
+    return chosen
+
+
+def builtin_cache_dir(files: list[Path], val_fraction: float, max_bytes: int) -> Path:
+    """Cache directory named by a hash of the Python version, the file list and the settings."""
+    key = json.dumps([sys.version, FORMAT_VERSION, val_fraction, max_bytes,
+                      [(str(p), p.stat().st_size) for p in files]])
+    return cache_root() / f"builtin-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def load_builtin(val_fraction: float = 0.05, max_bytes: int = 8 << 20) -> TokenSplits:
-    """Byte tokens of the built-in corpus; the last ``val_fraction`` of files is validation."""
-    chunks: list[bytes] = []
-    total = 0
-    for path in builtin_corpus_files():
-        data = path.read_bytes() + b"\n\n"
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    n_val = max(1, int(len(chunks) * val_fraction))
-    train = np.frombuffer(b"".join(chunks[:-n_val]), dtype=np.uint8)
-    val = np.frombuffer(b"".join(chunks[-n_val:]), dtype=np.uint8)
-    return TokenSplits(train=train, val=val, vocab_size=BYTE_VOCAB, source="python-stdlib")
+    """Byte tokens of the built-in corpus; the last ``val_fraction`` of files is validation.
+
+    Prepared with the byte tokenizer on first use into :func:`builtin_cache_dir` and loaded from
+    there afterwards; a cache that fails verification is rebuilt. Concurrent first uses (several
+    ranks) each prepare, the first rename wins and the others load its result."""
+    files = _builtin_selection(max_bytes)
+    cache = builtin_cache_dir(files, val_fraction, max_bytes)
+    force = cache.exists()
+    if (cache / META_FILE).is_file():
+        try:
+            data = load_dataset(cache)
+        except DataError:
+            force = True
+        else:
+            data.source = "python-stdlib"
+            return data
+    with contextlib.suppress(DatasetExistsError):  # raised when another process finished first
+        prepare_dataset(files, cache, tokenizer="bytes", val_fraction=val_fraction, force=force)
+    data = load_dataset(cache)
+    data.source = "python-stdlib"
+    return data
 
 
 def load_tokens(data: str) -> TokenSplits:
-    """Resolve ``train.data``: ``builtin`` or a text file / directory of text files (bytes)."""
+    """Resolve ``train.data``: ``builtin`` or a dataset directory written by ``hybridpar prepare``."""
     if data == "builtin":
         return load_builtin()
-    path = Path(data)
-    if not path.exists():
-        raise FileNotFoundError(f"train.data = {data!r} does not exist; use 'builtin' or a path to text files")
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    blob = b"\n\n".join(p.read_bytes() for p in files)
-    if len(blob) < 1024:
-        raise ValueError(f"train.data = {data!r} holds {len(blob)} bytes; need at least 1024 bytes of text")
-    cut = int(len(blob) * 0.95)
-    arr = np.frombuffer(blob, dtype=np.uint8)
-    return TokenSplits(train=arr[:cut], val=arr[cut:], vocab_size=BYTE_VOCAB, source=str(path))
+    return load_dataset(Path(data))
 
 
 class WindowSampler:

@@ -12,11 +12,14 @@ metadata goes through an allow-list unpickler (:class:`SafeReader`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +162,9 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
     topo.comm.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()}}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(topo),
-             no_dist=topo.world_size == 1)
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(topo),
+                 no_dist=topo.world_size == 1)
     topo.comm.barrier()
     if topo.rank == 0:
         atomic_write_text(tmp / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -181,8 +185,9 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()}}
     try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), process_group=_group(topo),
-                 no_dist=topo.world_size == 1)
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=SafeReader(str(path)), process_group=_group(topo),
+                     no_dist=topo.world_size == 1)
     except CheckpointError:
         raise
     except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
@@ -201,7 +206,8 @@ def load_model_state(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]
     model = Llama(cfg.model)
     state = {"model": get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))}
     try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
     except CheckpointError:
         raise
     except Exception as e:
@@ -216,6 +222,14 @@ def check_compatible(saved: Config, cfg: Config, path: Path) -> None:
     if diffs:
         raise CheckpointError(f"checkpoint {path} has another model shape ({'; '.join(diffs)}); "
                               "set the run's model.* to match or start a new run")
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that a single-process save/load is single-process (it is meant)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
 
 
 def _require_complete(path: Path) -> Path:

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config import Config
-from hybridpar.data.corpus import WindowSampler, decode_bytes, encode_bytes, load_tokens
+from hybridpar.data.corpus import WindowSampler, load_tokens
+from hybridpar.data.errors import DataError
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.hf import init_from_hf
 from hybridpar.models.llama import Llama
@@ -47,8 +48,9 @@ class Trainer:
         self.device = device or torch.device("cpu")
         t = cfg.train
         data = load_tokens(t.data)
+        self.tokenizer = data.tokenizer
         if data.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"data vocabulary {data.vocab_size} > model.vocab_size = {cfg.model.vocab_size}; "
+            raise DataError(f"data vocabulary {data.vocab_size} > model.vocab_size = {cfg.model.vocab_size}; "
                              f"raise model.vocab_size to at least {data.vocab_size}")
         self.train_data = WindowSampler(data.train, t.seq_len, t.seed)
         self.val_data = WindowSampler(data.val, t.seq_len, t.seed + 1)
@@ -206,9 +208,9 @@ class Trainer:
         return summary
 
     def sample_text(self, prompt: str = "def ") -> str:
-        tokens = sample(self.model, encode_bytes(prompt).tolist(), self.cfg.train.sample_tokens,
+        tokens = sample(self.model, self.tokenizer.encode(prompt), self.cfg.train.sample_tokens,
                         self.cfg.model.max_seq_len, seed=self.cfg.train.seed)
-        return decode_bytes(tokens)
+        return self.tokenizer.decode(tokens)
 
     def layout_name(self) -> str:
         p = self.cfg.parallel

@@ -1,0 +1,136 @@
+"""Tokenizers of prepared datasets: byte-level (vocabulary 256, nothing to train) and byte-level
+BPE trained with Hugging Face ``tokenizers`` (ByteLevel pre-tokenizer and decoder, all 256 byte
+symbols in the initial alphabet, so any text encodes without an unknown token).
+
+Both offer ``encode(text) -> list[int]``, ``decode(tokens) -> str`` and ``encode_document(raw
+bytes) -> np.ndarray``; ``decode`` never raises: ids outside the vocabulary (a model's padded
+vocabulary can sample them) are dropped and bytes that are not valid UTF-8 become U+FFFD.
+
+Input text: the byte tokenizer takes any bytes (a document need not be UTF-8). BPE needs UTF-8:
+a document that does not decode is rejected with its path and the byte offset, rather than
+silently changed; convert it or use the byte tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from hybridpar.data.errors import DataError, DataNotFoundError
+
+BYTE_VOCAB = 256
+TOKENIZER_FILE = "tokenizer.json"
+DEFAULT_BPE_VOCAB = 8192
+
+
+class Tokenizer(Protocol):
+    kind: str
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: Iterable[int]) -> str: ...
+
+    def encode_document(self, data: bytes, name: str) -> np.ndarray: ...
+
+
+class ByteTokenizer:
+    """One token per byte; text is encoded as UTF-8."""
+
+    kind = "bytes"
+    vocab_size = BYTE_VOCAB
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: Iterable[int]) -> str:
+        return bytes(int(t) for t in tokens if 0 <= int(t) < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+    def encode_document(self, data: bytes, name: str) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=256)"
+
+
+class BPETokenizer:
+    """A trained byte-level BPE (``tokenizers.Tokenizer``)."""
+
+    kind = "bpe"
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+
+    @classmethod
+    def train(cls, texts: Iterator[str], vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, path: Path) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:  # the library raises its own Exception type
+            raise DataError(f"cannot load the BPE tokenizer {str(path)!r} ({e}); re-run hybridpar prepare") from None
+
+    def save(self, path: Path) -> None:
+        self.tok.save(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text).ids)
+
+    def decode(self, tokens: Iterable[int]) -> str:
+        ids = [int(t) for t in tokens]
+        return self.tok.decode([t for t in ids if 0 <= t < self.vocab_size], skip_special_tokens=False)
+
+    def encode_document(self, data: bytes, name: str) -> np.ndarray:
+        return np.asarray(self.encode(utf8_text(data, name)), dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size})"
+
+
+def utf8_text(data: bytes, name: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"input {name!r} is not UTF-8 text (invalid byte at offset {e.start}); the bpe tokenizer "
+                        "needs UTF-8: convert the file, leave it out of --input, or use --tokenizer bytes") from None
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (vocab <= 65536), else uint32; little-endian on disk."""
+    if vocab_size <= 1 << 16:
+        return np.dtype("<u2")
+    if vocab_size <= 1 << 32:
+        return np.dtype("<u4")
+    raise DataError(f"--vocab-size {vocab_size} overflows the largest token dtype uint32 (at most {1 << 32}); "
+                    "choose a smaller vocabulary")
+
+
+def load_tokenizer(info: dict[str, Any], directory: Path) -> Tokenizer:
+    """The tokenizer that ``meta.json``'s ``tokenizer`` entry describes."""
+    kind = info.get("kind")
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "bpe":
+        path = directory / info.get("file", TOKENIZER_FILE)
+        if not path.is_file():
+            raise DataNotFoundError(f"tokenizer file {str(path)!r} is missing; re-run hybridpar prepare")
+        return BPETokenizer.from_file(path)
+    raise DataError(f"unknown tokenizer kind {kind!r} in {str(directory / 'meta.json')!r}; "
+                    "re-run hybridpar prepare with --tokenizer bytes or bpe")
