@@ -133,3 +133,18 @@ def test_data_parallel_checkpoint_resumes_in_one_process(tmp_path, dist_run):
     ref.fit()
     for k, v in ref.model.state_dict().items():
         torch.testing.assert_close(cont.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_from_checkpoint_matches_the_trained_model(tmp_path, capsys):
+    trainer = make(tmp_path, "r", "--train.steps", "10")
+    trainer.fit()
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "r")
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "import ", "--tokens", "20",
+                 "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    from hybridpar.training.generate import sample
+
+    tokens = sample(trainer.model, list(b"import "), 20, trainer.cfg.model.max_seq_len, temperature=0)
+    assert printed == trainer.tokenizer.decode(tokens)
+    assert main(["generate", "--checkpoint", str(tmp_path / "nope")]) == 2

@@ -120,7 +120,13 @@ def cmd_prepare(argv: list[str]) -> int:
     return prepare(argv)
 
 
-COMMANDS = {"train": cmd_train, "convert": cmd_convert, "prepare": cmd_prepare}
+def cmd_generate(argv: list[str]) -> int:
+    from hybridpar.training.generate import cmd_generate as generate
+
+    return generate(argv)
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["train"]
     if argv[0] in ("-h", "--help"):
-        print("usage: hybridpar {train,convert,prepare} [options]\n\n  train   train a model (hybridpar train --help)\n"
-              "  convert export a checkpoint as Hugging Face weights (hybridpar convert --help)\n"
-              "  prepare tokenize text files into a dataset for --train.data (hybridpar prepare --help)")
+        print("usage: hybridpar {train,prepare,generate,convert} [options]\n\n"
+              "  train    train a model (hybridpar train --help)\n"
+              "  prepare  tokenize text files into a dataset for --train.data (hybridpar prepare --help)\n"
+              "  generate sample text from a checkpoint (hybridpar generate --help)\n"
+              "  convert  export a checkpoint as Hugging Face weights (hybridpar convert --help)")
         return 0
     if argv[0] not in COMMANDS:
         print(f"hybridpar: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)

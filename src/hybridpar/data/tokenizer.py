@@ -134,3 +134,15 @@ def load_tokenizer(info: dict[str, Any], directory: Path) -> Tokenizer:
         return BPETokenizer.from_file(path)
     raise DataError(f"unknown tokenizer kind {kind!r} in {str(directory / 'meta.json')!r}; "
                     "re-run hybridpar prepare with --tokenizer bytes or bpe")
+
+
+def save_tokenizer(tok: Tokenizer, directory: Path, info_name: str = "tokenizer-info.json") -> None:
+    """Write what :func:`load_tokenizer` needs into ``directory``: an info file (and the BPE
+    model as ``tokenizer.json``)."""
+    import json
+
+    info: dict[str, Any] = {"kind": tok.kind, "vocab_size": tok.vocab_size}
+    if isinstance(tok, BPETokenizer):
+        tok.save(directory / TOKENIZER_FILE)
+        info["file"] = TOKENIZER_FILE
+    (directory / info_name).write_text(json.dumps(info) + "\n")

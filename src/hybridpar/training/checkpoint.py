@@ -34,11 +34,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hybridpar.config import Config, ConfigError, config_from_dict
+from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, save_tokenizer
 from hybridpar.distributed.mesh import Topology
 from hybridpar.errors import UserError
 from hybridpar.training.metrics import atomic_write_text
 
 COMPLETE = "complete.json"
+TOKENIZER_INFO = "tokenizer-info.json"
 CKPT_DIR = "checkpoints"
 FORMAT = 1
 
@@ -152,8 +154,9 @@ def read_config(path: Path) -> Config:
 
 
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, step: int,
-         topo: Topology) -> Path:
-    """Write a complete checkpoint for ``step`` at ``path`` atomically (all ranks call this)."""
+         topo: Topology, tokenizer: Tokenizer | None = None) -> Path:
+    """Write a complete checkpoint for ``step`` at ``path`` atomically (all ranks call this).
+    The tokenizer travels with it, so ``generate`` and ``convert`` need no dataset."""
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
     if topo.rank == 0:
@@ -168,6 +171,8 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
     topo.comm.barrier()
     if topo.rank == 0:
         atomic_write_text(tmp / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
         atomic_write_text(tmp / COMPLETE, json.dumps({"step": step, "format": FORMAT, "time": time.time(),
                                                       "world_size": topo.world_size}) + "\n")
         if path.exists():
@@ -213,6 +218,14 @@ def load_model_state(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
     return cfg, state["model"]
+
+
+def load_tokenizer_of(path: str | Path) -> Tokenizer:
+    """The tokenizer saved with a checkpoint (byte-level for checkpoints saved without one)."""
+    info_path = Path(path) / TOKENIZER_INFO
+    if not info_path.is_file():
+        return ByteTokenizer()
+    return load_tokenizer(json.loads(info_path.read_text()), Path(path))
 
 
 def check_compatible(saved: Config, cfg: Config, path: Path) -> None:

@@ -1,6 +1,8 @@
-"""Sampling text from a trained model (rank-local, no parallelism)."""
+"""Sampling text from a trained model (rank-local, no parallelism), and ``hybridpar generate``."""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from torch import nn
@@ -36,3 +38,26 @@ def sample(
         tokens.append(nxt)
     model.train(was_training)
     return tokens
+
+
+def cmd_generate(argv: list[str]) -> int:
+    """``hybridpar generate --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] ...``"""
+    from hybridpar.models.llama import Llama
+    from hybridpar.training.checkpoint import load_model_state, load_tokenizer_of
+
+    ap = argparse.ArgumentParser(prog="hybridpar generate", description="Sample text from a checkpoint.")
+    ap.add_argument("--checkpoint", required=True, help="a complete checkpoint directory (run_dir/checkpoints/step-N)")
+    ap.add_argument("--prompt", default="", help="text to continue")
+    ap.add_argument("--tokens", type=int, default=200, help="new tokens to sample")
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    cfg, state = load_model_state(args.checkpoint)
+    tokenizer = load_tokenizer_of(args.checkpoint)
+    model = Llama(cfg.model)
+    model.load_state_dict(state)
+    prompt = tokenizer.encode(args.prompt or "\n")  # the model needs at least one token
+    out = sample(model, prompt, args.tokens, cfg.model.max_seq_len, args.temperature, args.top_k, args.seed)
+    print(tokenizer.decode(out))
+    return 0

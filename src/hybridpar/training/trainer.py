@@ -133,9 +133,8 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def save_checkpoint(self, step: int) -> Path:
         """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this)."""
-        path = checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,
-                               self.cfg, step, self.topo)
-        return path
+        return checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,
+                               self.cfg, step, self.topo, self.tokenizer)
 
     def load_checkpoint(self, path: Path) -> int:
         """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
