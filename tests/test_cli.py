@@ -67,3 +67,24 @@ def test_nproc_launches_data_parallel_that_matches_one_process(tmp_path):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+
+
+def test_resume_flag_continues_bit_for_bit(tmp_path):
+    """Delete the final checkpoint of a finished run (as if it died after step 2), then
+    `--resume` recreates it exactly."""
+    import shutil
+
+    import torch
+
+    from hybridpar.training.checkpoint import load_model_state, step_dir
+
+    run = tmp_path / "r"
+    args = ["train", *TINY, "--train.run_dir", str(run), "--train.checkpoint_every", "2"]
+    assert main(args) == 0
+    _, reference = load_model_state(step_dir(run, 4))
+    shutil.rmtree(step_dir(run, 4))
+    assert main([*args, "--resume"]) == 0
+    _, resumed = load_model_state(step_dir(run, 4))
+    for k, v in reference.items():
+        assert torch.equal(resumed[k], v), k
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
