@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hybridpar.config import Config, ConfigError, load_config, validate
 from hybridpar.errors import UserError
+from hybridpar.training.errors import NonFiniteLossError
 
 LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as e:
+        print(f"hybridpar: stopped: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -143,6 +143,11 @@ class TrainConfig:
     data: str = "builtin"
     sample_tokens: int = 200
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    loss_scale_init: float = 65536.0  # fp16 dynamic loss scale: start value
+    loss_scale_window: int = 200  # fp16: clean steps before the scale doubles
+    nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/Inf loss stops the run, or skips the step
+    max_skipped_steps: int = 10  # with nonfinite = "skip": stop after this many skipped steps
+    timeout_s: float = 300.0  # a collective or p2p that takes longer ends the job with a report
     init_from: str = ""  # a Hugging Face Llama directory to start from; "" = random init from seed
 
     @property
@@ -332,6 +337,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(getattr(t, key) >= 0, f"train.{key} = {getattr(t, key)} must be >= 0")
     need(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 <= train.min_lr ({t.min_lr}) <= train.lr ({t.lr}) and lr > 0")
     need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 = {t.beta1}, beta2 = {t.beta2} must be in [0, 1)")
+    need(t.loss_scale_init >= 1 and t.loss_scale_window >= 1,
+         f"train.loss_scale_init = {t.loss_scale_init} must be >= 1 and train.loss_scale_window = {t.loss_scale_window} >= 1")
+    need(t.max_skipped_steps >= 0, f"train.max_skipped_steps = {t.max_skipped_steps} must be >= 0")
+    need(t.timeout_s > 0, f"train.timeout_s = {t.timeout_s} must be > 0 seconds")
     need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)")
     need(t.seq_len <= m.max_seq_len,
          f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; lower seq_len or raise max_seq_len")
@@ -376,4 +385,3 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(not p.sequence_parallel, "parallel.sequence_parallel: not implemented in this version yet")
     need(p.recompute == "none",
          f"parallel.recompute = {p.recompute!r}: activation recomputation is not implemented yet; use 'none'")
-    need(t.precision != "fp16", "train.precision = 'fp16' (loss scaling) is not implemented yet; use bf16 or fp32")

@@ -154,7 +154,7 @@ def read_config(path: Path) -> Config:
 
 
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, step: int,
-         topo: Topology, tokenizer: Tokenizer | None = None) -> Path:
+         topo: Topology, tokenizer: Tokenizer | None = None, extra: dict[str, Any] | None = None) -> Path:
     """Write a complete checkpoint for ``step`` at ``path`` atomically (all ranks call this).
     The tokenizer travels with it, so ``generate`` and ``convert`` need no dataset."""
     path = Path(path)
@@ -164,7 +164,8 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
         tmp.mkdir(parents=True)
     topo.comm.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()}}
+    state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()},
+             "extra": extra or {}}
     with _single_process_quiet():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(topo),
                  no_dist=topo.world_size == 1)
@@ -182,13 +183,16 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
     return path
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, topo: Topology) -> int:
-    """Restore model, optimizer and RNG from a complete checkpoint; returns its step."""
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, topo: Topology,
+         extra: dict[str, Any] | None = None) -> int:
+    """Restore model, optimizer, RNG and ``extra`` (filled in place: pass the same structure
+    that was saved) from a complete checkpoint; returns its step."""
     path = Path(path)
     info = read_info(_require_complete(path))
     check_compatible(read_config(path), cfg, path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()}}
+    state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()},
+             "extra": extra if extra is not None else {}}
     try:
         with _single_process_quiet():
             dcp.load(state, storage_reader=SafeReader(str(path)), process_group=_group(topo),

@@ -27,9 +27,11 @@ from hybridpar.models.llama import Llama
 from hybridpar.parallel.data import GradientReducer
 from hybridpar.training import checkpoint
 from hybridpar.training import device as devices
+from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.generate import sample
 from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
 from hybridpar.training.optim import build_optimizer, clip_by_total_norm, grad_norm_sq, lr_at
+from hybridpar.training.precision import LossScaler, autocast
 
 
 @dataclass
@@ -37,6 +39,7 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    skipped: bool = False  # no optimizer update: fp16 overflow or a skipped non-finite loss
 
 
 class Trainer:
@@ -62,6 +65,8 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, t)
         self.reducer = GradientReducer(self.params, topo.dp, int(cfg.parallel.bucket_mb * 2**20))
+        self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
+        self.skipped_nonfinite = 0
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
 
@@ -79,14 +84,9 @@ class Trainer:
             out.append((x.to(self.device), y.to(self.device)))
         return out
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.cfg.train.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def loss_fn(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of one micro-batch (logits upcast to fp32)."""
-        with self._autocast():
+        with autocast(self.cfg.train.precision, self.device):
             logits = self.model(inputs)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
@@ -98,7 +98,10 @@ class Trainer:
         return loss.detach()
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step over the global batch; returns the global mean loss."""
+        """One optimizer step over the global batch; returns the global mean loss.
+
+        The step is skipped (no weight or optimizer-state change, on every rank alike) when fp16
+        gradients overflow, or when the loss is NaN/Inf and ``train.nonfinite = "skip"``."""
         t = self.cfg.train
         lr = lr_at(step, t)
         for group in self.optimizer.param_groups:
@@ -109,14 +112,33 @@ class Trainer:
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.reducer.no_sync():
-                losses.append(self.forward_backward_step(x, y, 1.0 / len(batches)))
+                losses.append(self.forward_backward_step(x, y, self.scaler.scale / len(batches)))
         self.reducer.finish()
+        loss = torch.stack(losses).mean().float()
+        self.topo.comm.all_reduce(loss, self.topo.dp, op="avg")  # NaN on any rank reaches all
+        if not self.scaler.unscale_or_skip(self.params, self.topo.world):
+            return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
+        if not torch.isfinite(loss):
+            self._on_nonfinite(step, float(loss))
+            return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         norm = grad_norm_sq(self.params).sqrt()
         clip_by_total_norm(self.params, norm, t.grad_clip)
         self.optimizer.step()
-        loss = torch.stack(losses).mean().float()
-        self.topo.comm.all_reduce(loss, self.topo.dp, op="avg")
         return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr)
+
+    def _on_nonfinite(self, step: int, loss: float) -> None:
+        """Apply ``train.nonfinite``: stop naming the step and the last good checkpoint, or
+        skip the update (at most ``train.max_skipped_steps`` times)."""
+        t = self.cfg.train
+        self.skipped_nonfinite += 1
+        if t.nonfinite == "skip" and self.skipped_nonfinite <= t.max_skipped_steps:
+            self.optimizer.zero_grad(set_to_none=False)
+            return
+        last = checkpoint.latest_checkpoint(self.run_dir)
+        where = f"last good checkpoint: {last} (continue with --resume {last})" if last else "no checkpoint was saved yet"
+        why = (f"after {self.skipped_nonfinite - 1} skipped steps (train.max_skipped_steps = {t.max_skipped_steps})"
+               if t.nonfinite == "skip" else "(train.nonfinite = 'stop'; set it to 'skip' to skip such steps)")
+        raise NonFiniteLossError(f"loss is {loss} at step {step} {why}; {where}; try a lower train.lr or train.grad_clip")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -134,11 +156,20 @@ class Trainer:
     def save_checkpoint(self, step: int) -> Path:
         """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this)."""
         return checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,
-                               self.cfg, step, self.topo, self.tokenizer)
+                               self.cfg, step, self.topo, self.tokenizer, extra=self._extra_state())
 
     def load_checkpoint(self, path: Path) -> int:
         """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
-        return checkpoint.load(path, self.model, self.optimizer, self.cfg, self.topo)
+        extra = self._extra_state()
+        step = checkpoint.load(path, self.model, self.optimizer, self.cfg, self.topo, extra=extra)
+        self.scaler.load_state_dict({k: v.item() for k, v in extra["scaler"].items()})
+        self.skipped_nonfinite = int(extra["skipped_nonfinite"])
+        return step
+
+    def _extra_state(self) -> dict[str, Any]:
+        """Trainer state beyond model and optimizer, as tensors (DCP stores them safely)."""
+        scaler = {k: torch.tensor(v, dtype=torch.float64) for k, v in self.scaler.state_dict().items()}
+        return {"scaler": scaler, "skipped_nonfinite": torch.tensor(self.skipped_nonfinite)}
 
     def fit(self, resume: Path | None = None) -> dict[str, Any]:
         """Run steps up to ``train.steps`` with logging, evaluation, checkpoints, plot and sample,
@@ -182,6 +213,10 @@ class Trainer:
                     "mem_bytes": devices.memory_bytes(self.device),
                     "step_time_s": elapsed / window_steps,
                 }
+                if result.skipped:
+                    record["skipped"] = True
+                if self.scaler.enabled:
+                    record["loss_scale"] = self.scaler.scale
                 if do_eval:
                     val_loss = self.evaluate()
                     record["val_loss"] = val_loss

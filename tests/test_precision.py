@@ -1,0 +1,124 @@
+"""Mixed precision and the non-finite loss policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_trainer import SMALL
+
+from hybridpar.config import load_config
+from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.training import checkpoint
+from hybridpar.training.errors import NonFiniteLossError
+from hybridpar.training.trainer import Trainer
+
+
+def make(tmp_path, *extra: str, dp: int = 1) -> Trainer:
+    cfg = load_config(None, [*SMALL, "--train.run_dir", str(tmp_path / "run"), "--train.eval_every", "0",
+                             "--parallel.dp", str(dp), *extra])
+    return Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
+
+
+def snapshot(trainer: Trainer) -> tuple[dict, dict]:
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    state = {i: {k: v.clone() for k, v in s.items()} for i, s in trainer.optimizer.state_dict()["state"].items()}
+    return weights, state
+
+
+def assert_unchanged(before: tuple[dict, dict], trainer: Trainer) -> None:
+    weights, state = snapshot(trainer)
+    for k, v in before[0].items():
+        assert torch.equal(weights[k], v), k
+    assert state.keys() == before[1].keys()
+    for i, s in before[1].items():
+        for k, v in s.items():
+            assert torch.equal(state[i][k], v), (i, k)
+
+
+def test_fp16_trains_with_a_growing_scale(tmp_path):
+    trainer = make(tmp_path, "--train.precision", "fp16", "--train.lr", "1e-2", "--train.loss_scale_init", "256",
+                   "--train.loss_scale_window", "3")
+    results = [trainer.train_step(s) for s in range(1, 10)]
+    assert not any(r.skipped for r in results)
+    assert results[-1].loss < results[0].loss and all(math.isfinite(r.loss) for r in results)
+    assert trainer.scaler.scale == 256 * 2**3  # doubled after every 3 clean steps
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
+    trainer = make(tmp_path, "--train.precision", "fp16", "--train.loss_scale_init", str(2.0**40))
+    before = snapshot(trainer)
+    result = trainer.train_step(1)
+    assert result.skipped and trainer.scaler.scale == 2.0**39
+    assert_unchanged(before, trainer)  # no weight and no optimizer state (not even its step count)
+    while trainer.train_step(2).skipped:  # the scale keeps halving until gradients fit fp16
+        pass
+    assert trainer.scaler.scale < 2.0**20
+
+
+def _one_rank_overflows(rank: int, world: int, tmp: str) -> tuple[bool, bool, float]:
+    trainer = make(__import__("pathlib").Path(tmp), "--train.precision", "fp16", dp=world)
+    if rank == 1:  # only this rank's gradient overflows
+        trainer.model.norm.weight.register_hook(lambda g: g * float("inf"))
+    before = snapshot(trainer)
+    result = trainer.train_step(1)
+    weights, _ = snapshot(trainer)
+    unchanged = all(torch.equal(weights[k], v) for k, v in before[0].items())
+    trainer.topo.close()
+    return result.skipped, unchanged, trainer.scaler.scale
+
+
+def test_one_ranks_overflow_skips_the_step_everywhere(tmp_path, dist_run):
+    results = dist_run(2, _one_rank_overflows, str(tmp_path))
+    assert results == [(True, True, 2.0**15)] * 2
+
+
+def nan_at(trainer: Trainer, steps: set[int]) -> None:
+    real = trainer.loss_fn
+    state = {"step": 0}
+
+    def loss_fn(x, y):
+        loss = real(x, y)
+        return loss * float("nan") if state["step"] in steps else loss
+
+    real_step = trainer.train_step
+
+    def train_step(step):
+        state["step"] = step
+        return real_step(step)
+
+    trainer.loss_fn = loss_fn
+    trainer.train_step = train_step
+
+
+def test_nan_loss_stops_naming_step_and_checkpoint(tmp_path):
+    trainer = make(tmp_path, "--train.steps", "6", "--train.checkpoint_every", "2")
+    nan_at(trainer, {3})
+    with pytest.raises(NonFiniteLossError) as err:
+        trainer.fit()
+    msg = str(err.value)
+    assert "loss is nan at step 3" in msg and "step-000002" in msg and "train.nonfinite" in msg
+
+
+def test_nan_loss_skip_policy_skips_up_to_k_steps(tmp_path):
+    trainer = make(tmp_path, "--train.steps", "6", "--train.nonfinite", "skip", "--train.max_skipped_steps", "1")
+    nan_at(trainer, {2, 4})
+    trainer.train_step(1)
+    before = snapshot(trainer)
+    assert trainer.train_step(2).skipped
+    assert_unchanged(before, trainer)
+    assert not trainer.train_step(3).skipped
+    with pytest.raises(NonFiniteLossError, match="after 1 skipped steps"):
+        trainer.train_step(4)
+
+
+def test_loss_scale_survives_resume(tmp_path):
+    trainer = make(tmp_path, "--train.precision", "fp16", "--train.steps", "4", "--train.loss_scale_init", "512",
+                   "--train.loss_scale_window", "2")
+    trainer.fit()
+    again = make(tmp_path, "--train.precision", "fp16", "--train.steps", "6", "--train.loss_scale_init", "512",
+                 "--train.loss_scale_window", "2")
+    again.load_checkpoint(checkpoint.latest_checkpoint(tmp_path / "run"))
+    assert again.scaler.scale == trainer.scaler.scale == 2048
