@@ -56,7 +56,14 @@ def cmd_train(argv: list[str]) -> int:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
               "-m", "hybridpar.cli", "train", *[a for a in _strip_nproc(argv)]]
     print(f"hybridpar: launching {nproc} local processes: {' '.join(launch[1:])}", flush=True)
-    return subprocess.call(launch)
+    from hybridpar.distributed import flight
+
+    run_dir = Path(cfg.train.run_dir)
+    flight.clear(run_dir)
+    code = subprocess.call(launch)
+    if code != 0 and (text := flight.report(run_dir)):
+        print(text, file=sys.stderr)
+    return code
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -90,6 +97,7 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
 
 
 def _run_worker(cfg: Config, resume: Path | None = None) -> int:
+    from hybridpar.distributed import flight
     from hybridpar.distributed.mesh import (
         ParallelDims,
         backend_for,
@@ -100,13 +108,26 @@ def _run_worker(cfg: Config, resume: Path | None = None) -> int:
     from hybridpar.training.trainer import Trainer
 
     device = devices.pick_device(cfg.train.device, devices.local_rank())
-    init_distributed(backend=backend_for(device.type))
+    init_distributed(backend=backend_for(device.type), timeout_s=cfg.train.timeout_s)
     try:
         topo = ParallelDims.from_config(cfg.parallel).build(device.type)
-        Trainer(cfg, topo, device).fit(resume)
+        run_dir = Path(cfg.train.run_dir)
+        if topo.world_size > 1:
+            flight.dump_on_sigterm(topo.comm.counter, run_dir, topo.rank)
+        try:
+            Trainer(cfg, topo, device).fit(resume)
+        except (UserError, NonFiniteLossError):
+            raise
+        except Exception as e:  # e.g. a collective that timed out: leave a flight record
+            if topo.world_size > 1:
+                flight.dump(topo.comm.counter, run_dir, topo.rank, f"{type(e).__name__}: {e}")
+                print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}",
+                      file=sys.stderr)
+            raise
     finally:
         destroy_distributed()
     return 0
+
 
 
 def cmd_convert(argv: list[str]) -> int:
