@@ -12,6 +12,7 @@ from hybridpar.config import (
     MODEL_PRESETS,
     Config,
     ConfigError,
+    config_warnings,
     load_config,
     model_preset,
     parse_overrides,
@@ -89,15 +90,18 @@ def test_toml_errors_name_the_key(tmp_path):
          "n_heads = 6 must be a multiple of model.n_kv_heads = 4"),
         (["--model.dim", "100"], "model.dim = 100 is not divisible by model.n_heads = 8"),
         (["--train.seq_len", "2048"], "train.seq_len = 2048 exceeds model.max_seq_len = 1024"),
-        (["--parallel.tp", "2"], "tp parallelism is not implemented"),
+        (["--parallel.tp", "8"], "model.n_kv_heads = 4 < parallel.tp = 8"),
+        (["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.seq_len", "127"],
+         "train.seq_len = 127 is not divisible by 2 (sequence parallelism"),
+        (["--parallel.cp", "2", "--parallel.pp", "2", "--model.n_layers", "8"], "parallel.pp"),
         (["--parallel.pp", "2"], "pp parallelism is not implemented"),
-        (["--parallel.cp", "2"], "cp parallelism is not implemented"),
+        (["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+         "parallel.cp = 2 with parallel.sequence_parallel = true is not supported yet"),
         (["--parallel.zero_stage", "1"], "ZeRO is not implemented"),
         (["--parallel.zero_stage", "5"], "zero_stage = 5 must be 0, 1, 2 or 3"),
         (["--parallel.dp", "0"], "parallel.dp = 0 must be >= 1"),
         (["--train.min_lr", "1.0"], "min_lr"),
         (["--parallel.recompute", "full"], "recomputation is not implemented"),
-        (["--parallel.sequence_parallel", "true"], "sequence_parallel = true needs parallel.tp > 1"),
     ],
 )
 def test_layout_rules_show_numbers(args, needle):
@@ -120,6 +124,11 @@ def test_rules_checked_before_their_axis_is_built():
     cfg.parallel.cp = 3
     with pytest.raises(ConfigError, match="seq_len = 128 is not divisible by 2 \\* parallel.cp = 6"):
         validate(cfg)
+
+
+def test_sequence_parallel_without_tp_is_a_warning_not_an_error():
+    cfg = load_config(None, ["--parallel.sequence_parallel", "true"])
+    assert config_warnings(cfg) == ["parallel.sequence_parallel = true has no effect with parallel.tp = 1; ignored"]
 
 
 def test_world_size_mismatch_names_both_numbers():

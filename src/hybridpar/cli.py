@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hybridpar.config import Config, ConfigError, load_config, validate
+from hybridpar.config import Config, ConfigError, config_warnings, load_config, validate
 from hybridpar.errors import UserError
 from hybridpar.training.errors import NonFiniteLossError
 
@@ -85,6 +85,8 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
     """Every check that needs no process group: layout for this world size, the checkpoint to
     resume, the shape of ``train.init_from``. Returns the checkpoint path to resume from."""
     validate(cfg, world_size=world_size)
+    for warning in config_warnings(cfg):
+        print(f"hybridpar: warning: {warning}", file=sys.stderr)
     if cfg.train.init_from and resume is None:
         from hybridpar.models.hf import check_same_shape, model_config_from_hf
 
@@ -148,7 +150,14 @@ def cmd_generate(argv: list[str]) -> int:
     return generate(argv)
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "convert": cmd_convert}
+def cmd_timeline(argv: list[str]) -> int:
+    from hybridpar.parallel.pipeline.timeline import cmd_timeline as timeline
+
+    return timeline(argv)
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "convert": cmd_convert,
+            "timeline": cmd_timeline}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["train"]
     if argv[0] in ("-h", "--help"):
-        print("usage: hybridpar {train,prepare,generate,convert} [options]\n\n"
+        print("usage: hybridpar {train,prepare,generate,convert,timeline} [options]\n\n"
               "  train    train a model (hybridpar train --help)\n"
               "  prepare  tokenize text files into a dataset for --train.data (hybridpar prepare --help)\n"
               "  generate sample text from a checkpoint (hybridpar generate --help)\n"
-              "  convert  export a checkpoint as Hugging Face weights (hybridpar convert --help)")
+              "  convert  export a checkpoint as Hugging Face weights (hybridpar convert --help)\n"
+              "  timeline draw a simulated pipeline schedule as a PNG (hybridpar timeline --help)")
         return 0
     if argv[0] not in COMMANDS:
         print(f"hybridpar: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)

@@ -305,7 +305,16 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 # ----------------------------------------------------------------------------- validation
 
 # Parallelism implemented so far; the rest is rejected with a message saying so.
-BUILT = {"dp": True, "tp": False, "pp": False, "cp": False, "zero": False}
+BUILT = {"dp": True, "tp": True, "pp": False, "cp": True, "zero": False}
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are allowed but do nothing or will be slow; the CLI prints them."""
+    p = cfg.parallel
+    out = []
+    if p.sequence_parallel and p.tp == 1:
+        out.append("parallel.sequence_parallel = true has no effect with parallel.tp = 1; ignored")
+    return out
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -349,6 +358,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(t.global_batch % (p.dp * t.micro_batch) == 0,
          f"train.global_batch = {t.global_batch} is not divisible by parallel.dp * train.micro_batch = "
          f"{p.dp} * {t.micro_batch} = {p.dp * t.micro_batch}; make global_batch a multiple of {p.dp * t.micro_batch}")
+    need(m.n_kv_heads >= p.tp,
+         f"model.n_kv_heads = {m.n_kv_heads} < parallel.tp = {p.tp}: every tp rank needs a whole KV head "
+         f"(KV-head replication is not supported); use tp <= {m.n_kv_heads}")
     need(m.n_heads % p.tp == 0,
          f"model.n_heads = {m.n_heads} is not divisible by parallel.tp = {p.tp}; use a tp that divides {m.n_heads}")
     need(m.n_kv_heads % p.tp == 0,
@@ -367,9 +379,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              f"(= global_batch / (dp * micro_batch)); raise train.global_batch or lower train.micro_batch")
     if p.cp > 1:
         need(t.seq_len % (2 * p.cp) == 0,
-             f"train.seq_len = {t.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} (causal load balancing)")
-    need(p.sequence_parallel is False or p.tp > 1,
-         "parallel.sequence_parallel = true needs parallel.tp > 1")
+             f"train.seq_len = {t.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} "
+             f"(zigzag causal load balancing); use a multiple of {2 * p.cp}")
+    if p.sequence_parallel and p.tp > 1:
+        split = p.tp * (2 * p.cp if p.cp > 1 else 1)
+        need(t.seq_len % split == 0,
+             f"train.seq_len = {t.seq_len} is not divisible by {split} (sequence parallelism splits each "
+             f"sequence{' chunk' if p.cp > 1 else ''} across parallel.tp = {p.tp}); use a multiple of {split}")
+    need(not (p.cp > 1 and p.sequence_parallel),
+         f"parallel.cp = {p.cp} with parallel.sequence_parallel = true is not supported yet; turn one of them off")
+    need(not (p.cp > 1 and p.pp > 1),
+         f"parallel.cp = {p.cp} with parallel.pp = {p.pp} is not supported yet; set parallel.pp = 1")
     if world_size is not None:
         need(world_size == p.world_size,
              f"world size {world_size} != dp * tp * pp * cp = {p.dp} * {p.tp} * {p.pp} * {p.cp} = {p.world_size}; "
@@ -382,6 +402,5 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(BUILT["zero"] or p.zero_stage == 0,
          f"parallel.zero_stage = {p.zero_stage}: ZeRO is not implemented in this version yet; set parallel.zero_stage = 0")
     need(not p.offload_optimizer, "parallel.offload_optimizer = true: not implemented in this version yet")
-    need(not p.sequence_parallel, "parallel.sequence_parallel: not implemented in this version yet")
     need(p.recompute == "none",
          f"parallel.recompute = {p.recompute!r}: activation recomputation is not implemented yet; use 'none'")

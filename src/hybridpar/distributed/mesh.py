@@ -89,6 +89,17 @@ class ParallelDims:
                  for k in range(self.size(axis))]
                 for combo in itertools.product(*(range(self.size(n)) for n in others))]
 
+    def flat_group_ranks(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Like :meth:`group_ranks` for several axes taken as one: each group spans every
+        combination of ``axes`` coordinates, local rank row-major over ``axes`` (the order
+        :meth:`DeviceMesh._flatten` uses); groups are ordered by the remaining coordinates."""
+        for name in axes:
+            _check_axis(name)
+        others = [name for name in AXES if name not in axes]
+        return [[self.rank_of(**dict(zip(others, combo, strict=True)), **dict(zip(axes, inner, strict=True)))
+                 for inner in itertools.product(*(range(self.size(n)) for n in axes))]
+                for combo in itertools.product(*(range(self.size(n)) for n in others))]
+
     def build(self, device_type: str = "cpu") -> Topology:
         """The :class:`Topology` of this process (collective when world size > 1)."""
         return Topology(self, device_type)
@@ -124,7 +135,9 @@ class Topology:
 
     Build it once (``ParallelDims.build``) and pass it in. ``topo.tp``, ``topo.dp``, ``topo.pp``,
     ``topo.cp`` (or ``topo.axis(name)``) are :class:`Axis` objects; ``topo.world`` spans all
-    ranks. ``close()`` (or a ``with`` block) frees the process groups it created.
+    ranks; ``topo.dp_cp`` spans dp x cp (the ranks that average gradients under context
+    parallelism; it is ``topo.dp`` or ``topo.cp`` itself when the other has size 1).
+    ``close()`` (or a ``with`` block) frees the process groups it created.
     """
 
     def __init__(self, dims: ParallelDims, device_type: str = "cpu", comm: Comm | None = None) -> None:
@@ -168,6 +181,26 @@ class Topology:
                                     self.comm)
         self.world = Axis("world", self.world_size, self.rank, tuple(range(self.world_size)),
                           world_group, self.comm)
+        self._flat_groups: list[dist.ProcessGroup] = []
+        self.dp_cp = self._flat_axis(("dp", "cp"))
+
+    def _flat_axis(self, axes: tuple[str, str]) -> Axis:
+        """One axis spanning two mesh axes. When either has size 1 it is the other axis itself
+        (same group, same name in the traffic counter); otherwise a new group per combination
+        of the remaining coordinates, created on every rank (``new_group`` is collective)."""
+        first, second = (self._axes[name] for name in axes)
+        if second.size == 1:
+            return first
+        if first.size == 1:
+            return second
+        mine: tuple[int, ...] = ()
+        group = None
+        for ranks in self.dims.flat_group_ranks(axes):
+            g = dist.new_group(ranks)
+            self._flat_groups.append(g)
+            if self.rank in ranks:
+                mine, group = tuple(ranks), g
+        return Axis("_".join(axes), len(mine), mine.index(self.rank), mine, group, self.comm)
 
     def axis(self, name: str) -> Axis:
         _check_axis(name)
@@ -196,9 +229,10 @@ class Topology:
             return
         if dist.is_initialized():
             world = dist.group.WORLD
-            for group in self.mesh.get_all_groups():
+            for group in [*self.mesh.get_all_groups(), *self._flat_groups]:
                 if group is not world:
                     dist.destroy_process_group(group)
+        self._flat_groups.clear()
         self.mesh = None
 
     def __enter__(self) -> Topology:

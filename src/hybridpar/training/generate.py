@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -17,8 +18,13 @@ def sample(
     temperature: float = 0.8,
     top_k: int = 40,
     seed: int = 0,
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[int]:
-    """Autoregressive top-k sampling; returns prompt + new tokens. Deterministic for a seed."""
+    """Autoregressive top-k sampling; returns prompt + new tokens. Deterministic for a seed.
+
+    ``forward`` maps tokens to full-vocabulary logits (default: ``model`` itself); a parallel
+    model passes one that gathers vocab-sharded logits."""
+    forward = forward or model
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tokens = list(prompt)
@@ -26,7 +32,7 @@ def sample(
     model.eval()
     for _ in range(max_new_tokens):
         context = torch.tensor([tokens[-max_seq_len:]], dtype=torch.long, device=device)
-        logits = model(context)[0, -1].float().cpu()
+        logits = forward(context)[0, -1].float().cpu()
         if temperature <= 0:
             nxt = int(torch.argmax(logits))
         else:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hybridpar.config import Config
 from hybridpar.data.corpus import WindowSampler, load_tokens
@@ -24,13 +23,23 @@ from hybridpar.data.errors import DataError
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.hf import init_from_hf
 from hybridpar.models.llama import Llama
+from hybridpar.parallel.context import zigzag_positions, zigzag_shard
+from hybridpar.parallel.context_model import enable_context_parallel
 from hybridpar.parallel.data import GradientReducer
+from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
+from hybridpar.parallel.tensor_plan import (
+    parallelize_llama,
+    reduce_replicated_grads,
+    set_sequence_parallel,
+    tp_grad_norm_sq,
+    tp_replicated_params,
+)
 from hybridpar.training import checkpoint
 from hybridpar.training import device as devices
 from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.generate import sample
 from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
-from hybridpar.training.optim import build_optimizer, clip_by_total_norm, grad_norm_sq, lr_at
+from hybridpar.training.optim import build_optimizer, clip_by_total_norm, lr_at
 from hybridpar.training.precision import LossScaler, autocast
 
 
@@ -62,9 +71,13 @@ class Trainer:
             init_from_hf(self.model, t.init_from)
         else:
             self.model.init_weights(t.seed)
+        self.sequence_parallel = cfg.parallel.sequence_parallel and topo.tp.size > 1
+        parallelize_llama(self.model, topo.tp, sequence_parallel=self.sequence_parallel)  # no-op at tp=1
+        self.cp = enable_context_parallel(self.model, topo.cp) if topo.cp.size > 1 else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, t)
-        self.reducer = GradientReducer(self.params, topo.dp, int(cfg.parallel.bucket_mb * 2**20))
+        # replicas of every parameter: dp (other data) and cp (other parts of the same sequences)
+        self.reducer = GradientReducer(self.params, topo.dp_cp, int(cfg.parallel.bucket_mb * 2**20))
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.skipped_nonfinite = 0
         self.is_logger = topo.rank == 0
@@ -73,7 +86,8 @@ class Trainer:
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int, sampler: WindowSampler) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of step ``step`` (from 1) when a step reads ``per_step``
-        global sample ids: the dp axis takes contiguous equal shares of the ids."""
+        global sample ids: the dp axis takes contiguous equal shares of the ids, and the cp axis
+        its zigzag share of each sequence's tokens."""
         dp = self.topo.dp
         share = per_step // dp.size
         first = (step - 1) * per_step + dp.rank * share
@@ -81,14 +95,20 @@ class Trainer:
         out = []
         for start in range(first, first + share, mb):
             x, y = sampler.batch(range(start, start + mb))
+            if self.cp is not None:
+                x, y = zigzag_shard(x, self.topo.cp, dim=1), zigzag_shard(y, self.topo.cp, dim=1)
             out.append((x.to(self.device), y.to(self.device)))
         return out
 
     def loss_fn(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of one micro-batch (logits upcast to fp32)."""
+        """Mean next-token cross-entropy of this rank's tokens of one micro-batch (logits upcast
+        to fp32). Under cp every rank holds equally many tokens, so the cp average of these
+        means is the mean over the whole sequence."""
+        positions = zigzag_positions(self.cfg.train.seq_len, self.topo.cp) if self.cp is not None else None
         with autocast(self.cfg.train.precision, self.device):
-            logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            logits = self.model(inputs, positions)
+        # vocab-sharded under tp (never gathered); plain cross-entropy at tp=1
+        return vocab_parallel_cross_entropy(logits.float(), targets, self.topo.tp, self.cfg.model.vocab_size)
 
     # ------------------------------------------------------------------ steps
     def forward_backward_step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
@@ -114,14 +134,16 @@ class Trainer:
             with contextlib.nullcontext() if last else self.reducer.no_sync():
                 losses.append(self.forward_backward_step(x, y, self.scaler.scale / len(batches)))
         self.reducer.finish()
+        if self.sequence_parallel:  # norm weights saw only this rank's sequence shard: sum over tp
+            reduce_replicated_grads(tp_replicated_params(self.model), self.topo.tp)
         loss = torch.stack(losses).mean().float()
-        self.topo.comm.all_reduce(loss, self.topo.dp, op="avg")  # NaN on any rank reaches all
+        self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
         if not self.scaler.unscale_or_skip(self.params, self.topo.world):
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         if not torch.isfinite(loss):
             self._on_nonfinite(step, float(loss))
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
-        norm = grad_norm_sq(self.params).sqrt()
+        norm = tp_grad_norm_sq(self.model, self.topo.tp).sqrt()  # sharded squares summed over tp
         clip_by_total_norm(self.params, norm, t.grad_clip)
         self.optimizer.step()
         return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr)
@@ -149,7 +171,7 @@ class Trainer:
         losses = [self.loss_fn(x, y) for x, y in self.micro_batches(1, per_eval, self.val_data)]
         self.model.train()
         loss = torch.stack(losses).mean().float()
-        self.topo.comm.all_reduce(loss, self.topo.dp, op="avg")
+        self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")
         return float(loss)
 
     # ------------------------------------------------------------------ loop
@@ -230,9 +252,9 @@ class Trainer:
         log.close()
         summary = {"first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
                    "steps": t.steps, "layout": self.layout_name(), "params": m.num_params()}
+        text = self.sample_text()
         if self.is_logger:
             plot = log.plot()
-            text = self.sample_text()
             atomic_write_text(self.run_dir / "sample.txt", text)
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
             log.write(f"--- sample ---\n{text}\n--------------")
@@ -242,8 +264,18 @@ class Trainer:
         return summary
 
     def sample_text(self, prompt: str = "def ") -> str:
-        tokens = sample(self.model, self.tokenizer.encode(prompt), self.cfg.train.sample_tokens,
-                        self.cfg.model.max_seq_len, seed=self.cfg.train.seed)
+        """A short continuation of ``prompt``. Every rank calls it: tp ranks gather logits
+        together (same seed, same tokens); cp ranks attend locally (no ring)."""
+        tp, vocab = self.topo.tp, self.cfg.model.vocab_size
+        paused = self.cp.paused() if self.cp is not None else contextlib.nullcontext()
+        set_sequence_parallel(self.model, False)  # any prompt length
+        try:
+            with paused:
+                tokens = sample(self.model, self.tokenizer.encode(prompt), self.cfg.train.sample_tokens,
+                                self.cfg.model.max_seq_len, seed=self.cfg.train.seed,
+                                forward=lambda x: gather_logits(self.model(x), tp, vocab))
+        finally:
+            set_sequence_parallel(self.model, self.sequence_parallel)
         return self.tokenizer.decode(tokens)
 
     def layout_name(self) -> str:
