@@ -72,3 +72,37 @@ def test_layout_matches_single_process(name, dist_run, tmp_path_factory):
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
     for k, v in results[0]["state"].items():
         torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _save_at_step_2(rank: int, world: int, tmp: str, layout: list[str]) -> None:
+    cfg = config(tmp, layout)
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        for s in range(1, 3):
+            trainer.train_step(s)
+        trainer.save_checkpoint(2)
+
+
+def _resume(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
+    from hybridpar.training import checkpoint
+
+    cfg = config(tmp, layout)
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        trainer.load_checkpoint(checkpoint.step_dir(trainer.run_dir, 2))
+        losses = [trainer.train_step(s).loss for s in range(3, STEPS + 1)]
+        return {"losses": losses, "state": gather_full_state_dict(trainer.model, topo.tp)}
+
+
+@pytest.mark.parametrize("saved, loaded", [("tp2", "tp4"), ("dp2-tp2", "one"), ("tp4-sp", "tp2")])
+def test_checkpoint_reshards_across_tensor_parallel_layouts(saved, loaded, dist_run, tmp_path):
+    """Saved at step 2 under one layout, continued under another: same as never changing."""
+    ref = reference(str(tmp_path / "ref"))
+    save_layout = LAYOUTS[saved]
+    dist_run(config(str(tmp_path), save_layout).parallel.world_size, _save_at_step_2, str(tmp_path), save_layout)
+    load_layout = [] if loaded == "one" else LAYOUTS[loaded]
+    world = config(str(tmp_path), load_layout).parallel.world_size
+    results = [_resume(0, 1, str(tmp_path), [])] if world == 1 else dist_run(world, _resume, str(tmp_path), load_layout)
+    assert results[0]["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
+    for k, v in results[0]["state"].items():
+        torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL)

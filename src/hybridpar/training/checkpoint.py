@@ -32,11 +32,13 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor, Shard
 
 from hybridpar.config import Config, ConfigError, config_from_dict
 from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, save_tokenizer
 from hybridpar.distributed.mesh import Topology
 from hybridpar.errors import UserError
+from hybridpar.parallel.tensor_plan import shard_dim
 from hybridpar.training.metrics import atomic_write_text
 
 COMPLETE = "complete.json"
@@ -163,9 +165,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     topo.comm.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()},
-             "extra": extra or {}}
+    state = _train_state(model, optimizer, topo, extra)
     with _single_process_quiet():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(topo),
                  no_dist=topo.world_size == 1)
@@ -190,9 +190,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
     path = Path(path)
     info = read_info(_require_complete(path))
     check_compatible(read_config(path), cfg, path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()},
-             "extra": extra if extra is not None else {}}
+    state = _train_state(model, optimizer, topo, extra)
     try:
         with _single_process_quiet():
             dcp.load(state, storage_reader=SafeReader(str(path)), process_group=_group(topo),
@@ -201,6 +199,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
         raise
     except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
         raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
+    state = _local(state)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"]["torch_cpu"])
     return int(info["step"])
@@ -247,6 +246,38 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
         yield
+
+
+def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
+                 extra: dict[str, Any] | None) -> dict[str, Any]:
+    """What a checkpoint holds, keyed by parameter name. Tensor-parallel shards (and their
+    optimizer moments) become DTensors over the tp mesh axis, so DCP stores each shard once as
+    a piece of the full tensor and any other layout can read the pieces it needs."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if topo.tp.size > 1:
+        mesh = topo.mesh["tp"]
+
+        def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
+            dim = shard_dim(name)
+            if dim is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
+
+        model_sd = {k: wrap(k, v) for k, v in model_sd.items()}
+        optim_sd["state"] = {k: {n: wrap(k, t) for n, t in st.items()} for k, st in optim_sd["state"].items()}
+    return {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()},
+            "extra": extra if extra is not None else {}}
+
+
+def _local(tree: Any) -> Any:
+    """The same nested state with every DTensor replaced by this rank's local shard."""
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_local(v) for v in tree]
+    return tree
 
 
 def _require_complete(path: Path) -> Path:
