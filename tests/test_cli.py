@@ -40,7 +40,7 @@ def test_config_file_and_override(tmp_path):
     "args, needle",
     [
         (["--parallel.dp", "2", "--nproc", "3"], "world size 3 != dp * tp * pp * cp = 2 * 1 * 1 * 1 = 2"),
-        (["--parallel.tp", "3"], "n_heads = 4 is not divisible by parallel.tp = 3"),
+        (["--parallel.tp", "3"], "model.n_kv_heads = 2 < parallel.tp = 3"),
         (["--train.stepz", "1"], "unknown config key train.stepz"),
     ],
 )

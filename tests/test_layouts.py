@@ -38,12 +38,21 @@ LAYOUTS = {
     "dp2-tp2-sp": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "dp2-cp2": ["--parallel.dp", "2", "--parallel.cp", "2"],
     "cp2-tp2": ["--parallel.cp", "2", "--parallel.tp", "2"],
+    "pp2": ["--parallel.pp", "2"],
+    "pp2-gpipe": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "gpipe"],
+    "pp2-interleaved": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "interleaved",
+                        "--parallel.virtual_stages", "2"],
+    "pp2-zb": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1"],
+    "pp4": ["--parallel.pp", "4"],
+    "dp2-pp2": ["--parallel.dp", "2", "--parallel.pp", "2"],
+    "pp2-tp2-sp": ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    "dp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
 }
 
 
 def config(tmp: str, layout: list[str]):
-    # kv heads 4 everywhere so tp4 layouts share the reference model
-    return load_config(None, [*SMALL, "--model.n_kv_heads", "4", "--train.lr", str(LR),
+    # kv heads 4 and 4 layers everywhere, so tp4 and pp4 layouts share the reference model
+    return load_config(None, [*SMALL, "--model.n_kv_heads", "4", "--model.n_layers", "4", "--train.lr", str(LR),
                               "--train.run_dir", tmp, *layout])
 
 
@@ -52,6 +61,7 @@ def _run(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
         trainer = Trainer(cfg, topo)
         losses = [trainer.train_step(s).loss for s in range(1, STEPS + 1)]
+        trainer.engine._share_pipeline_weights()  # every pp rank then holds the whole model
         state = gather_full_state_dict(trainer.model, topo.tp)
         return {"losses": losses, "state": state if rank == 0 else None}
 

@@ -76,7 +76,7 @@ def test_one_ranks_overflow_skips_the_step_everywhere(tmp_path, dist_run):
 
 
 def nan_at(trainer: Trainer, steps: set[int]) -> None:
-    real = trainer.loss_fn
+    real = trainer.engine.loss
     state = {"step": 0}
 
     def loss_fn(x, y):
@@ -89,7 +89,7 @@ def nan_at(trainer: Trainer, steps: set[int]) -> None:
         state["step"] = step
         return real_step(step)
 
-    trainer.loss_fn = loss_fn
+    trainer.engine.loss = loss_fn
     trainer.train_step = train_step
 
 

@@ -305,7 +305,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 # ----------------------------------------------------------------------------- validation
 
 # Parallelism implemented so far; the rest is rejected with a message saying so.
-BUILT = {"dp": True, "tp": True, "pp": False, "cp": True, "zero": False}
+BUILT = {"dp": True, "tp": True, "pp": True, "cp": True, "zero": False}
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -314,6 +314,11 @@ def config_warnings(cfg: Config) -> list[str]:
     out = []
     if p.sequence_parallel and p.tp == 1:
         out.append("parallel.sequence_parallel = true has no effect with parallel.tp = 1; ignored")
+    micro = cfg.train.global_batch // (p.dp * cfg.train.micro_batch)
+    if p.pp > 1 and micro < p.pp:
+        idle = (p.pp - 1) / (micro + p.pp - 1)
+        out.append(f"{micro} micro-batches per step < parallel.pp = {p.pp}: the pipeline is bubble-dominated "
+                   f"(about {100 * idle:.0f}% idle); use at least {p.pp}, ideally {4 * p.pp} or more")
     return out
 
 
@@ -368,15 +373,21 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.ffn_hidden % p.tp == 0,
          f"model.ffn_hidden = {m.ffn_hidden} is not divisible by parallel.tp = {p.tp}")
     stages = p.pp * p.virtual_stages
-    need(m.n_layers % stages == 0,
-         f"model.n_layers = {m.n_layers} is not divisible by parallel.pp * virtual_stages = {p.pp} * {p.virtual_stages} = {stages}")
+    need(m.n_layers >= stages,
+         f"model.n_layers = {m.n_layers} < parallel.pp * virtual_stages = {p.pp} * {p.virtual_stages} = {stages} "
+         "pipeline chunks; every chunk needs a layer: lower pp or virtual_stages, or add layers")
     need(p.virtual_stages == 1 or p.pipeline_schedule == "interleaved",
          f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pipeline_schedule = 'interleaved'")
-    if p.pp > 1:
-        micro = p.microbatches or t.global_batch // (p.dp * t.micro_batch)
-        need(micro >= p.pp,
-             f"pipeline needs at least pp = {p.pp} micro-batches per step, got {micro} "
-             f"(= global_batch / (dp * micro_batch)); raise train.global_batch or lower train.micro_batch")
+    micro = t.global_batch // (p.dp * t.micro_batch)  # micro-batches per step on each rank
+    need(p.microbatches in (0, micro),
+         f"parallel.microbatches = {p.microbatches} but global_batch / (dp * micro_batch) = {t.global_batch} / "
+         f"({p.dp} * {t.micro_batch}) = {micro}; set train.micro_batch = {t.global_batch // max(1, p.dp * p.microbatches)} "
+         "or leave parallel.microbatches = 0")
+    if p.pipeline_schedule == "interleaved" and p.pp > 1:
+        need(micro % p.pp == 0,
+             f"interleaved 1F1B needs micro-batches per step divisible by parallel.pp: {micro} % {p.pp} = "
+             f"{micro % p.pp}; use {max(p.pp, micro - micro % p.pp)} or {micro + p.pp - micro % p.pp} micro-batches "
+             "(train.global_batch / (dp * train.micro_batch))")
     if p.cp > 1:
         need(t.seq_len % (2 * p.cp) == 0,
              f"train.seq_len = {t.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} "

@@ -256,13 +256,15 @@ def reduce_replicated_grads(params: Iterable[nn.Parameter], axis: Axis) -> None:
         offset += g.numel()
 
 
-def tp_grad_norm_sq(model: nn.Module, axis: Axis) -> Tensor:
-    """Squared L2 norm of the full model's gradient (fp32 scalar, same on every tp rank): the
-    sharded parameters' squares summed over ``axis`` plus the replicated ones counted once."""
-    device = next(model.parameters()).device
+def tp_grad_norm_sq(model: nn.Module | Iterable[tuple[str, nn.Parameter]], axis: Axis) -> Tensor:
+    """Squared L2 norm of the gradient of ``model`` (or of the named parameters given, e.g. one
+    pipeline stage's), fp32 scalar, same on every tp rank: the sharded parameters' squares
+    summed over ``axis`` plus the replicated ones counted once."""
+    named = list(model.named_parameters() if isinstance(model, nn.Module) else model)
+    device = named[0][1].device
     sharded = torch.zeros((), dtype=torch.float32, device=device)
     replicated = torch.zeros((), dtype=torch.float32, device=device)
-    for name, p in model.named_parameters():
+    for name, p in named:
         if p.grad is None:
             continue
         sq = p.grad.detach().float().pow(2).sum()

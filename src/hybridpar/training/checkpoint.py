@@ -250,10 +250,15 @@ def _single_process_quiet() -> Iterator[None]:
 
 def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
                  extra: dict[str, Any] | None) -> dict[str, Any]:
-    """What a checkpoint holds, keyed by parameter name. Tensor-parallel shards (and their
+    """What a checkpoint holds, keyed by parameter name: the parameters this rank trains (all
+    of them, or one pipeline stage's) and their optimizer state. Tensor-parallel shards (and their
     optimizer moments) become DTensors over the tp mesh axis, so DCP stores each shard once as
     a piece of the full tensor and any other layout can read the pieces it needs."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    # a pipeline stage holds (and saves) only the parameters its optimizer trains
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    keep = {name for name, p in model.named_parameters() if id(p) in trained}
+    model_sd = {k: v for k, v in model_sd.items() if k in keep}
     if topo.tp.size > 1:
         mesh = topo.mesh["tp"]
 

@@ -11,10 +11,12 @@ from torch import nn
 from hybridpar.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and other vectors are not decayed)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+def build_optimizer(model: nn.Module | Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over a model's (or the given) parameters, with weight decay on matrices only (norm
+    gains and other vectors are not decayed)."""
+    params = list(model.parameters() if isinstance(model, nn.Module) else model)
+    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -7,7 +7,6 @@ how gradients and the logged loss are reduced.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import time
@@ -21,26 +20,14 @@ from hybridpar.config import Config
 from hybridpar.data.corpus import WindowSampler, load_tokens
 from hybridpar.data.errors import DataError
 from hybridpar.distributed.mesh import Topology
-from hybridpar.models.hf import init_from_hf
-from hybridpar.models.llama import Llama
-from hybridpar.parallel.context import zigzag_positions, zigzag_shard
-from hybridpar.parallel.context_model import enable_context_parallel
-from hybridpar.parallel.data import GradientReducer
-from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
-from hybridpar.parallel.tensor_plan import (
-    parallelize_llama,
-    reduce_replicated_grads,
-    set_sequence_parallel,
-    tp_grad_norm_sq,
-    tp_replicated_params,
-)
+from hybridpar.parallel.context import zigzag_shard
 from hybridpar.training import checkpoint
 from hybridpar.training import device as devices
+from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
-from hybridpar.training.generate import sample
 from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
-from hybridpar.training.optim import build_optimizer, clip_by_total_norm, lr_at
-from hybridpar.training.precision import LossScaler, autocast
+from hybridpar.training.optim import clip_by_total_norm, lr_at
+from hybridpar.training.precision import LossScaler
 
 
 @dataclass
@@ -66,18 +53,9 @@ class Trainer:
                              f"raise model.vocab_size to at least {data.vocab_size}")
         self.train_data = WindowSampler(data.train, t.seq_len, t.seed)
         self.val_data = WindowSampler(data.val, t.seq_len, t.seed + 1)
-        self.model = Llama(cfg.model).to(self.device)
-        if t.init_from:  # checks the weights' shape against cfg.model, then loads them (strict)
-            init_from_hf(self.model, t.init_from)
-        else:
-            self.model.init_weights(t.seed)
-        self.sequence_parallel = cfg.parallel.sequence_parallel and topo.tp.size > 1
-        parallelize_llama(self.model, topo.tp, sequence_parallel=self.sequence_parallel)  # no-op at tp=1
-        self.cp = enable_context_parallel(self.model, topo.cp) if topo.cp.size > 1 else None
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, t)
-        # replicas of every parameter: dp (other data) and cp (other parts of the same sequences)
-        self.reducer = GradientReducer(self.params, topo.dp_cp, int(cfg.parallel.bucket_mb * 2**20))
+        self.engine = Engine(cfg, topo, self.device)
+        self.model, self.optimizer, self.params = self.engine.model, self.engine.optimizer, self.engine.params
+        self.cp, self.reducer = self.engine.cp, self.engine.reducer
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.skipped_nonfinite = 0
         self.is_logger = topo.rank == 0
@@ -100,23 +78,6 @@ class Trainer:
             out.append((x.to(self.device), y.to(self.device)))
         return out
 
-    def loss_fn(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of this rank's tokens of one micro-batch (logits upcast
-        to fp32). Under cp every rank holds equally many tokens, so the cp average of these
-        means is the mean over the whole sequence."""
-        positions = zigzag_positions(self.cfg.train.seq_len, self.topo.cp) if self.cp is not None else None
-        with autocast(self.cfg.train.precision, self.device):
-            logits = self.model(inputs, positions)
-        # vocab-sharded under tp (never gathered); plain cross-entropy at tp=1
-        return vocab_parallel_cross_entropy(logits.float(), targets, self.topo.tp, self.cfg.model.vocab_size)
-
-    # ------------------------------------------------------------------ steps
-    def forward_backward_step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch; gradients accumulate ``scale * dloss``."""
-        loss = self.loss_fn(inputs, targets)
-        (loss * scale).backward()
-        return loss.detach()
-
     def train_step(self, step: int) -> StepResult:
         """One optimizer step over the global batch; returns the global mean loss.
 
@@ -128,22 +89,14 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=False)
         batches = self.micro_batches(step, t.global_batch, self.train_data)
-        losses = []
-        for i, (x, y) in enumerate(batches):
-            last = i == len(batches) - 1
-            with contextlib.nullcontext() if last else self.reducer.no_sync():
-                losses.append(self.forward_backward_step(x, y, self.scaler.scale / len(batches)))
-        self.reducer.finish()
-        if self.sequence_parallel:  # norm weights saw only this rank's sequence shard: sum over tp
-            reduce_replicated_grads(tp_replicated_params(self.model), self.topo.tp)
-        loss = torch.stack(losses).mean().float()
+        loss = self.engine.forward_backward(batches, self.scaler.scale / len(batches)).mean().float()
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
         if not self.scaler.unscale_or_skip(self.params, self.topo.world):
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         if not torch.isfinite(loss):
             self._on_nonfinite(step, float(loss))
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
-        norm = tp_grad_norm_sq(self.model, self.topo.tp).sqrt()  # sharded squares summed over tp
+        norm = self.engine.grad_norm()
         clip_by_total_norm(self.params, norm, t.grad_clip)
         self.optimizer.step()
         return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr)
@@ -166,11 +119,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over a fixed validation set of ``eval_batches * global_batch`` sequences."""
         t = self.cfg.train
-        self.model.eval()
         per_eval = t.eval_batches * t.global_batch
-        losses = [self.loss_fn(x, y) for x, y in self.micro_batches(1, per_eval, self.val_data)]
-        self.model.train()
-        loss = torch.stack(losses).mean().float()
+        loss = self.engine.evaluate(self.micro_batches(1, per_eval, self.val_data)).mean().float()
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")
         return float(loss)
 
@@ -252,6 +202,7 @@ class Trainer:
         log.close()
         summary = {"first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
                    "steps": t.steps, "layout": self.layout_name(), "params": m.num_params()}
+        self.engine.save_timeline(self.run_dir / "pipeline_timeline.png", self.is_logger)
         text = self.sample_text()
         if self.is_logger:
             plot = log.plot()
@@ -264,18 +215,8 @@ class Trainer:
         return summary
 
     def sample_text(self, prompt: str = "def ") -> str:
-        """A short continuation of ``prompt``. Every rank calls it: tp ranks gather logits
-        together (same seed, same tokens); cp ranks attend locally (no ring)."""
-        tp, vocab = self.topo.tp, self.cfg.model.vocab_size
-        paused = self.cp.paused() if self.cp is not None else contextlib.nullcontext()
-        set_sequence_parallel(self.model, False)  # any prompt length
-        try:
-            with paused:
-                tokens = sample(self.model, self.tokenizer.encode(prompt), self.cfg.train.sample_tokens,
-                                self.cfg.model.max_seq_len, seed=self.cfg.train.seed,
-                                forward=lambda x: gather_logits(self.model(x), tp, vocab))
-        finally:
-            set_sequence_parallel(self.model, self.sequence_parallel)
+        """A short continuation of ``prompt`` (every rank calls it; see Engine.sample)."""
+        tokens = self.engine.sample(self.tokenizer.encode(prompt), self.cfg.train.sample_tokens, self.cfg.train.seed)
         return self.tokenizer.decode(tokens)
 
     def layout_name(self) -> str:

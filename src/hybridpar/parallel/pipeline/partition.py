@@ -1,0 +1,177 @@
+"""Split a decoder's layers into ``pp * V`` contiguous chunks (pipeline stages).
+
+Chunk ``s`` (model order) runs on pipeline rank ``s % pp`` as its local chunk ``s // pp``, the
+layout of :mod:`.schedules`. The first chunk also holds the token embedding, the last one the
+final norm and output head. Three balancing rules (:class:`Balance`):
+
+* ``LAYERS``: equal layer counts (the remainder goes one each to the first chunks);
+* ``PARAMS``: minimise the largest chunk's parameter count, embedding and head included;
+* ``COST``: minimise the largest chunk's cost, given a cost per layer plus embedding and head
+  costs (measured times or a planner's estimates).
+
+Every chunk gets at least one layer, so ``n_layers >= pp * V`` is required.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridpar.config import ModelConfig
+from hybridpar.parallel.pipeline.schedules import ScheduleError
+
+
+class Balance(enum.Enum):
+    LAYERS = "layers"
+    PARAMS = "params"
+    COST = "cost"
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One pipeline stage: which layers, whether it embeds / ends with the head, its weight."""
+
+    stage: int
+    rank: int
+    chunk: int  # local index on its rank (virtual stage)
+    layers: range
+    embedding: bool
+    head: bool
+    weight: float  # what the balancing rule measured (layers, parameters or cost)
+
+
+@dataclass(frozen=True)
+class Partition:
+    pp: int
+    virtual_stages: int
+    balance: Balance
+    chunks: tuple[ChunkSpec, ...]  # in stage (model) order
+
+    def for_rank(self, rank: int) -> list[ChunkSpec]:
+        """The chunks rank ``rank`` holds, in local-chunk order."""
+        return [c for c in self.chunks if c.rank == rank]
+
+    @property
+    def imbalance(self) -> float:
+        """Largest chunk weight over the mean (1.0 is perfect balance)."""
+        weights = [c.weight for c in self.chunks]
+        mean = sum(weights) / len(weights)
+        return max(weights) / mean if mean > 0 else 1.0
+
+    def stage_scale(self) -> tuple[float, ...]:
+        """Per-stage weight relative to the mean, for :class:`.simulate.Costs.stage_scale`."""
+        mean = sum(c.weight for c in self.chunks) / len(self.chunks)
+        return tuple(c.weight / mean if mean > 0 else 1.0 for c in self.chunks)
+
+    def describe(self) -> str:
+        """A table for the start-up log, one line per stage."""
+        unit = {Balance.LAYERS: "layers", Balance.PARAMS: "params", Balance.COST: "cost"}[self.balance]
+        lines = [f"pipeline partition: {len(self.chunks)} stages on pp = {self.pp} ranks x "
+                 f"{self.virtual_stages} virtual, balanced by {self.balance.value} "
+                 f"(max/mean {self.imbalance:.3f})"]
+        for c in self.chunks:
+            parts = (["embedding"] if c.embedding else []) + [_layer_range(c.layers)]
+            parts += ["norm + head"] if c.head else []
+            lines.append(f"  stage {c.stage:>2}  rank {c.rank:>2} chunk {c.chunk}:  "
+                         f"{' + '.join(parts):<40} {unit} {c.weight:,.6g}")
+        return "\n".join(lines)
+
+
+def _layer_range(r: range) -> str:
+    if len(r) == 1:
+        return f"layer {r.start}"
+    return f"layers {r.start}-{r.stop - 1}"
+
+
+def _min_max_split(weights: Sequence[float], k: int, first: float, last: float) -> list[int]:
+    """Sizes of ``k`` contiguous non-empty groups of ``weights`` minimising the largest group sum,
+    where the first group also carries ``first`` and the last ``last``; among those, the one with
+    the smallest sum of squared group sums (evenest). Two dynamic programs over (groups, prefix)."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def cost(g: int, i: int, j: int) -> float:  # group g holds weights[i:j]
+        extra = (first if g == 0 else 0.0) + (last if g == k - 1 else 0.0)
+        return prefix[j] - prefix[i] + extra
+
+    def solve(combine, bound: float) -> tuple[float, list[int]]:
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(k + 1)]
+        cut = [[0] * (n + 1) for _ in range(k + 1)]
+        best[0][0] = 0.0
+        for g in range(1, k + 1):
+            for j in range(g, n - (k - g) + 1):
+                for i in range(g - 1, j):
+                    c = cost(g - 1, i, j)
+                    if c > bound or best[g - 1][i] == inf:
+                        continue
+                    val = combine(best[g - 1][i], c)
+                    if val < best[g][j]:
+                        best[g][j], cut[g][j] = val, i
+        sizes, j = [], n
+        for g in range(k, 0, -1):
+            sizes.append(j - cut[g][j])
+            j = cut[g][j]
+        return best[k][n], sizes[::-1]
+
+    top, _ = solve(max, float("inf"))
+    _, sizes = solve(lambda acc, c: acc + c * c, top * (1 + 1e-9) + 1e-12)
+    return sizes
+
+
+def partition_layers(n_layers: int, pp: int, virtual_stages: int = 1,
+                     balance: Balance = Balance.LAYERS,
+                     layer_weights: Sequence[float] | None = None,
+                     embedding_weight: float = 0.0, head_weight: float = 0.0) -> Partition:
+    """Split ``n_layers`` into ``pp * virtual_stages`` chunks. ``LAYERS`` ignores the weights;
+    ``PARAMS`` / ``COST`` balance ``layer_weights`` (one per layer) plus the embedding and head
+    weights carried by the first and last chunk."""
+    k = pp * virtual_stages
+    if n_layers < k:
+        raise ScheduleError(
+            f"model.n_layers = {n_layers} < pp * virtual_stages = {pp} * {virtual_stages} = {k} "
+            f"pipeline chunks; every chunk needs a layer: lower pp or virtual_stages, or add layers")
+    if balance is Balance.LAYERS:
+        base, extra = divmod(n_layers, k)
+        sizes = [base + (1 if i < extra else 0) for i in range(k)]
+        weights = [float(s) for s in sizes]
+    else:
+        if layer_weights is None or len(layer_weights) != n_layers:
+            got = None if layer_weights is None else len(layer_weights)
+            raise ValueError(f"balance {balance.value} needs {n_layers} layer weights, got {got}")
+        sizes = _min_max_split(layer_weights, k, embedding_weight, head_weight)
+    chunks, start = [], 0
+    for s, size in enumerate(sizes):
+        layers = range(start, start + size)
+        if balance is not Balance.LAYERS:
+            w = sum(layer_weights[i] for i in layers)  # type: ignore[index]
+            w += (embedding_weight if s == 0 else 0.0) + (head_weight if s == k - 1 else 0.0)
+        else:
+            w = weights[s]
+        chunks.append(ChunkSpec(s, s % pp, s // pp, layers, s == 0, s == k - 1, w))
+        start += size
+    return Partition(pp, virtual_stages, balance, tuple(chunks))
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """Parameters of one decoder layer of :class:`hybridpar.models.llama.Llama`."""
+    kv_dim = cfg.n_kv_heads * cfg.head_dim
+    return 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim + 3 * cfg.dim * cfg.ffn_hidden + 2 * cfg.dim
+
+
+def partition_model(cfg: ModelConfig, pp: int, virtual_stages: int = 1,
+                    balance: Balance = Balance.LAYERS,
+                    layer_costs: Sequence[float] | None = None,
+                    embedding_cost: float = 0.0, head_cost: float = 0.0) -> Partition:
+    """Partition a Llama: by layer count, by parameters (embedding ``vocab * dim`` on the first
+    chunk; norm + head ``dim + vocab * dim`` on the last, tied or not, since the last stage holds
+    its own copy of a tied weight) or by the given costs."""
+    if balance is Balance.PARAMS:
+        emb = cfg.vocab_size * cfg.dim
+        return partition_layers(cfg.n_layers, pp, virtual_stages, balance,
+                                [float(layer_params(cfg))] * cfg.n_layers, emb, emb + cfg.dim)
+    return partition_layers(cfg.n_layers, pp, virtual_stages, balance, layer_costs,
+                            embedding_cost, head_cost)

@@ -1,0 +1,265 @@
+"""Execute one pipeline rank's action list: forward/backward of its chunks plus batched p2p.
+
+:class:`PipelineRunner` is the entry point. It runs the schedule's actions for this pp rank in
+order (see :mod:`.schedules` for the semantics): consecutive sends are posted as one batch
+through ``topo.comm.batch_p2p`` and waited only at the end of the step; each receive is posted
+(ahead of time) as its own batch and waited right before the compute that consumes it, so
+transfers overlap compute wherever the order allows. Every byte goes through the comm layer.
+
+Gradient semantics equal the non-pipelined loop: the last stage scales each micro-batch's loss
+by ``1 / M`` before backward, so after :meth:`PipelineRunner.run` every parameter's ``.grad``
+holds (plus whatever it held before) the gradient of the mean loss over the M micro-batches.
+
+ZB-H1 (``schedule.split_backward``): B computes the input gradient with
+``torch.autograd.grad(out, [input], grad, retain_graph=True)`` and sends it upstream at once; W
+later computes the weight gradients with ``torch.autograd.grad(out, params, grad)`` and adds
+them to ``.grad``. Correct, but W re-traverses the chunk's graph (no saved intermediate
+gradients), so on real models it costs about a full backward; the schedule's benefit shows when
+W's work is separable (the benchmark's sleep stages) - a known limitation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from hybridpar.distributed.comm import Pending
+from hybridpar.distributed.mesh import Topology
+from hybridpar.parallel.pipeline.schedules import (
+    Action,
+    ActionKind,
+    Message,
+    PipelineSchedule,
+    ScheduleError,
+    build_forward_schedule,
+    needed_message,
+    produced_message,
+)
+from hybridpar.parallel.pipeline.simulate import Interval, Timeline
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+_KINDS = list(ActionKind)
+
+
+@dataclass
+class _Saved:
+    """What one (micro-batch, stage) keeps between its F and its last backward action."""
+
+    inp: Tensor | None  # the received input (a leaf requiring grad), None on the first stage
+    out: Tensor  # hidden output, or the scaled loss on the last stage
+    grad: Tensor | None = None  # output gradient, kept from B to W when backward is split
+
+
+@dataclass
+class _Step:
+    """Per-step state: stored activations, posted transfers, results."""
+
+    microbatches: Sequence[tuple[Tensor, Tensor]]
+    store: bool  # keep activations for backward (False: forward-only evaluation)
+    saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
+    recvs: dict[Message, tuple[Tensor, Pending]] = field(default_factory=dict)
+    outbox: dict[Message, Tensor] = field(default_factory=dict)
+    sends: list[tuple[Pending, list[Tensor]]] = field(default_factory=list)
+    losses: dict[int, Tensor] = field(default_factory=dict)
+    intervals: list[Interval] = field(default_factory=list)
+    peak: int = 0
+
+
+@dataclass
+class PipelineStepResult:
+    """Outcome of one :meth:`PipelineRunner.run` on one rank."""
+
+    losses: Tensor  # [M] unscaled per-micro-batch losses, identical on every pp rank
+    peak_activations: int  # most (micro-batch, chunk) activations this rank stored at once
+    intervals: tuple[Interval, ...]  # this rank's compute actions, seconds from the step start
+
+    @property
+    def loss(self) -> float:
+        return float(self.losses.mean())
+
+
+class PipelineRunner:
+    """Runs ``schedule`` on this pp rank with ``chunks[v]`` = global stage ``v * pp + rank``.
+
+    ``loss_fn(output_of_last_stage, targets) -> scalar mean loss``. Inter-stage activations all
+    have shape ``act_shape`` and dtype ``act_dtype`` (receive buffers are allocated from them).
+    ``forward_context`` (e.g. an autocast factory) wraps each forward, not the backward.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], topo: Topology, schedule: PipelineSchedule,
+                 loss_fn: LossFn, act_shape: Sequence[int], act_dtype: torch.dtype = torch.float32,
+                 forward_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+        if schedule.pp != topo.pp.size:
+            raise ScheduleError(f"schedule is for pp = {schedule.pp} but the mesh has pp = {topo.pp.size}")
+        if len(chunks) != schedule.virtual_stages:
+            raise ScheduleError(f"{len(chunks)} chunks given for {schedule.virtual_stages} virtual stages")
+        self.topo, self.schedule, self.loss_fn = topo, schedule, loss_fn
+        self.rank = topo.pp.rank
+        self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
+        self.forward_context = forward_context or contextlib.nullcontext
+        self.chunks = {s: chunks[v] for v, s in enumerate(schedule.stages_of(self.rank))}
+        self.params = {s: [p for p in c.parameters() if p.requires_grad] for s, c in self.chunks.items()}
+        self.last_stage = schedule.num_stages - 1
+        self._scale = 1.0 / schedule.microbatches
+
+    # ------------------------------------------------------------------ entry point
+    def run(self, microbatches: Sequence[tuple[Tensor, Tensor]],
+            grad_scale: float | None = None) -> PipelineStepResult:
+        """Forward and backward of all ``(inputs, targets)`` micro-batches (every pp rank passes
+        the same list; the first stage reads inputs, the last targets). Gradients accumulate
+        into ``.grad`` scaled by ``grad_scale`` (default ``1 / M``)."""
+        self._scale = 1.0 / self.schedule.microbatches if grad_scale is None else grad_scale
+        return self._execute(self.schedule, microbatches)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        """Forward only, any number of micro-batches (no activations stored, no gradients): the
+        per-micro-batch losses, on every pp rank."""
+        sched = build_forward_schedule(self.schedule.pp, self.schedule.virtual_stages, len(microbatches))
+        return self._execute(sched, microbatches).losses
+
+    def _execute(self, schedule: PipelineSchedule, microbatches: Sequence[tuple[Tensor, Tensor]]
+                 ) -> PipelineStepResult:
+        m = schedule.microbatches
+        if len(microbatches) != m:
+            raise ScheduleError(f"schedule has {m} micro-batches, run() got {len(microbatches)}")
+        step = _Step(microbatches, store=not schedule.forward_only)
+        t0 = time.perf_counter()
+        acts, i = schedule.ranks[self.rank], 0
+        while i < len(acts):
+            if acts[i].kind.is_compute:
+                step.intervals.append(self._compute(acts[i], step, t0))
+                i += 1
+                continue
+            j = i
+            while j < len(acts) and not acts[j].kind.is_compute:
+                j += 1
+            self._post(acts[i:j], step)
+            i = j
+        for pending, _ in step.sends:
+            pending.wait()
+        if step.saved or step.recvs:
+            raise RuntimeError(f"pipeline rank {self.rank} ended with {len(step.saved)} stored "
+                               f"activations and {len(step.recvs)} unconsumed receives")
+        return PipelineStepResult(self._gather_losses(step), step.peak, tuple(step.intervals))
+
+    # ------------------------------------------------------------------ communication
+    def _peer(self, stage: int) -> int:
+        return self.topo.pp.global_rank(self.schedule.rank_of(stage))
+
+    def _post(self, actions: Sequence[Action], step: _Step) -> None:
+        """Post a run of consecutive send/recv actions: all sends first, in one batch (a peer
+        may be waiting for them), then each receive in its own batch (so a compute waits only
+        for its own input)."""
+        sends = [("send", step.outbox.pop(a.message()), self._peer(a.message().dst))
+                 for a in actions if a.kind.is_send]
+        if sends:
+            pending = self.topo.comm.batch_p2p(sends, self.topo.pp, wait=False)
+            step.sends.append((pending, [t for _, t, _ in sends]))
+        for a in actions:
+            if a.kind.is_recv:
+                msg = a.message()
+                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.topo.device)
+                pending = self.topo.comm.batch_p2p([("recv", buf, self._peer(msg.src))],
+                                                   self.topo.pp, wait=False)
+                step.recvs[msg] = (buf, pending)
+
+    def _received(self, a: Action, step: _Step) -> Tensor | None:
+        msg = needed_message(a, self.schedule.num_stages)
+        if msg is None:
+            return None
+        buf, pending = step.recvs.pop(msg)
+        pending.wait()
+        return buf
+
+    # ------------------------------------------------------------------ compute
+    def _compute(self, a: Action, step: _Step, t0: float) -> Interval:
+        received = self._received(a, step)
+        start = time.perf_counter()
+        if a.kind is ActionKind.F:
+            self._forward(a, received, step)
+        elif a.kind is ActionKind.B:
+            self._backward(a, received, step)
+        else:
+            self._weight_grad(a, step)
+        return Interval(a, start - t0, time.perf_counter() - t0)
+
+    def _forward(self, a: Action, received: Tensor | None, step: _Step) -> None:
+        m, s = a.microbatch, a.stage
+        inputs, targets = step.microbatches[m]
+        if received is None:  # first stage: its own inputs; one that requires grad gets it in B
+            x = inputs.to(self.topo.device)
+            inp = x if x.is_floating_point() and x.requires_grad else None
+        else:
+            x = inp = received.requires_grad_(step.store)
+        with self.forward_context():
+            out = self.chunks[s](x)
+            if s == self.last_stage:
+                loss = self.loss_fn(out, targets.to(self.topo.device))
+        if s == self.last_stage:
+            step.losses[m] = loss.detach()
+            out = loss * self._scale
+        else:
+            if out.shape != self.act_shape or out.dtype != self.act_dtype:
+                raise ScheduleError(f"stage {s} produced {tuple(out.shape)} {out.dtype}; the runner "
+                                    f"was built for act_shape={self.act_shape} act_dtype={self.act_dtype}")
+            step.outbox[produced_message(a, self.schedule.num_stages)] = out.detach()
+        if step.store:
+            step.saved[(m, s)] = _Saved(inp, out)
+            step.peak = max(step.peak, len(step.saved))
+
+    def _backward(self, a: Action, grad: Tensor | None, step: _Step) -> None:
+        m, s = a.microbatch, a.stage
+        saved = step.saved[(m, s)]
+        input_grad = None
+        if self.schedule.split_backward:
+            if saved.inp is not None:
+                (input_grad,) = torch.autograd.grad(saved.out, [saved.inp], grad, retain_graph=True)
+            saved.grad = grad
+        else:
+            torch.autograd.backward(saved.out, grad)
+            input_grad = saved.inp.grad if saved.inp is not None else None
+            del step.saved[(m, s)]
+        if s > 0:
+            if input_grad is None:  # the chunk ignored its input: send a zero gradient
+                input_grad = torch.zeros(self.act_shape, dtype=self.act_dtype, device=self.topo.device)
+            step.outbox[produced_message(a, self.schedule.num_stages)] = input_grad
+
+    def _weight_grad(self, a: Action, step: _Step) -> None:
+        saved = step.saved.pop((a.microbatch, a.stage))
+        params = self.params[a.stage]
+        grads = torch.autograd.grad(saved.out, params, saved.grad, allow_unused=True)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+
+    # ------------------------------------------------------------------ results
+    def _gather_losses(self, step: _Step) -> Tensor:
+        m = len(step.microbatches)
+        if self.schedule.rank_of(self.last_stage) == self.rank:
+            losses = torch.stack([step.losses[i].float() for i in range(m)])
+        else:
+            losses = torch.empty(m, device=self.topo.device)
+        return self.topo.comm.broadcast(losses, self.topo.pp, src=self.schedule.rank_of(self.last_stage))
+
+    def gather_timeline(self, result: PipelineStepResult) -> Timeline:
+        """Every pp rank's recorded intervals (collective on the pp axis)."""
+        rows = torch.tensor([[_KINDS.index(iv.action.kind), iv.action.microbatch, iv.action.stage,
+                              iv.start, iv.end] for iv in result.intervals], dtype=torch.float64,
+                            device=self.topo.device)
+        every = self.topo.comm.all_gather(rows, self.topo.pp, dim=0).cpu().view(self.schedule.pp, -1, 5)
+        return Timeline(tuple(
+            tuple(Interval(Action(_KINDS[int(k)], int(mb), int(s)), float(t0), float(t1))
+                  for k, mb, s, t0, t1 in rank.tolist())
+            for rank in every)).shifted()
+

@@ -1,0 +1,395 @@
+"""Pipeline schedules as pure data: one ordered list of actions per pipeline rank.
+
+The model is cut into ``S = pp * V`` chunks ("stages", numbered 0..S-1 in model order). With
+``V`` virtual stages per rank (interleaved 1F1B), rank ``r`` holds stages ``r, r + pp, r + 2pp,
+...`` (Megatron's layout): stage ``s`` lives on rank ``s % pp`` as local chunk ``s // pp``.
+
+Every :class:`Action` is tagged with a micro-batch and the stage it runs on (always a stage of
+the rank that executes it):
+
+* ``F``: forward; ``B``: backward. In GPipe / 1F1B / interleaved, B is the full backward. In
+  ZB-H1 (``schedule.split_backward``) B computes only the input gradient and ``W`` the weight
+  gradient later, filling pipeline bubbles.
+* ``SEND_ACT`` sends the output of stage ``s`` to stage ``s + 1``; ``RECV_ACT`` receives the
+  input of stage ``s`` from ``s - 1``; ``SEND_GRAD`` sends the input gradient of ``s`` to
+  ``s - 1``; ``RECV_GRAD`` receives the output gradient of ``s`` from ``s + 1``.
+
+Execution semantics (the runtime implements them, :mod:`.simulate` times them, the tests check
+them): sends are posted right after the compute that produces them and never block; receives are
+posted one compute ahead of their consumer (prefetch, in the sender's order, since p2p messages
+between two ranks match first-in first-out) and only the consuming compute waits for them. Such a
+list is deadlock-free exactly when every rank's compute order respects the data dependencies.
+
+No process group is needed to build or check a schedule; the same lists drive the runtime, the
+simulator, the timeline plot and the planner.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridpar.errors import UserError
+
+PREFETCH = 1  # receives are posted this many compute actions before their consumer
+
+
+class ScheduleError(UserError):
+    """Impossible schedule arguments (pp, virtual stages, micro-batches) or a malformed list."""
+
+
+class Schedule(enum.Enum):
+    """The pipeline schedules; values are the config / CLI names."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"
+
+    @classmethod
+    def parse(cls, name: str | Schedule) -> Schedule:
+        if isinstance(name, Schedule):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            raise ScheduleError(f"unknown pipeline schedule {name!r}; choose one of "
+                                f"{[s.value for s in cls]}") from None
+
+
+class ActionKind(enum.Enum):
+    F = "F"
+    B = "B"
+    W = "W"
+    SEND_ACT = "send_act"
+    RECV_ACT = "recv_act"
+    SEND_GRAD = "send_grad"
+    RECV_GRAD = "recv_grad"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.F, ActionKind.B, ActionKind.W)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
+
+
+class Payload(enum.Enum):
+    ACT = "act"
+    GRAD = "grad"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One p2p transfer: ``payload`` of ``microbatch`` from stage ``src`` to stage ``dst``."""
+
+    payload: Payload
+    microbatch: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of a rank's list: ``kind`` on ``microbatch`` at global stage ``stage``."""
+
+    kind: ActionKind
+    microbatch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}(mb={self.microbatch}, stage={self.stage})"
+
+    def message(self) -> Message | None:
+        """The transfer a send or receive action takes part in (None for compute)."""
+        k, m, s = self.kind, self.microbatch, self.stage
+        if k is ActionKind.SEND_ACT:
+            return Message(Payload.ACT, m, s, s + 1)
+        if k is ActionKind.RECV_ACT:
+            return Message(Payload.ACT, m, s - 1, s)
+        if k is ActionKind.SEND_GRAD:
+            return Message(Payload.GRAD, m, s, s - 1)
+        if k is ActionKind.RECV_GRAD:
+            return Message(Payload.GRAD, m, s + 1, s)
+        return None
+
+
+def needed_message(a: Action, num_stages: int) -> Message | None:
+    """The message compute action ``a`` must receive before it can run (None: local inputs)."""
+    if a.kind is ActionKind.F and a.stage > 0:
+        return Message(Payload.ACT, a.microbatch, a.stage - 1, a.stage)
+    if a.kind is ActionKind.B and a.stage < num_stages - 1:
+        return Message(Payload.GRAD, a.microbatch, a.stage + 1, a.stage)
+    return None
+
+
+def produced_message(a: Action, num_stages: int) -> Message | None:
+    """The message compute action ``a`` sends when it finishes (None: nothing leaves the rank)."""
+    if a.kind is ActionKind.F and a.stage < num_stages - 1:
+        return Message(Payload.ACT, a.microbatch, a.stage, a.stage + 1)
+    if a.kind is ActionKind.B and a.stage > 0:
+        return Message(Payload.GRAD, a.microbatch, a.stage, a.stage - 1)
+    return None
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A complete schedule: ``ranks[r]`` is the ordered action list of pipeline rank ``r``."""
+
+    kind: Schedule
+    pp: int
+    virtual_stages: int
+    microbatches: int
+    ranks: tuple[tuple[Action, ...], ...]
+    forward_only: bool = False  # only F and activation transfers (evaluation)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def split_backward(self) -> bool:
+        """True when B computes only input gradients and W the weight gradients."""
+        return self.kind is Schedule.ZB_H1
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pp
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages rank ``rank`` holds, in local-chunk order."""
+        return [v * self.pp + rank for v in range(self.virtual_stages)]
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        return [a for a in self.ranks[rank] if a.kind.is_compute]
+
+    def promised_in_flight(self, rank: int) -> int:
+        if self.forward_only:
+            return 0
+        return promised_in_flight(self.kind, self.pp, self.virtual_stages, self.microbatches, rank)
+
+
+
+# ----------------------------------------------------------------------------- argument rules
+
+
+def check_schedule_args(kind: Schedule, pp: int, virtual_stages: int, microbatches: int) -> None:
+    """Raise :class:`ScheduleError` (one line, numbers and fix) if the schedule cannot exist."""
+    if pp < 1 or virtual_stages < 1 or microbatches < 1:
+        raise ScheduleError(f"pipeline needs pp >= 1, virtual_stages >= 1, microbatches >= 1; got "
+                            f"pp = {pp}, virtual_stages = {virtual_stages}, microbatches = {microbatches}")
+    if virtual_stages > 1 and kind is not Schedule.INTERLEAVED:
+        raise ScheduleError(f"virtual_stages = {virtual_stages} needs the 'interleaved' schedule, not "
+                            f"{kind.value!r}; set virtual_stages = 1 or pipeline_schedule = 'interleaved'")
+    if kind is Schedule.INTERLEAVED:
+        if virtual_stages > 1 and pp < 2:
+            raise ScheduleError(f"interleaved with virtual_stages = {virtual_stages} needs pp >= 2")
+        rem = microbatches % pp
+        if rem:
+            down, up = microbatches - rem, microbatches - rem + pp
+            fix = f"{down} or {up}" if down >= pp else f"{up}"
+            raise ScheduleError(f"interleaved 1F1B needs microbatches divisible by pp: {microbatches} % "
+                                f"{pp} = {rem}; use {fix} micro-batches")
+
+
+def schedule_warnings(kind: Schedule, pp: int, virtual_stages: int, microbatches: int) -> list[str]:
+    """Legal but wasteful settings, as one-line messages."""
+    out = []
+    if pp > 1 and microbatches < pp:
+        bubble = (pp - 1) / (microbatches + pp - 1)
+        out.append(f"microbatches = {microbatches} < pp = {pp}: the pipeline is bubble-dominated "
+                   f"(about {bubble:.0%} idle with {kind.value}); use at least {pp}, ideally >= {4 * pp}")
+    return out
+
+
+def promised_in_flight(kind: Schedule, pp: int, virtual_stages: int, microbatches: int,
+                       rank: int) -> int:
+    """Peak number of (micro-batch, chunk) activations rank ``rank`` holds at once.
+
+    GPipe: M. 1F1B: ``min(pp - rank, M)``. Interleaved (counted in chunks, each 1/V of a
+    stage): ``min(V*M, 2*(pp - rank - 1) + (V - 1)*pp + 1)``, or ``V*M`` when M == pp (all
+    forwards first, as Megatron does). ZB-H1 holds activations from F until W, and rank r defers
+    its W by r micro-batches: ``min(pp, M)`` on every rank (the peak of 1F1B's first stage).
+    """
+    m, v = microbatches, virtual_stages
+    if kind is Schedule.GPIPE:
+        return m
+    if kind is Schedule.ONE_F_ONE_B:
+        return min(pp - rank, m)
+    if kind is Schedule.ZB_H1:
+        return min(pp, m)
+    if m == pp:
+        return v * m
+    return min(v * m, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
+
+
+def max_in_flight(actions: Sequence[Action]) -> int:
+    """Peak number of stored activations along one rank's list: +1 at F, -1 when the last
+    backward action of that (micro-batch, stage) runs (W if the list has one, else B)."""
+    release = {(a.microbatch, a.stage): a.kind for a in actions
+               if a.kind in (ActionKind.B, ActionKind.W)}
+    live = peak = 0
+    for a in actions:
+        if a.kind is ActionKind.F:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind.is_compute and release.get((a.microbatch, a.stage)) is a.kind:
+            live -= 1
+    return peak
+
+
+# ----------------------------------------------------------------------------- compute orders
+
+
+def _f(m: int, s: int) -> Action:
+    return Action(ActionKind.F, m, s)
+
+
+def _b(m: int, s: int) -> Action:
+    return Action(ActionKind.B, m, s)
+
+
+def _gpipe(pp: int, m: int, rank: int) -> list[Action]:
+    """All forwards, then all backwards (micro-batch order, as torch's ScheduleGPipe)."""
+    return [_f(i, rank) for i in range(m)] + [_b(i, rank) for i in range(m)]
+
+
+def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
+    """``pp - 1 - rank`` warm-up forwards, then alternate F and B, then the remaining Bs."""
+    warmup = min(pp - 1 - rank, m)
+    out = [_f(i, rank) for i in range(warmup)]
+    for i in range(m - warmup):
+        out += [_f(warmup + i, rank), _b(i, rank)]
+    return out + [_b(i, rank) for i in range(m - warmup, m)]
+
+
+def _interleaved(pp: int, v: int, m: int, rank: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B (needs ``m % pp == 0``). The k-th forward of a rank runs
+    micro-batch ``(k // (pp*v))*pp + k % pp`` on local chunk ``(k % (pp*v)) // pp``; backwards
+    use the same micro-batch order on chunks in reverse. Warm-up is
+    ``2*(pp - rank - 1) + (v - 1)*pp`` forwards (all of them when m == pp)."""
+    total = m * v
+
+    def mb(k: int) -> int:
+        return (k // (pp * v)) * pp + k % pp
+
+    def chunk(k: int, forward: bool) -> int:
+        c = (k % (pp * v)) // pp
+        return c if forward else v - 1 - c
+
+    def fwd(k: int) -> Action:
+        return _f(mb(k), chunk(k, True) * pp + rank)
+
+    def bwd(k: int) -> Action:
+        return _b(mb(k), chunk(k, False) * pp + rank)
+
+    warmup = total if m == pp else min(total, 2 * (pp - rank - 1) + (v - 1) * pp)
+    out = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        out += [fwd(warmup + k), bwd(k)]
+    return out + [bwd(k) for k in range(total - warmup, total)]
+
+
+def _zb_h1(pp: int, m: int, rank: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2023, as torch's ZB1P at one stage per rank): 1F1B with B split into
+    an input-gradient B and a weight-gradient W; rank r runs each W r backwards after its B, so
+    downstream Bs (the critical path) go first and the deferred Ws fill the cool-down bubble."""
+    warmup = min(pp - 1 - rank, m)
+    out = [_f(i, rank) for i in range(warmup)]
+    backwards = 0
+    weights = 0
+
+    def backward() -> None:
+        nonlocal backwards, weights
+        out.append(_b(backwards, rank))
+        if backwards >= rank:
+            out.append(Action(ActionKind.W, weights, rank))
+            weights += 1
+        backwards += 1
+
+    for i in range(m - warmup):
+        out.append(_f(warmup + i, rank))
+        backward()
+    while backwards < m:
+        backward()
+    out += [Action(ActionKind.W, i, rank) for i in range(weights, m)]
+    return out
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+def _insert_comms(compute: list[list[Action]], pp: int, num_stages: int) -> tuple[tuple[Action, ...], ...]:
+    """Add send/recv actions to per-rank compute orders (see the module docstring): each send
+    right after its producer; each receive ``PREFETCH`` computes before its consumer, moved
+    earlier where needed so receives from one peer are posted in that peer's send order."""
+    sends: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src rank, dst rank) -> FIFO
+    for r, acts in enumerate(compute):
+        for a in acts:
+            msg = produced_message(a, num_stages)
+            if msg is not None:
+                sends[(r, msg.dst % pp)].append(msg)
+    out = []
+    for r, acts in enumerate(compute):
+        consumer = {}
+        for i, a in enumerate(acts):
+            msg = needed_message(a, num_stages)
+            if msg is not None:
+                consumer[msg] = i
+        slots: list[list[Message]] = [[] for _ in acts]
+        for src in range(pp):
+            nxt = len(acts) - 1
+            for msg in reversed(sends.get((src, r), [])):
+                if msg not in consumer:
+                    raise ScheduleError(f"rank {r} never consumes {msg} that rank {src} sends")
+                nxt = min(max(0, consumer[msg] - PREFETCH), nxt)
+                slots[nxt].append(msg)
+        seq: list[Action] = []
+        for i, a in enumerate(acts):
+            for msg in reversed(slots[i]):  # appended newest-first per source
+                kind = ActionKind.RECV_ACT if msg.payload is Payload.ACT else ActionKind.RECV_GRAD
+                seq.append(Action(kind, msg.microbatch, msg.dst))
+            seq.append(a)
+            msg = produced_message(a, num_stages)
+            if msg is not None:
+                kind = ActionKind.SEND_ACT if msg.payload is Payload.ACT else ActionKind.SEND_GRAD
+                seq.append(Action(kind, a.microbatch, a.stage))
+        out.append(tuple(seq))
+    return tuple(out)
+
+
+def build_schedule(kind: Schedule | str, pp: int, virtual_stages: int = 1,
+                   microbatches: int = 1) -> PipelineSchedule:
+    """The per-rank action lists of schedule ``kind`` for ``pp`` ranks, ``virtual_stages`` chunks
+    per rank and ``microbatches`` micro-batches (rules: :func:`check_schedule_args`)."""
+    kind = Schedule.parse(kind)
+    check_schedule_args(kind, pp, virtual_stages, microbatches)
+    m, v = microbatches, virtual_stages
+    if kind is Schedule.GPIPE:
+        compute = [_gpipe(pp, m, r) for r in range(pp)]
+    elif kind is Schedule.ONE_F_ONE_B:
+        compute = [_one_f_one_b(pp, m, r) for r in range(pp)]
+    elif kind is Schedule.INTERLEAVED:
+        compute = [_interleaved(pp, v, m, r) for r in range(pp)]
+    else:
+        compute = [_zb_h1(pp, m, r) for r in range(pp)]
+    return PipelineSchedule(kind, pp, v, m, _insert_comms(compute, pp, pp * v))
+
+
+def build_forward_schedule(pp: int, virtual_stages: int, microbatches: int) -> PipelineSchedule:
+    """Forward-only lists for evaluation, for any number of micro-batches: each rank runs all
+    micro-batches through its first chunk, then its second, ... (a topological order: the input
+    of chunk v on rank 0 comes from chunk v-1 of the last rank, finished earlier)."""
+    if pp < 1 or virtual_stages < 1 or microbatches < 1 or (virtual_stages > 1 and pp < 2):
+        raise ScheduleError(f"forward schedule needs pp, virtual_stages, microbatches >= 1 (pp >= 2 "
+                            f"with virtual stages); got {pp}, {virtual_stages}, {microbatches}")
+    compute = [[_f(m, v * pp + r) for v in range(virtual_stages) for m in range(microbatches)]
+               for r in range(pp)]
+    return PipelineSchedule(Schedule.GPIPE, pp, virtual_stages, microbatches,
+                            _insert_comms(compute, pp, pp * virtual_stages), forward_only=True)

@@ -1,0 +1,183 @@
+"""The engine: one model and its optimizer under a layout.
+
+This is the one place that knows how the parallel axes apply to the Llama model:
+tensor parallelism shards its layers (``parallelize_llama``), context parallelism swaps in ring
+attention, pipeline parallelism cuts it into this rank's chunks and runs a schedule, and data
+parallelism averages gradients over dp x cp. The Trainer above it only feeds micro-batches,
+clips, steps and logs; it branches on nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from hybridpar.config import Config
+from hybridpar.distributed.mesh import Topology
+from hybridpar.models.hf import init_from_hf
+from hybridpar.models.llama import Llama
+from hybridpar.parallel.context import zigzag_positions
+from hybridpar.parallel.context_model import enable_context_parallel
+from hybridpar.parallel.data import GradientReducer
+from hybridpar.parallel.pipeline import build_schedule, partition_model
+from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
+from hybridpar.parallel.pipeline.stages import (
+    build_stage_modules,
+    owned_named_parameters,
+    sync_tied_embedding_grads,
+)
+from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
+from hybridpar.parallel.tensor_plan import (
+    parallelize_llama,
+    reduce_replicated_grads,
+    set_sequence_parallel,
+    tp_grad_norm_sq,
+    tp_replicated_params,
+)
+from hybridpar.training.generate import sample
+from hybridpar.training.optim import build_optimizer
+from hybridpar.training.precision import autocast
+
+Batch = tuple[Tensor, Tensor]
+
+
+class Engine:
+    """This rank's share of the model, its optimizer and gradient reduction for ``topo``."""
+
+    def __init__(self, cfg: Config, topo: Topology, device: torch.device) -> None:
+        self.cfg, self.topo, self.device = cfg, topo, device
+        m, p, t = cfg.model, cfg.parallel, cfg.train
+        model = Llama(m).to(device)
+        if t.init_from:  # checks the weights' shape against cfg.model, then loads them (strict)
+            init_from_hf(model, t.init_from)
+        else:
+            model.init_weights(t.seed)
+        self.sequence_parallel = p.sequence_parallel and topo.tp.size > 1
+        parallelize_llama(model, topo.tp, sequence_parallel=self.sequence_parallel)  # no-op at tp=1
+        self.cp = enable_context_parallel(model, topo.cp) if topo.cp.size > 1 else None
+        self.model = model
+        self.runner: PipelineRunner | None = None
+        self.last_pipeline_step: PipelineStepResult | None = None
+        if topo.pp.size > 1:
+            self.partition = partition_model(m, p.pp, p.virtual_stages)
+            self.chunks = build_stage_modules(model, topo.pp.rank, p.pp, p.virtual_stages, self.partition)
+            for chunk in self.chunks:
+                chunk.sequence_shards = topo.tp.size if self.sequence_parallel else 1
+            schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, t.grad_accum // p.dp)
+            seq = t.seq_len // topo.tp.size if self.sequence_parallel else t.seq_len
+            self.runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits,
+                                         act_shape=(t.micro_batch, seq, m.dim),
+                                         forward_context=lambda: autocast(t.precision, device))
+            self.owned = owned_named_parameters(self.chunks)
+            train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
+        else:
+            self.chunks = []
+            self.owned = list(model.named_parameters())
+            train = [q for _, q in self.owned]
+        self.params = [q for q in train if q.requires_grad]
+        self.optimizer = build_optimizer(self.params, t)
+        # replicas of every parameter: dp (other data) and cp (other parts of the same sequences)
+        self.reducer = GradientReducer(self.params, topo.dp_cp, int(p.bucket_mb * 2**20))
+        ids = {id(q) for q in self.params}
+        self.tp_replicated = [q for q in tp_replicated_params(model) if id(q) in ids]
+
+    # ------------------------------------------------------------------ loss
+    def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy of this rank's tokens (fp32; vocab-sharded under tp,
+        never gathered). Under cp every rank holds equally many tokens, so the cp average of
+        these means is the mean over whole sequences."""
+        return vocab_parallel_cross_entropy(logits.float(), targets, self.topo.tp, self.cfg.model.vocab_size)
+
+    def loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Loss of one micro-batch through the whole (non-pipelined) model."""
+        positions = zigzag_positions(self.cfg.train.seq_len, self.topo.cp) if self.cp is not None else None
+        with autocast(self.cfg.train.precision, self.device):
+            logits = self.model(inputs, positions)
+        return self.loss_from_logits(logits, targets)
+
+    # ------------------------------------------------------------------ step pieces
+    def forward_backward(self, batches: list[Batch], grad_scale: float) -> Tensor:
+        """Forward and backward of all micro-batches of a step; gradients accumulate
+        ``grad_scale * d(sum of micro-batch losses)`` and are then averaged over dp x cp (and
+        completed over tp under SP and between tied pipeline ends). Returns the [M] losses."""
+        if self.runner is not None:
+            with self.reducer.no_sync():
+                self.last_pipeline_step = self.runner.run(batches, grad_scale=grad_scale)
+            sync_tied_embedding_grads(self.chunks, self.topo)
+            losses = self.last_pipeline_step.losses
+        else:
+            out = []
+            for i, (x, y) in enumerate(batches):
+                last = i == len(batches) - 1
+                with contextlib.nullcontext() if last else self.reducer.no_sync():
+                    loss = self.loss(x, y)
+                    (loss * grad_scale).backward()
+                out.append(loss.detach())
+            losses = torch.stack(out)
+        self.reducer.finish()
+        if self.sequence_parallel:  # norm weights saw only this rank's sequence shard: sum over tp
+            reduce_replicated_grads(self.tp_replicated, self.topo.tp)
+        return losses
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> Tensor:
+        """Per-micro-batch losses, forward only."""
+        if self.runner is not None:
+            return self.runner.evaluate(batches)
+        self.model.eval()
+        try:
+            return torch.stack([self.loss(x, y) for x, y in batches])
+        finally:
+            self.model.train()
+
+    def grad_norm(self) -> Tensor:
+        """Global gradient L2 norm: every parameter counted exactly once over tp and pp shards
+        (dp and cp replicas hold equal, already averaged gradients)."""
+        sq = tp_grad_norm_sq(self.owned, self.topo.tp)
+        self.topo.comm.all_reduce(sq, self.topo.pp)
+        return sq.sqrt()
+
+    def owned_names(self) -> set[str]:
+        """Parameter names this rank saves in checkpoints (each stored by exactly one pp rank)."""
+        return {n for n, _ in self.owned}
+
+    # ------------------------------------------------------------------ sampling, timeline
+    def sample(self, prompt: list[int], max_new_tokens: int, seed: int) -> list[int]:
+        """Sample on every rank together: pp stages first share their weights, tp ranks gather
+        logits (same seed, same tokens), cp ranks attend locally."""
+        self._share_pipeline_weights()
+        tp, vocab = self.topo.tp, self.cfg.model.vocab_size
+        paused = self.cp.paused() if self.cp is not None else contextlib.nullcontext()
+        set_sequence_parallel(self.model, False)  # any prompt length
+        try:
+            with paused:
+                return sample(self.model, prompt, max_new_tokens, self.cfg.model.max_seq_len, seed=seed,
+                              forward=lambda x: gather_logits(self.model(x), tp, vocab))
+        finally:
+            set_sequence_parallel(self.model, self.sequence_parallel)
+
+    @torch.no_grad()
+    def _share_pipeline_weights(self) -> None:
+        """Broadcast each stage's trained weights over pp so every rank holds the whole model."""
+        if self.runner is None:
+            return
+        pp = self.topo.pp
+        owner: dict[str, int] = {}
+        for r in range(pp.size):
+            chunks = build_stage_modules(self.model, r, pp.size, self.cfg.parallel.virtual_stages, self.partition)
+            for name, _ in owned_named_parameters(chunks):
+                owner.setdefault(name, r)
+        for name, param in self.model.named_parameters():
+            self.topo.comm.broadcast(param.data, pp, src=owner[name])
+
+    def save_timeline(self, path: Path, is_logger: bool) -> Path | None:
+        """Draw the last pipeline step as recorded (collective over pp; rank 0 writes)."""
+        if self.runner is None or self.last_pipeline_step is None:
+            return None
+        from hybridpar.parallel.pipeline.timeline import plot_timeline
+
+        timeline = self.runner.gather_timeline(self.last_pipeline_step)
+        return plot_timeline(timeline, path) if is_logger else None
