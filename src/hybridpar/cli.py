@@ -87,6 +87,13 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
     validate(cfg, world_size=world_size)
     for warning in config_warnings(cfg):
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
+    if cfg.train.data != "builtin":
+        from hybridpar.data.dataset import read_meta
+
+        meta = read_meta(Path(cfg.train.data))
+        if meta.get("vocab_size", 0) > cfg.model.vocab_size:
+            raise ConfigError(f"data vocabulary {meta['vocab_size']} > model.vocab_size = {cfg.model.vocab_size}; "
+                              f"raise model.vocab_size to at least {meta['vocab_size']}")
     if cfg.train.init_from and resume is None:
         from hybridpar.models.hf import check_same_shape, model_config_from_hf
 
