@@ -116,3 +116,30 @@ def test_checkpoint_reshards_across_tensor_parallel_layouts(saved, loaded, dist_
     assert results[0]["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
     for k, v in results[0]["state"].items():
         torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL)
+
+
+def _hf_logits(rank: int, world: int, tmp: str, hf_dir: str, layout: list[str]) -> torch.Tensor:
+    from hybridpar.parallel.tensor import gather_logits
+
+    cfg = config(tmp, [*layout, "--train.init_from", hf_dir])
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        tokens = torch.arange(32).reshape(2, 16) % cfg.model.vocab_size
+        with torch.no_grad():
+            return gather_logits(trainer.model(tokens), topo.tp, cfg.model.vocab_size)
+
+
+def test_hugging_face_weights_seed_a_tensor_parallel_run(tmp_path, dist_run):
+    """Each tp rank reads only its slices of the safetensors file; the logits equal transformers'."""
+    transformers = pytest.importorskip("transformers")
+    from hybridpar.models.llama import to_hf_config_dict
+
+    cfg = config(str(tmp_path), [])
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**to_hf_config_dict(cfg.model))).eval()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    tokens = torch.arange(32).reshape(2, 16) % cfg.model.vocab_size
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    for logits in dist_run(2, _hf_logits, str(tmp_path), str(tmp_path / "hf"), LAYOUTS["tp2-sp"]):
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

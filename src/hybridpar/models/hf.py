@@ -14,13 +14,14 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, ModelConfig
 from hybridpar.models.llama import Llama, from_hf_key, hf_key, to_hf_config_dict
@@ -147,12 +148,24 @@ def _tensor_files(hf_dir: Path) -> dict[str, list[str]]:
     raise HFError(f"{str(hf_dir)!r} has neither {WEIGHTS} nor {INDEX} (only safetensors weights load)")
 
 
-def load_hf_state_dict(hf_dir: str | Path, cfg: ModelConfig | None = None) -> dict[str, Tensor]:
+def load_hf_state_dict(hf_dir: str | Path, cfg: ModelConfig | None = None,
+                       read: Callable[[str, Any], Tensor] | None = None) -> dict[str, Tensor]:
     """The weights in ``hf_dir`` as our state dict (our names, stored dtype, CPU), checked
     against ``cfg`` (default: :func:`model_config_from_hf`). A tied ``lm_head`` must be absent
-    or equal to the embedding."""
+    or equal to the embedding.
+
+    ``read(our_name, lazy_slice)`` may pick part of each tensor from safetensors' lazy slice
+    (e.g. one tensor-parallel shard), so only that part is read from disk; shapes are checked
+    on the full tensors first."""
     hf_dir = Path(hf_dir)
     cfg = cfg or model_config_from_hf(hf_dir)
+    if read is None:
+        return _load(hf_dir, cfg, lambda name, sl: sl[:], check=True)
+    _load(hf_dir, cfg, lambda name, sl: torch.empty(sl.get_shape(), device="meta"), check=True)  # no data read
+    return _load(hf_dir, cfg, read, check=False)
+
+
+def _load(hf_dir: Path, cfg: ModelConfig, read: Callable[[str, Any], Tensor], check: bool) -> dict[str, Tensor]:
     raw: dict[str, Tensor] = {}
     for fname, keys in _tensor_files(hf_dir).items():
         if not (hf_dir / fname).is_file():
@@ -162,10 +175,11 @@ def load_hf_state_dict(hf_dir: str | Path, cfg: ModelConfig | None = None) -> di
             for key in keys or sorted(present):
                 if key not in present:
                     raise HFError(f"{hf_dir / INDEX} maps {key!r} to {fname}, which lacks it")
-                raw[key] = f.get_tensor(key)
+                raw[key] = read(_our_name(key), f.get_slice(key))
     head, embed = raw.get(hf_key("output.weight")), raw.get(hf_key("tok_embeddings.weight"))
     if cfg.tie_embeddings and head is not None:
-        if embed is None or head.shape != embed.shape or not torch.equal(head, embed):
+        same = head.is_meta or torch.equal(head, embed) if embed is not None and head.shape == embed.shape else False
+        if not same:
             raise HFError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs from "
                           "model.embed_tokens.weight")
         del raw[hf_key("output.weight")]
@@ -177,15 +191,26 @@ def load_hf_state_dict(hf_dir: str | Path, cfg: ModelConfig | None = None) -> di
             state[from_hf_key(key)] = t
         except KeyError:
             raise HFError(f"{hf_dir}: unexpected tensor {key!r} (no Llama parameter has that name)") from None
-    _check_state(state, cfg, hf_key, str(hf_dir))
+    if check:
+        _check_state(state, cfg, hf_key, str(hf_dir))
     return state
 
 
+def _our_name(hf_name: str) -> str:
+    try:
+        return from_hf_key(hf_name)
+    except KeyError:
+        return hf_name  # reported (or ignored) by the caller with the full context
+
+
 @torch.no_grad()
-def init_from_hf(model: Llama, hf_dir: str | Path) -> None:
-    """Load ``hf_dir`` into ``model`` (strict) after checking its shape equals ``model.cfg``."""
-    check_same_shape(model_config_from_hf(hf_dir), model.cfg, str(hf_dir))
-    model.load_state_dict(load_hf_state_dict(hf_dir, model.cfg), strict=True)
+def init_from_hf(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | None = None,
+                 read: Callable[[str, Any], Tensor] | None = None) -> None:
+    """Load ``hf_dir`` into ``model`` (strict) after checking its shape equals ``cfg`` (default
+    ``model.cfg``); ``read`` selects this rank's part of each tensor (see load_hf_state_dict)."""
+    cfg = cfg or model.cfg
+    check_same_shape(model_config_from_hf(hf_dir), cfg, str(hf_dir))
+    model.load_state_dict(load_hf_state_dict(hf_dir, cfg, read), strict=True)
 
 
 def save_hf(model_state: dict[str, Tensor], cfg: ModelConfig, out_dir: str | Path, overwrite: bool = False) -> Path:

@@ -40,6 +40,7 @@ Contract with the trainer:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -193,6 +194,22 @@ def shard_tensor(name: str, full: Tensor, axis: Axis) -> Tensor:
     if _is_vocab(name):
         full = pad_dim(full, 0, padded_size(full.shape[0], axis.size))
     return shard(full, axis, dim)
+
+
+def read_shard(name: str, lazy: Any, axis: Axis) -> Tensor:
+    """This rank's part of parameter ``name`` read from a lazily sliceable full tensor (a
+    safetensors ``get_slice``): only the rows or columns this rank keeps are read. Equal to
+    ``shard_tensor(name, lazy[:], axis)``."""
+    shape = list(lazy.get_shape())
+    dim = shard_dim(name)
+    if dim is None or axis.size == 1:
+        return lazy[:]
+    full = shape[dim]
+    per = (padded_size(full, axis.size) if _is_vocab(name) else full) // axis.size
+    start, stop = min(axis.rank * per, full), min((axis.rank + 1) * per, full)
+    index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
+    part = lazy[index] if stop > start else torch.zeros([0 if d == dim else n for d, n in enumerate(shape)])
+    return pad_dim(part, dim, per) if part.shape[dim] < per else part
 
 
 def shard_state_dict(full_sd: Mapping[str, Tensor], axis: Axis) -> dict[str, Tensor]:

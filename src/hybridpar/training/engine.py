@@ -32,6 +32,7 @@ from hybridpar.parallel.pipeline.stages import (
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import (
     parallelize_llama,
+    read_shard,
     reduce_replicated_grads,
     set_sequence_parallel,
     tp_grad_norm_sq,
@@ -51,12 +52,11 @@ class Engine:
         self.cfg, self.topo, self.device = cfg, topo, device
         m, p, t = cfg.model, cfg.parallel, cfg.train
         model = Llama(m).to(device)
-        if t.init_from:  # checks the weights' shape against cfg.model, then loads them (strict)
-            init_from_hf(model, t.init_from)
-        else:
-            model.init_weights(t.seed)
+        model.init_weights(t.seed)
         self.sequence_parallel = p.sequence_parallel and topo.tp.size > 1
         parallelize_llama(model, topo.tp, sequence_parallel=self.sequence_parallel)  # no-op at tp=1
+        if t.init_from:  # shape checked against cfg.model; each tp rank reads only its slices
+            init_from_hf(model, t.init_from, m, read=lambda name, lazy: read_shard(name, lazy, topo.tp))
         self.cp = enable_context_parallel(model, topo.cp) if topo.cp.size > 1 else None
         self.model = model
         self.runner: PipelineRunner | None = None
