@@ -18,7 +18,6 @@ from test_trainer import SMALL
 
 from hybridpar.config import load_config
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.parallel.tensor_plan import gather_full_state_dict
 from hybridpar.training.trainer import Trainer
 
 STEPS = 3
@@ -47,6 +46,10 @@ LAYOUTS = {
     "dp2-pp2": ["--parallel.dp", "2", "--parallel.pp", "2"],
     "pp2-tp2-sp": ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "dp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
+    "dp2-zero1": ["--parallel.dp", "2", "--parallel.zero_stage", "1"],
+    "dp2-zero2": ["--parallel.dp", "2", "--parallel.zero_stage", "2"],
+    "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],
+    "dp4-zero3-offload": ["--parallel.dp", "4", "--parallel.zero_stage", "3", "--parallel.offload_optimizer", "true"],
 }
 
 
@@ -61,8 +64,7 @@ def _run(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
         trainer = Trainer(cfg, topo)
         losses = [trainer.train_step(s).loss for s in range(1, STEPS + 1)]
-        trainer.engine._share_pipeline_weights()  # every pp rank then holds the whole model
-        state = gather_full_state_dict(trainer.model, topo.tp)
+        state = trainer.engine.full_state_dict()
         return {"losses": losses, "state": state if rank == 0 else None}
 
 
@@ -101,11 +103,12 @@ def _resume(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
         trainer = Trainer(cfg, topo)
         trainer.load_checkpoint(checkpoint.step_dir(trainer.run_dir, 2))
         losses = [trainer.train_step(s).loss for s in range(3, STEPS + 1)]
-        return {"losses": losses, "state": gather_full_state_dict(trainer.model, topo.tp)}
+        return {"losses": losses, "state": trainer.engine.full_state_dict()}
 
 
-@pytest.mark.parametrize("saved, loaded", [("tp2", "tp4"), ("dp2-tp2", "one"), ("tp4-sp", "tp2")])
-def test_checkpoint_reshards_across_tensor_parallel_layouts(saved, loaded, dist_run, tmp_path):
+@pytest.mark.parametrize("saved, loaded", [("tp2", "tp4"), ("dp2-tp2", "one"), ("tp4-sp", "tp2"),
+                                           ("dp4-zero3-offload", "dp2-zero1")])
+def test_checkpoint_reshards_across_layouts(saved, loaded, dist_run, tmp_path):
     """Saved at step 2 under one layout, continued under another: same as never changing."""
     ref = reference(str(tmp_path / "ref"))
     save_layout = LAYOUTS[saved]

@@ -305,7 +305,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 # ----------------------------------------------------------------------------- validation
 
 # Parallelism implemented so far; the rest is rejected with a message saying so.
-BUILT = {"dp": True, "tp": True, "pp": True, "cp": True, "zero": False}
+BUILT = {"dp": True, "tp": True, "pp": True, "cp": True, "zero": True}
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -412,6 +412,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              f"parallel.{axis} = {size}: {axis} parallelism is not implemented in this version yet; set parallel.{axis} = 1")
     need(BUILT["zero"] or p.zero_stage == 0,
          f"parallel.zero_stage = {p.zero_stage}: ZeRO is not implemented in this version yet; set parallel.zero_stage = 0")
-    need(not p.offload_optimizer, "parallel.offload_optimizer = true: not implemented in this version yet")
+    need(not p.offload_optimizer or p.zero_stage >= 1,
+         f"parallel.offload_optimizer = true needs parallel.zero_stage >= 1 (got {p.zero_stage}); "
+         "set zero_stage to 1, 2 or 3 or turn offload off")
+    if p.zero_stage > 0:
+        for axis, size in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)):
+            need(size == 1, f"parallel.zero_stage = {p.zero_stage} with parallel.{axis} = {size} is not supported "
+                            f"yet; use parallel.{axis} = 1 or parallel.zero_stage = 0")
+        need(t.precision != "fp16", f"parallel.zero_stage = {p.zero_stage} with train.precision = 'fp16' is not "
+                                    "supported yet; use bf16 or fp32, or zero_stage = 0")
     need(p.recompute == "none",
          f"parallel.recompute = {p.recompute!r}: activation recomputation is not implemented yet; use 'none'")

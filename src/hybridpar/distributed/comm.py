@@ -244,6 +244,46 @@ class Comm:
         rec.done = True
         return out
 
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, axis: Axis, *,
+                        async_op: bool = False) -> Pending:
+        """Flat all-gather into a caller-owned buffer: ``out`` (``axis.size * shard.numel()``
+        elements, contiguous) receives the shards of all ranks in local-rank order. With
+        ``async_op`` the caller ``wait()``s before reading ``out`` (ZeRO-3 prefetch); ``shard``
+        must not change until then. A size-1 axis copies and records nothing."""
+        if out.numel() != axis.size * shard.numel():
+            raise ValueError(f"all_gather_into: out has {out.numel()} elements, need "
+                             f"{axis.size} x {shard.numel()}")
+        if axis.size == 1:
+            out.view(-1).copy_(shard.reshape(-1))
+            return Pending()
+        rec = self._record(Op.ALL_GATHER, axis, _nbytes(shard))
+        work = _all_gather_flat(out.view(-1), shard.contiguous().view(-1), group=axis.group, async_op=True)
+        pending = Pending([work], [rec])
+        if not async_op:
+            pending.wait()
+        return pending
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, axis: Axis, *,
+                            async_op: bool = False) -> Pending:
+        """Flat reduce-scatter (sum) into a caller-owned buffer: ``out`` (``t.numel() /
+        axis.size`` elements, contiguous) receives this rank's block of the sum of ``t`` over
+        ``axis``. With ``async_op`` the caller ``wait()``s before reading ``out`` (ZeRO-2/3
+        overlap with backward); ``t`` must stay alive until then. A size-1 axis copies and
+        records nothing."""
+        if t.numel() != axis.size * out.numel():
+            raise ValueError(f"reduce_scatter_into: input has {t.numel()} elements, need "
+                             f"{axis.size} x {out.numel()}")
+        if axis.size == 1:
+            out.view(-1).copy_(t.reshape(-1))
+            return Pending()
+        rec = self._record(Op.REDUCE_SCATTER, axis, _nbytes(t))
+        work = _reduce_scatter_flat(out.view(-1), t.contiguous().view(-1), op=dist.ReduceOp.SUM,
+                                    group=axis.group, async_op=True)
+        pending = Pending([work], [rec])
+        if not async_op:
+            pending.wait()
+        return pending
+
     def broadcast(self, t: torch.Tensor, axis: Axis, src: int) -> torch.Tensor:
         """In place: every rank of ``axis`` gets the ``t`` of local rank ``src``. Returns ``t``."""
         if axis.size == 1:

@@ -39,6 +39,7 @@ from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, s
 from hybridpar.distributed.mesh import Topology
 from hybridpar.errors import UserError
 from hybridpar.parallel.tensor_plan import shard_dim
+from hybridpar.parallel.zero import ZeroOptimizer
 from hybridpar.training.metrics import atomic_write_text
 
 COMPLETE = "complete.json"
@@ -155,7 +156,7 @@ def read_config(path: Path) -> Config:
 # ----------------------------------------------------------------------------- save / load
 
 
-def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, step: int,
+def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, cfg: Config, step: int,
          topo: Topology, tokenizer: Tokenizer | None = None, extra: dict[str, Any] | None = None) -> Path:
     """Write a complete checkpoint for ``step`` at ``path`` atomically (all ranks call this).
     The tokenizer travels with it, so ``generate`` and ``convert`` need no dataset."""
@@ -183,7 +184,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
     return path
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, topo: Topology,
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, cfg: Config, topo: Topology,
          extra: dict[str, Any] | None = None) -> int:
     """Restore model, optimizer, RNG and ``extra`` (filled in place: pass the same structure
     that was saved) from a complete checkpoint; returns its step."""
@@ -199,8 +200,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Co
         raise
     except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
         raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
-    state = _local(state)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.load_checkpoint_state(model, state)
+    else:
+        state = _local(state)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"]["torch_cpu"])
     return int(info["step"])
 
@@ -248,12 +252,15 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
+def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, topo: Topology,
                  extra: dict[str, Any] | None) -> dict[str, Any]:
     """What a checkpoint holds, keyed by parameter name: the parameters this rank trains (all
     of them, or one pipeline stage's) and their optimizer state. Tensor-parallel shards (and their
     optimizer moments) become DTensors over the tp mesh axis, so DCP stores each shard once as
     a piece of the full tensor and any other layout can read the pieces it needs."""
+    if isinstance(optimizer, ZeroOptimizer):  # each dp rank holds (and writes) its shards
+        return {**optimizer.checkpoint_state(model), "rng": {"torch_cpu": torch.get_rng_state()},
+                "extra": extra if extra is not None else {}}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     # a pipeline stage holds (and saves) only the parameters its optimizer trains
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -31,6 +31,7 @@ from hybridpar.parallel.pipeline.stages import (
 )
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import (
+    gather_full_state_dict,
     parallelize_llama,
     read_shard,
     reduce_replicated_grads,
@@ -38,8 +39,10 @@ from hybridpar.parallel.tensor_plan import (
     tp_grad_norm_sq,
     tp_replicated_params,
 )
+from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
+from hybridpar.parallel.zero3 import llama_units, shard_model
 from hybridpar.training.generate import sample
-from hybridpar.training.optim import build_optimizer
+from hybridpar.training.optim import build_optimizer, clip_by_total_norm
 from hybridpar.training.precision import autocast
 
 Batch = tuple[Tensor, Tensor]
@@ -78,9 +81,20 @@ class Engine:
             self.owned = list(model.named_parameters())
             train = [q for _, q in self.owned]
         self.params = [q for q in train if q.requires_grad]
-        self.optimizer = build_optimizer(self.params, t)
-        # replicas of every parameter: dp (other data) and cp (other parts of the same sequences)
-        self.reducer = GradientReducer(self.params, topo.dp_cp, int(p.bucket_mb * 2**20))
+        bucket = int(p.bucket_mb * 2**20)
+        self.zero: ZeroOptimizer | None = None
+        if p.zero_stage > 0:  # sharded optimizer state (1), + gradients (2), + parameters (3) over dp
+            sharded = shard_model(model, topo.dp, llama_units(model)) if p.zero_stage == 3 else None
+            self.zero = ZeroOptimizer(decay_groups(model, t.weight_decay), topo.dp, stage=p.zero_stage,
+                                      offload=p.offload_optimizer, bucket_bytes=bucket, sharded=sharded,
+                                      lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+            self.params = [q for q in model.parameters() if q.requires_grad]
+            self.optimizer: torch.optim.Optimizer | ZeroOptimizer = self.zero
+            self.reducer = None
+        else:
+            self.optimizer = build_optimizer(self.params, t)
+            # replicas of every parameter: dp (other data) and cp (other parts of the same sequences)
+            self.reducer = GradientReducer(self.params, topo.dp_cp, bucket)
         ids = {id(q) for q in self.params}
         self.tp_replicated = [q for q in tp_replicated_params(model) if id(q) in ids]
 
@@ -104,7 +118,7 @@ class Engine:
         ``grad_scale * d(sum of micro-batch losses)`` and are then averaged over dp x cp (and
         completed over tp under SP and between tied pipeline ends). Returns the [M] losses."""
         if self.runner is not None:
-            with self.reducer.no_sync():
+            with self.no_sync():
                 self.last_pipeline_step = self.runner.run(batches, grad_scale=grad_scale)
             sync_tied_embedding_grads(self.chunks, self.topo)
             losses = self.last_pipeline_step.losses
@@ -112,12 +126,15 @@ class Engine:
             out = []
             for i, (x, y) in enumerate(batches):
                 last = i == len(batches) - 1
-                with contextlib.nullcontext() if last else self.reducer.no_sync():
+                with contextlib.nullcontext() if last else self.no_sync():
                     loss = self.loss(x, y)
                     (loss * grad_scale).backward()
                 out.append(loss.detach())
             losses = torch.stack(out)
-        self.reducer.finish()
+        if self.zero is not None:
+            self.zero.finish_grads()
+        else:
+            self.reducer.finish()
         if self.sequence_parallel:  # norm weights saw only this rank's sequence shard: sum over tp
             reduce_replicated_grads(self.tp_replicated, self.topo.tp)
         return losses
@@ -133,12 +150,33 @@ class Engine:
         finally:
             self.model.train()
 
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate gradients locally (earlier micro-batches of a step): no communication."""
+        return self.zero.no_sync() if self.zero is not None else self.reducer.no_sync()
+
     def grad_norm(self) -> Tensor:
-        """Global gradient L2 norm: every parameter counted exactly once over tp and pp shards
-        (dp and cp replicas hold equal, already averaged gradients)."""
+        """Global gradient L2 norm: every parameter counted exactly once over tp, pp and ZeRO
+        shards (dp and cp replicas hold equal, already averaged gradients)."""
+        if self.zero is not None:
+            return self.zero.grad_norm_sq().sqrt()
         sq = tp_grad_norm_sq(self.owned, self.topo.tp)
         self.topo.comm.all_reduce(sq, self.topo.pp)
         return sq.sqrt()
+
+    def clip(self, total_norm: Tensor, max_norm: float) -> None:
+        """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
+        if self.zero is not None:
+            self.zero.clip(total_norm, max_norm)
+        else:
+            clip_by_total_norm(self.params, total_norm, max_norm)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's weights as one process would hold them (collective: every rank
+        calls it; pipeline stages share, tensor and ZeRO-3 shards are gathered)."""
+        self._share_pipeline_weights()
+        if self.zero is not None and self.zero.sharded is not None:
+            return self.zero.sharded.gather_full_state_dict()
+        return gather_full_state_dict(self.model, self.topo.tp)
 
     def owned_names(self) -> set[str]:
         """Parameter names this rank saves in checkpoints (each stored by exactly one pp rank)."""

@@ -26,7 +26,7 @@ from hybridpar.training import device as devices
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
-from hybridpar.training.optim import clip_by_total_norm, lr_at
+from hybridpar.training.optim import lr_at
 from hybridpar.training.precision import LossScaler
 
 
@@ -97,7 +97,7 @@ class Trainer:
             self._on_nonfinite(step, float(loss))
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         norm = self.engine.grad_norm()
-        clip_by_total_norm(self.params, norm, t.grad_clip)
+        self.engine.clip(norm, t.grad_clip)
         self.optimizer.step()
         return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr)
 

@@ -1,0 +1,245 @@
+"""The one shard layout every ZeRO stage uses, and the gradient reduce-scatter built on it.
+
+Every parameter is split along dim 0 into ``n`` row blocks with ``torch.chunk`` semantics: rank
+``r`` owns rows ``[r*s, min((r+1)*s, d0))`` with ``s = ceil(d0 / n)`` (the last ranks may own
+fewer rows, or none). That is exactly a ``DTensor`` with placement ``Shard(0)`` over the dp
+mesh, so optimizer state and ZeRO-3 parameters save through ``torch.distributed.checkpoint`` as
+ordinary sharded tensors that reload at any other dp size or ZeRO stage.
+
+A *group* of parameters (a ZeRO-1/2 bucket or a ZeRO-3 unit) is packed rank-major into one flat
+buffer of ``n * S`` elements: block ``r`` holds rank ``r``'s rows of every parameter, each padded
+to ``s`` rows. A reduce-scatter of that buffer leaves on each rank exactly its own rows (``S``
+elements), and an all-gather of each rank's ``S`` elements rebuilds it. Padding is zero and
+never visible through the per-parameter views.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from hybridpar.distributed.comm import Pending
+from hybridpar.distributed.mesh import Axis
+
+
+class ShardLayout:
+    """Offsets of a group of parameter shapes split ``n`` ways along dim 0, seen by ``rank``."""
+
+    def __init__(self, shapes: Sequence[torch.Size | tuple[int, ...]], n: int, rank: int) -> None:
+        self.shapes = [torch.Size(s) for s in shapes]
+        for shape in self.shapes:
+            if len(shape) == 0:
+                raise ValueError("ZeRO shards parameters along dim 0; a 0-d parameter has none "
+                                 "(reshape it to (1,))")
+        self.n, self.rank = n, rank
+        self.rows = [s[0] for s in self.shapes]
+        self.row_numel = [math.prod(s[1:]) for s in self.shapes]
+        self.shard_rows = [-(-d0 // n) for d0 in self.rows]  # ceil
+        self.shard_numel = [s * r for s, r in zip(self.shard_rows, self.row_numel, strict=True)]
+        self.offsets: list[int] = []
+        total = 0
+        for k in self.shard_numel:
+            self.offsets.append(total)
+            total += k
+        self.size = total  # S: this rank's flat shard, padded; the group's packed buffer is n * S
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def local_rows(self, i: int, rank: int | None = None) -> tuple[int, int]:
+        """Row range ``[lo, hi)`` of parameter ``i`` owned by ``rank`` (default: this rank)."""
+        r = self.rank if rank is None else rank
+        d0, s = self.rows[i], self.shard_rows[i]
+        return min(r * s, d0), min((r + 1) * s, d0)
+
+    def local_shape(self, i: int) -> torch.Size:
+        lo, hi = self.local_rows(i)
+        return torch.Size((hi - lo, *self.shapes[i][1:]))
+
+    def local_numel(self) -> int:
+        """Elements this rank owns (unpadded) over the group."""
+        return sum(math.prod(self.local_shape(i)) for i in range(len(self)))
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's (unpadded) rows of every parameter as views into its flat shard ``flat``."""
+        out = []
+        for i, o in enumerate(self.offsets):
+            shape = self.local_shape(i)
+            out.append(flat[o : o + math.prod(shape)].view(shape))
+        return out
+
+    def pack(self, out: torch.Tensor, i: int, full: torch.Tensor | None) -> None:
+        """Write full tensor ``i`` (None: zeros) into its columns of the rank-major buffer ``out``
+        (``n * S`` elements), casting to ``out``'s dtype and zero-padding."""
+        region = out.view(self.n, self.size)[:, self.offsets[i] : self.offsets[i] + self.shard_numel[i]]
+        if full is None:
+            region.zero_()
+            return
+        flat, k = full.reshape(-1), self.shard_numel[i]
+        whole = self.rows[i] // self.shard_rows[i] if self.shard_rows[i] else 0  # ranks with s rows
+        if whole:
+            region[:whole].copy_(flat[: whole * k].view(whole, k))
+        if whole < self.n:
+            rest = flat[whole * k :]
+            region[whole, : rest.numel()].copy_(rest)
+            region[whole, rest.numel() :].zero_()
+            region[whole + 1 :].zero_()
+
+    def unpack(self, src: torch.Tensor, i: int, full: torch.Tensor) -> None:
+        """Inverse of :meth:`pack`: fill full tensor ``i`` from the rank-major buffer ``src``."""
+        region = src.view(self.n, self.size)[:, self.offsets[i] : self.offsets[i] + self.shard_numel[i]]
+        flat, k = full.view(-1), self.shard_numel[i]
+        whole = self.rows[i] // self.shard_rows[i] if self.shard_rows[i] else 0
+        if whole:
+            flat[: whole * k].view(whole, k).copy_(region[:whole])
+        if whole < self.n:
+            rest = flat[whole * k :]
+            rest.copy_(region[whole, : rest.numel()])
+
+
+def storage_bytes(tensors: Sequence[torch.Tensor | None], seen: set[int]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` not already in ``seen`` (updated)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.nbytes() == 0 or ptr in seen:
+            continue
+        seen.add(ptr)
+        total += storage.nbytes()
+    return total
+
+
+class GradShard:
+    """Reduce-scatters the full ``.grad`` of a group of parameters into this rank's shard.
+
+    ``on_grad(i)`` (from a post-accumulate-grad hook, outside ``no_sync``) packs parameter
+    ``i``'s gradient into a transient rank-major buffer; when every parameter of the group has
+    arrived the reduce-scatter starts asynchronously, so it overlaps the rest of backward.
+    ``finish()`` waits and leaves the average over ranks in :attr:`flat` (``S`` elements, param
+    dtype) or, with ``keep_full`` (ZeRO-1), in this rank's rows of each parameter's own
+    ``.grad``. Full gradients are dropped as soon as they are packed unless ``keep_full``.
+
+    Gradients accumulate across backward passes until :meth:`zero`: extra passes outside
+    ``no_sync`` reduce again and add (ZeRO-2/3); ZeRO-1 refuses a second one, since its full
+    buffer already holds reduced rows. With ``reduce_dtype`` (bf16/fp16 compression) the
+    payload is cast and pre-divided by ``n`` before the sum, then cast back.
+    """
+
+    def __init__(self, layout: ShardLayout, params: Sequence[nn.Parameter], axis: Axis, *,
+                 keep_full: bool = False, reduce_dtype: torch.dtype | None = None) -> None:
+        self.layout, self.params, self.axis = layout, list(params), axis
+        self.keep_full = keep_full
+        first = self.params[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.reduce_dtype = reduce_dtype or first.dtype
+        self.trainable = {i for i, p in enumerate(self.params) if p.requires_grad}
+        self.flat: torch.Tensor | None = None  # reduced shard (not keep_full); None after zero()
+        self._staging: torch.Tensor | None = None
+        self._packed: set[int] = set()
+        self._out: torch.Tensor | None = None
+        self._pending: Pending | None = None
+        self.dirty = False  # a gradient arrived that is not reduced yet
+        self.reduced = False  # keep_full: this step's reduction already happened
+
+    def note_grad(self) -> None:
+        """A backward produced gradients for this group (in or out of ``no_sync``)."""
+        if self.keep_full and self.reduced:
+            raise RuntimeError("ZeRO-1 keeps one full gradient buffer whose own rows already hold the "
+                               "reduced gradient: run every backward but the last of a step inside "
+                               "no_sync(), then step(), then zero_grad()")
+        self.dirty = True
+
+    def on_grad(self, i: int) -> None:
+        """Parameter ``i``'s gradient is complete for this pass: pack it; launch when all are."""
+        if i in self._packed and self.keep_full and self._pending is None:
+            pass  # ZeRO-1: .grad accumulated in place, so packing again is right
+        elif self._pending is not None or i in self._packed:  # a new pass: reduce the last one first
+            self.finish()
+            self.dirty = True
+        self._pack(i)
+        if self.trainable <= self._packed:
+            self.launch()
+
+    def _pack(self, i: int) -> None:
+        if self._staging is None:
+            self._staging = torch.empty(self.layout.n * self.layout.size, dtype=self.reduce_dtype,
+                                        device=self.device)
+        p = self.params[i]
+        self.layout.pack(self._staging, i, p.grad)
+        self._packed.add(i)
+        if not self.keep_full:
+            p.grad = None
+
+    def launch(self) -> None:
+        """Pack whatever has not arrived (unused parameters count as zero) and start the sum."""
+        if self._pending is not None:
+            return
+        for i in range(len(self.params)):
+            if i not in self._packed:
+                self._pack(i)
+        compressed = self.reduce_dtype != self.dtype
+        if compressed:
+            self._staging.div_(self.layout.n)  # pre-divide: a low-precision sum must not overflow
+        if self.flat is None and not compressed and not self.keep_full:
+            self.flat = torch.empty(self.layout.size, dtype=self.dtype, device=self.device)
+            self._out = self.flat  # first reduction of the step lands in place
+        else:
+            self._out = torch.empty(self.layout.size, dtype=self.reduce_dtype, device=self.device)
+        self._pending = self.axis.comm.reduce_scatter_into(self._out, self._staging, self.axis, async_op=True)
+
+    def finish(self) -> None:
+        """Reduce anything not reduced yet, wait, and leave the averaged shard in place."""
+        if self._pending is None:
+            if not (self.dirty or self._packed):
+                return
+            self.launch()
+        self._pending.wait()
+        out, self._pending, self._staging = self._out, None, None
+        self._out, self._packed, self.dirty = None, set(), False
+        if self.reduce_dtype == self.dtype:
+            out.div_(self.layout.n)
+        if self.keep_full:
+            for i, (p, view) in enumerate(zip(self.params, self.layout.views(out), strict=True)):
+                lo, hi = self.layout.local_rows(i)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad[lo:hi].copy_(view)
+            self.reduced = True
+        elif out is not self.flat:
+            if self.flat is None:
+                self.flat = out.to(self.dtype)
+            else:
+                self.flat.add_(out.to(self.dtype))
+
+    def views(self) -> list[torch.Tensor | None]:
+        """This rank's reduced gradient rows of each parameter (None before any reduction)."""
+        if self.keep_full:
+            return [None if p.grad is None else p.grad[slice(*self.layout.local_rows(i))]
+                    for i, p in enumerate(self.params)]
+        if self.flat is None:
+            return [None] * len(self.params)
+        return self.layout.views(self.flat)
+
+    def zero(self) -> None:
+        """Forget this step's gradients (like ``zero_grad``); waits for a reduction in flight."""
+        if self._pending is not None:
+            self._pending.wait()
+        self._pending = self._staging = self._out = None
+        self._packed, self.dirty, self.reduced = set(), False, False
+        self.flat = None
+        for p in self.params:
+            if self.keep_full and p.grad is not None:
+                p.grad.zero_()
+            elif not self.keep_full:
+                p.grad = None
+
+    def held_tensors(self) -> list[torch.Tensor | None]:
+        """Gradient tensors this group keeps alive (for memory accounting)."""
+        full = [p.grad for p in self.params]
+        return [self.flat, *full, self._staging, self._out]

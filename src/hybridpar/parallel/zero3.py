@@ -1,0 +1,339 @@
+"""ZeRO-3: parameters sharded per parameter along dim 0 (FSDP2-style), gathered per unit.
+
+:func:`shard_model` replaces every parameter of a model by this rank's rows of it (see
+:mod:`hybridpar.parallel.shard`; uneven sizes are padded). Parameters are grouped into *units*
+(e.g. the embedding and each transformer block; whatever is left, such as the final norm and
+output head, forms the root unit). A unit's full parameters exist only while it runs:
+
+* forward: gathered just before the unit's forward (one all-gather per unit), freed right after
+  it; the next unit's gather is started ahead (prefetch) so it overlaps this unit's compute;
+* backward: gathered again when the gradient of the unit's output arrives, the previous unit
+  prefetched, and freed once every parameter's gradient has been accumulated; the gradients are
+  then reduce-scattered (asynchronously) into this rank's shard and the full gradients dropped.
+
+So per micro-batch each parameter crosses the wire in two all-gathers and one reduce-scatter:
+under the ring model 3 (n-1)/n x bytes, 1.5x the 2 (n-1)/n x bytes of an all-reduce.
+
+Inside ``no_sync`` the full gradients accumulate locally (as FSDP's no_sync) and are reduced on
+the final micro-batch. Freed parameters keep their tensor objects, whose storage is resized to
+zero, so tensors saved by autograd are refilled in place when the unit is gathered for
+backward. Writes go through ``.data`` so autograd's version counters see no change.
+
+The model must be sharded after its weights are initialized or loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hybridpar.distributed.comm import Pending
+from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.shard import GradShard, ShardLayout
+
+
+class Unit:
+    """The parameters of one module (or the leftovers of the root) and their gather state."""
+
+    def __init__(self, name: str, entries: list[tuple[nn.Module, str, str, nn.Parameter]], axis: Axis,
+                 reduce_dtype: torch.dtype | None) -> None:
+        self.name, self.axis = name, axis
+        self.owners = [(mod, attr) for mod, attr, _, _ in entries]
+        self.fqns = [fqn for _, _, fqn, _ in entries]
+        self.full = [p for _, _, _, p in entries]
+        kinds = {(p.dtype, p.device) for p in self.full}
+        if len(kinds) > 1:
+            raise ValueError(f"ZeRO-3 unit {name!r} mixes parameter dtypes/devices {sorted(map(str, kinds))}; "
+                             "cast the model to one dtype before sharding")
+        self.dtype, self.device = self.full[0].dtype, self.full[0].device
+        self.layout = ShardLayout([p.shape for p in self.full], axis.size, axis.rank)
+        self.shard_flat = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
+        views = self.layout.views(self.shard_flat)
+        with torch.no_grad():
+            for i, (view, p) in enumerate(zip(views, self.full, strict=True)):
+                view.copy_(p.detach()[slice(*self.layout.local_rows(i))])
+        self.shards = [nn.Parameter(v, requires_grad=p.requires_grad) for v, p in zip(views, self.full, strict=True)]
+        for p in self.full:  # give each full parameter its own storage so it can be freed alone
+            if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+                p.data = p.data.clone()
+        self.grads = GradShard(self.layout, self.full, axis, reduce_dtype=reduce_dtype)
+        self.trainable = {i for i, p in enumerate(self.full) if p.requires_grad}
+        self.arrived: set[int] = set()
+        self.state = "full"
+        self._buf: torch.Tensor | None = None
+        self._pending: Pending | None = None
+        self.reshard()
+
+    def _install(self, params: list[nn.Parameter]) -> None:
+        for (mod, attr), p in zip(self.owners, params, strict=True):
+            mod._parameters[attr] = p
+
+    def unshard(self) -> None:
+        """Start gathering the full parameters (no-op unless sharded)."""
+        if self.state != "sharded":
+            return
+        self._buf = torch.empty(self.layout.n * self.layout.size, dtype=self.dtype, device=self.device)
+        self._pending = self.axis.comm.all_gather_into(self._buf, self.shard_flat, self.axis, async_op=True)
+        self.state = "gathering"
+
+    def wait(self) -> None:
+        """Make the full parameters present and visible to the module."""
+        self.unshard()
+        if self.state == "gathering":
+            self._pending.wait()
+            for i, p in enumerate(self.full):
+                p.data.untyped_storage().resize_(p.numel() * p.element_size())
+                self.layout.unpack(self._buf, i, p.data)
+            self._buf = self._pending = None
+            self.state = "full"
+            self._install(self.full)
+
+    def reshard(self) -> None:
+        """Free the full parameters; the module sees its shards again."""
+        if self.state == "gathering":
+            self.wait()
+        if self.state == "full":
+            self._install(self.shards)
+            for p in self.full:
+                p.data.untyped_storage().resize_(0)
+            self.state = "sharded"
+
+    def held(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """(parameter tensors, gradient tensors) this unit keeps alive right now."""
+        return [self.shard_flat, *self.full, self._buf], self.grads.held_tensors()
+
+
+class ShardedModel:
+    """Handle returned by :func:`shard_model`: hooks, units, and state-dict helpers."""
+
+    def __init__(self, model: nn.Module, axis: Axis, units: list[nn.Module],
+                 reduce_dtype: torch.dtype | None = None, prefetch: bool = True) -> None:
+        self.model, self.axis = model, axis
+        self.sync = True
+        self.prefetch = prefetch
+        self.units: list[Unit] = []  # root first, then the given units in forward order
+        self._hooks: list[RemovableHandle] = []
+        self._mesh: Any = None
+        self.active = axis.size > 1
+        if not self.active:
+            return
+        prefix = {id(m): name for name, m in model.named_modules()}
+        for u in units:
+            if u is model or id(u) not in prefix:
+                raise ValueError("ZeRO-3 units must be submodules of the model (the root unit holds the rest)")
+        unit_ids = {id(u) for u in units}
+        inside: dict[int, nn.Module] = {}
+        for u in units:
+            for m in u.modules():
+                if m is not u and id(m) in unit_ids:
+                    raise ValueError(f"ZeRO-3 unit {prefix[id(u)]!r} contains unit {prefix[id(m)]!r}; units must not nest")
+                inside[id(m)] = u
+        groups: dict[int, list[tuple[nn.Module, str, str, nn.Parameter]]] = {id(u): [] for u in [model, *units]}
+        owner_of: dict[int, str] = {}
+        for name, mod in model.named_modules():
+            for attr, p in mod._parameters.items():
+                if p is None:
+                    continue
+                fqn = f"{name}.{attr}" if name else attr
+                unit = inside.get(id(mod), model)
+                if id(p) in owner_of:
+                    raise ValueError(f"parameter {fqn} is shared with {owner_of[id(p)]}; ZeRO-3 needs each "
+                                     "parameter registered once (a tied head should reuse the embedding's weight in forward)")
+                owner_of[id(p)] = fqn
+                groups[id(unit)].append((mod, attr, fqn, p))
+        for u in [model, *units]:
+            if groups[id(u)]:
+                self.units.append(Unit(prefix[id(u)] or "<root>", groups[id(u)], axis, reduce_dtype))
+        by_module = dict(zip([id(u) for u in [model, *units] if groups[id(u)]], self.units, strict=True))
+        order = [by_module[id(u)] for u in units if id(u) in by_module]
+        root = by_module.get(id(model))
+        self.forward_order = ([root] if root else []) + order
+        self.backward_order = ([root] if root else []) + order[::-1]
+        for module in [model, *units]:
+            unit = by_module.get(id(module))
+            if unit is None:
+                continue
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(unit)))
+            self._hooks.append(module.register_forward_hook(self._post_forward_hook(unit)))
+            for i, p in enumerate(unit.full):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
+
+    # ------------------------------------------------------------------ hooks
+    def _neighbour(self, unit: Unit, order: list[Unit]) -> Unit | None:
+        k = order.index(unit) + 1
+        return order[k] if k < len(order) else None
+
+    def _pre_forward_hook(self, unit: Unit):
+        def hook(_module: nn.Module, _args: Any) -> None:
+            unit.wait()
+            nxt = self._neighbour(unit, self.forward_order)
+            if nxt is not None and self.prefetch:
+                nxt.unshard()
+        return hook
+
+    def _post_forward_hook(self, unit: Unit):
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            unit.reshard()
+            if not torch.is_grad_enabled():
+                return
+            tensors = [t for t in _flatten(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
+        return hook
+
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.wait()
+        prev = self._neighbour(unit, self.backward_order)
+        if prev is not None and self.prefetch:
+            prev.unshard()
+
+    def _grad_hook(self, unit: Unit, i: int):
+        def hook(_p: torch.Tensor) -> None:
+            unit.grads.note_grad()
+            if self.sync:
+                unit.grads.on_grad(i)
+            unit.arrived.add(i)
+            if unit.trainable <= unit.arrived:
+                unit.arrived.clear()
+                unit.reshard()
+        return hook
+
+    # ------------------------------------------------------------------ steps
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full gradients locally; no reduce-scatter inside this block."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def finish(self) -> None:
+        """Free anything still gathered, reduce-scatter what has not been, and wait for all of it."""
+        for unit in self.forward_order:
+            unit.reshard()
+            unit.arrived.clear()
+        for unit in self.backward_order:
+            unit.grads.finish()
+            for shard, grad in zip(unit.shards, unit.grads.views(), strict=True):
+                shard.grad = grad
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.grads.zero()
+            for shard in unit.shards:
+                shard.grad = None
+
+    def remove(self) -> None:
+        """Remove the hooks (the model keeps its shards)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # ------------------------------------------------------------------ state
+    def _device_mesh(self) -> Any:
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._mesh = DeviceMesh.from_group(self.axis.group, self.units[0].device.type)
+        return self._mesh
+
+    def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter (and buffer) in full, on every rank: one all-gather per unit."""
+        if not self.active:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        full: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            buf = torch.empty(unit.layout.n * unit.layout.size, dtype=unit.dtype, device=unit.device)
+            self.axis.comm.all_gather_into(buf, unit.shard_flat, self.axis)
+            for i, (fqn, p) in enumerate(zip(unit.fqns, unit.full, strict=True)):
+                full[fqn] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                unit.layout.unpack(buf, i, full[fqn])
+        names = [k for k, _ in self.model.named_parameters()] + [k for k, _ in self.model.named_buffers()]
+        buffers = dict(self.model.named_buffers())
+        return {k: full[k] if k in full else buffers[k].detach().clone() for k in names}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model state for ``torch.distributed.checkpoint``: each parameter a ``DTensor``
+        (``Shard(0)`` over dp) viewing this rank's rows, so each rank writes only its shard and
+        a load at another dp size or ZeRO stage reads the rows it needs. Loading writes in place."""
+        if not self.active:
+            return self.model.state_dict()
+        from torch.distributed.tensor import DTensor, Shard
+
+        out: dict[str, Any] = {}
+        for unit in self.units:
+            for fqn, p, shard in zip(unit.fqns, unit.full, unit.shards, strict=True):
+                out[fqn] = DTensor.from_local(shard.detach(), self._device_mesh(), [Shard(0)], run_check=False,
+                                              shape=p.shape, stride=_contiguous_stride(p.shape))
+        out.update({k: v for k, v in self.model.named_buffers()})
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy parameters in: ``DTensor`` shards or full tensors (this rank keeps its rows)."""
+        if not self.active:
+            self.model.load_state_dict(state)
+            return
+        with torch.no_grad():
+            for unit in self.units:
+                for i, (fqn, shard) in enumerate(zip(unit.fqns, unit.shards, strict=True)):
+                    if fqn not in state:
+                        raise KeyError(f"state dict has no entry for parameter {fqn}")
+                    v = state[fqn]
+                    local = v.to_local() if hasattr(v, "to_local") else v[slice(*unit.layout.local_rows(i))]
+                    if local.data_ptr() != shard.data_ptr():
+                        shard.detach().copy_(local)
+
+    def memory(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """(parameter tensors, gradient tensors) held by all units."""
+        params: list[torch.Tensor | None] = []
+        grads: list[torch.Tensor | None] = []
+        for unit in self.units:
+            p, g = unit.held()
+            params += p
+            grads += g
+        return params, grads
+
+
+def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],
+                reduce_dtype: torch.dtype | None = None, prefetch: bool = True) -> ShardedModel:
+    """Shard ``model``'s parameters over ``axis`` (dp) for ZeRO-3; ``units`` are the modules
+    gathered as one (in forward order); parameters outside them form the root unit. On a size-1
+    axis nothing changes. ``reduce_dtype`` compresses the gradient reduce-scatter (bf16/fp16).
+    ``prefetch`` starts the next unit's gather while this one computes (faster, one more unit
+    of memory); without it a unit is gathered only when it runs."""
+    return ShardedModel(model, axis, units, reduce_dtype, prefetch)
+
+
+def llama_units(model: nn.Module) -> list[nn.Module]:
+    """Units of a :class:`~hybridpar.models.llama.Llama`: the embedding (unless the head reuses
+    its weight, which then stays in the root with the head) and every block."""
+    units: list[nn.Module] = []
+    if getattr(model, "output", None) is not None:
+        units.append(model.tok_embeddings)
+    units.extend(model.layers)
+    return units
+
+
+def _flatten(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, list | tuple):
+        return [t for o in output for t in _flatten(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _flatten(o)]
+    return []
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
