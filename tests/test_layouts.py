@@ -43,9 +43,16 @@ LAYOUTS = {
                         "--parallel.virtual_stages", "2"],
     "pp2-zb": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1"],
     "pp4": ["--parallel.pp", "4"],
+    "pp4-gpipe": ["--parallel.pp", "4", "--parallel.pipeline_schedule", "gpipe"],
+    "pp4-interleaved": ["--parallel.pp", "4", "--parallel.pipeline_schedule", "interleaved",
+                        "--parallel.virtual_stages", "2"],
+    "pp4-zb": ["--parallel.pp", "4", "--parallel.pipeline_schedule", "zb-h1"],
     "dp2-pp2": ["--parallel.dp", "2", "--parallel.pp", "2"],
     "pp2-tp2-sp": ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "dp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
+    "dp2-tp2-pp2-interleaved-sp": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",
+                                   "--parallel.pipeline_schedule", "interleaved", "--parallel.virtual_stages", "2",
+                                   "--parallel.sequence_parallel", "true"],
     "dp2-zero1": ["--parallel.dp", "2", "--parallel.zero_stage", "1"],
     "dp2-zero2": ["--parallel.dp", "2", "--parallel.zero_stage", "2"],
     "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],
@@ -54,8 +61,8 @@ LAYOUTS = {
 
 
 def config(tmp: str, layout: list[str]):
-    # kv heads 4 and 4 layers everywhere, so tp4 and pp4 layouts share the reference model
-    return load_config(None, [*SMALL, "--model.n_kv_heads", "4", "--model.n_layers", "4", "--train.lr", str(LR),
+    # kv heads 4 and 8 layers everywhere, so tp4 and pp4 x V2 layouts share the reference model
+    return load_config(None, [*SMALL, "--model.n_kv_heads", "4", "--model.n_layers", "8", "--train.lr", str(LR),
                               "--train.run_dir", tmp, *layout])
 
 
@@ -146,3 +153,28 @@ def test_hugging_face_weights_seed_a_tensor_parallel_run(tmp_path, dist_run):
         expected = hf(tokens).logits
     for logits in dist_run(2, _hf_logits, str(tmp_path), str(tmp_path / "hf"), LAYOUTS["tp2-sp"]):
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _train_and_save(rank: int, world: int, tmp: str, layout: list[str]) -> None:
+    cfg = config(tmp, [*layout, "--train.steps", "2", "--train.eval_every", "0", "--train.sample_tokens", "4"])
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        Trainer(cfg, topo).fit()
+
+
+def test_tensor_parallel_checkpoint_converts_to_hugging_face(tmp_path, dist_run):
+    """`hybridpar convert` of a tp2 x pp2 checkpoint: transformers loads it, same logits."""
+    transformers = pytest.importorskip("transformers")
+    from hybridpar.cli import main
+    from hybridpar.models.llama import Llama
+    from hybridpar.training import checkpoint
+
+    dist_run(4, _train_and_save, str(tmp_path), ["--parallel.tp", "2", "--parallel.pp", "2"])
+    ckpt = checkpoint.latest_checkpoint(tmp_path)
+    assert main(["convert", str(ckpt), "--to-hf", str(tmp_path / "hf")]) == 0
+    cfg, state = checkpoint.load_model_state(ckpt)
+    ours = Llama(cfg.model)
+    ours.load_state_dict(state)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.arange(32).reshape(2, 16) % cfg.model.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)

@@ -163,8 +163,14 @@ def cmd_timeline(argv: list[str]) -> int:
     return timeline(argv)
 
 
+def cmd_plan(argv: list[str]) -> int:
+    from hybridpar.planner.cli import cmd_plan as plan
+
+    return plan(argv)
+
+
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "convert": cmd_convert,
-            "timeline": cmd_timeline}
+            "timeline": cmd_timeline, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,12 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["train"]
     if argv[0] in ("-h", "--help"):
-        print("usage: hybridpar {train,prepare,generate,convert,timeline} [options]\n\n"
+        print("usage: hybridpar {train,prepare,generate,convert,timeline,plan} [options]\n\n"
               "  train    train a model (hybridpar train --help)\n"
               "  prepare  tokenize text files into a dataset for --train.data (hybridpar prepare --help)\n"
               "  generate sample text from a checkpoint (hybridpar generate --help)\n"
               "  convert  export a checkpoint as Hugging Face weights (hybridpar convert --help)\n"
-              "  timeline draw a simulated pipeline schedule as a PNG (hybridpar timeline --help)")
+              "  timeline draw a simulated pipeline schedule as a PNG (hybridpar timeline --help)\n"
+              "  plan     predict memory and step time of layouts and rank them (hybridpar plan --help)")
         return 0
     if argv[0] not in COMMANDS:
         print(f"hybridpar: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)

@@ -84,7 +84,11 @@ class Engine:
         bucket = int(p.bucket_mb * 2**20)
         self.zero: ZeroOptimizer | None = None
         if p.zero_stage > 0:  # sharded optimizer state (1), + gradients (2), + parameters (3) over dp
-            sharded = shard_model(model, topo.dp, llama_units(model)) if p.zero_stage == 3 else None
+            # Prefetching the next unit's gather overlaps it with compute on GPUs (separate comm
+            # streams); on CPU the collective runs on the same cores, so it only adds a unit of
+            # peak memory (as FSDP2, which prefetches only with CUDA streams).
+            prefetch = device.type == "cuda"
+            sharded = shard_model(model, topo.dp, llama_units(model), prefetch=prefetch) if p.zero_stage == 3 else None
             self.zero = ZeroOptimizer(decay_groups(model, t.weight_decay), topo.dp, stage=p.zero_stage,
                                       offload=p.offload_optimizer, bucket_bytes=bucket, sharded=sharded,
                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)

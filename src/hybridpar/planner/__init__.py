@@ -1,0 +1,1 @@
+"""The planner: hardware specs, memory and cost models, layout search (see design.md)."""

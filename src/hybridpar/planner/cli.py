@@ -1,0 +1,132 @@
+"""``hybridpar plan``: rank layouts for a model on a cluster, or explain one layout.
+
+Answers in about a second without a GPU: the memory model (:mod:`.memory`), the cost model
+(:mod:`.cost`) and the search (:mod:`.search`) do the work; this module parses and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
+from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
+from hybridpar.planner.layout import Workload, parse_layout
+from hybridpar.planner.memory import COMPONENTS
+from hybridpar.planner.search import Evaluation, complete, search
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridpar plan",
+                                description="Predict memory and step time of parallel layouts and rank them.")
+    p.add_argument("--model", required=True,
+                   help=f"a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json / model directory")
+    p.add_argument("--gpu", default="H100-SXM", help=f"one of {', '.join(GPUS)}, or a TOML spec file")
+    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+    p.add_argument("--layout", help='evaluate one layout, e.g. "dp=8,tp=8,pp=16,cp=1" (other fields chosen by the planner)')
+    return p
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A preset name, or a Hugging Face ``config.json`` (or the directory holding it)."""
+    path = Path(spec)
+    if path.exists():
+        from hybridpar.models.hf import model_config_from_hf
+
+        return model_config_from_hf(path.parent if path.is_file() else path)
+    if spec in MODEL_PRESETS:
+        return model_preset(spec)
+    raise PlanError(f"--model {spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor an existing "
+                    "Hugging Face config.json / directory")
+
+
+def _row(ev: Evaluation) -> str:
+    L, c, m = ev.layout, ev.cost, ev.memory
+    extra = f"{L.pipeline_schedule}{'x' + str(L.virtual_stages) if L.virtual_stages > 1 else ''}" if L.pp > 1 else "-"
+    mem = f"{m.total / 2**30:7.1f}" if m else "      -"
+    rate = (f"{c.step_time_s:8.3f} {100 * c.mfu:5.1f}% {c.tflops_per_gpu:7.1f} {c.tokens_per_s:11,.0f}"
+            if c else "")
+    return (f"{L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3} {L.micro_batch:>3} {L.zero_stage:>4} "
+            f"{L.recompute:>9} {'y' if L.sequence_parallel else 'n':>2} {extra:>13} {mem} {rate}")
+
+
+HEADER = (f"{'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'mb':>3} {'zero':>4} {'recompute':>9} {'sp':>2} "
+          f"{'schedule':>13} {'mem GiB':>7} {'step s':>8} {'MFU':>6} {'TFLOP/s':>7} {'tokens/s':>11}")
+
+
+def explain(ev: Evaluation) -> str:
+    """Every term of one evaluation, for ``--layout``."""
+    lines = [HEADER, _row(ev), ""]
+    if ev.rule:
+        return "\n".join(lines + [f"rejected: {ev.rule}"])
+    m, c = ev.memory, ev.cost
+    assert m is not None
+    lines.append(f"memory of the worst pipeline rank ({m.worst_rank}; {m.in_flight} micro-batch chunks in flight):")
+    for k in COMPONENTS:
+        lines.append(f"  {k:<13} {m.components[k] / 2**30:9.2f} GiB")
+    lines.append(f"  {'total':<13} {m.total / 2**30:9.2f} GiB of {ev.capacity / 2**30:.1f} GiB"
+                 + ("" if ev.fits else f"  -> does not fit by {ev.shortfall_gib:.2f} GiB"))
+    if m.cpu_bytes:
+        lines.append(f"  host (offloaded optimizer) {m.cpu_bytes / 2**30:.2f} GiB")
+    if c is not None:
+        lines.append("time per step:")
+        for k, v in c.terms.items():
+            lines.append(f"  {k:<20} {v:10.4f} s")
+        lines.append(f"  step time {c.step_time_s:.3f} s, MFU {100 * c.mfu:.1f}%, {c.tflops_per_gpu:.1f} model "
+                     f"TFLOP/s per GPU ({c.hw_tflops_per_gpu:.1f} with recompute), bubble "
+                     f"{100 * c.bubble_fraction:.1f}%, {c.tokens_per_s:,.0f} tokens/s")
+    if ev.note:
+        lines.append(f"note: this version's trainer cannot run it yet: {ev.note}")
+    return "\n".join(lines)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    model = load_model(args.model)
+    cluster = Cluster.of(gpu_spec(args.gpu), args.gpus, args.gpus_per_node)
+    work = Workload(args.global_batch, args.seq_len, args.precision)
+    head = {"model": args.model, "gpu": cluster.gpu.name, "gpus": cluster.world_size,
+            "gpus_per_node": cluster.gpus_per_node, "global_batch": work.global_batch, "seq_len": work.seq_len}
+    if args.layout:
+        best, tried = complete(model, parse_layout(args.layout), work, cluster)
+        if args.json:
+            print(json.dumps({**head, "layout": best.to_json(),
+                              "alternatives": [e.to_json() for e in tried if e is not best]}, indent=1))
+        else:
+            print(explain(best))
+        return 0 if best.fits else 1
+    result = search(model, work, cluster)
+    if args.json:
+        doc = {**head, "layouts": [e.to_json() for e in result.ranked[:args.top]],
+               "too_big": [e.to_json() for e in sorted(result.too_big, key=lambda e: e.shortfall_gib)[:args.top]],
+               "rejected": {rule: len(ls) for rule, ls in result.rejected_rules.items()}}
+        print(json.dumps(doc, indent=1))
+        return 0 if result.ranked else 1
+    if not result.ranked:
+        near = result.smallest_shortfall()
+        msg = f"no layout of {args.model} fits on {cluster.world_size} x {cluster.gpu.name}"
+        if near is not None:
+            msg += f"; the closest ({near.layout.short()}) needs {near.shortfall_gib:.2f} GiB more per GPU"
+        elif result.rejected_rules:
+            msg += "; every factorisation breaks a rule: " + "; ".join(list(result.rejected_rules)[:3])
+        print(f"hybridpar: {msg}", file=sys.stderr)
+        return 1
+    print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, global batch "
+          f"{work.global_batch} x {work.seq_len} tokens, {work.precision}")
+    print(HEADER)
+    for ev in result.ranked[:args.top]:
+        print(_row(ev))
+    print(f"\n{len(result.ranked)} layouts fit; {len(result.too_big)} do not fit; "
+          f"{sum(map(len, result.rejected_rules.values()))} break a rule")
+    best = result.ranked[0]
+    if best.note:
+        print(f"note: the best layout needs a feature not built in this version: {best.note}")
+    return 0

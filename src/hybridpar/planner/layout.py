@@ -1,0 +1,130 @@
+"""What the planner evaluates: a layout (the ``parallel.*`` settings plus ``micro_batch``) and a
+workload (batch, sequence, precision), and the bridge to :func:`hybridpar.config.validate`.
+
+The planner owns no layout rules: :func:`layout_rule_error` builds a real :class:`Config` and
+asks ``validate``. Features the runtime has not built yet (ZeRO, offload, recompute) are still
+planned, since the planner also answers "what would it take"; :func:`runtime_note` says when a
+layout cannot run in this version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hybridpar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero_stage", "offload_optimizer", "pipeline_schedule",
+               "virtual_stages", "sequence_parallel", "recompute", "micro_batch")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: ``parallel.*`` names (see :class:`ParallelConfig`) plus ``micro_batch``."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    micro_batch: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def microbatches(self, global_batch: int) -> int:
+        """Micro-batches per step on each pipeline (``parallel.microbatches``)."""
+        return global_batch // (self.dp * self.micro_batch)
+
+    def short(self) -> str:
+        """``dp=8,tp=8,pp=2,cp=1``, for messages."""
+        return f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp}"
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Per-step work. ``half_params``: with bf16/fp16, parameters and gradients are stored in
+    half precision and the optimizer keeps fp32 master weights (Megatron-LM, DeepSpeed); False
+    is this runtime's autocast (fp32 parameters and gradients, half-precision matmuls)."""
+
+    global_batch: int
+    seq_len: int
+    precision: str = "bf16"
+    half_params: bool = True
+    bucket_mb: float = 25.0
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element (the matmul dtype)."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def param_bytes(self) -> int:
+        return 2 if self.precision != "fp32" and self.half_params else 4
+
+
+def to_config(model: ModelConfig, layout: Layout, work: Workload) -> Config:
+    """The trainer's config for this plan (what ``hybridpar train`` would be given)."""
+    fields = {k: getattr(layout, k) for k in LAYOUT_KEYS if k != "micro_batch"}
+    par = ParallelConfig(**fields, microbatches=0, bucket_mb=work.bucket_mb)  # type: ignore[arg-type]
+    train = TrainConfig(global_batch=work.global_batch, micro_batch=layout.micro_batch,
+                        seq_len=work.seq_len, precision=work.precision)  # type: ignore[arg-type]
+    return Config(model=dataclasses.replace(model), parallel=par, train=train)
+
+
+def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
+    """The layout rule ``validate`` says this layout breaks (None if it breaks none), judging
+    only shapes and divisibility: not-yet-built features are switched off for this check."""
+    cfg = to_config(model, layout, work)
+    cfg.parallel.zero_stage = 0
+    cfg.parallel.offload_optimizer = False
+    cfg.parallel.recompute = "none"
+    try:
+        validate(cfg, world_size=layout.world_size)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def runtime_note(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
+    """Why this version's trainer would refuse the layout (a feature not built yet), else None."""
+    try:
+        validate(to_config(model, layout, work), world_size=layout.world_size)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def parse_layout(text: str) -> dict[str, object]:
+    """``"dp=8,tp=8,pp=16,cp=1"`` -> ``{"dp": 8, ...}``; keys are ``parallel.*`` names (with or
+    without the ``parallel.`` prefix) plus ``micro_batch``; values typed like Layout's fields."""
+    types = {f.name: f.type for f in dataclasses.fields(Layout)}
+    out: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip().removeprefix("parallel.").removeprefix("train.")
+        if not sep or key not in types:
+            raise ConfigError(f"--layout item {part!r}: expected key=value with key one of {list(LAYOUT_KEYS)}")
+        value = value.strip()
+        kind = types[key]
+        if kind == "int":
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise ConfigError(f"--layout {key}={value!r} must be an integer") from None
+        elif kind == "bool":
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ConfigError(f"--layout {key}={value!r} must be true or false")
+            out[key] = value.lower() in ("true", "1")
+        else:
+            out[key] = value
+    return out

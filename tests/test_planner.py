@@ -1,0 +1,151 @@
+"""Planner: memory model against published numbers and the runtime's tensors, search, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridpar.config import Config, ModelConfig, ParallelConfig, TrainConfig, model_preset
+from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
+from hybridpar.planner.layout import Layout, Workload, parse_layout
+from hybridpar.planner.memory import (
+    korthikanti_layer_bytes,
+    layer_activation_bytes,
+    model_state_bytes,
+    numel,
+    rank_param_shapes,
+)
+
+
+def test_zero_paper_model_states():
+    """ZeRO (Rajbhandari et al. 2020), figure 1: 7.5B parameters, Adam, mixed precision, 64 GPUs."""
+    shapes = [(7_500_000_000,)]
+    gb = [sum(vars(model_state_bytes(shapes, 64, z, param_bytes=2)).values()) / 1e9 for z in range(4)]
+    assert gb[0] == pytest.approx(120.0)
+    assert round(gb[1], 1) == 31.4
+    assert round(gb[2], 1) == 16.6
+    assert round(gb[3], 1) == 1.9
+
+
+@pytest.mark.parametrize("t,sp,rec", [(1, False, "none"), (8, False, "none"), (8, True, "none"),
+                                      (8, False, "selective"), (8, True, "selective"), (8, True, "full")])
+def test_korthikanti_formulas(t, sp, rec):
+    """Korthikanti et al. 2022, Table 2, and our term-by-term GPT accounting agree exactly."""
+    s, b, h, a = 2048, 1, 3072, 32
+    sbh = s * b * h
+    expected = {("none", False): sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+                ("none", True): sbh * (34 / t + 5 * a * s / (h * t)),
+                ("selective", False): sbh * (10 + 24 / t),
+                ("selective", True): sbh * 34 / t,
+                ("full", True): 2 * sbh / t}[(rec, sp)]
+    if t == 1:
+        assert expected == sbh * (34 + 5 * a * s / h)
+    assert korthikanti_layer_bytes(s, b, h, a, t, sp, rec) == pytest.approx(expected)
+    gpt = ModelConfig(dim=h, n_layers=2, n_heads=a, n_kv_heads=a, ffn_hidden=8 * h // 3, vocab_size=100)
+    assert layer_activation_bytes(gpt, s, b, t, sp, rec, style="gpt") == pytest.approx(expected)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_model_states_equal_runtime_tensors_world1():
+    """dp=1 Engine: live parameter, gradient and AdamW state bytes equal the prediction."""
+    from hybridpar.distributed.mesh import ParallelDims
+    from hybridpar.training.engine import Engine
+
+    cfg = Config(parallel=ParallelConfig(), train=TrainConfig(global_batch=2, micro_batch=2, seq_len=16))
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        eng = Engine(cfg, topo, torch.device("cpu"))
+        x = torch.randint(0, cfg.model.vocab_size, (2, 17))
+        eng.forward_backward([(x[:, :-1], x[:, 1:])], 1.0)
+        eng.optimizer.step()
+        states = [v for st in eng.optimizer.state.values() for k, v in st.items() if k != "step"]
+        pred = model_state_bytes(rank_param_shapes(cfg.model, 1, 1, 1, 0), 1, 0, param_bytes=4)
+        assert _bytes(eng.params) == pred.params
+        assert _bytes(q.grad for q in eng.params) == pred.grads
+        assert _bytes(states) == pred.optimizer
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_rank_params_equal_stage_modules(tied):
+    """pp=2 (and V=2): each rank's predicted parameters are exactly its stage modules' tensors
+    (a tied embedding's mirror included), built in-process without a process group."""
+    from hybridpar.models.llama import Llama
+    from hybridpar.parallel.pipeline.stages import build_stage_modules
+
+    model_cfg = model_preset("tiny")
+    model_cfg.tie_embeddings = tied
+    model = Llama(model_cfg)
+    for v in (1, 2):
+        for rank in range(2):
+            chunks = build_stage_modules(model, rank, 2, v)
+            params = {id(q): q for c in chunks for q in c.parameters()}.values()
+            assert sum(q.numel() for q in params) == numel(rank_param_shapes(model_cfg, 1, 2, v, rank))
+
+
+def test_tp_shapes_pad_vocab_and_split_heads():
+    m = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=257)
+    full, half = numel(rank_param_shapes(m, 1, 1, 1, 0)), numel(rank_param_shapes(m, 2, 1, 1, 0))
+    assert full == m.num_params()
+    norms = m.dim * (2 * m.n_layers + 1)
+    assert half == (full - norms - 2 * 257 * 64) // 2 + norms + 2 * 129 * 64
+
+
+def test_worst_stage_and_interleaving_factor():
+    from hybridpar.planner.memory import plan_memory
+
+    m, w = model_preset("llama3-70b"), Workload(64, 4096)
+    one = plan_memory(m, Layout(dp=1, tp=8, pp=8, micro_batch=1, sequence_parallel=True), w)
+    inter = plan_memory(m, Layout(dp=1, tp=8, pp=8, micro_batch=1, sequence_parallel=True,
+                                  pipeline_schedule="interleaved", virtual_stages=2), w)
+    assert one.worst_rank == 0 and one.in_flight == 8
+    # Narayanan et al. 2021: interleaving stores (1 + (p-1)/(p v)) times 1F1B's first stage
+    ratio = inter.in_flight * (80 // 16) / (one.in_flight * (80 // 8))
+    assert ratio == pytest.approx(1 + 7 / 16)
+
+
+def test_hardware_names_and_toml(tmp_path):
+    with pytest.raises(PlanError, match="H100-SXM"):
+        gpu_spec("V100")
+    assert gpu_spec("h100-sxm") is GPUS["H100-SXM"]
+    f = tmp_path / "my.toml"
+    f.write_text('[gpu]\nbase = "A100-80GB"\nname = "mine"\nhbm_bytes = 1e10\n')
+    spec = gpu_spec(str(f))
+    assert spec.name == "mine" and spec.hbm_bytes == 1e10 and spec.bf16_flops == 312e12
+    c = Cluster.of(spec, 16, 8)
+    assert c.axis_bandwidth(8, 1)[2] and not c.axis_bandwidth(2, 8)[2]
+
+
+def test_search_recovers_rules_of_thumb():
+    """llama3-70b on 4 nodes of 8 H100: tp stays inside a node, pp (if any) spans nodes."""
+    from hybridpar.planner.search import search
+
+    cluster = Cluster.of(GPUS["H100-SXM"], 32, 8)
+    res = search(model_preset("llama3-70b"), Workload(64, 4096), cluster)
+    assert res.ranked
+    for ev in res.ranked[:3]:
+        L = ev.layout
+        assert L.tp <= 8
+        if L.pp > 1:
+            assert not cluster.axis_bandwidth(L.pp, L.tp * L.cp * L.dp)[2]
+    assert "n_kv_heads" in " ".join(res.rejected_rules)  # tp = 16, 32 broke the GQA rule
+
+
+def test_plan_cli_json_and_layout(capsys):
+    from hybridpar.cli import main
+
+    rc = main(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--seq-len", "2048",
+               "--json", "--layout", "dp=2,tp=4,pp=1,cp=1"])
+    doc = json.loads(capsys.readouterr().out)
+    lay = doc["layout"]
+    for key in ("dp", "tp", "pp", "cp", "zero_stage", "pipeline_schedule", "micro_batch", "recompute",
+                "memory_gib", "fits", "step_time_s", "mfu", "tflops_per_gpu", "tokens_per_s"):
+        assert key in lay
+    assert rc == 0 and lay["fits"] and 0 < lay["mfu"] < 1 and "total" in lay["memory_gib"]
+    assert parse_layout("parallel.dp=2,micro_batch=4,sequence_parallel=true") == {
+        "dp": 2, "micro_batch": 4, "sequence_parallel": True}
+    assert main(["plan", "--model", "nope", "--gpus", "8", "--global-batch", "8", "--seq-len", "128"]) == 2
+    assert "llama3-8b" in capsys.readouterr().err
