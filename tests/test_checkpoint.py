@@ -148,3 +148,15 @@ def test_generate_from_checkpoint_matches_the_trained_model(tmp_path, capsys):
     tokens = sample(trainer.model, list(b"import "), 20, trainer.cfg.model.max_seq_len, temperature=0)
     assert printed == trainer.tokenizer.decode(tokens)
     assert main(["generate", "--checkpoint", str(tmp_path / "nope")]) == 2
+
+
+def test_truncated_shard_is_a_clear_error(tmp_path):
+    make(tmp_path, "r", "--train.steps", "10").fit()
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "r")
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(checkpoint.CheckpointError, match="does not match its checksum"):
+        checkpoint.load_model_state(ckpt)
+    other = make(tmp_path, "r2", "--train.steps", "12")
+    with pytest.raises(checkpoint.CheckpointError, match=f"{shard.name} does not match its checksum"):
+        other.load_checkpoint(ckpt)

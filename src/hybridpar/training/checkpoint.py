@@ -13,6 +13,7 @@ metadata goes through an allow-list unpickler (:class:`SafeReader`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pickle
@@ -176,7 +177,8 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
         atomic_write_text(tmp / COMPLETE, json.dumps({"step": step, "format": FORMAT, "time": time.time(),
-                                                      "world_size": topo.world_size}) + "\n")
+                                                      "world_size": topo.world_size,
+                                                      "files": _manifest(tmp)}, indent=1) + "\n")
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -300,7 +302,30 @@ def _require_complete(path: Path) -> Path:
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {path} has no .metadata; it is not a complete hybridpar checkpoint")
     SafeReader(str(path)).read_metadata()  # refuse unsafe or corrupt metadata before DCP wraps the error
+    expected = read_info(path).get("files", {})
+    for name, entry in expected.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {name}; it was damaged after saving")
+        if f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} does not match its checksum in {COMPLETE} "
+                                  f"({f.stat().st_size} bytes, expected {entry['bytes']}); it is corrupt — "
+                                  "resume from an earlier checkpoint")
     return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every data file DCP wrote, checked before each load."""
+    return {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(folder.iterdir()) if f.suffix == ".distcp" or f.name == ".metadata"}
 
 
 def _group(topo: Topology) -> Any:
