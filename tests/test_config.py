@@ -93,7 +93,6 @@ def test_toml_errors_name_the_key(tmp_path):
         (["--parallel.tp", "8"], "model.n_kv_heads = 4 < parallel.tp = 8"),
         (["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.seq_len", "127"],
          "train.seq_len = 127 is not divisible by 2 (sequence parallelism"),
-        (["--parallel.cp", "2", "--parallel.pp", "2", "--model.n_layers", "8"], "parallel.pp"),
         (["--parallel.pp", "9"], "model.n_layers = 8 < parallel.pp * virtual_stages = 9 * 1 = 9 pipeline chunks"),
         (["--parallel.pp", "2", "--parallel.pipeline_schedule", "interleaved", "--parallel.virtual_stages", "2",
           "--train.global_batch", "24"], "interleaved 1F1B needs micro-batches per step divisible by parallel.pp: 3 % 2 = 1"),

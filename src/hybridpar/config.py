@@ -399,8 +399,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              f"sequence{' chunk' if p.cp > 1 else ''} across parallel.tp = {p.tp}); use a multiple of {split}")
     need(not (p.cp > 1 and p.sequence_parallel),
          f"parallel.cp = {p.cp} with parallel.sequence_parallel = true is not supported yet; turn one of them off")
-    need(not (p.cp > 1 and p.pp > 1),
-         f"parallel.cp = {p.cp} with parallel.pp = {p.pp} is not supported yet; set parallel.pp = 1")
     if world_size is not None:
         need(world_size == p.world_size,
              f"world size {world_size} != dp * tp * pp * cp = {p.dp} * {p.tp} * {p.pp} * {p.cp} = {p.world_size}; "

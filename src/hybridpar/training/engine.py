@@ -69,8 +69,13 @@ class Engine:
             self.chunks = build_stage_modules(model, topo.pp.rank, p.pp, p.virtual_stages, self.partition)
             for chunk in self.chunks:
                 chunk.sequence_shards = topo.tp.size if self.sequence_parallel else 1
+            if self.cp is not None:  # chunks bypass the model's forward hook: set cp's plan here
+                self.cp.plan = self.cp.plan_for(t.seq_len, device)
+                for chunk in self.chunks:
+                    chunk.positions = zigzag_positions(t.seq_len, topo.cp).to(device)
             schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, t.grad_accum // p.dp)
-            seq = t.seq_len // topo.tp.size if self.sequence_parallel else t.seq_len
+            # what crosses a stage boundary: this rank's share of the sequence (cp, then SP)
+            seq = t.seq_len // topo.cp.size // (topo.tp.size if self.sequence_parallel else 1)
             self.runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits,
                                          act_shape=(t.micro_batch, seq, m.dim),
                                          forward_context=lambda: autocast(t.precision, device))

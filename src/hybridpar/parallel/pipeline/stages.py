@@ -43,10 +43,15 @@ class LlamaChunk(nn.Module):
         # Hidden states arriving from the previous stage are split along the sequence in this
         # many parts (tensor parallelism with sequence parallelism): RoPE needs full positions.
         self.sequence_shards = 1
+        # Original token positions of this rank's tokens when they are not 0..T-1 (context
+        # parallelism's zigzag shards); None means arange.
+        self.positions: Tensor | None = None
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         """Tokens ``[B, T]`` (first chunk) or hidden ``[B, T, dim]`` -> hidden, or logits
         ``[B, T, vocab]`` (last chunk)."""
+        if positions is None:
+            positions = self.positions
         if positions is None:
             length = x.shape[1] if self.spec.embedding else x.shape[1] * self.sequence_shards
             positions = torch.arange(length, device=x.device)
