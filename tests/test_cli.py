@@ -88,3 +88,23 @@ def test_resume_flag_continues_bit_for_bit(tmp_path):
     for k, v in reference.items():
         assert torch.equal(resumed[k], v), k
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_compare_tells_expected_from_unexpected(tmp_path, capsys):
+    """Two runs that differ only in how the global batch is split into micro-batches (2 x 2 vs
+    4 x 1) agree to tolerance; a run with another lr does not."""
+    def run(name: str, *extra: str) -> str:
+        out = str(tmp_path / name)
+        assert main(["train", *TINY, "--train.run_dir", out, *extra]) == 0
+        return out
+
+    a = run("a", "--train.micro_batch", "2")
+    b = run("b", "--train.micro_batch", "1")
+    c = run("c", "--train.lr", "1e-2")
+    capsys.readouterr()
+    assert main(["compare", a, b]) == 0
+    assert "the runs agree" in capsys.readouterr().out
+    assert main(["compare", a, c]) == 1
+    out = capsys.readouterr().out
+    assert "NOT expected" in out and "differ by more than layout changes explain" in out
+    assert main(["compare", a, str(tmp_path / "missing")]) == 2

@@ -169,8 +169,21 @@ def cmd_plan(argv: list[str]) -> int:
     return plan(argv)
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "convert": cmd_convert,
-            "timeline": cmd_timeline, "plan": cmd_plan}
+def cmd_compare(argv: list[str]) -> int:
+    from hybridpar.training.compare import cmd_compare as compare
+
+    return compare(argv)
+
+
+COMMANDS = {
+    "train": (cmd_train, "train a model"),
+    "prepare": (cmd_prepare, "tokenize text files into a dataset for --train.data"),
+    "generate": (cmd_generate, "sample text from a checkpoint"),
+    "compare": (cmd_compare, "are two runs' losses and weights equal to floating-point tolerance?"),
+    "convert": (cmd_convert, "export a checkpoint as Hugging Face weights"),
+    "timeline": (cmd_timeline, "draw a pipeline schedule's per-rank timeline as a PNG"),
+    "plan": (cmd_plan, "predict memory and step time of layouts and rank them"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,19 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["train"]
     if argv[0] in ("-h", "--help"):
-        print("usage: hybridpar {train,prepare,generate,convert,timeline,plan} [options]\n\n"
-              "  train    train a model (hybridpar train --help)\n"
-              "  prepare  tokenize text files into a dataset for --train.data (hybridpar prepare --help)\n"
-              "  generate sample text from a checkpoint (hybridpar generate --help)\n"
-              "  convert  export a checkpoint as Hugging Face weights (hybridpar convert --help)\n"
-              "  timeline draw a simulated pipeline schedule as a PNG (hybridpar timeline --help)\n"
-              "  plan     predict memory and step time of layouts and rank them (hybridpar plan --help)")
+        print(f"usage: hybridpar {{{','.join(COMMANDS)}}} [options]   (hybridpar COMMAND --help)\n")
+        for name, (_, what) in COMMANDS.items():
+            print(f"  {name:<9}{what}")
         return 0
     if argv[0] not in COMMANDS:
         print(f"hybridpar: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        return COMMANDS[argv[0]][0](argv[1:])
     except UserError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
