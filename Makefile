@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/hybridpar train
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -287,6 +287,15 @@ class ZeroOptimizer:
             self.axis.comm.all_reduce(total, self.axis)
         return total
 
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, gradient this rank holds)`` per parameter with one (this rank's rows under
+        stages 1-3), after :meth:`finish_grads`: for norms that also span tp or pp ranks."""
+        self.finish_grads()
+        if self.mode == 0:
+            return [(n, p.grad) for n, p in zip(self.names, self._params, strict=True) if p.grad is not None]
+        views = {name: g.grads.views()[i] for name, (g, i, _) in self._slot_of.items()}
+        return [(n, v) for n, v in views.items() if v is not None]
+
     @torch.no_grad()
     def clip(self, total_norm: torch.Tensor, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""

@@ -168,7 +168,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
         tmp.mkdir(parents=True)
     topo.comm.barrier()
     state = _train_state(model, optimizer, topo, extra)
-    with _single_process_quiet():
+    with single_process_quiet():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(topo),
                  no_dist=topo.world_size == 1)
     topo.comm.barrier()
@@ -191,11 +191,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
     """Restore model, optimizer, RNG and ``extra`` (filled in place: pass the same structure
     that was saved) from a complete checkpoint; returns its step."""
     path = Path(path)
-    info = read_info(_require_complete(path))
+    info = read_info(require_complete(path))
     check_compatible(read_config(path), cfg, path)
     state = _train_state(model, optimizer, topo, extra)
     try:
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.load(state, storage_reader=SafeReader(str(path)), process_group=_group(topo),
                      no_dist=topo.world_size == 1)
     except CheckpointError:
@@ -216,11 +216,11 @@ def load_model_state(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]
     from hybridpar.models.llama import Llama
 
     path = Path(path)
-    cfg = read_config(_require_complete(path))
+    cfg = read_config(require_complete(path))
     model = Llama(cfg.model)
     state = {"model": get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))}
     try:
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
     except CheckpointError:
         raise
@@ -247,7 +247,7 @@ def check_compatible(saved: Config, cfg: Config, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
+def single_process_quiet() -> Iterator[None]:
     """Silence DCP's warning that a single-process save/load is single-process (it is meant)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
@@ -294,7 +294,7 @@ def _local(tree: Any) -> Any:
     return tree
 
 
-def _require_complete(path: Path) -> Path:
+def require_complete(path: Path) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not is_complete(path):

@@ -12,9 +12,10 @@ holds (plus whatever it held before) the gradient of the mean loss over the M mi
 
 ZB-H1 (``schedule.split_backward``): B computes the input gradient with
 ``torch.autograd.grad(out, [input], grad, retain_graph=True)`` and sends it upstream at once; W
-later computes the weight gradients with ``torch.autograd.grad(out, params, grad)`` and adds
-them to ``.grad``. Correct, but W re-traverses the chunk's graph (no saved intermediate
-gradients), so on real models it costs about a full backward; the schedule's benefit shows when
+later computes the weight gradients with ``torch.autograd.backward(out, grad, inputs=params)``,
+which accumulates them into ``.grad`` and runs the parameters' post-accumulate-grad hooks (the
+gradient reducer and ZeRO rely on those). Correct, but W re-traverses the chunk's graph (no
+saved intermediate gradients), so on real models it costs about a full backward; the schedule's benefit shows when
 W's work is separable (the benchmark's sleep stages) - a known limitation.
 """
 
@@ -233,15 +234,8 @@ class PipelineRunner:
     def _weight_grad(self, a: Action, step: _Step) -> None:
         saved = step.saved.pop((a.microbatch, a.stage))
         params = self.params[a.stage]
-        grads = torch.autograd.grad(saved.out, params, saved.grad, allow_unused=True)
-        with torch.no_grad():
-            for p, g in zip(params, grads, strict=True):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+        if params:  # accumulates into .grad and fires post-accumulate-grad hooks (DP / ZeRO count on them)
+            torch.autograd.backward(saved.out, saved.grad, inputs=params)
 
     # ------------------------------------------------------------------ results
     def _gather_losses(self, step: _Step) -> Tensor:

@@ -1,0 +1,328 @@
+"""``hybridpar.initialize(model, config)``: data parallel / ZeRO 0-3 and a tensor-parallel plan
+for any ``nn.Module``, for users who keep their own training loop.
+
+::
+
+    engine = hybridpar.initialize(model, {"zero_stage": 2, "lr": 1e-3, "grad_clip": 1.0,
+                                          "gradient_accumulation_steps": 4})
+    for x, y in loader:                     # this rank's share of the data
+        loss = loss_fn(engine(x), y)        # forward (ZeRO-3 gathers parameters per unit)
+        engine.backward(loss)               # scaled by 1/accumulation; no_sync but on the last
+        engine.step()                       # at the boundary: clip, optimizer, zero_grad, LR
+    engine.save("ckpt/step-100")            # torch.distributed.checkpoint, atomic
+
+The engine wraps :class:`~hybridpar.parallel.zero.ZeroOptimizer` (stage 0 is plain data
+parallelism with bucketed all-reduce) over the topology's dp axis, :func:`shard_model` for
+stage 3 (one unit per child module by default), and :func:`~hybridpar.api.tp.parallelize_module`
+for the plan. Gradients are averaged over dp: every dp rank should pass an equally sized share
+of the global batch and a mean loss, so the result equals one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+
+from hybridpar.api.tp import (
+    full_tensor_parallel_state_dict,
+    global_grad_norm,
+    parallelize_module,
+    tp_sharded_params,
+)
+from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
+from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
+from hybridpar.parallel.zero3 import shard_model
+from hybridpar.training.checkpoint import (
+    COMPLETE,
+    CheckpointError,
+    SafeReader,
+    require_complete,
+    single_process_quiet,
+)
+from hybridpar.training.metrics import atomic_write_text
+
+__all__ = ["EngineConfig", "ModelEngine", "initialize"]
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+ENGINE_INFO = "engine.json"
+
+
+@dataclass
+class EngineConfig:
+    """Settings of :func:`initialize` (also accepted as a plain dict with these keys)."""
+
+    data_parallel_size: int | None = None  # None: world size / tensor_parallel_size
+    tensor_parallel_size: int | None = None  # None: the given topology's, else 1
+    tensor_parallel_plan: dict[str, Any] = field(default_factory=dict)  # pattern -> column|row|embedding
+    zero_stage: int = 0  # 0 plain DP, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
+    zero3_units: str | list[str] = "children"  # "children", or module-name patterns (outermost match)
+    offload_optimizer: bool = False  # ZeRO 1-3: optimizer state and update on the host
+    bucket_mb: float = 25.0  # gradient bucket size (stages 0-2)
+    optimizer: str = "adamw"  # adamw | adam | sgd
+    lr: float = 1e-3
+    weight_decay: float = 0.0  # on parameters with >= 2 dims only
+    betas: tuple[float, float] = (0.9, 0.999)  # adam/adamw
+    eps: float = 1e-8  # adam/adamw
+    momentum: float = 0.0  # sgd
+    grad_clip: float = 0.0  # max global gradient L2 norm; 0 disables
+    gradient_accumulation_steps: int = 1  # backward() calls per optimizer step
+    warmup_steps: int = 0  # linear LR warm-up over this many steps
+    decay_steps: int = 0  # cosine decay to min_lr over this many steps after warm-up; 0: constant
+    min_lr: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
+        """Build from a dict; unknown keys are an error that names them and the valid keys."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"unknown engine config keys {unknown}; valid keys: {names}")
+        cfg = cls(**data)
+        cfg.betas = tuple(cfg.betas)  # type: ignore[assignment]
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the key and the fix for an impossible value."""
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage = {self.zero_stage} must be 0, 1, 2 or 3")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer = {self.optimizer!r} must be one of {sorted(OPTIMIZERS)}")
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps = {self.gradient_accumulation_steps} must be >= 1")
+        if self.grad_clip < 0 or self.lr < 0 or not 0 <= self.min_lr <= max(self.lr, self.min_lr):
+            raise ValueError(f"need grad_clip >= 0 (got {self.grad_clip}), lr >= 0 (got {self.lr}), min_lr >= 0")
+        if self.zero3_units != "children" and not isinstance(self.zero3_units, list):
+            raise ValueError(f"zero3_units = {self.zero3_units!r} must be 'children' or a list of patterns")
+
+    def lr_factor(self, step: int) -> float:
+        """LR multiplier for optimizer step ``step`` (from 1): linear warm-up, then constant or
+        cosine down to ``min_lr / lr``."""
+        if self.warmup_steps > 0 and step <= self.warmup_steps:
+            return step / self.warmup_steps
+        if self.decay_steps <= 0 or self.lr == 0:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        low = self.min_lr / self.lr
+        return low + 0.5 * (1 - low) * (1 + math.cos(math.pi * progress))
+
+
+def _units(model: nn.Module, spec: str | list[str]) -> list[nn.Module]:
+    if spec == "children":
+        return [m for m in model.children() if any(True for _ in m.parameters())]
+    units: list[nn.Module] = []
+    chosen: list[str] = []
+    for name, m in model.named_modules():  # outermost match wins: units must not nest
+        if name and not any(name.startswith(c + ".") for c in chosen) and \
+                any(fnmatch.fnmatchcase(name, p) for p in spec):
+            units.append(m)
+            chosen.append(name)
+    if not units:
+        raise ValueError(f"zero3_units {spec} match no module of the model")
+    return units
+
+
+class ModelEngine:
+    """One model, its (ZeRO) optimizer and gradient reduction under a dp x tp topology; see the
+    module doc. Build it with :func:`initialize`."""
+
+    def __init__(self, model: nn.Module, cfg: EngineConfig, topo: Topology, owns_topology: bool = False) -> None:
+        cfg.validate()
+        if topo.pp.size > 1 or topo.cp.size > 1:
+            raise ValueError(f"initialize() handles dp x tp layouts; this topology has pp = {topo.pp.size}, "
+                             f"cp = {topo.cp.size}: use hybridpar.PipelineModule for pipeline parallelism")
+        if cfg.tensor_parallel_size not in (None, topo.tp.size):
+            raise ValueError(f"tensor_parallel_size = {cfg.tensor_parallel_size} but the topology has tp = {topo.tp.size}")
+        self.cfg, self.topo, self._owns_topology = cfg, topo, owns_topology
+        model = model.to(topo.device)
+        if cfg.tensor_parallel_plan:
+            parallelize_module(model, topo.tp, cfg.tensor_parallel_plan)
+        self.module = model
+        self.tp_sharded = tp_sharded_params(model)
+        sharded = shard_model(model, topo.dp, _units(model, cfg.zero3_units)) if cfg.zero_stage == 3 else None
+        kwargs: dict[str, Any] = {"lr": cfg.lr}
+        if cfg.optimizer == "sgd":
+            kwargs["momentum"] = cfg.momentum
+        else:
+            kwargs.update(betas=cfg.betas, eps=cfg.eps)
+        self.optimizer = ZeroOptimizer(decay_groups(model, cfg.weight_decay), topo.dp, stage=cfg.zero_stage,
+                                       optimizer_cls=OPTIMIZERS[cfg.optimizer], offload=cfg.offload_optimizer,
+                                       bucket_bytes=int(cfg.bucket_mb * 2**20), sharded=sharded, **kwargs)
+        self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.global_step = 0  # optimizer steps taken
+        self.micro_step = 0  # backward() calls since the last optimizer step
+        self.last_grad_norm: float | None = None
+        self.optimizer.zero_grad()
+        self._set_lr(1)
+
+    # ------------------------------------------------------------------ the loop
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward: tensors are moved to this rank's device, then ``module(*args, **kwargs)``."""
+        def move(x: Any) -> Any:
+            return x.to(self.topo.device) if isinstance(x, Tensor) else x
+        return self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
+
+    def backward(self, loss: Tensor) -> None:
+        """Backward of one micro-batch's loss, scaled by ``1 / gradient_accumulation_steps``.
+        Every micro-batch but the last of a step accumulates locally (no communication)."""
+        ga = self.cfg.gradient_accumulation_steps
+        if self.micro_step >= ga:
+            raise RuntimeError(f"{self.micro_step} backward() calls since the last step() with "
+                               f"gradient_accumulation_steps = {ga}: call engine.step()")
+        last = self.micro_step == ga - 1
+        with contextlib.nullcontext() if last else self.optimizer.no_sync():
+            (loss / ga).backward()
+        self.micro_step += 1
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` will update the weights."""
+        return self.micro_step == self.cfg.gradient_accumulation_steps
+
+    def step(self) -> bool:
+        """At the accumulation boundary: finish the gradient reduction, clip by the global norm,
+        step the optimizer, zero the gradients and move the LR schedule; returns True. Before
+        the boundary it does nothing and returns False (call it after every backward)."""
+        if not self.is_gradient_accumulation_boundary():
+            return False
+        norm = self.grad_norm()
+        self.last_grad_norm = float(norm)
+        self.optimizer.clip(norm, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.global_step += 1
+        self.micro_step = 0
+        self._set_lr(self.global_step + 1)
+        return True
+
+    def grad_norm(self) -> Tensor:
+        """Global L2 norm of the accumulated, dp-averaged gradient (collective)."""
+        zero = self.optimizer
+        return global_grad_norm(zero.named_grads(), self.topo, self.tp_sharded,
+                                [self.topo.dp] if zero.mode != 0 else [])
+
+    def _set_lr(self, step: int) -> None:
+        factor = self.cfg.lr_factor(step)
+        for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+            g["lr"] = base * factor
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses (first parameter group)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train(self, mode: bool = True) -> ModelEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ModelEngine:
+        self.module.eval()
+        return self
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The model's weights as one process would hold them, on every rank (collective:
+        ZeRO-3 and tensor-parallel shards are gathered)."""
+        sharded = self.optimizer.sharded
+        sd = sharded.gather_full_state_dict() if sharded is not None else self.module.state_dict()
+        return full_tensor_parallel_state_dict(sd, self.tp_sharded, self.topo.tp)
+
+    def _state(self) -> dict[str, Any]:
+        core = self.optimizer.checkpoint_state(self.module)
+        tp = self.topo.tp
+        return core if tp.size == 1 else {f"tp{tp.rank}_of_{tp.size}": core}
+
+    def save(self, path: str | os.PathLike[str], client_state: Mapping[str, Any] | None = None) -> Path:
+        """Write model + optimizer (each rank its shards, through ``torch.distributed.checkpoint``)
+        and ``client_state`` (JSON-serialisable) to directory ``path``, atomically: into a
+        temporary sibling renamed once complete. Collective: every rank calls it."""
+        path, topo = Path(path), self.topo
+        tmp = path.with_name(f".tmp-{path.name}")
+        if topo.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        topo.comm.barrier()
+        with single_process_quiet():
+            dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(str(tmp)),
+                     process_group=topo.world.group, no_dist=topo.world_size == 1)
+        topo.comm.barrier()
+        if topo.rank == 0:
+            info = {"global_step": self.global_step, "dp": topo.dp.size, "tp": topo.tp.size,
+                    "zero_stage": self.cfg.zero_stage, "client_state": dict(client_state or {})}
+            atomic_write_text(tmp / ENGINE_INFO, json.dumps(info, indent=2) + "\n")
+            atomic_write_text(tmp / COMPLETE, json.dumps({"step": self.global_step, "time": time.time(),
+                                                          "world_size": topo.world_size}) + "\n")
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        topo.comm.barrier()
+        return path
+
+    def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore a checkpoint written by :meth:`save` (any dp size and ZeRO stage; the same
+        tensor-parallel size) and return its ``client_state``. Collective."""
+        path = require_complete(Path(path))
+        try:
+            info = json.loads((path / ENGINE_INFO).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"checkpoint {path}: unreadable {ENGINE_INFO} ({e})") from None
+        if info["tp"] != self.topo.tp.size:
+            raise CheckpointError(f"checkpoint {path} was saved at tensor_parallel_size = {info['tp']}, this "
+                                  f"engine has {self.topo.tp.size}; load it with the same tensor-parallel size")
+        state = self._state()
+        try:
+            with single_process_quiet():
+                dcp.load(state, storage_reader=SafeReader(str(path)), process_group=self.topo.world.group,
+                         no_dist=self.topo.world_size == 1)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
+        core = state if self.topo.tp.size == 1 else next(iter(state.values()))
+        self.optimizer.load_checkpoint_state(self.module, core)
+        self.global_step, self.micro_step = int(info["global_step"]), 0
+        self._set_lr(self.global_step + 1)
+        self.optimizer.zero_grad()
+        return dict(info.get("client_state", {}))
+
+    def close(self) -> None:
+        """Release the process groups of a topology this engine created itself."""
+        if self._owns_topology:
+            self.topo.close()
+
+
+def initialize(model: nn.Module, config: EngineConfig | Mapping[str, Any] | None = None, *,
+               topo: Topology | None = None) -> ModelEngine:
+    """Wrap ``model`` (initialised identically on every rank) for data parallel / ZeRO training
+    and, with ``tensor_parallel_plan``, tensor parallelism; returns a :class:`ModelEngine`.
+
+    ``topo`` (e.g. from :func:`~hybridpar.initialize_parallelism`) gives the layout; without it
+    the engine initializes ``torch.distributed`` from the torchrun environment and builds a
+    dp x tp topology from ``data_parallel_size`` / ``tensor_parallel_size``."""
+    cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config or {})
+    owns = topo is None
+    if topo is None:
+        _, world = init_distributed()
+        tp = cfg.tensor_parallel_size or 1
+        dp = cfg.data_parallel_size if cfg.data_parallel_size is not None else max(1, world // tp)
+        if dp * tp != world:
+            raise ValueError(f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp} but "
+                             f"{world} processes are running; launch {dp * tp} or change the sizes")
+        import torch.distributed as dist
+
+        device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+        topo = ParallelDims(dp=dp, tp=tp).build(device)
+    elif cfg.data_parallel_size not in (None, topo.dp.size):
+        raise ValueError(f"data_parallel_size = {cfg.data_parallel_size} but the topology has dp = {topo.dp.size}")
+    return ModelEngine(model, cfg, topo, owns_topology=owns)
