@@ -89,7 +89,23 @@ def _zeros(*shape: int, device: Any = None, dtype: Any = None) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, device=device, dtype=dtype))
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What column- and row-parallel linears share: building one from the full weight."""
+
+    @classmethod
+    def from_full(cls, weight: Tensor, axis: Axis, bias: Tensor | None = None, **kwargs: Any) -> Any:
+        """The layer whose shard is taken from the full ``weight [out, in]`` (and ``bias``)."""
+        out_f, in_f = weight.shape
+        layer = cls(in_f, out_f, axis, bias=bias is not None, device=weight.device,
+                    dtype=weight.dtype, **kwargs)
+        layer.load_full(weight, bias)
+        return layer
+
+    def load_full(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with ``W [out, in]`` split along ``out``: ``y_r = x W_r^T + b_r``.
 
     Input: replicated ``[.., in]``, or with ``sequence_parallel`` this rank's sequence shard
@@ -114,16 +130,6 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _zeros(local, in_features, device=device, dtype=dtype)
         self.bias = _zeros(local, device=device, dtype=dtype) if bias else None
 
-    @classmethod
-    def from_full(cls, weight: Tensor, axis: Axis, bias: Tensor | None = None,
-                  **kwargs: Any) -> ColumnParallelLinear:
-        """The layer whose shard is taken from the full ``weight [out, in]`` (and ``bias``)."""
-        out_f, in_f = weight.shape
-        layer = cls(in_f, out_f, axis, bias=bias is not None, device=weight.device,
-                    dtype=weight.dtype, **kwargs)
-        layer.load_full(weight, bias)
-        return layer
-
     @torch.no_grad()
     def load_full(self, weight: Tensor, bias: Tensor | None = None) -> None:
         """Copy this rank's rows of the full ``weight`` (and ``bias``) into the shard."""
@@ -145,7 +151,7 @@ class ColumnParallelLinear(nn.Module):
                 f"sync_input={self.sync_input}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with ``W [out, in]`` split along ``in``: ``y = sum_r x_r W_r^T + b``.
 
     Input: this rank's ``[.., in / tp]`` features (``input_is_parallel``), or the replicated full
@@ -165,16 +171,6 @@ class RowParallelLinear(nn.Module):
         local = _per_rank(in_features, axis, "RowParallelLinear in_features")
         self.weight = _zeros(out_features, local, device=device, dtype=dtype)
         self.bias = _zeros(out_features, device=device, dtype=dtype) if bias else None
-
-    @classmethod
-    def from_full(cls, weight: Tensor, axis: Axis, bias: Tensor | None = None,
-                  **kwargs: Any) -> RowParallelLinear:
-        """The layer whose shard is taken from the full ``weight [out, in]`` (and ``bias``)."""
-        out_f, in_f = weight.shape
-        layer = cls(in_f, out_f, axis, bias=bias is not None, device=weight.device,
-                    dtype=weight.dtype, **kwargs)
-        layer.load_full(weight, bias)
-        return layer
 
     @torch.no_grad()
     def load_full(self, weight: Tensor, bias: Tensor | None = None) -> None:
