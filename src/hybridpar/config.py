@@ -111,6 +111,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     recompute: Recompute = "none"
     bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
+    hierarchical_dp: bool = False  # dp gradients: reduce-scatter in node, all-reduce across, all-gather
+    node_size: int = 0  # ranks per node for hierarchical_dp; 0 = the launcher's LOCAL_WORLD_SIZE
 
     @property
     def world_size(self) -> int:
@@ -343,6 +345,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be >= 1")
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
     need(p.bucket_mb > 0, f"parallel.bucket_mb = {p.bucket_mb} must be > 0")
+    need(p.node_size >= 0, f"parallel.node_size = {p.node_size} must be >= 0 (0 = LOCAL_WORLD_SIZE)")
+    need(not (p.hierarchical_dp and p.zero_stage > 0),
+         f"parallel.hierarchical_dp = true with parallel.zero_stage = {p.zero_stage} is not supported yet; "
+         "ZeRO reduce-scatters over dp itself: use zero_stage = 0 or hierarchical_dp = false")
     need(p.microbatches >= 0, f"parallel.microbatches = {p.microbatches} must be >= 0 (0 = automatic)")
 
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):

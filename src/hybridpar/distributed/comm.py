@@ -244,6 +244,22 @@ class Comm:
         rec.done = True
         return out
 
+    def hierarchical_all_reduce(self, t: torch.Tensor, intra: Axis, inter: Axis) -> torch.Tensor:
+        """In place sum of ``t`` over ``intra`` x ``inter`` in three levels: reduce-scatter
+        inside the node (``intra``), all-reduce of this rank's 1/intra share across nodes
+        (``inter``), all-gather inside the node. Inter-node links carry 1/intra of what a flat
+        all-reduce sends over them; each level is counted under its own axis name."""
+        if intra.size == 1:
+            return self.all_reduce(t, inter)
+        flat = t.reshape(-1)
+        n = intra.size
+        padded = torch.cat([flat, flat.new_zeros((-flat.numel()) % n)]) if flat.numel() % n else flat
+        share = self.reduce_scatter(padded, intra)
+        self.all_reduce(share, inter)
+        full = self.all_gather(share, intra)
+        t.view(-1).copy_(full[: flat.numel()])
+        return t
+
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, axis: Axis, *,
                         async_op: bool = False) -> Pending:
         """Flat all-gather into a caller-owned buffer: ``out`` (``axis.size * shard.numel()``

@@ -202,6 +202,43 @@ class Topology:
                 mine, group = tuple(ranks), g
         return Axis("_".join(axes), len(mine), mine.index(self.rank), mine, group, self.comm)
 
+    def node_split(self, axis: Axis, node_size: int) -> tuple[Axis, Axis]:
+        """``axis`` cut at node boundaries (global ranks ``r // node_size`` share a node):
+        ``(intra, inter)``, where ``intra`` joins this rank's group members on its node and
+        ``inter`` the members with the same place on the other nodes. For hierarchical
+        all-reduce: reduce-scatter inside a node, all-reduce across nodes, all-gather inside.
+        Collective: every rank creates every group, in the same order."""
+        if node_size < 1:
+            raise ValueError(f"node size {node_size} must be >= 1")
+        names = tuple(axis.name.split("_"))
+        every = self.dims.group_ranks(names[0]) if len(names) == 1 else self.dims.flat_group_ranks(names)
+        intra_sets: list[list[int]] = []
+        inter_sets: list[list[int]] = []
+        for ranks in every:
+            by_node: dict[int, list[int]] = {}
+            for r in ranks:
+                by_node.setdefault(r // node_size, []).append(r)
+            parts = list(by_node.values())
+            if len({len(part) for part in parts}) != 1:
+                raise ValueError(f"{axis.name} group {ranks} spreads unevenly over nodes of {node_size} ranks "
+                                 f"({[len(part) for part in parts]} per node); hierarchical all-reduce needs "
+                                 "the same number on every node")
+            intra_sets += parts
+            inter_sets += [list(column) for column in zip(*parts, strict=True)]
+        return (self._subgroup_axis(f"{axis.name}.intra", intra_sets),
+                self._subgroup_axis(f"{axis.name}.inter", inter_sets))
+
+    def _subgroup_axis(self, name: str, sets: list[list[int]]) -> Axis:
+        mine = next(ranks for ranks in sets if self.rank in ranks)
+        group = None
+        for ranks in sets:
+            if len(ranks) > 1:
+                g = dist.new_group(ranks)
+                self._flat_groups.append(g)
+                if ranks is mine:
+                    group = g
+        return Axis(name, len(mine), mine.index(self.rank), tuple(mine), group, self.comm)
+
     def axis(self, name: str) -> Axis:
         _check_axis(name)
         return self._axes[name]

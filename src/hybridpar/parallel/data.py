@@ -38,8 +38,12 @@ class GradientReducer:
     wrap earlier micro-batches in ``no_sync()``. At ``axis.size == 1`` it installs nothing.
     """
 
-    def __init__(self, params: list[nn.Parameter], axis: Axis, bucket_bytes: int) -> None:
+    def __init__(self, params: list[nn.Parameter], axis: Axis, bucket_bytes: int,
+                 hierarchy: tuple[Axis, Axis] | None = None) -> None:
         self.axis = axis
+        # (intra-node, inter-node) split of ``axis``: buckets then reduce in three levels in
+        # finish() (reduce-scatter in node, all-reduce across, all-gather in node), not overlapped
+        self.hierarchy = hierarchy
         self.sync = True
         self.buckets: list[_Bucket] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -67,7 +71,7 @@ class GradientReducer:
 
     def _hook(self, bucket: _Bucket):
         def on_grad(_: torch.Tensor) -> None:
-            if not self.sync:  # an earlier micro-batch: just accumulate
+            if not self.sync or self.hierarchy is not None:  # accumulate; finish() reduces
                 return
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
@@ -87,9 +91,12 @@ class GradientReducer:
         """Wait for every bucket (starting any a hook did not, e.g. unused parameters) and
         divide by the dp size, so ``.grad`` holds the average over data-parallel ranks."""
         for bucket in self.buckets:
-            if bucket.pending is None:
-                bucket.pending = self.axis.comm.all_reduce_async(bucket.buffer, self.axis)
-            bucket.pending.wait()
+            if self.hierarchy is not None:
+                self.axis.comm.hierarchical_all_reduce(bucket.buffer, *self.hierarchy)
+            else:
+                if bucket.pending is None:
+                    bucket.pending = self.axis.comm.all_reduce_async(bucket.buffer, self.axis)
+                bucket.pending.wait()
             bucket.buffer.div_(self.axis.size)
             bucket.pending = None
             bucket.ready = 0

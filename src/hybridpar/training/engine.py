@@ -10,6 +10,7 @@ clips, steps and logs; it branches on nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -103,7 +104,11 @@ class Engine:
         else:
             self.optimizer = build_optimizer(self.params, t)
             # replicas of every parameter: dp (other data) and cp (other parts of the same sequences)
-            self.reducer = GradientReducer(self.params, topo.dp_cp, bucket)
+            hierarchy = None
+            if p.hierarchical_dp and topo.dp_cp.size > 1:  # node boundaries from the launcher
+                node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+                hierarchy = topo.node_split(topo.dp_cp, node)
+            self.reducer = GradientReducer(self.params, topo.dp_cp, bucket, hierarchy)
         ids = {id(q) for q in self.params}
         self.tp_replicated = [q for q in tp_replicated_params(model) if id(q) in ids]
 
