@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import socket
 import statistics
 import time
 from typing import Any
@@ -31,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _spawn import run_ranks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -148,8 +146,7 @@ def _tokens(seq: int) -> torch.Tensor:
     return torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(seq))
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, world: int, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -186,18 +183,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
 
 
 def run_world(world: int, args: argparse.Namespace) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = sorted((q.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
-    return res
+    return sorted(run_ranks(worker, world, args, expect=world), key=lambda r: r["rank"])
 
 
 def max_seq(peaks: dict[int, int], static: int, budget: int, cp: int) -> int:

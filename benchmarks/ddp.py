@@ -13,15 +13,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import socket
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _spawn import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from hybridpar.config import load_config
@@ -49,8 +48,7 @@ def ddp_step(model: DistributedDataParallel, opt: torch.optim.Optimizer, batches
     return float(mean) / dist.get_world_size()
 
 
-def worker(rank: int, world: int, port: int, steps: int, overrides: list[str], out: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, world: int, steps: int, overrides: list[str], out: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = load_config(None, ["--parallel.dp", str(world), *overrides])
@@ -84,17 +82,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--world", type=int, default=2)
     args, overrides = ap.parse_known_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world, port, args.steps, overrides, out)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    res = out.get(timeout=1800)
-    for p in procs:
-        p.join()
+    (res,) = run_ranks(worker, args.world, args.steps, overrides)
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     ratio = med["hybridpar"] / med["ddp"]
     max_diff = max(abs(a - b) / abs(b) for a, b in zip(res["losses"]["hybridpar"], res["losses"]["ddp"], strict=True))

@@ -21,16 +21,16 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _spawn import run_ranks
 from torch import nn
 
 from hybridpar.distributed.mesh import ParallelDims
@@ -124,8 +124,7 @@ def _timed(fn) -> float:  # noqa: ANN001
     return float(elapsed)
 
 
-def worker(rank: int, pp: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, pp: int, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=pp)
     m, t_w = args.microbatches, args.t_b / 2
@@ -200,17 +199,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--plot", metavar="DIR", help="also write each schedule's recorded timeline PNG here")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.pp, port, args, queue)) for r in range(args.pp)]
-    for p in procs:
-        p.start()
-    res = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    (res,) = run_ranks(worker, args.pp, args)
 
     pp, m, t_f, t_b = args.pp, args.microbatches, args.t_f, args.t_b
     busy = m * (t_f + t_b)

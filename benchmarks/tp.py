@@ -20,9 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import queue
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -30,8 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _spawn import run_ranks
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
@@ -203,8 +200,7 @@ def compare(topo: Any, cfg: Any, data: Tensor, sp: bool) -> dict[str, Any]:
             "traffic_per_step": {"hybridpar": ours_traffic, "dtensor": counter.totals}}
 
 
-def worker(rank: int, world: int, port: int, steps: int, overrides: list[str], out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, world: int, steps: int, overrides: list[str], out: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = load_config(None, [*DEFAULTS, *overrides])
@@ -220,28 +216,7 @@ def worker(rank: int, world: int, port: int, steps: int, overrides: list[str], o
 
 
 def run_world(world: int, steps: int, overrides: list[str]) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, steps, overrides, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        while True:
-            try:
-                res = out.get(timeout=2)
-                break
-            except queue.Empty:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed:
-                    raise RuntimeError(f"tp={world}: ranks {failed} failed (see their traceback above)") from None
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    (res,) = run_ranks(worker, world, steps, overrides)
     return res
 
 

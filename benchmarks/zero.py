@@ -30,16 +30,15 @@ import contextlib
 import ctypes
 import gc
 import json
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _spawn import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -198,8 +197,7 @@ def build(name: str, cfg, topo, counted: dict[str, Counted]) -> Callable[[list],
     return step
 
 
-def worker(rank: int, world: int, port: int, steps: int, overrides: list[str], out: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, world: int, steps: int, overrides: list[str], out: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = load_config(None, [*DEFAULTS, "--parallel.dp", str(world), *overrides])
@@ -264,27 +262,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--world", type=int, default=4)
     args, overrides = ap.parse_known_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world, port, args.steps, overrides, q)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    import queue
-
-    while True:
-        try:
-            res = q.get(timeout=5)
-            break
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise SystemExit("a benchmark rank failed (see its traceback above)") from None
-    for p in procs:
-        p.join()
+    (res,) = run_ranks(worker, args.world, args.steps, overrides)
     n, P, M = args.world, res["params"], res["micro"]
     ar = wire_bytes("all_reduce", 4 * P, n)
     zero3 = (2 * M + 1) * ar // 2
