@@ -89,11 +89,9 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
     if cfg.train.data != "builtin":
         from hybridpar.data.dataset import read_meta
+        from hybridpar.data.errors import check_vocab
 
-        meta = read_meta(Path(cfg.train.data))
-        if meta.get("vocab_size", 0) > cfg.model.vocab_size:
-            raise ConfigError(f"data vocabulary {meta['vocab_size']} > model.vocab_size = {cfg.model.vocab_size}; "
-                              f"raise model.vocab_size to at least {meta['vocab_size']}")
+        check_vocab(read_meta(Path(cfg.train.data)).get("vocab_size", 0), cfg.model.vocab_size)
     if cfg.train.init_from and resume is None:
         from hybridpar.models.hf import check_same_shape, model_config_from_hf
 

@@ -16,3 +16,10 @@ class DataNotFoundError(DataError, FileNotFoundError):
 
 class DatasetExistsError(DataError):
     """``prepare`` would overwrite a non-empty directory and ``--force`` was not given."""
+
+
+def check_vocab(data_vocab: int, model_vocab: int) -> None:
+    """A dataset's tokens must all be ids the model's embedding has."""
+    if data_vocab > model_vocab:
+        raise DataError(f"data vocabulary {data_vocab} > model.vocab_size = {model_vocab}; "
+                        f"raise model.vocab_size to at least {data_vocab}")

@@ -55,7 +55,6 @@ from hybridpar.parallel.tensor import (
     VocabParallelEmbedding,
     pad_dim,
     padded_size,
-    shard,
 )
 
 __all__ = [
@@ -185,31 +184,31 @@ def set_sequence_parallel(model: nn.Module, enabled: bool) -> None:
 # ----------------------------------------------------------------------------- weights
 
 
-def shard_tensor(name: str, full: Tensor, axis: Axis) -> Tensor:
-    """This rank's part of the full (tp=1) tensor of parameter ``name``: a chunk along its
-    split dim (the vocabulary zero-padded to a multiple of tp first), or a copy if replicated."""
-    dim = shard_dim(name)
-    if dim is None:
-        return full.clone()
-    if _is_vocab(name):
-        full = pad_dim(full, 0, padded_size(full.shape[0], axis.size))
-    return shard(full, axis, dim)
-
-
-def read_shard(name: str, lazy: Any, axis: Axis) -> Tensor:
-    """This rank's part of parameter ``name`` read from a lazily sliceable full tensor (a
-    safetensors ``get_slice``): only the rows or columns this rank keeps are read. Equal to
-    ``shard_tensor(name, lazy[:], axis)``."""
-    shape = list(lazy.get_shape())
+def read_shard(name: str, full: Any, axis: Axis) -> Tensor:
+    """This rank's part of parameter ``name`` (tp=1 naming) from its full tensor: a chunk along
+    its split dim (the vocabulary zero-padded to a multiple of tp first), or all of it if
+    replicated. ``full`` is a tensor or a lazily sliceable one (safetensors ``get_slice``), of
+    which only this rank's rows or columns are then read."""
+    shape = list(full.shape if isinstance(full, Tensor) else full.get_shape())
     dim = shard_dim(name)
     if dim is None or axis.size == 1:
-        return lazy[:]
-    full = shape[dim]
-    per = (padded_size(full, axis.size) if _is_vocab(name) else full) // axis.size
-    start, stop = min(axis.rank * per, full), min((axis.rank + 1) * per, full)
+        return full[:]
+    size = shape[dim]
+    if _is_vocab(name):
+        size = padded_size(size, axis.size)
+    elif size % axis.size:
+        raise ValueError(f"cannot split {name} (size {size} along dim {dim}) into {axis.size} equal "
+                         f"tensor-parallel shards; it must be a multiple of {axis.size}")
+    per = size // axis.size
+    start, stop = min(axis.rank * per, shape[dim]), min((axis.rank + 1) * per, shape[dim])
     index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
-    part = lazy[index] if stop > start else torch.zeros([0 if d == dim else n for d, n in enumerate(shape)])
+    part = full[index] if stop > start else torch.zeros([0 if d == dim else n for d, n in enumerate(shape)])
     return pad_dim(part, dim, per) if part.shape[dim] < per else part
+
+
+def shard_tensor(name: str, full: Tensor, axis: Axis) -> Tensor:
+    """This rank's part of the full (tp=1) tensor of parameter ``name``, as a fresh tensor."""
+    return read_shard(name, full, axis).clone()
 
 
 def shard_state_dict(full_sd: Mapping[str, Tensor], axis: Axis) -> dict[str, Tensor]:

@@ -192,10 +192,6 @@ class Engine:
             return self.zero.sharded.gather_full_state_dict()
         return gather_full_state_dict(self.model, self.topo.tp)
 
-    def owned_names(self) -> set[str]:
-        """Parameter names this rank saves in checkpoints (each stored by exactly one pp rank)."""
-        return {n for n, _ in self.owned}
-
     # ------------------------------------------------------------------ sampling, timeline
     def sample(self, prompt: list[int], max_new_tokens: int, seed: int) -> list[int]:
         """Sample on every rank together: pp stages first share their weights, tp ranks gather

@@ -18,7 +18,7 @@ import torch
 
 from hybridpar.config import Config
 from hybridpar.data.corpus import WindowSampler, load_tokens
-from hybridpar.data.errors import DataError
+from hybridpar.data.errors import check_vocab
 from hybridpar.distributed.mesh import Topology
 from hybridpar.parallel.context import zigzag_shard
 from hybridpar.training import checkpoint
@@ -48,9 +48,7 @@ class Trainer:
         t = cfg.train
         data = load_tokens(t.data)
         self.tokenizer = data.tokenizer
-        if data.vocab_size > cfg.model.vocab_size:
-            raise DataError(f"data vocabulary {data.vocab_size} > model.vocab_size = {cfg.model.vocab_size}; "
-                             f"raise model.vocab_size to at least {data.vocab_size}")
+        check_vocab(data.vocab_size, cfg.model.vocab_size)
         self.train_data = WindowSampler(data.train, t.seq_len, t.seed)
         self.val_data = WindowSampler(data.val, t.seq_len, t.seed + 1)
         self.engine = Engine(cfg, topo, self.device)
