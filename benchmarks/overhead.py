@@ -21,17 +21,19 @@ from hybridpar.config import load_config
 from hybridpar.data.corpus import load_tokens
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.llama import Llama
+from hybridpar.training import device as devices
 from hybridpar.training.optim import lr_at
+from hybridpar.training.precision import autocast
 from hybridpar.training.trainer import Trainer
 
 
 class PlainLoop:
     """What a user would write by hand: model, AdamW, random windows, clip, step."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, device: torch.device) -> None:
         t = cfg.train
-        self.cfg = cfg
-        self.model = Llama(cfg.model)
+        self.cfg, self.device = cfg, device
+        self.model = Llama(cfg.model).to(device)
         self.model.init_weights(t.seed)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         rest = [p for p in self.model.parameters() if p.dim() < 2]
@@ -45,6 +47,7 @@ class PlainLoop:
         t = self.cfg.train
         starts = torch.randint(0, len(self.tokens) - t.seq_len - 1, (t.micro_batch,), generator=self.gen)
         rows = torch.stack([self.tokens[s : s + t.seq_len + 1] for s in starts.tolist()])
+        rows = rows.to(self.device)
         return rows[:, :-1], rows[:, 1:]
 
     def step(self, step: int) -> float:
@@ -56,7 +59,9 @@ class PlainLoop:
         total = 0.0
         for _ in range(accum):
             x, y = self.batch()
-            loss = F.cross_entropy(self.model(x).float().flatten(0, 1), y.flatten())
+            with autocast(t.precision, self.device):
+                logits = self.model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             (loss / accum).backward()
             total += loss.item() / accum
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
@@ -64,9 +69,11 @@ class PlainLoop:
         return total
 
 
-def timed(fn, step: int) -> float:
+def timed(fn, step: int, device: torch.device) -> float:
+    devices.synchronize(device)
     t0 = time.perf_counter()
     fn(step)
+    devices.synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -77,8 +84,9 @@ def main() -> None:
     args, overrides = ap.parse_known_args()
     cfg = load_config(None, overrides)
     torch.manual_seed(cfg.train.seed)
-    ours = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
-    plain = PlainLoop(cfg)
+    device = devices.pick_device(cfg.train.device)
+    ours = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build(device.type), device)
+    plain = PlainLoop(cfg, device)
     for s in range(1, 4):  # warm-up both
         ours.train_step(s)
         plain.step(s)
@@ -86,12 +94,16 @@ def main() -> None:
     step = 4
     for _ in range(args.rounds):
         for _ in range(args.steps):  # interleave step by step
-            times["hybridpar"].append(timed(ours.train_step, step))
-            times["plain"].append(timed(plain.step, step))
+            times["hybridpar"].append(timed(ours.train_step, step, device))
+            times["plain"].append(timed(plain.step, step, device))
             step += 1
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["hybridpar"] / med["plain"]
     t = cfg.train
+    peak, peak_name = devices.peak_flops(device, t.precision)
+    tokens = t.global_batch * t.seq_len
+    mfu = {k: cfg.model.flops_per_token(t.seq_len) * tokens / v / peak for k, v in med.items()}
+    print(f"device {device} ({peak_name}); MFU hybridpar {100 * mfu['hybridpar']:.1f}%, plain {100 * mfu['plain']:.1f}%")
     print(f"model {cfg.model.preset} ({cfg.model.num_params() / 1e6:.2f}M params), batch {t.global_batch}x{t.seq_len}, "
           f"micro {t.micro_batch}, {t.precision}, torch threads {torch.get_num_threads()}")
     print(f"{'loop':<12}{'median step (ms)':>18}{'min (ms)':>12}{'steps':>8}")
@@ -99,7 +111,8 @@ def main() -> None:
         print(f"{k:<12}{1e3 * statistics.median(v):>18.1f}{1e3 * min(v):>12.1f}{len(v):>8}")
     print(f"ratio hybridpar / plain = {ratio:.3f} (target <= 1.05)")
     print(json.dumps({"benchmark": "overhead", "ratio": round(ratio, 4), "target": 1.05,
-                      "median_step_s": {k: round(v, 5) for k, v in med.items()}, "steps": len(times["plain"])}))
+                      "median_step_s": {k: round(v, 5) for k, v in med.items()}, "steps": len(times["plain"]),
+                      "device": str(device), "mfu": {k: round(v, 4) for k, v in mfu.items()}}))
 
 
 if __name__ == "__main__":

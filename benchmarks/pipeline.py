@@ -49,18 +49,32 @@ WIDTH = 16  # activation [1, WIDTH] floats: the transfers are negligible next to
 KINDS = [(Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, 2), (Schedule.ZB_H1, 1)]
 
 
+SPIN_S = 0.0005  # the tail of each sleep that spins: OS sleeps overshoot by 0.1-0.5 ms
+
+
+def exact_sleep(seconds: float) -> None:
+    """Hold the CPU-free stage for ``seconds`` exactly: ``time.sleep`` wakes 0.1-0.5 ms late
+    (1-2.5% of a 20 ms stage, more than the targets' margin), so sleep to just before the
+    deadline and spin the rest. Both runtimes' stages use it, so the comparison stays fair."""
+    deadline = time.perf_counter() + seconds
+    if seconds > SPIN_S:
+        time.sleep(seconds - SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
+
+
 class _SleepInput(torch.autograd.Function):
     """Identity on the activation path: forward sleeps t_f, backward (input gradient) t_b."""
 
     @staticmethod
     def forward(ctx, x, t_f: float, t_b: float):  # noqa: ANN001
-        time.sleep(t_f)
+        exact_sleep(t_f)
         ctx.t_b = t_b
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001
-        time.sleep(ctx.t_b)
+        exact_sleep(ctx.t_b)
         return grad, None, None
 
 
@@ -75,7 +89,7 @@ class _SleepWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001
-        time.sleep(ctx.t_w)
+        exact_sleep(ctx.t_w)
         return grad, None
 
 

@@ -12,10 +12,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybridpar.config import Config, ConfigError, config_warnings, load_config, validate
 from hybridpar.errors import UserError
 from hybridpar.training.errors import NonFiniteLossError
+
+if TYPE_CHECKING:
+    from hybridpar.distributed.mesh import Topology
 
 LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -23,6 +27,14 @@ LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 def under_launcher() -> bool:
     """True inside a process started by torchrun / torch.distributed.run."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def restart_count() -> int:
+    """How often torchrun has restarted this job's workers (``--max-restarts``); 0 on the first attempt."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -36,6 +48,9 @@ def _train_parser() -> argparse.ArgumentParser:
                    help="continue from the latest complete checkpoint in train.run_dir, or from CHECKPOINT")
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes to launch (default: the layout's world size dp*tp*pp*cp)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="K",
+                   help="with local processes: when one fails, restart all of them up to K times; each "
+                   "restart continues from the latest complete checkpoint (train.auto_resume)")
     return p
 
 
@@ -46,14 +61,23 @@ def cmd_train(argv: list[str]) -> int:
         if args.nproc is not None:
             raise ConfigError("--nproc cannot be combined with an external torchrun launch; "
                               "drop --nproc and set the process count with torchrun --nproc-per-node")
-        return _run_worker(cfg, _preflight(cfg, int(os.environ["WORLD_SIZE"]), args.resume))
+        if args.max_restarts is not None:
+            raise ConfigError("--max-restarts cannot be combined with an external torchrun launch; "
+                              "pass --max-restarts to torchrun instead")
+        resume = _preflight(cfg, int(os.environ["WORLD_SIZE"]), args.resume)
+        # a torchrun restart after a lost rank continues from the newest complete checkpoint
+        auto = cfg.train.auto_resume and restart_count() > 0
+        return _run_worker(cfg, resume, auto_resume=auto)
     nproc = args.nproc if args.nproc is not None else cfg.parallel.world_size
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
     resume = _preflight(cfg, nproc, args.resume)
-    if nproc == 1:
+    if nproc == 1 and not args.max_restarts:
         return _run_worker(cfg, resume)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    restarts = [f"--max-restarts={args.max_restarts}"] if args.max_restarts else []
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *restarts,
               "-m", "hybridpar.cli", "train", *[a for a in _strip_nproc(argv)]]
     print(f"hybridpar: launching {nproc} local processes: {' '.join(launch[1:])}", flush=True)
     from hybridpar.distributed import flight
@@ -67,15 +91,16 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
+    """``argv`` without the options that only the local launcher reads (--nproc, --max-restarts)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a == "--nproc":
+        if a in ("--nproc", "--max-restarts"):
             skip = True
             continue
-        if a.startswith("--nproc="):
+        if a.startswith(("--nproc=", "--max-restarts=")):
             continue
         out.append(a)
     return out
@@ -85,6 +110,9 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
     """Every check that needs no process group: layout for this world size, the checkpoint to
     resume, the shape of ``train.init_from``. Returns the checkpoint path to resume from."""
     validate(cfg, world_size=world_size)
+    from hybridpar.training.device import local_world_size, resolve_device_type
+
+    resolve_device_type(cfg.train.device, local_world_size() if under_launcher() else world_size)
     for warning in config_warnings(cfg):
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
     if cfg.train.data != "builtin":
@@ -103,7 +131,7 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
     return resolve_resume(resume, Path(cfg.train.run_dir))
 
 
-def _run_worker(cfg: Config, resume: Path | None = None) -> int:
+def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False) -> int:
     from hybridpar.distributed import flight
     from hybridpar.distributed.mesh import (
         ParallelDims,
@@ -121,6 +149,8 @@ def _run_worker(cfg: Config, resume: Path | None = None) -> int:
         run_dir = Path(cfg.train.run_dir)
         if topo.world_size > 1:
             flight.dump_on_sigterm(topo.comm.counter, run_dir, topo.rank)
+        if auto_resume:
+            resume = _agreed_latest_checkpoint(topo, run_dir, resume)
         try:
             Trainer(cfg, topo, device).fit(resume)
         except (UserError, NonFiniteLossError):
@@ -135,6 +165,23 @@ def _run_worker(cfg: Config, resume: Path | None = None) -> int:
         destroy_distributed()
     return 0
 
+
+def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None) -> Path | None:
+    """The newest complete checkpoint in ``run_dir`` as rank 0 sees it, the same on every rank (a
+    broadcast of its step), else ``fallback`` (``--resume``; None: start over). Used when torchrun
+    restarted the job after a failure (``train.auto_resume``)."""
+    import torch
+
+    from hybridpar.training.checkpoint import latest_checkpoint, read_info, step_dir
+
+    found = latest_checkpoint(run_dir) if topo.rank == 0 else None
+    step = torch.tensor([int(read_info(found)["step"]) if found is not None else -1], dtype=torch.int64)
+    topo.comm.broadcast(step, topo.world, src=0)
+    chosen = step_dir(run_dir, int(step)) if int(step) >= 0 else fallback
+    if topo.rank == 0:
+        what = f"resuming from {chosen}" if chosen else "no complete checkpoint yet, starting over"
+        print(f"hybridpar: restart {restart_count()} of the job (torchrun --max-restarts): {what}", flush=True)
+    return chosen
 
 
 def cmd_convert(argv: list[str]) -> int:
@@ -167,6 +214,12 @@ def cmd_plan(argv: list[str]) -> int:
     return plan(argv)
 
 
+def cmd_calibrate(argv: list[str]) -> int:
+    from hybridpar.planner.calibrate import cmd_calibrate as calibrate
+
+    return calibrate(argv)
+
+
 def cmd_compare(argv: list[str]) -> int:
     from hybridpar.training.compare import cmd_compare as compare
 
@@ -181,6 +234,7 @@ COMMANDS = {
     "convert": (cmd_convert, "export a checkpoint as Hugging Face weights"),
     "timeline": (cmd_timeline, "draw a pipeline schedule's per-rank timeline as a PNG"),
     "plan": (cmd_plan, "predict memory and step time of layouts and rank them"),
+    "calibrate": (cmd_calibrate, "measure this machine's matmul and collective rates into a hardware profile"),
 }
 
 

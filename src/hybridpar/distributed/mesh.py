@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hybridpar.config import ParallelConfig
 from hybridpar.distributed.comm import Comm
+from hybridpar.training.device import resolve_device_type
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
@@ -302,7 +303,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300) -> tupl
     """Initialize torch.distributed when launched by torchrun (RANK and WORLD_SIZE set) and
     return ``(rank, world_size)``; ``(0, 1)`` without a launcher. Idempotent.
 
-    ``backend`` defaults to nccl when a CUDA accelerator is present, gloo otherwise (pass
+    ``backend`` defaults to nccl when there is a CUDA device per local process, gloo otherwise (pass
     ``backend_for("cpu")`` to train on CPU on a GPU machine).
     """
     if dist.is_available() and dist.is_initialized():
@@ -311,15 +312,36 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300) -> tupl
         return 0, 1
     if not dist.is_available():
         raise RuntimeError("launched by torchrun but this torch build has no torch.distributed")
-    if backend is None:
-        accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        backend = backend_for(accel.type if accel is not None else "cpu")
+    if backend is None:  # the GPUs only when each local process gets its own
+        backend = backend_for(resolve_device_type("auto", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if backend == "nccl":  # one GPU per local rank; set_device_idx is the torch 2.6 name
         acc = torch.accelerator
         set_index = getattr(acc, "set_device_index", None) or acc.set_device_idx
         set_index(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = _restart_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _restart_store(timeout: timedelta) -> dist.Store | None:
+    """The launcher's store scoped to this restart, or None on a first attempt.
+
+    torchrun's c10d rendezvous keeps one TCPStore (``TORCHELASTIC_USE_AGENT_STORE``) for every
+    restart of the workers (``--max-restarts``), so the keys of the previous attempt's process group
+    (peer addresses) are still there and a restarted rank may read a dead peer's address and fail
+    with "connection refused" (pytorch/pytorch#135712). A per-restart key prefix keeps attempts apart.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"hybridpar/restart-{restart}", base)
 
 
 def destroy_distributed() -> None:

@@ -12,6 +12,12 @@ import time
 
 import torch
 
+from hybridpar.errors import UserError
+
+
+class DeviceError(UserError):
+    """``train.device`` asks for accelerators this machine does not have."""
+
 # Dense (no sparsity) peak matmul throughput in FLOP/s per device, from the vendors' data sheets.
 # A100: NVIDIA A100 datasheet (312 TFLOP/s bf16/fp16, 19.5 fp32 / 156 tf32).
 # H100 SXM: NVIDIA H100 datasheet (989 TFLOP/s bf16 dense; 67 fp32). H200: same compute as H100.
@@ -24,11 +30,40 @@ _GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
-    """``cuda:<local_rank>`` when asked for (or available under ``auto``), else CPU."""
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("train.device = 'cuda' but no CUDA device is visible; use train.device = 'cpu'")
+def local_world_size() -> int:
+    """Processes on this node, from the launcher (1 without one)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def gpus_fit(local_processes: int) -> bool:
+    """One CUDA device per local process is visible (the layout every rank assumes)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local_processes
+
+
+def resolve_device_type(choice: str, local_processes: int) -> str:
+    """``train.device`` for ``local_processes`` ranks on this node -> ``"cuda"`` or ``"cpu"``.
+
+    ``auto`` takes the GPUs only when there is one per local process (two ranks cannot share a
+    GPU under NCCL), and CPU otherwise; ``cuda`` without enough GPUs is an error naming the
+    counts, raised before any process starts.
+    """
+    if choice == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have == 0:
+            raise DeviceError("train.device = 'cuda' but no CUDA device is visible; set train.device = 'cpu' "
+                              "(or 'auto', which picks CUDA when there is one GPU per process)")
+        if have < local_processes:
+            raise DeviceError(f"train.device = 'cuda' with {local_processes} processes on this node but "
+                              f"{have} CUDA device(s) visible; launch at most {have} processes per node "
+                              "(--nproc / --nproc-per-node) or set train.device = 'cpu'")
+        return "cuda"
+    return "cuda" if choice == "auto" and gpus_fit(local_processes) else "cpu"
+
+
+def pick_device(choice: str = "auto", local_rank: int = 0, local_processes: int | None = None) -> torch.device:
+    """This process's device: ``cuda:<local_rank>`` (see :func:`resolve_device_type`), else CPU."""
+    local_processes = local_world_size() if local_processes is None else local_processes
+    if resolve_device_type(choice, local_processes) == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
