@@ -194,6 +194,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
     info = read_info(require_complete(path))
     check_compatible(read_config(path), cfg, path)
     state = _train_state(model, optimizer, topo, extra)
+    own_names = [list(group["params"]) for group in state["optim"]["param_groups"]]
     try:
         with single_process_quiet():
             dcp.load(state, storage_reader=SafeReader(str(path)), process_group=_group(topo),
@@ -202,11 +203,15 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
         raise
     except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
         raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
+    _keep_own_group_names(state["optim"], own_names, path)
     if isinstance(optimizer, ZeroOptimizer):
         optimizer.load_checkpoint_state(model, state)
     else:
         state = _local(state)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # A pipeline stage's state names only its own parameters (DCP has checked that the
+        # checkpoint holds every one of them): the other stages' parameters are not missing.
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
     torch.set_rng_state(state["rng"]["torch_cpu"])
     return int(info["step"])
 
@@ -263,6 +268,7 @@ def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimi
     if isinstance(optimizer, ZeroOptimizer):  # each dp rank holds (and writes) its shards
         return {**optimizer.checkpoint_state(model), "rng": {"torch_cpu": torch.get_rng_state()},
                 "extra": extra if extra is not None else {}}
+    _ensure_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     # a pipeline stage holds (and saves) only the parameters its optimizer trains
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -281,6 +287,44 @@ def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimi
         optim_sd["state"] = {k: {n: wrap(k, t) for n, t in st.items()} for k, st in optim_sd["state"].items()}
     return {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()},
             "extra": extra if extra is not None else {}}
+
+
+@torch.no_grad()
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state (zeros, by one step at lr 0) if it has none
+    yet, so a fresh run's state dict names every entry for ``dcp.load`` to fill in.
+
+    torch's ``get_state_dict`` would do this itself, but only when no parameter has a ``.grad``,
+    and under data parallelism every ``.grad`` is already a view into the reducer's buckets:
+    it would then skip the step, the template would hold no optimizer state and the load would
+    silently restart Adam's moments. Here the bucket views are set aside and put back."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+
+def _keep_own_group_names(optim_sd: dict[str, Any], own_names: list[list[str]], path: Path) -> None:
+    """Param groups are plain objects, so DCP stores one rank's copy, and its ``params`` name
+    only the parameters that rank trained (one pipeline stage's, under pp): keep the saved
+    hyper-parameters of each group, but this rank's own parameter names."""
+    saved = optim_sd["param_groups"]
+    if len(saved) != len(own_names):
+        raise CheckpointError(f"checkpoint {path} has {len(saved)} optimizer parameter groups, this run has "
+                              f"{len(own_names)}; it was saved by another optimizer setup")
+    optim_sd["param_groups"] = [{**group, "params": names} for group, names in zip(saved, own_names, strict=True)]
 
 
 def _local(tree: Any) -> Any:
