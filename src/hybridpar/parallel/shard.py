@@ -16,7 +16,9 @@ never visible through the per-parameter views.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -98,6 +100,68 @@ class ShardLayout:
         if whole < self.n:
             rest = flat[whole * k :]
             rest.copy_(region[whole, : rest.numel()])
+
+
+@dataclass(frozen=True)
+class OuterSplit:
+    """The tensors ZeRO shards are themselves pieces of larger ones: tensor parallelism split
+    parameter ``name`` along ``dim_of(name)`` over ``axis`` (None: replicated over it)."""
+
+    axis: Axis
+    dim_of: Callable[[str], int | None]
+
+
+class ShardMesh:
+    """``DTensor`` views of ZeRO shards for ``torch.distributed.checkpoint``: ``Shard(0)`` over
+    the ZeRO axis and, with an :class:`OuterSplit`, nested inside the tensor-parallel split on a
+    2-D mesh ``(tp, zero)``. DTensor splits in mesh-dim order, so ``[Shard(0), Shard(0)]`` is
+    "tp's rows, then ZeRO's rows of those": exactly how the shards were made. Any other layout
+    then reads the pieces it needs."""
+
+    def __init__(self, axis: Axis | None, outer: OuterSplit | None, device_type: str) -> None:
+        self.axis = axis if axis is not None and axis.size > 1 else None  # None: not ZeRO-sharded
+        self.device_type = device_type
+        self.outer = outer if outer is not None and outer.axis.size > 1 else None
+        self._mesh: Any = None
+
+    @property
+    def active(self) -> bool:
+        """Whether any tensor here is a piece of a larger one."""
+        return self.axis is not None or self.outer is not None
+
+    def mesh(self) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._mesh is None:
+            if self.outer is None:
+                self._mesh = DeviceMesh.from_group(self.axis.group, self.device_type)
+            elif self.axis is None:
+                self._mesh = DeviceMesh.from_group(self.outer.axis.group, self.device_type)
+            else:  # ranks are linear in the mesh coordinates: rank(i, j) = tp_i + zero_j - me
+                tp, me = self.outer.axis, self.axis.ranks[self.axis.rank]
+                ranks = [[t + z - me for z in self.axis.ranks] for t in tp.ranks]
+                self._mesh = DeviceMesh.from_group([tp.group, self.axis.group], self.device_type,
+                                                   mesh=torch.tensor(ranks, dtype=torch.int),
+                                                   mesh_dim_names=("tp", "zero"))
+        return self._mesh
+
+    def dtensor(self, local: torch.Tensor, name: str, shape: torch.Size) -> Any:
+        """This rank's piece ``local`` of parameter ``name`` (or of its optimizer state), whose
+        tensor-parallel part has ``shape``, as a DTensor of the full tensor."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        placements: list[Any] = []
+        full = list(shape)
+        if self.outer is not None:
+            dim = self.outer.dim_of(name)
+            placements.append(Replicate() if dim is None else Shard(dim))
+            if dim is not None:
+                full[dim] *= self.outer.axis.size
+        if self.axis is not None:
+            placements.append(Shard(0))
+        stride = torch.empty(full, device="meta").stride()
+        return DTensor.from_local(local, self.mesh(), placements, run_check=False,
+                                  shape=torch.Size(full), stride=stride)
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor | None], seen: set[int]) -> int:

@@ -60,7 +60,7 @@ from torch import nn
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.data import GradientReducer
-from hybridpar.parallel.shard import GradShard, ShardLayout, storage_bytes
+from hybridpar.parallel.shard import GradShard, OuterSplit, ShardLayout, ShardMesh, storage_bytes
 from hybridpar.parallel.zero3 import ShardedModel
 
 NamedParam = tuple[str, nn.Parameter]
@@ -127,7 +127,9 @@ class ZeroOptimizer:
     sharded first (``sharded=shard_model(model, axis, units)``) and takes its (sharded)
     parameters. ``offload`` keeps master weights, optimizer state and the update on the host
     (pinned on GPU machines). ``bucket_bytes`` sizes the stage-1/2 gradient buckets.
-    ``reduce_dtype`` compresses the gradient reduction. ``optim_kwargs`` go to
+    ``reduce_dtype`` compresses the gradient reduction. ``outer`` says how the parameters are
+    themselves tensor-parallel pieces (checkpoints then store pieces of the full tensors).
+    ``optim_kwargs`` go to
     ``optimizer_cls`` (lr, betas, ...). On a size-1 dp axis every stage is plain ``optimizer_cls``
     (no hooks, no copies) unless ``offload`` asks for the host copy.
     """
@@ -135,7 +137,8 @@ class ZeroOptimizer:
     def __init__(self, params: Iterable[Any], axis: Axis, *, stage: int = 1,
                  optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, offload: bool = False,
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype | None = None,
-                 sharded: ShardedModel | None = None, **optim_kwargs: Any) -> None:
+                 sharded: ShardedModel | None = None, outer: OuterSplit | None = None,
+                 **optim_kwargs: Any) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {stage} must be 0, 1, 2 or 3")
         if offload and stage == 0:
@@ -198,7 +201,9 @@ class ZeroOptimizer:
         self._slot_of = {name: slot[id(p)] for name, p in named}
         inner_groups = [{**opts, "params": [slot[id(p)][2] for _, p in g]} for opts, g in groups]
         self.inner = optimizer_cls(inner_groups, **optim_kwargs)
-        self._mesh: Any = None
+        device = named[0][1].device.type
+        self._pieces = ShardMesh(axis if self.mode != 0 else None, outer, device)  # optimizer state
+        self._tp_pieces = ShardMesh(None, outer, device)  # stage 0-2 parameters: whole over dp
 
     def _needs_master(self, dtype: torch.dtype) -> bool:
         return self.offload or dtype in _LOW_PRECISION
@@ -376,16 +381,6 @@ class ZeroOptimizer:
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def _dtensor(self, local: torch.Tensor, layout: ShardLayout, i: int) -> Any:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor, Shard
-
-        if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(self.axis.group, _device_of(self._groups).type)
-        shape = layout.shapes[i]
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, self._mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
-
     def _ensure_state(self) -> None:
         """Create optimizer state that does not exist yet (a zero-lr step on zero gradients,
         then zeroed: for Adam-style optimizers the same as fresh state)."""
@@ -412,17 +407,21 @@ class ZeroOptimizer:
         (torch's ``get_optimizer_state_dict`` layout); per-element state of a sharded stage is a
         ``DTensor`` viewing the live shard, so ``dcp.load`` into it restores in place."""
         self._ensure_state()
-        sharded = self.mode != 0 and self.axis.size > 1
         state: dict[str, Any] = {}
         for name, (g, i, opt) in self._slot_of.items():
+            shape = g.layout.shapes[i] if g is not None else opt.shape
+
+            def piece(t: torch.Tensor, name: str = name, shape: torch.Size = shape) -> Any:
+                return self._pieces.dtensor(t, name, shape) if self._pieces.active else t
+
             entry: dict[str, Any] = {}
             for key, v in self.inner.state[opt].items():
                 per_element = torch.is_tensor(v) and v.dim() > 0 and v.shape == opt.shape
-                entry[key] = self._dtensor(v, g.layout, i) if per_element and sharded else v
-            if g is not None and g.master_flat is not None and g.values[i].dtype in _LOW_PRECISION:
-                entry["master"] = self._dtensor(opt.detach(), g.layout, i) if sharded else opt.detach()
-            elif g is None and opt is not self._param_of(name):  # stage 0: fp32 master of bf16/fp16
-                entry["master"] = opt.detach()
+                entry[key] = piece(v) if per_element else v
+            sharded_master = g is not None and g.master_flat is not None and g.values[i].dtype in _LOW_PRECISION
+            stage0_master = g is None and opt is not self._param_of(name)  # fp32 master of bf16/fp16
+            if sharded_master or stage0_master:
+                entry["master"] = piece(opt.detach())
             state[name] = entry
         index = {id(opt): name for name, (_, _, opt) in self._slot_of.items()}
         groups = [{**{k: v for k, v in pg.items() if k != "params"}, "params": [index[id(p)] for p in pg["params"]]}
@@ -457,8 +456,16 @@ class ZeroOptimizer:
         return self._sharded
 
     def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
-        """``{"model": ..., "optim": ...}`` for ``dcp.save`` / as the template for ``dcp.load``."""
-        model_sd = self._sharded.state_dict() if self._sharded is not None else model.state_dict()
+        """``{"model": ..., "optim": ...}`` for ``dcp.save`` / as the template for ``dcp.load``:
+        the parameters this optimizer trains (one pipeline stage's, under pp) and the model's
+        buffers, as DTensor pieces of the full tensors where tp or ZeRO-3 split them."""
+        if self._sharded is not None:
+            return {"model": self._sharded.state_dict(), "optim": self.state_dict()}
+        param_names = {n for n, _ in model.named_parameters()}
+        model_sd: dict[str, Any] = {k: v for k, v in model.state_dict().items() if k not in param_names}
+        for name, p in zip(self.names, self._params, strict=True):
+            t = p.detach()
+            model_sd[name] = self._tp_pieces.dtensor(t, name, t.shape) if self._tp_pieces.active else t
         return {"model": model_sd, "optim": self.state_dict()}
 
     @torch.no_grad()
@@ -467,8 +474,12 @@ class ZeroOptimizer:
         masters re-derived from the parameters where the checkpoint carries none."""
         if self._sharded is not None:
             self._sharded.load_state_dict(state["model"])
-        else:
-            model.load_state_dict(state["model"])
+        else:  # dcp.load filled the template in place; copy anything given as another tensor
+            own = dict(model.named_parameters()) | dict(model.named_buffers())
+            for name, v in state["model"].items():
+                local = v.to_local() if hasattr(v, "to_local") else v
+                if name in own and torch.is_tensor(local) and local.data_ptr() != own[name].data_ptr():
+                    own[name].detach().copy_(local)
         has_master = {n for n, e in state["optim"]["state"].items() if "master" in e}
         for name, (g, i, opt) in self._slot_of.items():
             if name in has_master:
@@ -481,10 +492,6 @@ class ZeroOptimizer:
 
     def _param_of(self, name: str) -> nn.Parameter:
         return self._params[self.names.index(name)]
-
-
-def _device_of(groups: list[_Group]) -> torch.device:
-    return groups[0].values[0].device if groups else torch.device("cpu")
 
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.shard import GradShard, ShardLayout
+from hybridpar.parallel.shard import GradShard, OuterSplit, ShardLayout, ShardMesh
 
 
 class Unit:
@@ -112,13 +112,15 @@ class ShardedModel:
     """Handle returned by :func:`shard_model`: hooks, units, and state-dict helpers."""
 
     def __init__(self, model: nn.Module, axis: Axis, units: list[nn.Module],
-                 reduce_dtype: torch.dtype | None = None, prefetch: bool = True) -> None:
+                 reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
+                 outer: OuterSplit | None = None) -> None:
         self.model, self.axis = model, axis
         self.sync = True
         self.prefetch = prefetch
         self.units: list[Unit] = []  # root first, then the given units in forward order
         self._hooks: list[RemovableHandle] = []
-        self._mesh: Any = None
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        self._pieces = ShardMesh(axis, outer, device)
         self.active = axis.size > 1
         if not self.active:
             return
@@ -237,13 +239,6 @@ class ShardedModel:
         self._hooks.clear()
 
     # ------------------------------------------------------------------ state
-    def _device_mesh(self) -> Any:
-        if self._mesh is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self._mesh = DeviceMesh.from_group(self.axis.group, self.units[0].device.type)
-        return self._mesh
-
     def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter (and buffer) in full, on every rank: one all-gather per unit."""
         if not self.active:
@@ -261,17 +256,15 @@ class ShardedModel:
 
     def state_dict(self) -> dict[str, Any]:
         """The model state for ``torch.distributed.checkpoint``: each parameter a ``DTensor``
-        (``Shard(0)`` over dp) viewing this rank's rows, so each rank writes only its shard and
-        a load at another dp size or ZeRO stage reads the rows it needs. Loading writes in place."""
+        (``Shard(0)`` over dp, inside the tp split if any) viewing this rank's rows, so each rank
+        writes only its shard and a load at another layout reads the rows it needs. Loading
+        writes in place."""
         if not self.active:
             return self.model.state_dict()
-        from torch.distributed.tensor import DTensor, Shard
-
         out: dict[str, Any] = {}
         for unit in self.units:
             for fqn, p, shard in zip(unit.fqns, unit.full, unit.shards, strict=True):
-                out[fqn] = DTensor.from_local(shard.detach(), self._device_mesh(), [Shard(0)], run_check=False,
-                                              shape=p.shape, stride=_contiguous_stride(p.shape))
+                out[fqn] = self._pieces.dtensor(shard.detach(), fqn, p.shape)
         out.update({k: v for k, v in self.model.named_buffers()})
         return out
 
@@ -302,13 +295,15 @@ class ShardedModel:
 
 
 def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],
-                reduce_dtype: torch.dtype | None = None, prefetch: bool = True) -> ShardedModel:
+                reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
+                outer: OuterSplit | None = None) -> ShardedModel:
     """Shard ``model``'s parameters over ``axis`` (dp) for ZeRO-3; ``units`` are the modules
     gathered as one (in forward order); parameters outside them form the root unit. On a size-1
     axis nothing changes. ``reduce_dtype`` compresses the gradient reduce-scatter (bf16/fp16).
     ``prefetch`` starts the next unit's gather while this one computes (faster, one more unit
-    of memory); without it a unit is gathered only when it runs."""
-    return ShardedModel(model, axis, units, reduce_dtype, prefetch)
+    of memory); without it a unit is gathered only when it runs. ``outer``: the parameters are
+    tensor-parallel pieces (see :class:`~hybridpar.parallel.shard.OuterSplit`)."""
+    return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer)
 
 
 def llama_units(model: nn.Module) -> list[nn.Module]:
@@ -329,11 +324,3 @@ def _flatten(output: Any) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for o in output.values() for t in _flatten(o)]
     return []
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))

@@ -382,6 +382,21 @@ def build_schedule(kind: Schedule | str, pp: int, virtual_stages: int = 1,
     return PipelineSchedule(kind, pp, v, m, _insert_comms(compute, pp, pp * v))
 
 
+def compute_order(kind: Schedule | str, pp: int, virtual_stages: int, microbatches: int,
+                  rank: int) -> list[Action]:
+    """Rank ``rank``'s compute actions (F, B, W) in the order :func:`build_schedule` gives them,
+    without the send/recv actions (cheap: for memory models that only need the order)."""
+    kind = Schedule.parse(kind)
+    check_schedule_args(kind, pp, virtual_stages, microbatches)
+    if kind is Schedule.GPIPE:
+        return _gpipe(pp, microbatches, rank)
+    if kind is Schedule.ONE_F_ONE_B:
+        return _one_f_one_b(pp, microbatches, rank)
+    if kind is Schedule.INTERLEAVED:
+        return _interleaved(pp, virtual_stages, microbatches, rank)
+    return _zb_h1(pp, microbatches, rank)
+
+
 def build_forward_schedule(pp: int, virtual_stages: int, microbatches: int) -> PipelineSchedule:
     """Forward-only lists for evaluation, for any number of micro-batches: each rank runs all
     micro-batches through its first chunk, then its second, ... (a topological order: the input
