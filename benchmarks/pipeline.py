@@ -49,11 +49,11 @@ WIDTH = 16  # activation [1, WIDTH] floats: the transfers are negligible next to
 KINDS = [(Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, 2), (Schedule.ZB_H1, 1)]
 
 
-SPIN_S = 0.0005  # the tail of each sleep that spins: OS sleeps overshoot by 0.1-0.5 ms
+SPIN_S = 0.002  # the tail of each sleep that spins: OS sleeps overshoot by 0.1-1 ms (VMs: more)
 
 
 def exact_sleep(seconds: float) -> None:
-    """Hold the CPU-free stage for ``seconds`` exactly: ``time.sleep`` wakes 0.1-0.5 ms late
+    """Hold the CPU-free stage for ``seconds`` exactly: ``time.sleep`` wakes 0.1-1 ms late
     (1-2.5% of a 20 ms stage, more than the targets' margin), so sleep to just before the
     deadline and spin the rest. Both runtimes' stages use it, so the comparison stays fair."""
     deadline = time.perf_counter() + seconds

@@ -151,6 +151,7 @@ class TrainConfig:
     max_skipped_steps: int = 10  # with nonfinite = "skip": stop after this many skipped steps
     timeout_s: float = 300.0  # a collective or p2p that takes longer ends the job with a report
     init_from: str = ""  # a Hugging Face Llama directory to start from; "" = random init from seed
+    auto_resume: bool = True  # when torchrun restarts the job, continue from the latest complete checkpoint
 
     @property
     def grad_accum(self) -> int:
@@ -420,9 +421,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
          f"parallel.offload_optimizer = true needs parallel.zero_stage >= 1 (got {p.zero_stage}); "
          "set zero_stage to 1, 2 or 3 or turn offload off")
     if p.zero_stage > 0:
-        for axis, size in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)):
-            need(size == 1, f"parallel.zero_stage = {p.zero_stage} with parallel.{axis} = {size} is not supported "
-                            f"yet; use parallel.{axis} = 1 or parallel.zero_stage = 0")
+        # ZeRO-3 under pp would re-gather every unit's parameters for each micro-batch's forward
+        # and backward (2M all-gathers per stage per step) while a stage already holds 1/pp of
+        # the model: stages 1 and 2 shard what dominates there (optimizer state, gradients).
+        need(not (p.zero_stage == 3 and p.pp > 1),
+             f"parallel.zero_stage = 3 with parallel.pp = {p.pp} is not supported: ZeRO-3 would re-gather "
+             "each stage's parameters for every micro-batch; use zero_stage = 1 or 2 with pp")
         need(t.precision != "fp16", f"parallel.zero_stage = {p.zero_stage} with train.precision = 'fp16' is not "
                                     "supported yet; use bf16 or fp32, or zero_stage = 0")
     need(p.recompute == "none",

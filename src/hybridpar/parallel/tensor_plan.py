@@ -69,7 +69,9 @@ __all__ = [
     "shard_dim",
     "shard_state_dict",
     "shard_tensor",
+    "sum_over",
     "tp_grad_norm_sq",
+    "tp_norm_sq",
     "tp_replicated_params",
 ]
 
@@ -261,15 +263,20 @@ def tp_replicated_params(model: nn.Module) -> list[nn.Parameter]:
 def reduce_replicated_grads(params: Iterable[nn.Parameter], axis: Axis) -> None:
     """Sum the gradients of ``params`` over ``axis`` in one flat all-reduce (SP only; a no-op
     at tp=1). Call after backward, before clipping and the optimizer step."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if axis.size == 1 or not grads:
+    sum_over(axis, [p.grad for p in params if p.grad is not None])
+
+
+def sum_over(axis: Axis, tensors: list[Tensor]) -> None:
+    """Replace each tensor by its sum over ``axis``: one flat all-reduce for all of them (also
+    for views, e.g. ZeRO's gradient shards of the SP-replicated norm weights)."""
+    if axis.size == 1 or not tensors:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([t.reshape(-1) for t in tensors])
     axis.comm.all_reduce(flat, axis)
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def tp_grad_norm_sq(model: nn.Module | Iterable[tuple[str, nn.Parameter]], axis: Axis) -> Tensor:
@@ -278,12 +285,16 @@ def tp_grad_norm_sq(model: nn.Module | Iterable[tuple[str, nn.Parameter]], axis:
     summed over ``axis`` plus the replicated ones counted once."""
     named = list(model.named_parameters() if isinstance(model, nn.Module) else model)
     device = named[0][1].device
+    return tp_norm_sq([(n, p.grad) for n, p in named if p.grad is not None], axis, device)
+
+
+def tp_norm_sq(named: Iterable[tuple[str, Tensor]], axis: Axis, device: torch.device) -> Tensor:
+    """Squared L2 norm of named gradient tensors (whole tp pieces, or ZeRO's rows of them)
+    over ``axis``: tp-split ones summed over ``axis``, replicated ones counted once."""
     sharded = torch.zeros((), dtype=torch.float32, device=device)
     replicated = torch.zeros((), dtype=torch.float32, device=device)
-    for name, p in named:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().float().pow(2).sum()
+    for name, g in named:
+        sq = g.detach().float().pow(2).sum()
         if shard_dim(name) is None:
             replicated += sq
         else:

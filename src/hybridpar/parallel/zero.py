@@ -67,9 +67,11 @@ NamedParam = tuple[str, nn.Parameter]
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Named parameter groups: weight decay on matrices only (norm gains, vectors: none)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def decay_groups(model: nn.Module | Iterable[NamedParam], weight_decay: float) -> list[dict[str, Any]]:
+    """Named parameter groups of ``model`` (or of the named parameters given, e.g. one pipeline
+    stage's): weight decay on matrices only (norm gains, vectors: none)."""
+    pairs = model.named_parameters() if isinstance(model, nn.Module) else model
+    named = [(n, p) for n, p in pairs if p.requires_grad]
     return [{"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
 

@@ -30,14 +30,19 @@ from hybridpar.parallel.pipeline.stages import (
     owned_named_parameters,
     sync_tied_embedding_grads,
 )
+from hybridpar.parallel.shard import OuterSplit
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import (
+    gather_full,
     gather_full_state_dict,
     parallelize_llama,
     read_shard,
     reduce_replicated_grads,
     set_sequence_parallel,
+    shard_dim,
+    sum_over,
     tp_grad_norm_sq,
+    tp_norm_sq,
     tp_replicated_params,
 )
 from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
@@ -89,16 +94,24 @@ class Engine:
         self.params = [q for q in train if q.requires_grad]
         bucket = int(p.bucket_mb * 2**20)
         self.zero: ZeroOptimizer | None = None
-        if p.zero_stage > 0:  # sharded optimizer state (1), + gradients (2), + parameters (3) over dp
+        if p.zero_stage > 0:
+            # Sharded optimizer state (1), + gradients (2), + parameters (3) over dp x cp: the
+            # ranks that hold replicas and average gradients. Under tp the shards are rows of
+            # each rank's tp piece; under pp each stage shards the parameters it trains.
+            outer = OuterSplit(topo.tp, shard_dim) if topo.tp.size > 1 else None
             # Prefetching the next unit's gather overlaps it with compute on GPUs (separate comm
             # streams); on CPU the collective runs on the same cores, so it only adds a unit of
             # peak memory (as FSDP2, which prefetches only with CUDA streams).
             prefetch = device.type == "cuda"
-            sharded = shard_model(model, topo.dp, llama_units(model), prefetch=prefetch) if p.zero_stage == 3 else None
-            self.zero = ZeroOptimizer(decay_groups(model, t.weight_decay), topo.dp, stage=p.zero_stage,
+            ids = {id(q) for q in train}
+            names = {n for n, q in model.named_parameters() if id(q) in ids}
+            sharded = (shard_model(model, topo.dp_cp, llama_units(model), prefetch=prefetch, outer=outer)
+                       if p.zero_stage == 3 else None)
+            named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
+            self.zero = ZeroOptimizer(decay_groups(named, t.weight_decay), topo.dp_cp, stage=p.zero_stage,
                                       offload=p.offload_optimizer, bucket_bytes=bucket, sharded=sharded,
-                                      lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-            self.params = [q for q in model.parameters() if q.requires_grad]
+                                      outer=outer, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+            self.params = [q for _, q in named if q.requires_grad]
             self.optimizer: torch.optim.Optimizer | ZeroOptimizer = self.zero
             self.reducer = None
         else:
@@ -150,7 +163,11 @@ class Engine:
         else:
             self.reducer.finish()
         if self.sequence_parallel:  # norm weights saw only this rank's sequence shard: sum over tp
-            reduce_replicated_grads(self.tp_replicated, self.topo.tp)
+            if self.zero is not None:  # (the sum over tp commutes with ZeRO's average over dp)
+                names = {n for n, q in self.model.named_parameters() if any(q is r for r in self.tp_replicated)}
+                sum_over(self.topo.tp, [g for n, g in self.zero.named_grads() if n in names])
+            else:
+                reduce_replicated_grads(self.tp_replicated, self.topo.tp)
         return losses
 
     @torch.no_grad()
@@ -170,10 +187,15 @@ class Engine:
 
     def grad_norm(self) -> Tensor:
         """Global gradient L2 norm: every parameter counted exactly once over tp, pp and ZeRO
-        shards (dp and cp replicas hold equal, already averaged gradients)."""
-        if self.zero is not None:
-            return self.zero.grad_norm_sq().sqrt()
-        sq = tp_grad_norm_sq(self.owned, self.topo.tp)
+        shards (dp and cp replicas hold equal, already averaged gradients; a tied embedding's
+        last-stage mirror is left out)."""
+        if self.zero is not None:  # this rank's rows of its tp pieces: sum over tp, ZeRO, pp
+            owned = {n for n, _ in self.owned}
+            sq = tp_norm_sq([(n, g) for n, g in self.zero.named_grads() if n in owned], self.topo.tp, self.device)
+            if self.zero.mode != 0:
+                self.topo.comm.all_reduce(sq, self.topo.dp_cp)
+        else:
+            sq = tp_grad_norm_sq(self.owned, self.topo.tp)
         self.topo.comm.all_reduce(sq, self.topo.pp)
         return sq.sqrt()
 
@@ -188,8 +210,9 @@ class Engine:
         """The whole model's weights as one process would hold them (collective: every rank
         calls it; pipeline stages share, tensor and ZeRO-3 shards are gathered)."""
         self._share_pipeline_weights()
-        if self.zero is not None and self.zero.sharded is not None:
-            return self.zero.sharded.gather_full_state_dict()
+        if self.zero is not None and self.zero.sharded is not None:  # ZeRO rows -> tp pieces -> full
+            pieces = self.zero.sharded.gather_full_state_dict()
+            return {n: gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()}
         return gather_full_state_dict(self.model, self.topo.tp)
 
     # ------------------------------------------------------------------ sampling, timeline
