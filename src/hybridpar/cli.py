@@ -64,10 +64,20 @@ def cmd_train(argv: list[str]) -> int:
         if args.max_restarts is not None:
             raise ConfigError("--max-restarts cannot be combined with an external torchrun launch; "
                               "pass --max-restarts to torchrun instead")
+        if cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
+            from hybridpar.planner.auto import auto_config
+
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+            cfg = auto_config(cfg, int(os.environ["WORLD_SIZE"]), local, verbose=os.environ["RANK"] == "0")
         resume = _preflight(cfg, int(os.environ["WORLD_SIZE"]), args.resume)
         # a torchrun restart after a lost rank continues from the newest complete checkpoint
         auto = cfg.train.auto_resume and restart_count() > 0
         return _run_worker(cfg, resume, auto_resume=auto)
+    if cfg.parallel.auto:  # plan here, once; launched workers get the layout pinned
+        from hybridpar.planner.auto import auto_config, layout_overrides
+
+        cfg = auto_config(cfg, args.nproc)
+        argv = [*argv, *layout_overrides(cfg)]
     nproc = args.nproc if args.nproc is not None else cfg.parallel.world_size
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")

@@ -113,6 +113,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
     hierarchical_dp: bool = False  # dp gradients: reduce-scatter in node, all-reduce across, all-gather
     node_size: int = 0  # ranks per node for hierarchical_dp; 0 = the launcher's LOCAL_WORLD_SIZE
+    auto: bool = False  # train: the planner picks dp/tp/pp/cp, ZeRO stage, schedule, micro-batch for the world size
 
     @property
     def world_size(self) -> int:
@@ -151,6 +152,7 @@ class TrainConfig:
     max_skipped_steps: int = 10  # with nonfinite = "skip": stop after this many skipped steps
     timeout_s: float = 300.0  # a collective or p2p that takes longer ends the job with a report
     init_from: str = ""  # a Hugging Face Llama directory to start from; "" = random init from seed
+    hardware: str = ""  # parallel.auto's device: a GPU name or calibrated profile; "" = the default profile
     auto_resume: bool = True  # when torchrun restarts the job, continue from the latest complete checkpoint
 
     @property

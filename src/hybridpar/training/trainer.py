@@ -8,7 +8,9 @@ how gradients and the logged loss are reduced.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,23 @@ from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
 from hybridpar.training.optim import lr_at
 from hybridpar.training.precision import LossScaler
+
+FAULT_ENV = "HYBRIDPAR_FAULT_KILL_AT_STEP"
+
+
+def fault_kill_step(rank: int) -> int | None:
+    """Testing aid for restarts: ``HYBRIDPAR_FAULT_KILL_AT_STEP=STEP:RANK`` makes global rank RANK
+    SIGKILL itself right after optimizer step STEP, before that step is logged or checkpointed,
+    on the job's first attempt only (a ``torchrun --max-restarts`` restart then runs through).
+    Returns STEP for this rank, else None."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return None
+    try:
+        step, who = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"{FAULT_ENV}={spec!r} must be STEP:RANK, e.g. 5:1") from None
+    return step if who == rank else None
 
 
 @dataclass
@@ -58,6 +77,7 @@ class Trainer:
         self.skipped_nonfinite = 0
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
+        self._kill_at = fault_kill_step(topo.rank)
 
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int, sampler: WindowSampler) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -145,6 +165,8 @@ class Trainer:
         """Run steps up to ``train.steps`` with logging, evaluation, checkpoints, plot and sample,
         continuing after checkpoint ``resume`` if given; returns a summary."""
         t, m = self.cfg.train, self.cfg.model
+        # measured before a resume: the matmul benchmark draws from the RNG the checkpoint restores
+        peak, peak_src = devices.peak_flops(self.device, t.precision)
         start = 0
         if resume is not None:
             start = self.load_checkpoint(resume)
@@ -159,7 +181,6 @@ class Trainer:
         log = MetricsLogger(self.run_dir, t.steps, self.is_logger, start_step=start)
         if resume is not None:
             log.write(f"resumed from {resume} at step {start}")
-        peak, peak_src = devices.peak_flops(self.device, t.precision)
         tokens_per_step = t.global_batch * t.seq_len
         flops_per_token = m.flops_per_token(t.seq_len)
         log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
@@ -167,6 +188,8 @@ class Trainer:
         window_t0, window_steps = time.perf_counter(), 0
         for step in range(start + 1, t.steps + 1):
             result = self.train_step(step)
+            if step == self._kill_at:  # fault injection for restart tests (see fault_kill_step)
+                os.kill(os.getpid(), signal.SIGKILL)
             window_steps += 1
             last_loss = result.loss
             if step == start + 1:

@@ -1,0 +1,235 @@
+"""Faults and multi-node launches through torch's own launcher (``torch.distributed.run``).
+
+* A rank killed with SIGKILL under ``torchrun --max-restarts 1``: the job restarts, continues from
+  the last complete checkpoint (``train.auto_resume``) and ends bit for bit equal to an
+  uninterrupted run of the same layout (weights, optimizer state, per-step losses).
+* Two launchers (``--nnodes 2 --node-rank 0/1``, c10d rendezvous on 127.0.0.1) train dp2 x tp2
+  together: tp groups stay inside a "node", and the result equals the single-process run.
+
+Every launcher runs in its own process group, killed on timeout or failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import BASE, losses
+
+from hybridpar.cli import main
+from hybridpar.config import load_config
+from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.training.checkpoint import load_model_state, step_dir
+from hybridpar.training.trainer import FAULT_ENV, Trainer, fault_kill_step
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, "TORCHELASTIC_RESTART_COUNT")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+@contextlib.contextmanager
+def _launched(cmds: list[list[str]], env: dict[str, str], logs: list[Path]):
+    """Start every command in its own session (process group); on leaving, kill what still runs."""
+    procs: list[subprocess.Popen] = []
+    files = [open(log, "w") for log in logs]  # noqa: SIM115 (closed below)
+    try:
+        for cmd, f in zip(cmds, files, strict=True):
+            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for f in files:
+            f.close()
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"launcher {p.args} did not finish within {timeout} s")
+    return codes
+
+
+def _run(cmd: list[str], log: Path, timeout: float = 240, **env: str) -> str:
+    with _launched([cmd], _env(**env), [log]) as procs:
+        (code,) = _wait(procs, timeout)
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    return text
+
+
+def _full_checkpoint(path: Path, tmp: Path) -> dict[str, object]:
+    """Every tensor of a checkpoint (model, optimizer, trainer state), flattened to 'a/b/c' keys."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{path.parent.parent.name}-{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    flat: dict[str, object] = {}
+
+    def walk(tree, prefix: str) -> None:
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                walk(v, f"{prefix}{k}/")
+        elif isinstance(tree, list | tuple):
+            for i, v in enumerate(tree):
+                walk(v, f"{prefix}{i}/")
+        else:
+            flat[prefix.rstrip("/")] = tree
+
+    walk(torch.load(out, weights_only=False), "")  # our own file, just written
+    return flat
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+
+def test_fault_spec_names_a_step_and_a_rank_and_fires_on_the_first_attempt_only(monkeypatch):
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert fault_kill_step(1) is None
+    monkeypatch.setenv(FAULT_ENV, "5:1")
+    assert fault_kill_step(1) == 5 and fault_kill_step(0) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert fault_kill_step(1) == 5
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs through
+    assert fault_kill_step(1) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv(FAULT_ENV, "5")
+    with pytest.raises(ValueError, match="must be STEP:RANK"):
+        fault_kill_step(1)
+
+
+def test_max_restarts_inside_an_external_launch_is_rejected(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["train", *BASE, "--max-restarts", "1", "--train.run_dir", str(tmp_path / "r")]) == 2
+    assert "pass --max-restarts to torchrun instead" in capsys.readouterr().err
+
+
+FAULT_ARGS = [*BASE, "--train.steps", "6", "--train.checkpoint_every", "2", "--parallel.dp", "2"]
+
+
+def _uninterrupted(rank: int, world: int, run_dir: str) -> None:
+    cfg = load_config(None, [*FAULT_ARGS, "--train.run_dir", run_dir])
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        Trainer(cfg, topo).fit()
+
+
+def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_ends_bit_for_bit_equal(tmp_path, dist_run):
+    """Rank 1 dies (SIGKILL) right after step 5, one step past the step-4 checkpoint; torchrun
+    restarts both ranks, which continue from step 4 and end exactly like an uninterrupted run
+    of the same layout (run on the test's worker pool: same code, gloo and thread count)."""
+    ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
+    dist_run(2, _uninterrupted, str(ref))
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+           "-m", "hybridpar.cli", "train", *FAULT_ARGS, "--train.run_dir", str(run)]
+    text = _run(cmd, tmp_path / "killed.log", **{FAULT_ENV: "5:1"})
+
+    assert "exitcode: -9" in text, text[-4000:]  # the launcher saw rank 1 die of SIGKILL
+    assert f"restart 1 of the job (torchrun --max-restarts): resuming from {step_dir(run, 4)}" in text
+    assert f"resumed from {step_dir(run, 4)} at step 4" in text
+    # each step logged once; the same data and the same losses, bit for bit (steps 5 and 6 were
+    # trained twice: the sampler continued at step 5's global sample ids)
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert losses(run) == losses(ref)
+    # the final checkpoint: weights, optimizer moments and step counts, trainer state
+    _, want = load_model_state(step_dir(ref, 6))
+    _, got = load_model_state(step_dir(run, 6))
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    full_ref, full_run = _full_checkpoint(step_dir(ref, 6), tmp_path), _full_checkpoint(step_dir(run, 6), tmp_path)
+    assert full_ref.keys() == full_run.keys()
+    assert any(k.startswith("optim/state/") and k.endswith("/exp_avg") for k in full_ref)
+    for key, value in full_ref.items():
+        if key.startswith("rng/"):  # one rank's global RNG (ranks differ; training draws none from it)
+            continue
+        same = torch.equal(full_run[key], value) if isinstance(value, torch.Tensor) else full_run[key] == value
+        assert same, key
+
+
+# ----------------------------------------------------------------------------- two "nodes"
+
+PLACEMENT = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from hybridpar.training.trainer import Trainer
+    from hybridpar.cli import main
+
+    real = Trainer.fit
+
+    def fit(self, resume=None):  # record where this rank sits, then train as usual
+        record = {"rank": self.topo.rank, "tp": list(self.topo.tp.ranks), "dp": list(self.topo.dp.ranks),
+                  "group_rank": int(os.environ["GROUP_RANK"]), "local_rank": int(os.environ["LOCAL_RANK"]),
+                  "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "agent": os.getppid()}
+        (Path(os.environ["PLACEMENT_DIR"]) / f"rank-{self.topo.rank}.json").write_text(json.dumps(record))
+        return real(self, resume)
+
+    Trainer.fit = fit
+    sys.exit(main(sys.argv[1:]))
+""")
+
+NODE_ARGS = [*BASE, "--train.steps", "4", "--train.checkpoint_every", "0"]
+
+
+def test_two_launchers_as_two_nodes_train_dp2_tp2_like_one_process(tmp_path):
+    ref, run = tmp_path / "one", tmp_path / "nodes"
+    assert main(["train", *NODE_ARGS, "--train.run_dir", str(ref)]) == 0
+
+    script = tmp_path / "placed.py"
+    script.write_text(PLACEMENT)
+    placement = tmp_path / "placement"
+    placement.mkdir()
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmds = [[*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+             "--rdzv-conf", f"is_host={node == 0}", str(script),
+             "train", *NODE_ARGS, "--parallel.dp", "2", "--parallel.tp", "2", "--train.run_dir", str(run)]
+            for node in (0, 1)]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    with _launched(cmds, _env(PLACEMENT_DIR=str(placement)), logs) as procs:
+        codes = _wait(procs, 240)
+        agents = {p.pid for p in procs}
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+
+    ranks = {r["rank"]: r for r in (json.loads(f.read_text()) for f in placement.glob("rank-*.json"))}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert {r["agent"] for r in ranks.values()} == agents  # both launchers ran two ranks each
+    for r in ranks.values():
+        assert r["local_world_size"] == 2
+        assert r["rank"] == 2 * r["group_rank"] + r["local_rank"]  # a node's ranks are consecutive
+        # tp (innermost) stays inside the node; dp spans the two nodes
+        assert {ranks[t]["agent"] for t in r["tp"]} == {r["agent"]} and len(r["tp"]) == 2
+        assert {ranks[d]["agent"] for d in r["dp"]} == agents and len(r["dp"]) == 2
+
+    assert losses(run) == pytest.approx(losses(ref), rel=1e-5)  # fp32: only summation order differs
+    assert main(["compare", str(ref), str(run)]) == 0  # weights within the documented tolerance
