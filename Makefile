@@ -1,4 +1,4 @@
-# Two entry points (see README): `make demo` trains the built-in default, `make test` runs the suite.
+# Two entry points (see README): `make demo` trains the built-in 3D demo (dp2 x tp2 x pp2, 8 processes), `make test` runs the suite.
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin

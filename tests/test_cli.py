@@ -108,3 +108,21 @@ def test_compare_tells_expected_from_unexpected(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "NOT expected" in out and "differ by more than layout changes explain" in out
     assert main(["compare", a, str(tmp_path / "missing")]) == 2
+
+
+def test_no_arguments_runs_the_3d_demo(monkeypatch, capsys):
+    """`hybridpar train` with no arguments launches dp2 x tp2 x pp2 on 8 local processes; any
+    argument means the user's own config (1 process by default)."""
+    import subprocess
+
+    from hybridpar import cli
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: launched.append(cmd) or 0)
+    monkeypatch.setattr(cli, "_preflight", lambda cfg, nproc, resume: None)
+    assert cli.main([]) == 0
+    cmd = launched[0]
+    assert "--nproc-per-node=8" in cmd
+    args = cmd[cmd.index("train") + 1:]
+    assert args == ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--train.micro_batch", "4"]
+    assert "built-in demo" in capsys.readouterr().out

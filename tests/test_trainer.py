@@ -169,3 +169,23 @@ def test_buckets_reduce_during_backward_and_not_under_no_sync(tmp_path, dist_run
     for no_sync_calls, backward_calls in dist_run(2, _overlap_worker, str(tmp_path)):
         assert no_sync_calls == 0
         assert backward_calls > 1  # several buckets already in flight when backward returns
+
+
+def _fit_pp2(rank: int, world: int, tmp: str) -> dict:
+    cfg = load_config(None, [*SMALL, "--train.run_dir", tmp, "--train.steps", "2", "--train.eval_every", "0",
+                             "--parallel.pp", "2"])
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        return Trainer(cfg, topo).fit()
+
+
+def test_run_summary_reports_traffic_memory_and_timeline(tmp_path, dist_run):
+    """The end-of-run summary: per-axis bytes of one step (pp: rank 0 sends each micro-batch's
+    activation [2, 32, 32] fp32 forward, plus two scalar all-reduces), memory of every rank, the
+    recorded pipeline timeline."""
+    summary = dist_run(2, _fit_pp2, str(tmp_path / "run"))[0]
+    microbatches, activation = 8 // 2, 2 * 32 * 32 * 4
+    pp_bytes = summary["traffic_bytes_per_step"]["pp"]
+    assert microbatches * activation <= pp_bytes <= microbatches * activation + 64
+    assert len(summary["peak_memory_bytes_per_rank"]) == 2 and min(summary["peak_memory_bytes_per_rank"]) > 0
+    assert (tmp_path / "run" / "pipeline_timeline.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["traffic_bytes_per_step"] == {"pp": pp_bytes}

@@ -244,11 +244,12 @@ class Engine:
         for name, param in self.model.named_parameters():
             self.topo.comm.broadcast(param.data, pp, src=owner[name])
 
-    def save_timeline(self, path: Path, is_logger: bool) -> Path | None:
-        """Draw the last pipeline step as recorded (collective over pp; rank 0 writes)."""
+    def save_timeline(self, path: Path, is_logger: bool) -> tuple[Path, float] | None:
+        """Draw the last pipeline step as recorded (collective over pp; rank 0 writes); returns
+        the picture's path and the recorded bubble fraction (None without pp)."""
         if self.runner is None or self.last_pipeline_step is None:
             return None
         from hybridpar.parallel.pipeline.timeline import plot_timeline
 
         timeline = self.runner.gather_timeline(self.last_pipeline_step)
-        return plot_timeline(timeline, path) if is_logger else None
+        return (plot_timeline(timeline, path) if is_logger else path), timeline.bubble_fraction

@@ -186,8 +186,11 @@ class Trainer:
         log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
         first_loss = last_loss = val_loss = float("nan")
         window_t0, window_steps = time.perf_counter(), 0
+        traffic: dict[str, int] = {}
         for step in range(start + 1, t.steps + 1):
+            before = self.topo.comm.counter.snapshot()
             result = self.train_step(step)
+            traffic = _per_axis(before, self.topo.comm.counter.snapshot())
             if step == self._kill_at:  # fault injection for restart tests (see fault_kill_step)
                 os.kill(os.getpid(), signal.SIGKILL)
             window_steps += 1
@@ -223,17 +226,44 @@ class Trainer:
         log.close()
         summary = {"first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
                    "steps": t.steps, "layout": self.layout_name(), "params": m.num_params()}
-        self.engine.save_timeline(self.run_dir / "pipeline_timeline.png", self.is_logger)
+        timeline = self.engine.save_timeline(self.run_dir / "pipeline_timeline.png", self.is_logger)
+        memory = self._memory_per_rank()
+        summary["traffic_bytes_per_step"] = traffic
+        summary["peak_memory_bytes_per_rank"] = memory
         text = self.sample_text()
         if self.is_logger:
             plot = log.plot()
             atomic_write_text(self.run_dir / "sample.txt", text)
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
             log.write(f"--- sample ---\n{text}\n--------------")
+            log.write(self._summary_text(traffic, memory, timeline))
+            val = f"validation {val_loss:.4f}" if val_loss == val_loss else "no validation (train.eval_every = 0)"
             log.write(f"loss {first_loss:.4f} (step {start + 1}) -> {last_loss:.4f} (step {t.steps}), "
-                      f"validation {val_loss:.4f}; run dir {self.run_dir} (metrics.jsonl, {plot and plot.name}, "
-                      "tensorboard/, sample.txt)")
+                      f"{val}; run dir {self.run_dir} (metrics.jsonl, {plot and plot.name}, "
+                      "tensorboard/, sample.txt, summary.json)")
         return summary
+
+    def _memory_per_rank(self) -> list[int]:
+        """Every rank's peak memory (allocator peak on GPUs, resident set on CPU); collective."""
+        mine = torch.tensor([devices.memory_bytes(self.device)], dtype=torch.float64, device=self.device)
+        return [int(v) for v in self.topo.comm.all_gather(mine, self.topo.world).tolist()]
+
+    def _summary_text(self, traffic: dict[str, int], memory: list[int],
+                      timeline: tuple[Path, float] | None) -> str:
+        """The end-of-run lines: layout, traffic per axis, memory per rank, pipeline bubble."""
+        mib = 2**20
+        lines = [f"layout: {self.layout_name()} on {self.topo.world_size} process(es)"]
+        if traffic:
+            lines.append("traffic per step (rank 0, ring-model bytes sent): "
+                         + ", ".join(f"{axis} {b / mib:.2f} MiB" for axis, b in traffic.items()))
+        what = "GPU allocator peak" if self.device.type == "cuda" else "peak resident set"
+        lines.append(f"memory per rank ({what}): " + " ".join(f"r{r} {b / mib:.0f}" for r, b in enumerate(memory))
+                     + " MiB")
+        if timeline is not None:
+            path, bubble = timeline
+            lines.append(f"pipeline: {self.cfg.parallel.pipeline_schedule}, last step's bubble {bubble:.1%}; "
+                         f"timeline {path}")
+        return "\n".join(lines)
 
     def sample_text(self, prompt: str = "def ") -> str:
         """A short continuation of ``prompt`` (every rank calls it; see Engine.sample)."""
@@ -266,3 +296,14 @@ class Trainer:
             print(f"hybridpar: moved the previous run in {self.run_dir} to {prev}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+
+
+def _per_axis(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Wire bytes per axis between two :meth:`CommCounter.snapshot` s (keys ``op/axis``)."""
+    out: dict[str, int] = {}
+    for key, v in after.items():
+        axis = key.split("/", 1)[1]
+        sent = v["wire_bytes"] - before.get(key, {}).get("wire_bytes", 0)
+        if sent:
+            out[axis] = out.get(axis, 0) + sent
+    return dict(sorted(out.items()))
