@@ -150,6 +150,12 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
     return resolve_resume(resume, Path(cfg.train.run_dir))
 
 
+def _checkpoint_step(path: Path) -> int:
+    from hybridpar.training.checkpoint import read_info
+
+    return int(read_info(path)["step"])
+
+
 def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False) -> int:
     from hybridpar.distributed import flight
     from hybridpar.distributed.mesh import (
@@ -170,6 +176,11 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
             flight.dump_on_sigterm(topo.comm.counter, run_dir, topo.rank)
         if auto_resume:
             resume = _agreed_latest_checkpoint(topo, run_dir, resume)
+            if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
+                if topo.rank == 0:
+                    print(f"hybridpar: restarted, but {resume} already holds the final step "
+                          f"{cfg.train.steps}: nothing left to train", flush=True)
+                return 0
         try:
             Trainer(cfg, topo, device).fit(resume)
         except (UserError, NonFiniteLossError):
