@@ -15,7 +15,7 @@ from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.layout import Workload, parse_layout
 from hybridpar.planner.memory import COMPONENTS
-from hybridpar.planner.search import Evaluation, complete, search
+from hybridpar.planner.search import Evaluation, complete, search, with_cost
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,10 +103,11 @@ def cmd_plan(argv: list[str]) -> int:
         else:
             print(explain(best))
         return 0 if best.fits else 1
-    result = search(model, work, cluster)
+    result = search(model, work, cluster, top=args.top)
     if args.json:
         doc = {**head, "layouts": [e.to_json() for e in result.ranked[:args.top]],
-               "too_big": [e.to_json() for e in sorted(result.too_big, key=lambda e: e.shortfall_gib)[:args.top]],
+               "too_big": [with_cost(e, model, work, cluster).to_json()
+                           for e in sorted(result.too_big, key=lambda e: e.shortfall_gib)[:args.top]],
                "rejected": {rule: len(ls) for rule, ls in result.rejected_rules.items()}}
         print(json.dumps(doc, indent=1))
         return 0 if result.ranked else 1
@@ -124,7 +125,7 @@ def cmd_plan(argv: list[str]) -> int:
     print(HEADER)
     for ev in result.ranked[:args.top]:
         print(_row(ev))
-    print(f"\n{len(result.ranked)} layouts fit; {len(result.too_big)} do not fit; "
+    print(f"\n{result.fitting} layouts fit; {len(result.too_big)} do not fit; "
           f"{sum(map(len, result.rejected_rules.values()))} break a rule")
     best = result.ranked[0]
     if best.note:

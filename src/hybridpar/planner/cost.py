@@ -20,8 +20,9 @@ when it can be. Each axis uses NVLink if its ring fits in a node (tp innermost, 
 and the network otherwise (:meth:`Cluster.axis_bandwidth`).
 
 The bubble: :func:`hybridpar.parallel.pipeline.simulate.simulate` runs the real schedule with
-these per-action costs. For many micro-batches it simulates ``2 * pp`` of them and adds the
-remainder at the bottleneck rank's steady-state rate (exact for periodic steady states).
+these per-action costs (its arithmetic on compiled action lists, :mod:`.pipesim`). For many
+micro-batches it simulates ``2 * pp`` of them and adds the remainder at the bottleneck rank's
+steady-state rate (exact for periodic steady states).
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import partition_model
-from hybridpar.parallel.pipeline.schedules import build_schedule
-from hybridpar.parallel.pipeline.simulate import Costs, simulate
+from hybridpar.planner import pipesim
 from hybridpar.planner.hardware import Cluster, GPUSpec
-from hybridpar.planner.layout import Layout, Workload
-from hybridpar.planner.memory import numel, padded, rank_param_shapes
+from hybridpar.planner.layout import Layout, Workload, model_key
+from hybridpar.planner.memory import padded, rank_numel
 
 TILE = 128  # GEMM tile edge used for quantisation (cuBLAS/CUTLASS bf16 tiles are 128-256 wide)
 FLASH_EFFICIENCY = 0.7  # FlashAttention-2 forward reaches ~70% of A100 peak (Dao 2023, fig. 4)
@@ -46,12 +46,31 @@ def _q(x: float) -> float:
     return x / (math.ceil(x / TILE) * TILE)
 
 
+def peak_flops(gpu: GPUSpec, ab: int) -> float:
+    """Dense matmul peak for ``ab``-byte operands: fp32 (4 bytes) or bf16/fp16."""
+    return gpu.fp32_flops if ab == 4 else gpu.bf16_flops
+
+
 def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, ab: int) -> float:
-    """Seconds for one ``[m, k] @ [k, n]`` GEMM (roofline with tile quantisation)."""
+    """Seconds for one ``[m, k] @ [k, n]`` GEMM: the calibrated rate for this shape when the
+    spec has a measured table (carried to another dtype by the ratio of peaks), else the
+    roofline with tile quantisation."""
     flops = 2.0 * m * n * k
+    cal = gpu.calibration
+    rate = cal.gemm_rate(m, n, k) if cal is not None else None
+    if rate is not None:
+        assert cal is not None
+        return flops / (rate * peak_flops(gpu, ab) / peak_flops(gpu, cal.dtype_bytes))
     eff = gpu.gemm_efficiency * _q(m) * _q(n) * _q(k)
     mem = ab * (m * k + k * n + m * n) / gpu.hbm_bw
-    return max(flops / (gpu.bf16_flops * eff), mem) + gpu.launch_overhead
+    return max(flops / (peak_flops(gpu, ab) * eff), mem) + gpu.launch_overhead
+
+
+def gemm_backward_time(m: float, n: float, k: float, gpu: GPUSpec, ab: int) -> tuple[float, float]:
+    """(input-gradient, weight-gradient) seconds of the forward GEMM ``[m, k] @ [k, n]``:
+    ``dX = dY [m, n] @ W^T [n, k]`` and ``dW = X^T [k, m] @ dY [m, n]``, priced by their own
+    shapes (the same as the forward under the roofline, not under a measured table)."""
+    return gemm_time(m, k, n, gpu, ab), gemm_time(k, n, m, gpu, ab)
 
 
 def ring_time(nbytes: float, n: int, bw: float, lat: float, factor: float = 2.0) -> float:
@@ -60,6 +79,22 @@ def ring_time(nbytes: float, n: int, bw: float, lat: float, factor: float = 2.0)
     if n <= 1:
         return 0.0
     return factor * (n - 1) / n * nbytes / bw + factor * (n - 1) * lat
+
+
+# Element-wise kernels one eager Llama block launches (counted with a TorchDispatchMode over
+# hybridpar.models.llama.Block): forward RMSNorm 2 x 6, RoPE 2 x 5, SwiGLU 2, residual adds 2;
+# backward 48.
+EAGER_KERNELS = (26, 48)
+
+
+def eager_elementwise_elements(h: float, q: float, kv: float, f: float) -> tuple[float, float]:
+    """(forward, backward) elements read plus written per token by the element-wise ops of one
+    eager Llama block (:class:`hybridpar.models.llama.Block`), for per-rank widths ``h`` (hidden,
+    per sequence shard), ``q`` / ``kv`` (query / key-value heads x head dim) and ``f`` (MLP
+    hidden). Forward: RMSNorm ``pow, mean, x*r, w*x`` 7h each (x2), residual adds 3h each (x2),
+    RoPE ``x*cos, -x2, cat, x*sin, add`` 10 per element of q and of k, ``silu(a) * b`` 5f.
+    Backward (autograd's kernels, counted the same way at several widths): 63h + 12q + 12kv + 9f."""
+    return 20 * h + 10 * q + 10 * kv + 5 * f, 63 * h + 12 * q + 12 * kv + 9 * f
 
 
 @dataclass(frozen=True)
@@ -76,38 +111,58 @@ class LayerTime:
 def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
                style: str = "llama") -> LayerTime:
     """One decoder layer's compute and tp communication for one micro-batch (see module doc)."""
-    g, ab, t, L = cluster.gpu, work.act_bytes, layout.tp, layout
+    g, ab, t, L = cluster.rank_gpu, work.act_bytes, layout.tp, layout
     s = work.seq_len // L.cp
     tok = L.micro_batch * s
     h, a = model.dim, model.n_heads
     q, kv = h, model.n_kv_heads * model.head_dim
-    if style == "gpt":  # 4h GELU MLP of the same parameter count as the preset's SwiGLU
-        mlp = [(tok, 3 * model.ffn_hidden / 2 / t, h), (tok, h, 3 * model.ffn_hidden / 2 / t)]
+    if style == "gpt":  # 4h GELU MLP of the same parameter count as the preset's SwiGLU; fused QKV
         f_inner = 3 * model.ffn_hidden / 2
-    else:
-        mlp = [(tok, 2 * model.ffn_hidden / t, h), (tok, h, model.ffn_hidden / t)]
+        gemms = [(tok, (q + 2 * kv) / t, h), (tok, h, q / t), (tok, f_inner / t, h), (tok, h, f_inner / t)]
+    else:  # this runtime's Llama block: separate q, k, v, o and w1, w3, w2 projections
         f_inner = model.ffn_hidden
-    gemms = [(tok, (q + 2 * kv) / t, h), (tok, h, q / t), *mlp]
+        gemms = [(tok, q / t, h), (tok, kv / t, h), (tok, kv / t, h), (tok, h, q / t),
+                 (tok, f_inner / t, h), (tok, f_inner / t, h), (tok, h, f_inner / t)]
     fwd_gemm = sum(gemm_time(m, n, k, g, ab) for m, n, k in gemms)
+    bwd_in, bwd_w = (sum(x) for x in zip(*(gemm_backward_time(m, n, k, g, ab) for m, n, k in gemms), strict=True))
     # attention core over the full (cp-gathered) keys
     s_kv = work.seq_len
     if style == "gpt":  # unfused: batched QK^T and AV GEMMs + scale-mask-softmax + dropout
         heads = L.micro_batch * a / t
         core = heads * 2 * gemm_time(s, s_kv, h / a, g, ab)
         core += heads * s * s_kv * 9 / g.hbm_bw  # softmax in/out, mask, dropout in/out (bytes)
-    else:  # fused causal SDPA: half the score matrix is computed
-        core = 4 * tok * s_kv * h / t / 2 / (g.bf16_flops * FLASH_EFFICIENCY)
+        core_b = 2.0 * core
+    else:  # fused causal SDPA: half the score matrix is computed; backward 2.5x (FlashAttention-2)
+        attn_flops = 4 * tok * s_kv * h / t / 2
+        rates = g.calibration.attention_rates(s_kv, h / a) if g.calibration is not None else None
+        if rates is not None:
+            core, core_b = attn_flops / rates[0], 2.5 * attn_flops / rates[1]
+        else:
+            core = attn_flops / (peak_flops(g, ab) * FLASH_EFFICIENCY)
+            core_b = 2.5 * core
     sp = t if L.sequence_parallel else 1
-    elem = tok * ab * (14 * h / sp + 6 * (q + kv) / t + 4 * f_inner / t) / g.hbm_bw
-    tp_bw, tp_lat, _ = cluster.axis_bandwidth(t, 1)
-    ar = ring_time(tok * h * ab, t, tp_bw, tp_lat)
+    if style == "gpt":  # Megatron-LM's fused kernels: one pass per norm, bias-GELU, dropout-add
+        elem = tok * ab * (14 * h / sp + 6 * (q + kv) / t + 4 * f_inner / t) / g.hbm_bw
+        elem_b = 2 * elem
+    else:  # this runtime's eager block: every op reads its inputs and writes its output
+        fwd_el, bwd_el = eager_elementwise_elements(h / sp, q / t, kv / t, f_inner / t)
+        cal = g.calibration
+        fixed = cal.block if cal is not None and cal.block else (EAGER_KERNELS[0] * g.launch_overhead,
+                                                                 EAGER_KERNELS[1] * g.launch_overhead)
+        elem = tok * ab * fwd_el / g.hbm_bw + fixed[0]
+        elem_b = tok * ab * bwd_el / g.hbm_bw + fixed[1]
+    if L.sequence_parallel:  # all-gather of the sequence shard, reduce-scatter of the full output
+        ar = (cluster.collective_time("all_gather", tok * h * ab / t, t, 1)
+              + cluster.collective_time("reduce_scatter", tok * h * ab, t, 1))
+    else:
+        ar = cluster.collective_time("all_reduce", tok * h * ab, t, 1)
     cp_pass = 0.0
     if L.cp > 1:
         cp_bw, cp_lat, _ = cluster.axis_bandwidth(L.cp, t)
         cp_pass = (L.cp - 1) * (2 * tok * kv / t * ab / cp_bw + cp_lat)
     f = fwd_gemm + core + elem + max(0.0, cp_pass - core) + 2 * ar
-    b_time = fwd_gemm + (2.5 if style != "gpt" else 2.0) * core + 2 * elem + max(0.0, 2 * cp_pass - core) + 2 * ar
-    w_time = fwd_gemm
+    b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - core) + 2 * ar
+    w_time = bwd_w
     if L.recompute == "full":
         b_time += f
     elif L.recompute == "selective":
@@ -132,8 +187,8 @@ class CostReport:
 @functools.lru_cache(maxsize=4096)
 def _makespan(kind: str, pp: int, v: int, m: int, f: float, b: float, w: float, p2p: float,
               scale: tuple[float, ...]) -> float:
-    sched = build_schedule(kind, pp, v, m)
-    return simulate(sched, Costs(f, b, w, p2p, scale).per_chunk(v)).makespan
+    # = simulate(build_schedule(...), Costs(f, b, w, p2p, scale).per_chunk(v)).makespan, compiled
+    return pipesim.makespan(pipesim.compile_schedule(kind, pp, v, m), f, b, w, p2p, scale)
 
 
 def pipeline_makespan(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p: float,
@@ -146,6 +201,12 @@ def pipeline_makespan(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p: fl
     base = _makespan(kind, pp, v, cap, lt.f, lt.b, lt.w, p2p, scale)
     per_rank = [sum(scale[c * pp + r] for c in range(v)) / v for r in range(pp)]
     return base + (m - cap) * max(per_rank) * (lt.f + lt.b + lt.w)
+
+
+def pipeline_lower_bound(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p: float,
+                         scale: tuple[float, ...]) -> float:
+    """A closed-form lower bound of :func:`pipeline_makespan` (:func:`.pipesim.lower_bound`)."""
+    return pipesim.lower_bound(kind, pp, v, m, lt.f, lt.b, lt.w, p2p, scale)
 
 
 def model_flops(model: ModelConfig, work: Workload) -> float:
@@ -165,17 +226,18 @@ def recompute_flops(model: ModelConfig, layout: Layout, work: Workload) -> float
 
 
 def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
-              style: str = "llama") -> CostReport:
-    """Predicted time of one optimizer step and its terms (see the module docstring)."""
-    g, L, ab, t, pp, v = cluster.gpu, layout, work.act_bytes, layout.tp, layout.pp, layout.virtual_stages
+              style: str = "llama", bound_only: bool = False) -> CostReport:
+    """Predicted time of one optimizer step and its terms (see the module docstring).
+    ``bound_only``: skip the schedule simulation and take :func:`pipeline_lower_bound` as the
+    makespan: a lower bound of the step time (the search prunes with it)."""
+    g, L, ab, t, pp, v = cluster.rank_gpu, layout, work.act_bytes, layout.tp, layout.pp, layout.virtual_stages
     m = L.microbatches(work.global_batch)
     s = work.seq_len // L.cp
     tok = L.micro_batch * s
     lt = layer_time(model, L, work, cluster, style)
     vocab = padded(model.vocab_size, t) / t
     head_f = gemm_time(tok, vocab, model.dim, g, ab) + 3 * tok * vocab * (ab + 4) / g.hbm_bw
-    tp_bw, tp_lat, _ = cluster.axis_bandwidth(t, 1)
-    emb_f = ring_time(tok * model.dim * ab, t, tp_bw, tp_lat)  # vocab-parallel embedding
+    emb_f = cluster.collective_time("all_reduce", tok * model.dim * ab, t, 1)  # vocab-parallel embedding
     part = partition_model(model, pp, v)
     stage_cost = []
     for c in part.chunks:
@@ -189,27 +251,31 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
                          lt.w * per_stage_layers * v, 0.0)
     p2p = 0.0
     if pp > 1:
-        pp_bw, pp_lat, _ = cluster.axis_bandwidth(pp, t * L.cp * L.dp)
-        p2p = tok * model.dim * ab / (t if L.sequence_parallel else 1) / (pp_bw / g.comm_efficiency) + pp_lat
+        p2p = cluster.collective_time("send", tok * model.dim * ab / (t if L.sequence_parallel else 1),
+                                      pp, t * L.cp * L.dp)
         kind = L.pipeline_schedule
-        span = pipeline_makespan(kind, pp, v, m, stage_lt, p2p, scale)
+        span = (pipeline_lower_bound if bound_only else pipeline_makespan)(kind, pp, v, m, stage_lt, p2p, scale)
     else:
         span = m * (stage_lt.f + stage_lt.b + stage_lt.w) * scale[0]
     busy = m * max(sum(scale[c * pp + r] for c in range(v)) / v for r in range(pp)) * (
         stage_lt.f + stage_lt.b + stage_lt.w)
     # data parallel gradient reduction over dp x cp (stride tp)
-    shapes = max((rank_param_shapes(model, t, pp, v, r) for r in range(pp)), key=numel)
-    grad_bytes = numel(shapes) * work.param_bytes
+    key = model_key(model)  # the pipeline rank with the most parameters, its count cached
+    worst = max(range(pp), key=lambda r: rank_numel(key, t, pp, v, r))
+    grad_bytes = rank_numel(key, t, pp, v, worst) * work.param_bytes
     n = L.dp * L.cp
     dp_bw, dp_lat, _ = cluster.axis_bandwidth(n, t)
-    dp_comm = ring_time(grad_bytes, n, dp_bw, dp_lat)
+    # gradients are all-reduced in buckets of bucket_mb; the last bucket fills when backward ends
+    buckets = max(1, math.ceil(grad_bytes / (work.bucket_mb * 2**20)))
+    last_bucket = cluster.collective_time("all_reduce", grad_bytes / buckets, n, t)
+    dp_comm = buckets * last_bucket
     last_backward = (stage_lt.b + stage_lt.w) / v * max(scale)
     if L.zero_stage == 3:
         gather = ring_time(grad_bytes, n, dp_bw, dp_lat, factor=1.0)
         exposed_z3 = m * (max(0.0, gather - stage_lt.f) + max(0.0, gather - stage_lt.b))
         dp_comm = ring_time(grad_bytes, n, dp_bw, dp_lat, factor=1.0) + exposed_z3
-    dp_exposed = max(0.0, dp_comm - last_backward) if pp == 1 else dp_comm
-    shard = numel(shapes, n if L.zero_stage >= 1 else 1)
+    dp_exposed = max(last_bucket if L.zero_stage < 3 else 0.0, dp_comm - last_backward) if pp == 1 else dp_comm
+    shard = rank_numel(key, t, pp, v, worst, n if L.zero_stage >= 1 else 1)
     opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
     if L.offload_optimizer:
         opt = shard * 2 * work.param_bytes / g.host_bw + shard * 28 / 100e9  # + host Adam at ~100 GB/s DRAM
@@ -221,7 +287,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
              "tp_comm": m * lt.tp_comm * per_stage_layers * v, "pp_p2p_per_message": p2p,
              "dp_comm": dp_comm, "dp_exposed": dp_exposed, "optimizer": opt,
              "layer_fwd": lt.f, "layer_bwd": lt.b + lt.w}
-    return CostReport(step_time_s=step, mfu=flops / (step * world * g.bf16_flops),
+    return CostReport(step_time_s=step, mfu=flops / (step * world * cluster.gpu.bf16_flops),
                       tflops_per_gpu=flops / (step * world) / 1e12,
                       hw_tflops_per_gpu=hw / (step * world) / 1e12,
                       tokens_per_s=work.global_batch * work.seq_len / step, terms=terms,

@@ -10,6 +10,7 @@ layout cannot run in this version.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from hybridpar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
@@ -81,24 +82,44 @@ def to_config(model: ModelConfig, layout: Layout, work: Workload) -> Config:
     return Config(model=dataclasses.replace(model), parallel=par, train=train)
 
 
+def model_key(model: ModelConfig) -> int:
+    """A small integer naming ``model``'s current field values (equal shapes, equal keys): the
+    key of cached results. :func:`model_of` turns it back into a config."""
+    values = tuple(getattr(model, f) for f in _MODEL_FIELDS)
+    key = _MODEL_IDS.get(values)
+    if key is None:
+        key = _MODEL_IDS[values] = len(_MODELS)
+        _MODELS.append(values)
+    return key
+
+
+def model_of(key: int) -> ModelConfig:
+    """A fresh :class:`ModelConfig` with the field values :func:`model_key` numbered ``key``."""
+    return ModelConfig(*_MODELS[key])
+
+
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+_MODEL_IDS: dict[tuple, int] = {}
+_MODELS: list[tuple] = []
+
+
 def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
     """The layout rule ``validate`` says this layout breaks (None if it breaks none), judging
     only shapes and divisibility: not-yet-built features are switched off for this check."""
-    cfg = to_config(model, layout, work)
-    cfg.parallel.zero_stage = 0
-    cfg.parallel.offload_optimizer = False
-    cfg.parallel.recompute = "none"
-    try:
-        validate(cfg, world_size=layout.world_size)
-    except ConfigError as e:
-        return str(e)
-    return None
+    if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none":
+        layout = dataclasses.replace(layout, zero_stage=0, offload_optimizer=False, recompute="none")
+    return _validate_error(model_key(model), layout, work)
 
 
 def runtime_note(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
     """Why this version's trainer would refuse the layout (a feature not built yet), else None."""
+    return _validate_error(model_key(model), layout, work)
+
+
+@functools.lru_cache(maxsize=16384)
+def _validate_error(key: int, layout: Layout, work: Workload) -> str | None:
     try:
-        validate(to_config(model, layout, work), world_size=layout.world_size)
+        validate(to_config(model_of(key), layout, work), world_size=layout.world_size)
     except ConfigError as e:
         return str(e)
     return None
@@ -128,3 +149,13 @@ def parse_layout(text: str) -> dict[str, object]:
         else:
             out[key] = value
     return out
+
+
+def from_config(cfg: Config) -> tuple[Layout, Workload]:
+    """The planner's view of a trainer config: its layout and workload (the inverse of
+    :func:`to_config`; the runtime keeps fp32 parameters, so ``half_params`` is False)."""
+    p, t = cfg.parallel, cfg.train
+    fields = {k: getattr(p, k) for k in LAYOUT_KEYS if k != "micro_batch"}
+    layout = Layout(**fields, micro_batch=t.micro_batch)  # type: ignore[arg-type]
+    work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb)
+    return layout, work

@@ -12,15 +12,33 @@ gradients, stage 3 also the parameters; each parameter is split along dim 0 into
 row blocks (:mod:`hybridpar.parallel.shard`), so the worst rank holds the rounded-up block.
 Offload moves the optimizer state to host memory (reported as ``cpu_gib``).
 
-Activations per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", Table 2): GPT blocks store ``sbh(34 + 5as/h)``
-bytes; with tensor parallelism ``sbh(10 + 24/t + 5as/(ht))``; plus sequence parallelism
-``sbh(34/t + 5as/(ht))``; selective recompute drops the ``5as/(ht)`` attention-score term; full
-recompute keeps ``2sbh`` (``/t`` with SP) per layer plus one layer's working set. The same
-accounting is applied term by term to this library's Llama block (:func:`layer_terms`: SwiGLU,
-grouped KV heads, no dropout, fused SDPA without stored scores). The number of micro-batches
-alive on a rank is the schedule's promise (:func:`promised_in_flight`), counted in chunks of
-``layers / (pp * V)`` layers, which includes interleaving's ``1 + (pp - 1)/(pp V)`` factor.
+Activations (``style="gpt"``) follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
+in Large Transformer Models", Table 2): GPT blocks store ``sbh(34 + 5as/h)`` bytes; with tensor
+parallelism ``sbh(10 + 24/t + 5as/(ht))``; plus sequence parallelism ``sbh(34/t + 5as/(ht))``;
+selective recompute drops the ``5as/(ht)`` score term; full recompute keeps ``2sbh`` (``/t`` with
+SP) per layer plus one layer's working set.
+
+``style="llama"`` is this library's block tensor by tensor, as autograd saves it (checked against
+the runtime's saved tensors, ``tests/test_planner_validation.py``). With ``r`` the residual-stream
+bytes (the parameter dtype: 4, or 2 with half parameters) and ``a`` the matmul bytes, per token:
+
+* each RMSNorm keeps its fp32 input (``4h``; the residual itself when ``r = 4``), its normalised
+  output (``r h``), ``rsqrt`` (4 bytes) and, for the column-parallel layers it feeds, their input:
+  one shared ``a h`` tensor, but under autocast (``a != r``) every layer keeps its own cast copy
+  (3 for q/k/v, 2 for w1/w3). Under SP the norm runs on ``s/t`` tokens but the all-gathered
+  input the linears keep is full length;
+* attention keeps q, k, v and the fused-SDPA output (``a(2h + 2kv)/t``) and its fp32 log-sum-exp
+  (``4 heads/t``); no scores. Ring attention (cp) re-lays its output out for ``wo``: ``+a h/t``;
+* the SwiGLU MLP keeps w1 and w3 outputs, the SiLU output and the product: ``4 a f/t``.
+
+Per micro-batch and pipeline chunk come the embedding's token ids (int64, plus a mask under tp),
+the fp32 RoPE tables, under autocast a half copy of every matmul weight (autocast caches casts per
+forward, and autograd keeps them), on non-last pipeline chunks the output the runner holds until
+the backward, and on the last the final norm and the fp32 softmax of the loss (``4 V/t``; the
+logits themselves are not kept). How many (micro-batch, chunk) sets a rank holds at once comes
+from the schedule's own compute order (:func:`live_chunk_counts`): the interleaving factor, GPipe
+keeping every micro-batch (and its softmax) on the last stage, ZB-H1 holding output gradients from
+B to W.
 
 Allowance (stated, not fitted): 1 GiB for the CUDA context, cuBLAS and NCCL workspaces, plus 10%
 of everything else for caching-allocator fragmentation.
@@ -28,22 +46,32 @@ of everything else for caching-allocator fragmentation.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
-from hybridpar.parallel.pipeline.partition import partition_model
-from hybridpar.parallel.pipeline.schedules import Schedule, promised_in_flight
+from hybridpar.parallel.pipeline.partition import ChunkSpec, Partition, partition_layers
+from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order
 from hybridpar.planner.hardware import GiB
-from hybridpar.planner.layout import Layout, Workload
+from hybridpar.planner.layout import Layout, Workload, model_key, model_of
 
 CONTEXT_BYTES = 1 * GiB  # CUDA context + library workspaces
 FRAGMENTATION = 0.10  # caching-allocator slack on top of live bytes
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers", "overhead")
 
+ModelKey = int  # a model shape's number (:func:`model_key`)
+
 
 def padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+@functools.lru_cache(maxsize=1024)
+def layer_partition(n_layers: int, pp: int, virtual_stages: int) -> Partition:
+    """The runtime's partition (equal layer counts, :func:`partition_model`'s default), cached."""
+    return partition_layers(n_layers, pp, virtual_stages)
 
 
 def rank_param_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int,
@@ -56,8 +84,7 @@ def rank_param_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int,
     vocab = padded(model.vocab_size, tp) // tp
     layer = [(h,), (q, h), (kv, h), (kv, h), (h, q), (h,), (f, h), (f, h), (h, f)]
     shapes: list[tuple[int, ...]] = []
-    part = partition_model(model, pp, virtual_stages)
-    for chunk in part.for_rank(pp_rank):
+    for chunk in layer_partition(model.n_layers, pp, virtual_stages).for_rank(pp_rank):
         if chunk.embedding:
             shapes.append((vocab, h))
         shapes += layer * len(chunk.layers)
@@ -79,6 +106,14 @@ def numel(shapes: list[tuple[int, ...]], shards: int = 1) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=16384)
+def rank_numel(key: ModelKey, tp: int, pp: int, virtual_stages: int, pp_rank: int,
+               shards: int = 1) -> int:
+    """``numel(rank_param_shapes(...), shards)`` for the model with :func:`model_key` ``key``."""
+    model = model_of(key)
+    return numel(rank_param_shapes(model, tp, pp, virtual_stages, pp_rank), shards)
+
+
 @dataclass(frozen=True)
 class ModelStates:
     """Bytes of parameters, gradients and optimizer state on one rank (device and host)."""
@@ -89,15 +124,18 @@ class ModelStates:
     cpu_optimizer: int = 0
 
 
-def model_state_bytes(shapes: list[tuple[int, ...]], dp: int, zero_stage: int, param_bytes: int,
-                      offload: bool = False) -> ModelStates:
-    """Parameter, gradient and optimizer bytes of one rank holding ``shapes`` (see module doc)."""
-    full, shard = numel(shapes), numel(shapes, dp)
+def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: bool) -> ModelStates:
     opt_per = 8 if param_bytes == 4 else 12  # Adam m, v (+ fp32 master with half params)
     params = param_bytes * (shard if zero_stage >= 3 else full)
     grads = param_bytes * (shard if zero_stage >= 2 else full)
     opt = opt_per * (shard if zero_stage >= 1 else full)
     return ModelStates(params, grads, 0 if offload else opt, opt if offload else 0)
+
+
+def model_state_bytes(shapes: list[tuple[int, ...]], dp: int, zero_stage: int, param_bytes: int,
+                      offload: bool = False) -> ModelStates:
+    """Parameter, gradient and optimizer bytes of one rank holding ``shapes`` (see module doc)."""
+    return _states(numel(shapes), numel(shapes, dp), zero_stage, param_bytes, offload)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -118,46 +156,153 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return sbh * (10 + 24 / t + keep)
 
 
-@dataclass(frozen=True)
-class LayerTerms:
-    """Stored bytes per token of one layer in units of hidden size ``h`` (times 1 byte), split
-    into the part every tp rank replicates (sharded only by SP), the part tp shards, and the
-    attention-score part (``per token * s``; dropped by selective recompute)."""
+def gpt_layer_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: str,
+                    act_bytes: int = 2) -> float:
+    """Korthikanti's GPT block term by term (2-byte activations, 1-byte dropout masks, 4h GELU
+    MLP, scores stored), per micro-batch: replicated 10 (two norm inputs 4, QKV input 2, MLP
+    input 2, two dropout masks 2), sharded 24 (Q, K 4, V 2, output-projection input 2, GELU
+    in/out 16), scores 5 per ``s * heads / h`` (softmax 2, mask 1, dropout output 2). The preset's
+    SwiGLU width ``f = 8h/3`` stands for GPT's 4h GELU MLP (same parameters)."""
+    h, a, f = model.dim, model.n_heads, model.ffn_hidden
+    sbh, scale = s * b * h, act_bytes / 2
+    if recompute == "full":
+        return 2 * sbh * scale / (t if sp else 1)
+    sharded = 8.0 + 16.0 * (1.5 * f) / (4 * h)
+    scores = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    return sbh * scale * (10.0 / (t if sp else 1) + (sharded + scores) / t)
 
-    replicated: float
-    sharded: float
-    scores_per_s: float  # multiply by s * heads / h
 
+def llama_layer_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: str,
+                      act_bytes: int = 2, residual_bytes: int | None = None, cp: int = 1) -> float:
+    """Bytes one decoder layer of :class:`hybridpar.models.llama.Llama` keeps for backward, per
+    micro-batch of ``b`` sequences of ``s`` tokens on this rank (module docstring). Selective
+    recompute changes nothing (the fused attention keeps no scores); full recompute keeps the
+    layer input."""
+    a, r = act_bytes, act_bytes if residual_bytes is None else residual_bytes
+    h, kv, f, heads = model.dim, model.n_kv_heads * model.head_dim, model.ffn_hidden, model.n_heads
+    shard = t if sp else 1
+    if recompute == "full":
+        return s * b * r * h / shard
+    autocast = a != r
 
-def layer_terms(model: ModelConfig, style: str = "llama") -> LayerTerms:
-    """Per-layer stored activations in bytes per token / h, following Korthikanti's accounting.
+    def norm(consumers: int) -> float:
+        return ((4 + r) * h + 4) / shard + (consumers if autocast else 1) * a * h
 
-    ``gpt``: Korthikanti's block (2-byte activations, 1-byte dropout masks, 4h GELU MLP, scores
-    stored): replicated 10 (two norm inputs 4, QKV input 2, MLP input 2, two dropout masks 2),
-    sharded 24 (Q, K 4, V 2, output-projection input 2, GELU in/out 16), scores 5 (softmax 2,
-    mask 1, dropout output 2). ``llama``: this library's block: no dropout, grouped KV heads,
-    SwiGLU (w1, w3 outputs, silu output, product = 4 x 2f/h), attention output 2 (kept by the
-    fused SDPA for its backward) and no stored scores."""
-    h, kv, f = model.dim, model.n_kv_heads * model.head_dim, model.ffn_hidden
-    if style == "gpt":
-        # the preset's SwiGLU width f = 8h/3 stands for GPT's 4h GELU MLP (same parameters)
-        return LayerTerms(10.0, 8.0 + 16.0 * (1.5 * f) / (4 * h), 5.0)
-    attn = 2 + 2 * kv / h * 2 + 2 + 2  # Q, K, V, SDPA output, output-projection input
-    return LayerTerms(4.0 + 2.0 + 2.0, attn + 8.0 * f / h, 0.0)
+    attn = (a * (2 * h + 2 * kv) + 4 * heads) / t + (a * h / t if cp > 1 else 0.0)
+    return s * b * (norm(3) + norm(2) + attn + 4 * a * f / t)
 
 
 def layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: str,
-                           style: str = "llama", act_bytes: int = 2) -> float:
-    """Stored bytes of one layer for one micro-batch (``s`` tokens per rank per sequence)."""
-    h, a = model.dim, model.n_heads
-    terms = layer_terms(model, style)
-    scale = act_bytes / 2  # the formulas count 2-byte activations
-    sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh * scale / (t if sp else 1)
-    scores = 0.0 if recompute == "selective" else terms.scores_per_s * a * s / h
-    rep = terms.replicated / (t if sp else 1)
-    return sbh * scale * (rep + (terms.sharded + scores) / t)
+                           style: str = "llama", act_bytes: int = 2,
+                           residual_bytes: int | None = None, cp: int = 1) -> float:
+    """Stored bytes of one layer for one micro-batch (``s`` tokens per rank per sequence):
+    :func:`gpt_layer_bytes` or :func:`llama_layer_bytes`."""
+    if style == "gpt":
+        return gpt_layer_bytes(model, s, b, t, sp, recompute, act_bytes)
+    return llama_layer_bytes(model, s, b, t, sp, recompute, act_bytes, residual_bytes, cp)
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """What one micro-batch of one pipeline chunk keeps: ``body`` from its forward to its last
+    backward action (layers, ids, RoPE tables, weight casts, the held output), ``head`` (last
+    chunk: final norm and loss), ``grad`` (the output gradient ZB-H1 keeps from B to W)."""
+
+    body: float
+    head: float = 0.0
+    grad: float = 0.0
+
+
+def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: ChunkSpec,
+                style: str = "llama") -> ChunkBytes:
+    """Activation bytes of one micro-batch of ``chunk`` under ``layout`` (module docstring)."""
+    t, cp, L = layout.tp, layout.cp, layout
+    sp = L.sequence_parallel and t > 1
+    shard = t if sp else 1
+    s, b, h = work.seq_len // cp, L.micro_batch, model.dim
+    tok, a, r = s * b, work.act_bytes, work.param_bytes
+    vocab = padded(model.vocab_size, t) // t
+    n = len(chunk.layers)
+    per_layer = layer_activation_bytes(model, s, b, t, sp, L.recompute, style, a, r, cp)
+    if style == "gpt":  # Korthikanti 4.3: embedding output; final norm and head input, fp32 logits
+        body = n * per_layer + (tok * h * a / shard if chunk.embedding else 0.0)
+        head = 2 * tok * h * a / shard + tok * vocab * (a + 4) if chunk.head else 0.0
+        return ChunkBytes(body, head)
+    autocast = a != r
+    body = n * per_layer + (2 * s * model.head_dim * 4 if n else 0)  # RoPE cos and sin
+    if autocast:  # half copies of the layers' matmul weights
+        q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+        body += n * a * (2 * h * q + 2 * h * kv + 3 * h * model.ffn_hidden) / t
+    if chunk.embedding:  # token ids (int64), and under tp the out-of-shard mask
+        body += tok * (9 if t > 1 else 8)
+    held = tok * h * r / shard  # a hidden state crossing a stage boundary
+    if L.pp > 1 and not chunk.head:
+        body += held  # the output the runner keeps for backward
+    if L.pp > 1 and not chunk.embedding and r < 4:
+        body += held  # the received input (with r = 4 it is the first norm's saved fp32 input)
+    head = 0.0
+    if chunk.head:
+        head = tok * (((4 + r) * h + 4) / shard + a * h)  # final norm
+        head += 4 if L.pp > 1 else 0  # the runner keeps the scaled loss
+        if t == 1:  # F.cross_entropy: fp32 log-softmax, targets, total weight
+            head += tok * (4 * vocab + 8) + 4
+        else:  # vocab-parallel: fp32 softmax, local target index, two masks, token count
+            head += tok * (4 * vocab + 10) + 8
+        if autocast:
+            head += a * vocab * h  # the head weight's cast
+    return ChunkBytes(body, head, 0.0 if chunk.head else held)
+
+
+@functools.lru_cache(maxsize=8192)
+def live_chunk_counts(kind: str, pp: int, virtual_stages: int, microbatches: int,
+                      rank: int) -> tuple[tuple[int, ...], ...]:
+    """What rank ``rank`` of a ``pp``-stage pipeline holds at its peaks: the Pareto-maximal
+    vectors ``(alive_0, .., alive_{V-1}, held_0, .., held_{V-1})`` over the schedule's compute
+    order, where ``alive_c`` counts micro-batches of local chunk ``c`` between their F and their
+    last backward action, and ``held_c`` output gradients kept from B to W (ZB-H1).
+
+    GPipe and 1F1B have closed forms (``M`` and ``min(pp - rank, M)``); the others walk
+    :func:`compute_order`, capped at ``2 pp`` micro-batches (ZB-H1) or ``4 pp`` (interleaved):
+    past the warm-up the steady state repeats every micro-batch (every ``pp`` with
+    interleaving), so the peaks of longer runs are the same."""
+    kind_ = Schedule.parse(kind)
+    m, v = microbatches, virtual_stages
+    if pp == 1:
+        return ((1, 0),)
+    if kind_ is Schedule.GPIPE:
+        return ((m, 0),)
+    if kind_ is Schedule.ONE_F_ONE_B:
+        return ((min(pp - rank, m), 0),)
+    cap = min(m, (4 if kind_ is Schedule.INTERLEAVED else 2) * pp)
+    actions = compute_order(kind_, pp, v, cap, rank)
+    split = any(a.kind is ActionKind.W for a in actions)
+    counts = [0] * (2 * v)
+    seen: set[tuple[int, ...]] = set()
+    for act in actions:
+        c = act.stage // pp
+        if act.kind is ActionKind.F:
+            counts[c] += 1
+        elif act.kind is ActionKind.B and split:
+            counts[v + c] += 1
+        elif act.kind is ActionKind.B:
+            counts[c] -= 1
+            continue
+        else:
+            counts[c] -= 1
+            counts[v + c] -= 1
+            continue
+        seen.add(tuple(counts))  # peaks follow an increase
+    return pareto_max(seen)
+
+
+def pareto_max(vectors: Iterable[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The vectors no other one covers componentwise (a covering vector has a larger sum, so
+    in decreasing-sum order the kept ones are all a vector needs to be checked against)."""
+    kept: list[tuple[int, ...]] = []
+    for x in sorted(set(vectors), key=lambda x: (-sum(x), x)):
+        if not any(all(k >= xi for k, xi in zip(y, x, strict=True)) for y in kept):
+            kept.append(x)
+    return tuple(sorted(kept))
 
 
 # ----------------------------------------------------------------------------- the whole rank
@@ -183,48 +328,76 @@ class MemoryReport:
         return out
 
 
-def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int,
-                style: str = "llama") -> MemoryReport:
-    """Memory of pipeline rank ``pp_rank`` (see the module docstring for every term)."""
-    L, t, pp, v = layout, layout.tp, layout.pp, layout.virtual_stages
-    sp = L.sequence_parallel and t > 1
-    shapes = rank_param_shapes(model, t, pp, v, pp_rank)
-    st = model_state_bytes(shapes, L.dp, L.zero_stage, work.param_bytes, L.offload_optimizer)
-    s = work.seq_len // L.cp
-    b, h = L.micro_batch, model.dim
-    m = L.microbatches(work.global_batch)
-    part = partition_model(model, pp, v)
-    chunks = part.for_rank(pp_rank)
-    per_layer = layer_activation_bytes(model, s, b, t, sp, L.recompute, style, work.act_bytes)
-    if pp > 1:
-        in_flight = promised_in_flight(Schedule.parse(L.pipeline_schedule), pp, v, m, pp_rank)
-    else:
-        in_flight = 1  # gradient accumulation: one micro-batch at a time
-    layers_per_chunk = max(len(c.layers) for c in chunks)
-    acts = in_flight * layers_per_chunk * per_layer
+def rank_activations(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int,
+                     style: str = "llama") -> tuple[float, float, int]:
+    """``(activations, logits, chunks in flight)`` of pipeline rank ``pp_rank`` at its peak:
+    the heaviest :func:`live_chunk_counts` vector weighted by :func:`chunk_bytes`. (The ZeRO
+    stage and offload change none of it: cached without them.)"""
+    return _rank_activations(model_key(model), _activation_fields(layout), work, pp_rank, style)
+
+
+def _activation_fields(L: Layout) -> tuple:
+    """The layout fields activations depend on (all but the ZeRO stage and offload)."""
+    return (L.dp, L.tp, L.pp, L.cp, L.pipeline_schedule, L.virtual_stages, L.sequence_parallel,
+            L.recompute, L.micro_batch)
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int,
+                      style: str) -> tuple[float, float, int]:
+    dp, tp, pp, cp, sched, v, sp, rec, mb = fields
+    model = model_of(key)
+    L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v,
+               sequence_parallel=sp, recompute=rec, micro_batch=mb)
+    # without pipelining the runtime runs the whole model (virtual stages mean nothing)
+    chunks = layer_partition(model.n_layers, pp, v if pp > 1 else 1).for_rank(pp_rank)
+    sizes = [chunk_bytes(model, L, work, c, style) for c in chunks]
+    v = len(chunks)
+    vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
+    best = (-1.0, 0.0, 0.0, 0)
+    for vec in vectors:
+        body = sum(n * cb.body + g * cb.grad for n, g, cb in zip(vec[:v], vec[v:], sizes, strict=True))
+        head = sum(n * cb.head for n, cb in zip(vec[:v], sizes, strict=True))
+        if body + head > best[0]:
+            best = (body + head, body, head, sum(vec[:v]))
+    _, acts, logits, in_flight = best
     if L.recompute == "full":  # the layer being recomputed holds its full activations
-        acts += layer_activation_bytes(model, s, b, t, sp, "none", style, work.act_bytes)
-    ab = work.act_bytes
-    logits = 0.0
-    if any(c.embedding for c in chunks):  # embedding output, kept for the first layer's backward
-        acts += in_flight * s * b * h * ab / (t if sp else 1)
-    if any(c.head for c in chunks):
-        vocab = padded(model.vocab_size, t) // t
-        # Final-norm input and head input (Korthikanti 4.3: 4sbh/t) and the logits: matmul dtype
-        # plus the fp32 copy the cross-entropy keeps (Korthikanti: 4sbv/t). The last stage runs
-        # each micro-batch's backward right after its forward, so one micro-batch is alive.
-        logits = 2 * s * b * h * ab / (t if sp else 1) + s * b * vocab * (ab + 4)
+        sp = L.sequence_parallel and L.tp > 1
+        acts += layer_activation_bytes(model, work.seq_len // L.cp, L.micro_batch, L.tp, sp, "none",
+                                       style, work.act_bytes, work.param_bytes, L.cp)
+    return acts, logits, in_flight
+
+
+def comm_buffer_bytes(model: ModelConfig, layout: Layout, work: Workload) -> float:
+    """Buffers of the collectives in flight (the same on every pipeline rank)."""
+    L, t, ab = layout, layout.tp, work.act_bytes
+    sp = L.sequence_parallel and t > 1
+    s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
     comm = 0.0
     if L.dp * L.cp > 1 and L.zero_stage < 3:
         comm += 2 * work.bucket_mb * 2**20  # the gradient bucket being reduced and the one filling
     if L.zero_stage == 3:  # one gathered layer in use and the prefetched next one
-        comm += 2 * work.param_bytes * numel(rank_param_shapes(model, t, 1, 1, 0)[1:10])
+        q, kv, f = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.ffn_hidden
+        comm += 2 * work.param_bytes * (2 * h + (2 * q * h + 2 * kv * h + 3 * f * h) // t)
     if t > 1:  # the all-gathered (SP) or all-reduced activation of one block
         comm += 2 * s * b * h * ab
-    if pp > 1:  # one send and one receive buffer per direction
+    if L.pp > 1:  # one send and one receive buffer per direction
         comm += 4 * s * b * h * ab / (t if sp else 1)
     if L.cp > 1:  # ring attention: the K and V blocks in use and the ones arriving
         comm += 2 * 2 * s * b * model.n_kv_heads * model.head_dim * ab / t
+    return comm
+
+
+def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int,
+                style: str = "llama") -> MemoryReport:
+    """Memory of pipeline rank ``pp_rank`` (see the module docstring for every term)."""
+    return _rank_memory(model, model_key(model), layout, work, pp_rank, style,
+                        comm_buffer_bytes(model, layout, work))
+
+
+def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, pp_rank: int,
+                 style: str, comm: float) -> MemoryReport:
+    st, (acts, logits, in_flight) = _rank_parts(key, L, work, pp_rank, style)
     live = st.params + st.grads + st.optimizer + acts + logits + comm
     overhead = CONTEXT_BYTES + FRAGMENTATION * live
     comps = {"params": float(st.params), "grads": float(st.grads), "optimizer": float(st.optimizer),
@@ -232,7 +405,57 @@ def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int
     return MemoryReport(comps, pp_rank, float(st.cpu_optimizer), in_flight)
 
 
+def _rank_parts(key: ModelKey, L: Layout, work: Workload, pp_rank: int,
+                style: str) -> tuple[ModelStates, tuple[float, float, int]]:
+    full = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank)
+    shard = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank, L.dp)
+    st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer)
+    return st, _rank_activations(key, _activation_fields(L), work, pp_rank, style)
+
+
+def _total(st: ModelStates, acts: float, logits: float, comm: float) -> float:
+    """``MemoryReport.total`` of these parts (the same sum, in the same order)."""
+    live = st.params + st.grads + st.optimizer + acts + logits + comm
+    overhead = CONTEXT_BYTES + FRAGMENTATION * live
+    return sum((float(st.params), float(st.grads), float(st.optimizer), acts, logits, comm, overhead))
+
+
+@functools.lru_cache(maxsize=4096)
+def candidate_ranks(n_layers: int, pp: int, virtual_stages: int, kind: str,
+                    microbatches: int) -> tuple[int, ...]:
+    """The pipeline ranks that can hold the most memory. Ranks whose chunks have the same layer
+    counts, embedding and head hold the same parameters and buffers; of those, a rank each of
+    whose peak vectors (:func:`live_chunk_counts`) another rank's covers holds no more of
+    anything, and is dropped (of ranks covering each other, the first is kept, as ``max``
+    keeps the first of equal totals)."""
+    part = layer_partition(n_layers, pp, virtual_stages)
+    groups: dict[tuple, list[tuple[int, tuple[tuple[int, ...], ...]]]] = {}
+    for r in range(pp):
+        sig = tuple((len(c.layers), c.embedding, c.head) for c in part.for_rank(r))
+        groups.setdefault(sig, []).append((r, live_chunk_counts(kind, pp, virtual_stages, microbatches, r)))
+
+    def covers(big: tuple[tuple[int, ...], ...], small: tuple[tuple[int, ...], ...]) -> bool:
+        return all(any(all(a >= b for a, b in zip(x, y, strict=True)) for x in big) for y in small)
+
+    out = []
+    for members in groups.values():
+        for r, vecs in members:
+            if not any(q != r and covers(theirs, vecs) and (q < r or not covers(vecs, theirs))
+                       for q, theirs in members):
+                out.append(r)
+    return tuple(sorted(out))
+
+
 def plan_memory(model: ModelConfig, layout: Layout, work: Workload, style: str = "llama") -> MemoryReport:
     """The pipeline rank with the largest total (the one that OOMs first), not the average."""
-    reports = [rank_memory(model, layout, work, r, style) for r in range(layout.pp)]
-    return max(reports, key=lambda rep: rep.total)
+    ranks = (0,) if layout.pp == 1 else candidate_ranks(
+        model.n_layers, layout.pp, layout.virtual_stages, layout.pipeline_schedule, layout.microbatches(work.global_batch))
+    key, comm = model_key(model), comm_buffer_bytes(model, layout, work)
+    if len(ranks) == 1:
+        return _rank_memory(model, key, layout, work, ranks[0], style, comm)
+    totals = []
+    for r in ranks:
+        st, (acts, logits, _) = _rank_parts(key, layout, work, r, style)
+        totals.append(_total(st, acts, logits, comm))
+    worst = ranks[totals.index(max(totals))]  # the first of equals, as max over reports
+    return _rank_memory(model, key, layout, work, worst, style, comm)

@@ -1,12 +1,21 @@
 """Enumerate layouts for a cluster, reject those that break a config rule or do not fit, rank the
-rest by predicted step time.
+rest by predicted step time (less memory first when step times tie).
 
 No rule of thumb is built in (tp inside a node, pp across nodes, dp last): the search tries every
 factorisation ``world = dp * tp * pp * cp`` and lets :func:`hybridpar.config.validate`, the
 memory model and the cost model decide. For each factorisation the fields a user leaves out are
 filled by the planner: micro-batch size, schedule and virtual stages are searched; sequence
-parallelism is on whenever tp > 1 and allowed (same traffic, less memory); recomputation and
-the ZeRO stage are the cheapest that fit, in the order none < selective < full and 0 < 1 < 2 < 3.
+parallelism is on whenever tp > 1 and allowed (same traffic, less memory); recomputation is the
+cheapest level at which some ZeRO stage fits (none < selective < full: recomputing only adds
+time), and among the ZeRO stages that fit there the fastest, the one with less memory on a tie
+(ZeRO-2 over ZeRO-1 over ZeRO-0 when their step times are equal).
+
+Speed: :func:`search` answers a 64- or 1024-GPU question in about a second. Rules and memory are
+checked before any time is estimated; the memory model caches per shape and evaluates only the
+pipeline ranks that can be the worst; the schedule simulator runs only for candidates whose
+closed-form lower bound (the busiest rank's compute, no bubble) can still beat the best step
+time found so far. Pruning never changes the answer: every candidate skipped has a lower bound
+above a step time already reached.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from hybridpar.planner.memory import MemoryReport, plan_memory
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
 ZERO = (0, 1, 2, 3)
+TIE_DIGITS = 9  # step times equal to this many significant digits tie; memory decides
+PRUNE_MARGIN = 1e-7  # a bound this far (relative) above the best may still tie after rounding
 
 
 @dataclass
@@ -69,18 +80,43 @@ class Evaluation:
 def evaluate(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
              style: str = "llama", with_cost: bool = True) -> Evaluation:
     """Rules, then memory, then (if it fits, or ``with_cost``) predicted cost."""
+    ev = _memory_only(model, layout, work, cluster, style)
+    if ev.rule is not None:
+        return ev
+    if with_cost or ev.fits:
+        ev.cost = step_cost(model, layout, work, cluster, style)
+    ev.note = runtime_note(model, layout, work)
+    return ev
+
+
+def _memory_only(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, style: str,
+                 rule: str | None | bool = False) -> Evaluation:
+    """Rules and memory, no cost and no runtime note (``rule``: the rule this shape breaks, or
+    None, when already checked; False to check it here)."""
     ev = Evaluation(layout, capacity=cluster.gpu.hbm_bytes)
-    ev.rule = layout_rule_error(model, layout, work)
+    ev.rule = layout_rule_error(model, layout, work) if rule is False else rule  # type: ignore[assignment]
     if ev.rule is not None:
         return ev
     if layout.world_size != cluster.world_size:
         ev.rule = (f"dp * tp * pp * cp = {layout.world_size} but the cluster has {cluster.world_size} GPUs")
         return ev
     ev.memory = plan_memory(model, layout, work, style)
-    if with_cost or ev.fits:
-        ev.cost = step_cost(model, layout, work, cluster, style)
-    ev.note = runtime_note(model, layout, work)
     return ev
+
+
+def _finish(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Cluster, style: str) -> Evaluation:
+    """Attach the predicted cost (unless computed) and the runtime note to a chosen evaluation."""
+    if ev.rule is None:
+        if ev.cost is None:
+            ev.cost = step_cost(model, ev.layout, work, cluster, style)
+        ev.note = runtime_note(model, ev.layout, work)
+    return ev
+
+
+def rank_key(ev: Evaluation) -> tuple[float, float]:
+    """Order of fitting evaluations: step time, then (on a tie to :data:`TIE_DIGITS`) memory."""
+    assert ev.cost is not None and ev.memory is not None
+    return float(f"{ev.cost.step_time_s:.{TIE_DIGITS}g}"), ev.memory.total
 
 
 def divisors(n: int) -> list[int]:
@@ -106,18 +142,16 @@ def schedules(model: ModelConfig, pp: int, microbatches: int) -> list[tuple[str,
     return out
 
 
-def complete(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
-             style: str = "llama") -> tuple[Evaluation, list[Evaluation]]:
-    """The best layout agreeing with ``partial`` (``parallel.*`` names + micro_batch); missing
-    axes default to 1 except dp, which takes up the rest of the world. Returns the best and
-    every evaluation tried (for explanations)."""
+def _candidates(model: ModelConfig, partial: dict[str, object], work: Workload,
+                cluster: Cluster) -> list[dict[str, object]]:
+    """The fixed fields (axes, micro-batch, schedule, virtual stages) :func:`complete` tries."""
     world = cluster.world_size
     base = {k: partial[k] for k in ("tp", "pp", "cp") if k in partial}
     tp, pp, cp = (int(base.get(k, 1)) for k in ("tp", "pp", "cp"))  # type: ignore[call-overload]
     dp = int(partial.get("dp", max(1, world // (tp * pp * cp))))  # type: ignore[call-overload]
-    tried: list[Evaluation] = []
     mbs = [partial["micro_batch"]] if "micro_batch" in partial else [
         b for b in MICRO_BATCHES if work.global_batch % (dp * b) == 0] or [1]
+    out = []
     for mb in mbs:
         m = work.global_batch // (dp * int(mb))  # type: ignore[call-overload]
         scheds = schedules(model, pp, m)
@@ -128,59 +162,149 @@ def complete(model: ModelConfig, partial: dict[str, object], work: Workload, clu
             scheds = [(s, v) for s, v in scheds if v == partial["virtual_stages"]] or [
                 ("interleaved", int(partial["virtual_stages"]))]  # type: ignore[call-overload]
         for sched, v in scheds:
-            best = _cheapest_fit(model, dict(partial), dict(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb,
-                                 pipeline_schedule=sched, virtual_stages=v), work, cluster, style)
-            tried.append(best)
+            out.append(dict(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, pipeline_schedule=sched, virtual_stages=v))
+    return out
+
+
+def complete(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
+             style: str = "llama") -> tuple[Evaluation, list[Evaluation]]:
+    """The best layout agreeing with ``partial`` (``parallel.*`` names + micro_batch); missing
+    axes default to 1 except dp, which takes up the rest of the world. Returns the best and
+    every evaluation tried (for explanations), each with its predicted cost."""
+    tried = [_cheapest_fit(model, partial, fixed, work, cluster, style)
+             for fixed in _candidates(model, partial, work, cluster)]
     fitting = [e for e in tried if e.fits and e.cost is not None]
     if fitting:
-        return min(fitting, key=lambda e: e.cost.step_time_s), tried  # type: ignore[union-attr]
+        return min(fitting, key=rank_key), tried
     ranked = sorted(tried, key=lambda e: (e.rule is not None, e.shortfall_gib))
     return ranked[0], tried
 
 
-def _cheapest_fit(model: ModelConfig, partial: dict[str, object], fixed: dict[str, object],
-                  work: Workload, cluster: Cluster, style: str) -> Evaluation:
-    """Given the axes, micro-batch and schedule: SP on when allowed, then the first recompute /
-    ZeRO combination (cheapest first) that fits; if none fits, the smallest one."""
+def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict[str, object],
+                     work: Workload, cluster: Cluster, style: str) -> tuple[list[Evaluation], Evaluation]:
+    """For fixed axes, micro-batch and schedule (SP on when allowed): the evaluations (memory
+    only) of every ZeRO stage that fits at the first recompute level where one does, and the
+    smallest evaluation overall (or the one that breaks a rule: the rule is the same for all)."""
     tp, cp = int(fixed["tp"]), int(fixed["cp"])  # type: ignore[call-overload]
     sp_default = tp > 1 and cp == 1 and work.seq_len % tp == 0
     sp = bool(partial.get("sequence_parallel", sp_default))
     recs = [partial["recompute"]] if "recompute" in partial else list(RECOMPUTE)
     zeros = [partial["zero_stage"]] if "zero_stage" in partial else list(ZERO)
     offload = bool(partial.get("offload_optimizer", False))
+    layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
+                                offload_optimizer=offload) for rec in recs for z in zeros}
+    rule = layout_rule_error(model, next(iter(layouts.values())), work)  # the same for all of them
     smallest: Evaluation | None = None
     for rec in recs:
-        for z in zeros:
-            layout = Layout(**fixed, sequence_parallel=sp, recompute=str(rec), zero_stage=int(z),  # type: ignore[arg-type]
-                            offload_optimizer=offload)
-            ev = evaluate(model, layout, work, cluster, style, with_cost=False)
+        done: dict[object, Evaluation] = {}
+        order = list(zeros)
+        if order == list(ZERO):
+            # ZeRO 0, 1, 2 hold ever less (equal amounts at dp = 1): if the least of them does
+            # not fit, neither do the others, and it is also the smallest of them
+            z = 0 if int(fixed["dp"]) == 1 else 2  # type: ignore[call-overload]
+            done[z] = _memory_only(model, layouts[(rec, z)], work, cluster, style, rule)
+            if done[z].rule is None and not done[z].fits:
+                order = [z, 3]
+        fits = []
+        for z in order:
+            ev = done[z] if z in done else _memory_only(model, layouts[(rec, z)], work, cluster, style, rule)
             if ev.rule is not None:
-                return ev
+                return [], ev
             if ev.fits:
-                return ev
+                fits.append(ev)
             if smallest is None or ev.shortfall_gib < smallest.shortfall_gib:
                 smallest = ev
+        if fits:
+            return fits, fits[0]
     assert smallest is not None
-    smallest.cost = step_cost(model, smallest.layout, work, cluster, style)
-    return smallest
+    return [], smallest
+
+
+def _cheapest_fit(model: ModelConfig, partial: dict[str, object], fixed: dict[str, object],
+                  work: Workload, cluster: Cluster, style: str) -> Evaluation:
+    """Given the axes, micro-batch and schedule: among the ZeRO stages that fit at the cheapest
+    recompute level, the fastest (less memory on a tie); if none fits, the smallest one."""
+    fits, smallest = _fitting_options(model, partial, fixed, work, cluster, style)
+    if not fits:
+        return _finish(smallest, model, work, cluster, style)
+    for ev in fits:
+        ev.cost = step_cost(model, ev.layout, work, cluster, style)
+    return _finish(min(fits, key=rank_key), model, work, cluster, style)
+
+
+Option = tuple[float, int, Evaluation]  # (lower bound of the step time, order tried, evaluation)
+
+
+def _options(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
+             style: str) -> tuple[list[Option], list[Evaluation]]:
+    """Every fitting option of :func:`complete` with its step-time lower bound (no simulation),
+    and, per candidate where nothing fits, its smallest (or rule-breaking) evaluation."""
+    options: list[Option] = []
+    misses: list[Evaluation] = []
+    for fixed in _candidates(model, partial, work, cluster):
+        fits, smallest = _fitting_options(model, partial, fixed, work, cluster, style)
+        if not fits:
+            misses.append(smallest)
+        for ev in fits:
+            bound = step_cost(model, ev.layout, work, cluster, style, bound_only=True).step_time_s
+            options.append((bound, len(options), ev))
+    return options, misses
+
+
+def _closest_miss(misses: list[Evaluation]) -> Evaluation:
+    return min(misses, key=lambda e: (e.rule is not None, e.shortfall_gib))
+
+
+def best_for_axes(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
+                  style: str = "llama") -> Evaluation:
+    """``complete(...)[0]`` without the explanations, pruned: every fitting option gets the
+    closed-form lower bound of its step time first, and the schedule is simulated only while a
+    bound could still reach (or tie) the best step time found, in increasing bound order."""
+    options, misses = _options(model, partial, work, cluster, style)
+    if not options:
+        return _finish(_closest_miss(misses), model, work, cluster, style)
+    best: tuple[tuple[float, float], int, Evaluation] | None = None
+    for bound, order, ev in sorted(options, key=lambda o: (o[0], o[1])):
+        if best is not None and bound > best[2].cost.step_time_s * (1 + PRUNE_MARGIN):  # type: ignore[union-attr]
+            break
+        ev.cost = step_cost(model, ev.layout, work, cluster, style)
+        if best is None or (rank_key(ev), order) < (best[0], best[1]):
+            best = (rank_key(ev), order, ev)
+    assert best is not None
+    return _finish(best[2], model, work, cluster, style)
 
 
 @dataclass
 class SearchResult:
-    """Fitting layouts ranked by step time, and what was rejected and why."""
+    """Fitting layouts ranked by step time, and what was rejected and why. With ``top`` given to
+    :func:`search`, ``ranked`` holds only the ``top`` best (exactly those of a full search) and
+    ``unranked`` the other factorisations that fit, not completed (one fitting layout each,
+    memory only: their best step time was not needed)."""
 
     ranked: list[Evaluation]
     rejected_rules: dict[str, list[Layout]] = field(default_factory=dict)
     too_big: list[Evaluation] = field(default_factory=list)
+    unranked: list[Evaluation] = field(default_factory=list)
 
     def smallest_shortfall(self) -> Evaluation | None:
         return min(self.too_big, key=lambda e: e.shortfall_gib, default=None)
 
+    @property
+    def fitting(self) -> int:
+        """How many factorisations have a layout that fits."""
+        return len(self.ranked) + len(self.unranked)
+
 
 def search(model: ModelConfig, work: Workload, cluster: Cluster, style: str = "llama",
-           runnable_only: bool = False) -> SearchResult:
-    """Every factorisation of the cluster, completed and ranked (fastest first)."""
+           runnable_only: bool = False, top: int | None = None) -> SearchResult:
+    """Every factorisation of the cluster, completed and ranked (fastest first, then smallest).
+    ``top``: only the ``top`` best need completing (with their costs); the other fitting
+    factorisations stay in ``unranked`` and the misses in ``too_big`` without costs (the
+    simulations that would take the time are skipped; :func:`with_cost` adds one). Ignored with
+    ``runnable_only``."""
     result = SearchResult([])
+    top = None if top is None else max(1, top)
+    found: list[tuple[list[Option], list[Evaluation]]] = []
     for dp, tp, pp, cp in factorisations(cluster.world_size):
         axes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
         probe = Layout(**axes, micro_batch=max(1, min(
@@ -189,12 +313,59 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, style: str = "l
         if rule is not None and (work.global_batch % dp != 0 or "micro_batch" not in rule):
             result.rejected_rules.setdefault(rule.split(";")[0], []).append(probe)
             continue
-        best, _ = complete(model, axes, work, cluster, style)
-        if best.rule is not None:
-            result.rejected_rules.setdefault(best.rule.split(";")[0], []).append(best.layout)
-        elif best.fits and not (runnable_only and best.note):
-            result.ranked.append(best)
-        elif not best.fits:
-            result.too_big.append(best)
-    result.ranked.sort(key=lambda e: e.cost.step_time_s)  # type: ignore[union-attr]
+        if top is None or runnable_only:
+            best = best_for_axes(model, axes, work, cluster, style)
+            if best.rule is not None:
+                result.rejected_rules.setdefault(best.rule.split(";")[0], []).append(best.layout)
+            elif best.fits and not (runnable_only and best.note):
+                result.ranked.append(best)
+            elif not best.fits:
+                result.too_big.append(best)
+            continue
+        options, misses = _options(model, axes, work, cluster, style)
+        if options:
+            found.append((options, misses))
+            continue
+        miss = _closest_miss(misses)
+        if miss.rule is not None:
+            result.rejected_rules.setdefault(miss.rule.split(";")[0], []).append(miss.layout)
+        else:
+            result.too_big.append(miss)
+    if top is None or runnable_only:
+        result.ranked.sort(key=rank_key)
+        return result
+    _top_ranked(result, found, top, model, work, cluster, style)
     return result
+
+
+def with_cost(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Cluster,
+              style: str = "llama") -> Evaluation:
+    """``ev`` with its predicted cost and runtime note (for entries :func:`search` with ``top``
+    left without: ``unranked`` and ``too_big``)."""
+    return _finish(ev, model, work, cluster, style)
+
+
+def _top_ranked(result: SearchResult, found: list[tuple[list[Option], list[Evaluation]]], top: int,
+                model: ModelConfig, work: Workload, cluster: Cluster, style: str) -> None:
+    """Branch and bound over every factorisation's options at once, in increasing bound order:
+    stop when a bound exceeds the ``top``-th best step time among the factorisations' bests so
+    far (those only improve, so nothing left could enter the top). Fills ``result.ranked`` with
+    the top factorisations' bests (ties by factorisation order, as a full search sorts) and
+    ``result.unranked`` with one fitting evaluation of each other factorisation."""
+    pending = sorted(((bound, i, order, ev) for i, (opts, _) in enumerate(found) for bound, order, ev in opts),
+                     key=lambda o: o[:3])
+    best: dict[int, tuple[tuple[float, float], int, Evaluation]] = {}
+    for bound, i, order, ev in pending:
+        times = sorted(b[2].cost.step_time_s for b in best.values())  # type: ignore[union-attr]
+        if len(times) >= top and bound > times[top - 1] * (1 + PRUNE_MARGIN):
+            break
+        ev.cost = step_cost(model, ev.layout, work, cluster, style)
+        if i not in best or (rank_key(ev), order) < best[i][:2]:
+            best[i] = (rank_key(ev), order, ev)
+    order_of = sorted(best, key=lambda i: (best[i][0], i))[:top]
+    result.ranked = [_finish(best[i][2], model, work, cluster, style) for i in order_of]
+    chosen = set(order_of)
+    result.unranked = [min(opts, key=lambda o: (o[0], o[1]))[2] for i, (opts, _) in enumerate(found)
+                       if i not in chosen]
+    for ev in result.unranked:
+        ev.cost = None

@@ -1,0 +1,275 @@
+"""Payload bytes per mesh axis of one training step, as the runtime's comm counter records them.
+
+:func:`comm_bytes` walks the same operations as one ``Trainer.train_step`` (forward and backward
+of every micro-batch through :class:`~hybridpar.training.engine.Engine`, gradient reduction,
+the loss average, the gradient norm, the optimizer step) and counts, per ``(op, axis)``, the
+payload :class:`~hybridpar.distributed.comm.CommCounter` records: the whole tensor for
+all-reduce, broadcast, send and recv; the local shard for all-gather; the full input for
+reduce-scatter; nothing on a size-1 axis. Axis names are the counter's: ``tp``, ``cp``, ``pp``,
+``dp``, ``dp_cp`` (gradients over dp x cp when both are > 1), ``<axis>.intra`` / ``.inter``
+(hierarchical data parallelism) and ``world`` (the fp16 overflow flag).
+
+Per micro-batch of ``b`` sequences of ``s`` tokens on the rank (``s = seq / cp``) and ``d =
+b s h``: tensor parallelism moves, per norm (2 per layer and the final one), one ``d`` all-reduce
+backward (f) and, per row-parallel layer (2 per layer), one forward (g); with SP an all-gather of
+``d/t`` forward and a reduce-scatter of ``d`` backward per norm, the converse per row-parallel
+layer; the vocab-parallel embedding one more g, the loss two all-reduces of 1 and 2 fp32 per
+token. Ring attention sends and receives, per layer, ``cp - 1`` K/V blocks forward, ``cp - 1``
+backward and ``cp - 1`` fp32 dK/dV blocks. Pipeline ranks send and receive one ``d/t_SP`` fp32
+hidden state per stage boundary and micro-batch each way, then broadcast the ``M`` losses. Under
+ZB-H1, W recomputes the backward of stages after the first for their weight gradients, so
+their backward collectives (tp, cp) run twice.
+Gradients cross dp x cp once per step: bucketed all-reduces (ZeRO-0), a reduce-scatter per
+bucket and an all-gather of the updated shard (ZeRO-1/2), or two all-gathers per unit and
+micro-batch and one reduce-scatter per unit (ZeRO-3), each over the padded ``ceil(rows/N)``
+shard layout of the rank's tp pieces. Then one fp32 scalar each for the logged loss and the
+gradient norm's partial sums over tp, the ZeRO axis and pp.
+Dtypes: the residual stream and gradients are in the parameter dtype, matmul outputs and
+attention inputs in the matmul dtype, losses and norms fp32.
+
+ZeRO-3 with pp > 1 (which ``validate`` rejects) is not modelled.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+from hybridpar.config import ModelConfig
+from hybridpar.planner.layout import Layout, Workload
+from hybridpar.planner.memory import layer_partition, padded
+
+Shape = tuple[int, ...]
+Named = list[tuple[str, Shape]]
+Adder = Callable[..., None]  # add(op, axis, axis size, payload bytes, times=1)
+
+AXES = ("tp", "cp", "pp", "dp")
+
+
+def _layer_params(model: ModelConfig, tp: int, i: int) -> Named:
+    """Layer ``i``'s parameters in registration order (attention_norm, wq, wk, wv, wo, ffn_norm,
+    w1, w3, w2), tp-local shapes."""
+    h, hd = model.dim, model.head_dim
+    q, kv, f = model.n_heads * hd // tp, model.n_kv_heads * hd // tp, model.ffn_hidden // tp
+    p = f"layers.{i}."
+    return [(p + "attention_norm.weight", (h,)), (p + "attention.wq.weight", (q, h)),
+            (p + "attention.wk.weight", (kv, h)), (p + "attention.wv.weight", (kv, h)),
+            (p + "attention.wo.weight", (h, q)), (p + "ffn_norm.weight", (h,)),
+            (p + "feed_forward.w1.weight", (f, h)), (p + "feed_forward.w3.weight", (f, h)),
+            (p + "feed_forward.w2.weight", (h, f))]
+
+
+def model_params(model: ModelConfig, tp: int) -> Named:
+    """The whole model's ``named_parameters()`` (tp-local shapes), in registration order."""
+    vocab = padded(model.vocab_size, tp) // tp
+    out: Named = [("tok_embeddings.weight", (vocab, model.dim))]
+    for i in range(model.n_layers):
+        out += _layer_params(model, tp, i)
+    out.append(("norm.weight", (model.dim,)))
+    if not model.tie_embeddings:
+        out.append(("output.weight", (vocab, model.dim)))
+    return out
+
+
+def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> Named:
+    """The parameters the Engine trains on pipeline rank ``pp_rank`` (its chunks' parameters in
+    chunk order, a tied embedding's mirror once), as the gradient reducer sees them."""
+    if layout.pp == 1:
+        return model_params(model, layout.tp)
+    vocab = padded(model.vocab_size, layout.tp) // layout.tp
+    out: Named = []
+    for c in layer_partition(model.n_layers, layout.pp, layout.virtual_stages).for_rank(pp_rank):
+        tied_here = c.head and model.tie_embeddings
+        if (c.embedding or tied_here) and all(n != "tok_embeddings.weight" for n, _ in out):
+            out.append(("tok_embeddings.weight", (vocab, model.dim)))
+        for i in c.layers:
+            out += _layer_params(model, layout.tp, i)
+        if c.head:
+            out.append(("norm.weight", (model.dim,)))
+            if not model.tie_embeddings:
+                out.append(("output.weight", (vocab, model.dim)))
+    return out
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def buckets(shapes: Iterable[Shape], elem: int, bucket_bytes: int) -> list[list[Shape]]:
+    """Parameters in reverse order cut every ``bucket_bytes`` (GradientReducer and ZeRO-1/2)."""
+    out: list[list[Shape]] = []
+    cur: list[Shape] = []
+    size = 0
+    for s in reversed(list(shapes)):
+        cur.append(s)
+        size += _numel(s) * elem
+        if size >= bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def shard_elems(shapes: Iterable[Shape], n: int) -> int:
+    """``S`` of :class:`~hybridpar.parallel.shard.ShardLayout`: every shape's ``ceil(rows/n)``
+    row block, summed (the padded flat shard one rank sends or receives)."""
+    return sum(-(-s[0] // n) * _numel(s[1:]) for s in shapes)
+
+
+def _dp_cp_name(layout: Layout) -> str:
+    """The counter's name of the gradient-averaging axis (``Topology.dp_cp``)."""
+    if layout.dp > 1 and layout.cp > 1:
+        return "dp_cp"
+    return "cp" if layout.dp == 1 else "dp"
+
+
+def _node_split(layout: Layout, pp_rank: int, node_size: int) -> tuple[int, int]:
+    """(intra, inter) sizes of the dp x cp group of pipeline rank ``pp_rank`` (tp rank 0) cut at
+    node boundaries of ``node_size`` global ranks (``Topology.node_split``)."""
+    L = layout
+    ranks = [((pp_rank * L.dp + d) * L.cp + c) * L.tp for d in range(L.dp) for c in range(L.cp)]
+    nodes: dict[int, int] = defaultdict(int)
+    for r in ranks:
+        nodes[r // node_size] += 1
+    intra = nodes[ranks[0] // node_size]
+    return intra, len(ranks) // intra
+
+
+def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int = 0, *,
+               zero_rank: int = 0, hierarchical_node: int = 0) -> dict[tuple[str, str], int]:
+    """``{(op, axis): payload bytes}`` pipeline rank ``pp_rank`` records in one training step.
+    Any tp coordinate records the same, and so does any dp x cp coordinate except that with SP
+    and ZeRO the norm-weight rows summed over tp are those of ZeRO rank ``zero_rank`` (they differ
+    only when ``dim`` is not a multiple of dp x cp). ``hierarchical_node``: ranks per node when
+    gradients use the hierarchical all-reduce (``parallel.hierarchical_dp``), else 0."""
+    L, t = layout, layout.tp
+    if L.zero_stage == 3 and L.pp > 1:
+        raise NotImplementedError("ZeRO-3 with pipeline parallelism is not modelled")
+    out: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(op: str, axis: str, size: int, nbytes: float, times: int = 1) -> None:
+        if size > 1 and times > 0:
+            out[(op, axis)] += int(nbytes) * times
+
+    sp = L.sequence_parallel and t > 1
+    r, a = work.param_bytes, work.act_bytes
+    s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
+    m = L.microbatches(work.global_batch)
+    d = b * s * h  # one full-length hidden state of a micro-batch on this rank
+    chunks = layer_partition(model.n_layers, L.pp, L.virtual_stages).for_rank(pp_rank)
+    kv = 2 * b * s * model.n_kv_heads * model.head_dim // t  # one stacked K/V block
+    for c in chunks:
+        n_c, norms_c = len(c.layers), 2 * len(c.layers) + c.head
+        # ZB-H1's W re-runs a chunk's backward for the weight gradients (B took the input gradient
+        # with the graph retained): the backward collectives run twice, except on the first stage
+        back = 2 if L.pipeline_schedule == "zb-h1" and L.pp > 1 and c.stage > 0 else 1
+        # tensor parallelism, per micro-batch: norm entries (f / SP all-gather forward), row-parallel
+        # exits (g / SP reduce-scatter), the embedding's exit, the vocab-parallel loss
+        if sp:
+            add("all_gather", "tp", t, norms_c * d // t * r, m)  # norm entries, forward
+            add("reduce_scatter", "tp", t, norms_c * d * r, m * back)  # their backward
+            add("reduce_scatter", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits
+            add("all_gather", "tp", t, (2 * n_c * d * a + c.embedding * d * r) // t, m * back)
+        else:
+            add("all_reduce", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits, forward
+            add("all_reduce", "tp", t, norms_c * d * r, m * back)  # norm entries, backward
+        if c.head:
+            add("all_reduce", "tp", t, 3 * b * s * 4, m)  # max, then (sum of exp, target logit)
+        # ring attention: K/V blocks forward; K/V blocks and fp32 dK/dV blocks backward
+        for op in ("send", "recv"):
+            add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, m)
+            add(op, "cp", L.cp, n_c * (L.cp - 1) * (kv * a + kv * 4), m * back)
+    # pipeline: hidden states forward, their gradients backward, the losses, tied-embedding grads
+    if L.pp > 1:
+        msg = d // (t if sp else 1) * 4  # the runner's fp32 act_shape
+        last = L.pp * L.virtual_stages - 1
+        sends = sum((c.stage < last) + (c.stage > 0) for c in chunks)
+        add("send", "pp", L.pp, sends * msg, m)
+        add("recv", "pp", L.pp, sends * msg, m)
+        add("broadcast", "pp", L.pp, 4 * m)
+        if model.tie_embeddings and pp_rank in (0, L.pp - 1):
+            tied = padded(model.vocab_size, t) // t * h * r
+            add("send", "pp", L.pp, tied)
+            add("recv", "pp", L.pp, tied)
+    # gradients and the step
+    names = rank_params(model, L, pp_rank)
+    bucket_bytes = int(work.bucket_mb * 2**20)
+    zero_axis, n = _dp_cp_name(L), L.dp * L.cp
+    if L.zero_stage == 0:
+        _reduce_grads(add, L, [sh for _, sh in names], r, bucket_bytes, pp_rank, hierarchical_node)
+    else:
+        _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes)
+    if sp:  # norm weights saw only this rank's sequence shard: one flat sum over tp (of ZeRO's rows)
+        norm_elems = sum(_numel(sh) for nm, sh in names if nm.endswith("norm.weight"))
+        if L.zero_stage > 0:
+            rows = -(-h // n)
+            norm_elems = norm_elems // h * (min((zero_rank + 1) * rows, h) - min(zero_rank * rows, h))
+        add("all_reduce", "tp", t, norm_elems * r)
+    add("all_reduce", zero_axis, n, 4)  # the logged loss
+    add("all_reduce", "tp", t, 4)  # gradient norm: tp pieces, ZeRO rows, pipeline stages
+    if L.zero_stage > 0:
+        add("all_reduce", zero_axis, n, 4)
+    add("all_reduce", "pp", L.pp, 4)
+    if work.precision == "fp16":
+        add("all_reduce", "world", L.world_size, 4)  # any rank overflowed?
+    return dict(out)
+
+
+def _reduce_grads(add: Adder, layout: Layout, shapes: list[Shape], elem: int, bucket_bytes: int,
+                  pp_rank: int, node_size: int) -> None:
+    """Data-parallel gradient buckets over dp x cp: one all-reduce each, or reduce-scatter in the
+    node, all-reduce across nodes and all-gather in the node (hierarchical)."""
+    name, n = _dp_cp_name(layout), layout.dp * layout.cp
+    for bucket in buckets(shapes, elem, bucket_bytes):
+        numel = sum(_numel(s) for s in bucket)
+        if not node_size or n == 1:
+            add("all_reduce", name, n, numel * elem)
+            continue
+        intra, inter = _node_split(layout, pp_rank, node_size)
+        if intra == 1:
+            add("all_reduce", f"{name}.inter", inter, numel * elem)
+            continue
+        pad = padded(numel, intra)
+        add("reduce_scatter", f"{name}.intra", intra, pad * elem)
+        add("all_reduce", f"{name}.inter", inter, pad // intra * elem)
+        add("all_gather", f"{name}.intra", intra, pad // intra * elem)
+
+
+def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem: int, m: int,
+          bucket_bytes: int) -> None:
+    """ZeRO over dp x cp, of the parameters this pipeline rank trains (tp pieces): stages 1/2
+    bucket the optimizer's order (matrices, then vectors, reversed), reduce-scatter each bucket
+    once and all-gather the updated shards; stage 3 gathers every unit (root: norm and head;
+    embedding; each layer) twice per micro-batch and reduce-scatters it once."""
+    axis, n = _dp_cp_name(layout), layout.dp * layout.cp
+    named = [(nm, s) for nm, s in model_params(model, layout.tp) if nm in names]
+    if layout.zero_stage < 3:
+        order = [s for _, s in named if len(s) >= 2] + [s for _, s in named if len(s) < 2]
+        for bucket in buckets(order, elem, bucket_bytes):
+            shard = shard_elems(bucket, n)
+            add("reduce_scatter", axis, n, n * shard * elem)
+            add("all_gather", axis, n, shard * elem)
+        return
+    tied = model.tie_embeddings
+    root = [s for nm, s in named if nm in ("norm.weight", "output.weight") or (tied and nm.startswith("tok_"))]
+    units = [root] + ([] if tied else [[named[0][1]]])
+    units += [[s for _, s in _layer_params(model, layout.tp, i)] for i in range(model.n_layers)]
+    for unit in units:
+        shard = shard_elems(unit, n)
+        add("all_gather", axis, n, shard * elem, 2 * m)
+        add("reduce_scatter", axis, n, n * shard * elem)
+
+
+def comm_bytes_per_axis(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int = 0, *,
+                        zero_rank: int = 0, hierarchical_node: int = 0) -> dict[str, int]:
+    """``{axis: payload bytes}`` of one training step on pipeline rank ``pp_rank``: what
+    ``topo.comm.counter.bytes(axis=axis)`` reads after one ``Trainer.train_step``."""
+    out: dict[str, int] = defaultdict(int)
+    for (_, axis), nbytes in comm_bytes(model, layout, work, pp_rank, zero_rank=zero_rank,
+                                        hierarchical_node=hierarchical_node).items():
+        out[axis] += nbytes
+    return dict(out)

@@ -1,0 +1,450 @@
+"""The planner against the runtime: peak activation bytes and communication bytes per axis.
+
+Activations: every tensor autograd saves for backward passes through a
+``torch.autograd.graph.saved_tensors_hooks`` pack hook, which counts its *storage* once (views
+and tensors saved by several nodes share one) and releases it through a ``weakref.finalize``
+on the packed handle when autograd frees it; parameters (and views of them) are not activations
+and are skipped. The handle holds a detached alias: holding the tensor itself would tie a saved
+output to its own grad_fn (a reference cycle autograd cannot see, which outlives a partial
+backward such as ZB-H1's weight pass). The pipeline runner's own per-(micro-batch, chunk)
+records (received input, held output, ZB-H1's output gradient) are counted the same way. The
+peak of the live bytes over one ``Engine.forward_backward`` is compared with
+:func:`rank_activations` (activations + logits) for every pipeline rank. Communication: one
+``Trainer.train_step`` after a warm-up step, the comm counter's payload bytes per axis against
+:func:`comm_bytes_per_axis`, exactly. Then the search: its compiled simulator, lower bound and
+pruning against the exhaustive answers, its speed, and how it breaks ties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import pytest
+import torch
+from harness import run_distributed
+from torch import nn
+
+from hybridpar.config import load_config
+from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.planner.layout import from_config
+from hybridpar.planner.memory import rank_activations
+from hybridpar.planner.traffic import comm_bytes_per_axis
+
+# ----------------------------------------------------------------------------- activation meter
+
+
+class _Packed:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    base = t._base if t._base is not None else t
+    return isinstance(base, nn.Parameter)
+
+
+class SavedBytesMeter:
+    """Live bytes of the distinct storages held for backward, and their peak."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [holders, bytes]
+        self.current = 0
+        self.peak = 0
+
+    def hold(self, t: torch.Tensor, owner: object) -> None:
+        """Count ``t``'s storage until ``owner`` is garbage (once per storage)."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        entry = self.live.get(key)
+        if entry is None:
+            self.live[key] = [1, storage.nbytes()]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[0] += 1
+        weakref.finalize(owner, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+    def pack(self, t: torch.Tensor) -> object:
+        if _is_parameter(t):
+            return t
+        packed = _Packed(t.detach())  # no grad_fn: a saved output must not keep its own node alive
+        self.hold(t, packed)
+        return packed
+
+    @staticmethod
+    def unpack(x: object) -> torch.Tensor:
+        return x.tensor if isinstance(x, _Packed) else x  # type: ignore[return-value]
+
+
+# The tiny preset (dim 128, 8 layers, 8 heads, 4 kv heads, ffn 384, vocab 256); 64 tokens,
+# micro-batch 2, global batch 8.
+ACT_LAYOUTS: dict[str, list[str]] = {
+    "single": [],
+    "single-bf16": ["--train.precision", "bf16"],
+    "dp2": ["--parallel.dp", "2"],
+    "dp2-zero1": ["--parallel.dp", "2", "--parallel.zero_stage", "1"],
+    "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],
+    "tp2": ["--parallel.tp", "2"],
+    "tp2-sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    "tp2-sp-bf16": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.precision", "bf16"],
+    "cp2": ["--parallel.cp", "2"],
+    "pp2-1f1b": ["--parallel.pp", "2"],
+    "pp2-gpipe": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "gpipe"],
+    "pp2-interleaved": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "interleaved",
+                        "--parallel.virtual_stages", "2"],
+    "pp2-zb": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1"],
+    "pp4-1f1b": ["--parallel.pp", "4"],
+    "pp2-tp2-sp": ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+}
+ACT_TRAIN = ["--train.seq_len", "64", "--train.micro_batch", "2", "--train.global_batch", "8"]
+
+
+def _act_config(name: str):
+    return load_config(None, [*ACT_TRAIN, *ACT_LAYOUTS[name]])
+
+
+def _metered(saved_cls: type, meter: SavedBytesMeter) -> type:
+    """The pipeline runner's per-(micro-batch, chunk) record class, its tensors (received input,
+    held output, ZB-H1's output gradient) counted by ``meter`` while the record lives."""
+
+    class Metered(saved_cls):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: object) -> None:
+            object.__setattr__(self, key, value)
+            if isinstance(value, torch.Tensor):
+                meter.hold(value, self)
+
+    return Metered
+
+
+def _measure_activations(rank: int, world: int, names: list[str]) -> dict[str, tuple[int, int]]:
+    """Per layout: (this rank's pipeline rank, its peak saved bytes over one forward_backward)."""
+    from hybridpar.parallel.context import zigzag_shard
+    from hybridpar.parallel.pipeline import runtime
+    from hybridpar.training.engine import Engine
+
+    out = {}
+    original = runtime._Saved
+    for name in names:
+        cfg = _act_config(name)
+        meter = SavedBytesMeter()
+        runtime._Saved = _metered(original, meter)
+        try:
+            with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+                engine = Engine(cfg, topo, torch.device("cpu"))
+                t, gen = cfg.train, torch.Generator().manual_seed(topo.dp.rank)
+                batches = []
+                for _ in range(t.global_batch // (cfg.parallel.dp * t.micro_batch)):
+                    x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=gen)
+                    xs, ys = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+                    if topo.cp.size > 1:
+                        xs, ys = zigzag_shard(xs, topo.cp), zigzag_shard(ys, topo.cp)
+                    batches.append((xs, ys))
+                with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                    engine.forward_backward(batches, 1.0 / len(batches))
+                out[name] = (topo.pp.rank, meter.peak)
+        finally:
+            runtime._Saved = original
+    return out
+
+
+# ----------------------------------------------------------------------------- comm bytes
+
+# A representative subset of the layout matrix (tests/test_layouts.py LAYOUTS): every axis, SP,
+# every schedule, hierarchical dp and every ZeRO stage composed with tp, cp and pp.
+# benchmarks/planner_validation.py checks all of them.
+COMM_LAYOUTS = ["dp2", "tp2-sp", "cp2", "pp2-interleaved", "dp2-zero3", "dp4-hierarchical", "cp2-tp2",
+                "dp2-tp2-sp-zero1", "dp2-cp2-zero2", "dp2-tp2-pp2-zero2", "dp2-tp2-pp2-interleaved-sp",
+                "dp2-tp2-pp2-cp2-zb"]
+
+
+def _count_step(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int, dict[str, int]]]:
+    """Per layout: (pipeline rank, dp x cp rank, payload bytes per axis of one train step after a
+    warm-up step)."""
+    from test_layouts import LAYOUTS, config
+
+    from hybridpar.training.trainer import Trainer
+
+    out = {}
+    for name in names:
+        cfg = config(tmp, LAYOUTS[name])
+        with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+            trainer = Trainer(cfg, topo)
+            trainer.train_step(1)
+            counter = topo.comm.counter
+            counter.reset()
+            trainer.train_step(2)
+            axes = {key.split("/")[1] for key in counter.snapshot()}
+            counted = {a: counter.bytes(axis=a) for a in axes if counter.bytes(axis=a)}
+            out[name] = (topo.pp.rank, topo.dp_cp.rank, counted)
+    return out
+
+
+def _measure(rank: int, world: int, tmp: str, act_names: list[str], comm_names: list[str]) -> tuple[dict, dict]:
+    return _measure_activations(rank, world, act_names), _count_step(rank, world, tmp, comm_names)
+
+
+class Runs:
+    """The runtime measurements, one pool call per world size for both kinds (activation
+    layouts of :data:`ACT_LAYOUTS`, comm layouts of test_layouts' ``LAYOUTS``), on demand."""
+
+    def __init__(self, tmp: str, act_names: list[str], comm_names: list[str]) -> None:
+        self.tmp, self.act_names, self.comm_names = tmp, act_names, comm_names
+        self.done: dict[int, list[tuple[dict, dict]]] = {}
+
+    def comm_world(self, name: str) -> int:
+        from test_layouts import LAYOUTS, config
+
+        return config(self.tmp, LAYOUTS[name]).parallel.world_size
+
+    def __call__(self, world: int) -> list[tuple[dict, dict]]:
+        if world not in self.done:
+            acts = [n for n in self.act_names if _act_config(n).parallel.world_size == world]
+            comm = [n for n in self.comm_names if self.comm_world(n) == world]
+            self.done[world] = ([_measure(0, 1, self.tmp, acts, comm)] if world == 1 else
+                                run_distributed(world, _measure, self.tmp, acts, comm, timeout=600))
+        return self.done[world]
+
+    def activations(self, name: str) -> list[tuple[int, float, int]]:
+        """``(pipeline rank, predicted, measured)`` peak activation bytes of every rank."""
+        cfg = _act_config(name)
+        layout, work = from_config(cfg)
+        rows = []
+        for acts, _ in self(cfg.parallel.world_size):
+            pp_rank, measured = acts[name]
+            predicted, logits, _ = rank_activations(cfg.model, layout, work, pp_rank)
+            rows.append((pp_rank, predicted + logits, measured))
+        return rows
+
+    def comm(self, name: str) -> list[tuple[int, dict[str, int], dict[str, int]]]:
+        """``(pipeline rank, counted, predicted)`` payload bytes per axis of every rank."""
+        from test_layouts import LAYOUTS, config
+
+        cfg = config(self.tmp, LAYOUTS[name])
+        layout, work = from_config(cfg)
+        node = cfg.parallel.node_size if cfg.parallel.hierarchical_dp else 0
+        rows = []
+        for _, counts in self(cfg.parallel.world_size):
+            pp_rank, zero_rank, counted = counts[name]
+            predicted = comm_bytes_per_axis(cfg.model, layout, work, pp_rank, zero_rank=zero_rank,
+                                            hierarchical_node=node)
+            rows.append((pp_rank, counted, predicted))
+        return rows
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(str(tmp_path_factory.mktemp("validation")), list(ACT_LAYOUTS), COMM_LAYOUTS)
+
+
+@pytest.mark.parametrize("name", list(ACT_LAYOUTS))
+def test_peak_activation_bytes_match_runtime(name, runs):
+    """Predicted peak activation bytes per rank within 10% of the measured peak (the model is
+    built from the runtime's saved tensors; today it agrees to the byte)."""
+    for pp_rank, predicted, measured in runs.activations(name):
+        assert predicted == pytest.approx(measured, rel=0.10), f"pp rank {pp_rank}"
+
+
+@pytest.mark.parametrize("name", COMM_LAYOUTS)
+def test_comm_bytes_per_axis_equal_counter(name, runs):
+    """Predicted payload bytes per axis of a training step equal the comm counter's, exactly."""
+    for pp_rank, counted, predicted in runs.comm(name):
+        assert predicted == counted, f"pp rank {pp_rank}"
+
+
+# ----------------------------------------------------------------------------- search: speed, pruning, ties
+
+
+def test_compiled_makespan_equals_simulator():
+    """pipesim.makespan is simulate(...).makespan, to the bit, for every schedule kind."""
+    import random
+
+    from hybridpar.parallel.pipeline.schedules import build_schedule
+    from hybridpar.parallel.pipeline.simulate import Costs, simulate
+    from hybridpar.planner import pipesim
+
+    rng = random.Random(1)
+    for _ in range(120):
+        kind = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"])
+        pp = rng.choice([2, 3, 4, 8])
+        v = rng.choice([2, 3]) if kind == "interleaved" else 1
+        m = pp * rng.choice([1, 2, 3]) if kind == "interleaved" else rng.choice([1, 2, 3, 5, 8, 16])
+        f, b, w, p2p = rng.uniform(0.5, 2), rng.uniform(0.5, 3), rng.uniform(0.2, 2), rng.choice([0.0, 0.3])
+        scale = rng.choice([(), tuple(round(rng.uniform(0.8, 1.5), 6) for _ in range(pp * v))])
+        expected = simulate(build_schedule(kind, pp, v, m), Costs(f, b, w, p2p, scale).per_chunk(v)).makespan
+        assert pipesim.makespan(pipesim.compile_schedule(kind, pp, v, m), f, b, w, p2p, scale) == expected
+
+
+def test_lower_bound_never_exceeds_makespan():
+    """The closed-form bound the search prunes with is a lower bound (and a tight one)."""
+    import random
+
+    from hybridpar.planner.cost import LayerTime, pipeline_lower_bound, pipeline_makespan
+
+    rng, ratios = random.Random(0), []
+    for _ in range(300):
+        kind = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"])
+        pp = rng.choice([2, 3, 4, 8])
+        v = rng.choice([2, 3]) if kind == "interleaved" else 1
+        m = pp * rng.choice([1, 2, 3, 5]) if kind == "interleaved" else rng.choice([1, 2, 3, 4, 8, 16, 40])
+        lt = LayerTime(rng.uniform(0.5, 2), rng.uniform(0.5, 3), rng.uniform(0.2, 2), 0.0)
+        p2p = rng.choice([0.0, rng.uniform(0, 0.5)])
+        scale = tuple(round(rng.uniform(0.8, 1.5), 6) for _ in range(pp * v))
+        bound = pipeline_lower_bound(kind, pp, v, m, lt, p2p, scale)
+        span = pipeline_makespan(kind, pp, v, m, lt, p2p, scale)
+        assert bound <= span * (1 + 1e-12)
+        ratios.append(bound / span)
+    assert sorted(ratios)[len(ratios) // 2] > 0.95  # the median bound is within 5%
+
+
+def test_live_chunk_counts_cap_and_worst_rank():
+    """Peak vectors read off a capped schedule equal the full schedule's; the memory model's
+    candidate ranks find the same worst rank as checking every rank."""
+    from hybridpar.config import model_preset
+    from hybridpar.parallel.pipeline.schedules import ActionKind, compute_order
+    from hybridpar.planner.layout import Layout, Workload
+    from hybridpar.planner.memory import live_chunk_counts, pareto_max, plan_memory, rank_memory
+
+    def full(kind, pp, v, m, r):
+        acts = compute_order(kind, pp, v, m, r)
+        split = any(a.kind is ActionKind.W for a in acts)
+        counts, seen = [0] * (2 * v), set()
+        for a in acts:
+            c = a.stage // pp
+            if a.kind is ActionKind.F:
+                counts[c] += 1
+            elif a.kind is ActionKind.B:
+                counts[v + c if split else c] += 1 if split else -1
+            else:
+                counts[c] -= 1
+                counts[v + c] -= 1
+            seen.add(tuple(counts))
+        return pareto_max(seen)
+
+    for kind, vs in (("zb-h1", [1]), ("interleaved", [2, 3]), ("1f1b", [1]), ("gpipe", [1])):
+        for pp in (2, 3, 4):
+            for v in vs:
+                for m in range(1, 10 * pp + 1):
+                    if kind != "interleaved" or m % pp == 0:
+                        for r in range(pp):
+                            assert live_chunk_counts(kind, pp, v, m, r) == full(kind, pp, v, m, r)
+    model, work = model_preset("llama3-8b"), Workload(512, 2048)
+    for pp, kind, v in [(2, "1f1b", 1), (4, "gpipe", 1), (3, "zb-h1", 1), (4, "interleaved", 2), (8, "zb-h1", 1)]:
+        layout = Layout(dp=4, tp=4, pp=pp, pipeline_schedule=kind, virtual_stages=v, sequence_parallel=True)
+        worst = max((rank_memory(model, layout, work, r) for r in range(pp)), key=lambda rep: rep.total)
+        got = plan_memory(model, layout, work)
+        assert (got.worst_rank, got.total) == (worst.worst_rank, worst.total)
+
+
+def _every_zero_stage(model, fixed, work, cluster, sp):
+    """_fitting_options without its shortcut: every ZeRO stage at every recompute level."""
+    from hybridpar.planner import search as S
+    from hybridpar.planner.layout import Layout
+
+    smallest = None
+    for rec in S.RECOMPUTE:
+        fits = []
+        for z in S.ZERO:
+            ev = S._memory_only(model, Layout(**fixed, sequence_parallel=sp, recompute=rec, zero_stage=z),
+                                work, cluster, "llama")
+            if ev.rule is not None:
+                return [], ev
+            fits += [ev] if ev.fits else []
+            smallest = ev if smallest is None or ev.shortfall_gib < smallest.shortfall_gib else smallest
+        if fits:
+            return fits, fits[0]
+    return [], smallest
+
+
+def test_pruned_search_equals_exhaustive():
+    """Pruning changes no answer: every factorisation's pruned best is complete()'s best, the
+    ZeRO shortcut finds the same options as trying every stage, and search(top=K) ranks exactly
+    the first K of the full search."""
+    from hybridpar.config import model_preset
+    from hybridpar.planner import search as S
+    from hybridpar.planner.hardware import GPUS, Cluster
+    from hybridpar.planner.layout import Workload
+    from hybridpar.planner.search import best_for_axes, complete, factorisations, search
+
+    for name, gpus, batch in (("llama3-8b", 16, 64), ("llama3-70b", 32, 64)):
+        model, work = model_preset(name), Workload(batch, 4096)
+        cluster = Cluster.of(GPUS["H100-SXM"], gpus, 8)
+        for dp, tp, pp, cp in factorisations(gpus):
+            axes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
+            sp = tp > 1 and cp == 1
+            for fixed in S._candidates(model, axes, work, cluster):
+                got, want = S._fitting_options(model, axes, fixed, work, cluster, "llama"), \
+                    _every_zero_stage(model, fixed, work, cluster, sp)
+                assert [e.layout for e in got[0]] == [e.layout for e in want[0]]
+                assert (got[1].layout, got[1].rule) == (want[1].layout, want[1].rule)
+            pruned, (full, _) = best_for_axes(model, axes, work, cluster), complete(model, axes, work, cluster)
+            assert (pruned.layout, pruned.rule) == (full.layout, full.rule)
+            if full.cost is not None:
+                assert pruned.cost.step_time_s == full.cost.step_time_s
+        every, top = search(model, work, cluster), search(model, work, cluster, top=4)
+        assert [e.layout for e in top.ranked] == [e.layout for e in every.ranked[:4]]
+        assert (top.fitting, len(top.too_big)) == (every.fitting, len(every.too_big))
+
+
+def test_plan_answers_in_about_a_second():
+    """`hybridpar plan` for llama3-70b on 64 H100 and llama3-405b on 1024 (global batch 512,
+    8192 tokens): the search itself takes about a second (asserted loosely: shared CI cores)."""
+    import time
+
+    from hybridpar.config import model_preset
+    from hybridpar.planner.hardware import GPUS, Cluster
+    from hybridpar.planner.layout import Workload
+    from hybridpar.planner.search import search
+
+    for name, gpus in (("llama3-70b", 64), ("llama3-405b", 1024)):
+        start = time.process_time()
+        result = search(model_preset(name), Workload(512, 8192), Cluster.of(GPUS["H100-SXM"], gpus, 8), top=5)
+        elapsed = time.process_time() - start
+        assert len(result.ranked) == 5 and elapsed < 5.0, f"{name} on {gpus}: {elapsed:.2f} s"
+
+
+def _equal_times(fast_zero3: bool):
+    """A cost model where every layout of the same axes takes the same time (ZeRO-3 optionally
+    slower), to see what decides ties."""
+    from hybridpar.planner.cost import CostReport
+
+    def cost(model, layout, work, cluster, style="llama", bound_only=False):
+        t = 1.0 + 0.01 * layout.pp + (0.5 if layout.zero_stage == 3 and not fast_zero3 else 0.0)
+        return CostReport(step_time_s=t, mfu=0.5, tflops_per_gpu=1.0, hw_tflops_per_gpu=1.0, tokens_per_s=1.0)
+
+    return cost
+
+
+def test_ties_prefer_less_memory(monkeypatch):
+    """When step times tie, the layout with less memory wins: ZeRO-2 over ZeRO-1 over ZeRO-0
+    (and the ranking orders equal times by memory)."""
+    from hybridpar.config import model_preset
+    from hybridpar.planner import search as search_mod
+    from hybridpar.planner.hardware import GPUS, Cluster
+    from hybridpar.planner.layout import Workload
+
+    model, work = model_preset("llama3-8b"), Workload(64, 4096)
+    cluster = Cluster.of(GPUS["H100-SXM"], 16, 8)
+    monkeypatch.setattr(search_mod, "step_cost", _equal_times(fast_zero3=False))
+    best, tried = search_mod.complete(model, {"dp": 4, "tp": 4}, work, cluster)
+    assert best.layout.zero_stage == 2 and best.layout.recompute == "none"
+    zero = {z: search_mod.evaluate(model, dataclasses.replace(best.layout, zero_stage=z), work, cluster)
+            for z in (0, 1, 2)}
+    assert all(ev.fits for ev in zero.values())
+    assert zero[2].memory.total < zero[1].memory.total < zero[0].memory.total
+    assert search_mod.best_for_axes(model, {"dp": 4, "tp": 4}, work, cluster).layout == best.layout
+    monkeypatch.setattr(search_mod, "step_cost", _equal_times(fast_zero3=True))
+    ranked = search_mod.search(model, work, cluster).ranked
+    for a, b in zip(ranked, ranked[1:], strict=False):
+        assert search_mod.rank_key(a) <= search_mod.rank_key(b)
+        if a.cost.step_time_s == b.cost.step_time_s:
+            assert a.memory.total <= b.memory.total
