@@ -157,6 +157,13 @@ class Pending:
             rec.done = True
         self._works.clear()
 
+    def done(self) -> bool:
+        """Whether every transfer has completed, without blocking (then as if waited)."""
+        if all(work.is_completed() for work in self._works):
+            self.wait()
+            return True
+        return False
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

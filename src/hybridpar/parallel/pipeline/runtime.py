@@ -2,7 +2,8 @@
 
 :class:`PipelineRunner` is the entry point. It runs the schedule's actions for this pp rank in
 order (see :mod:`.schedules` for the semantics): consecutive sends are posted as one batch
-through ``topo.comm.batch_p2p`` and waited only at the end of the step; each receive is posted
+through ``topo.comm.batch_p2p``, never waited for mid-step (completed ones release their tensors
+at the next post; the rest are waited at the end of the step); each receive is posted
 (ahead of time) as its own batch and waited right before the compute that consumes it, so
 transfers overlap compute wherever the order allows. Every byte goes through the comm layer.
 
@@ -159,6 +160,9 @@ class PipelineRunner:
         for its own input)."""
         sends = [("send", step.outbox.pop(a.message()), self._peer(a.message().dst))
                  for a in actions if a.kind.is_send]
+        # let go of what earlier sends held once they are through (an activation whose backward
+        # is done, an input gradient) instead of keeping all M of them to the end of the step
+        step.sends = [(pending, held) for pending, held in step.sends if not pending.done()]
         if sends:
             pending = self.topo.comm.batch_p2p(sends, self.topo.pp, wait=False)
             step.sends.append((pending, [t for _, t, _ in sends]))
