@@ -7,13 +7,24 @@ the output head) is timed by a roofline with shape-dependent efficiency,
 tile quantisation (a dimension uses ``x / ceil(x/128)*128`` of its tiles): thin tensor-parallel
 shards and small micro-batches lose efficiency by shape, not by a fitted factor. Attention
 cores, norms, activations and the cross-entropy are memory-bound element-wise passes. Backward
-GEMMs are twice the forward (input and weight gradient; ZB-H1 runs them as B and W).
+GEMMs are the input- and weight-gradient GEMMs, priced by their own shapes (ZB-H1 runs them as
+B and W). The Llama style is this runtime's eager block (separate q/k/v/o and w1/w3/w2 GEMMs,
+unfused element-wise ops, :func:`eager_elementwise_elements`); the GPT style is Megatron-LM's
+fused one.
+
+With a calibrated profile (``hybridpar calibrate``; :class:`hybridpar.planner.hardware.Calibration`)
+the measured rates replace peak x efficiency: GEMM FLOP/s interpolated on the measured shape grid,
+attention FLOP/s by (sequence, head dim), the measured element-wise bandwidth and an eager
+block's fixed cost, each scaled by what sharing the chip costs when ``gpus_per_node`` ranks
+compute at once (:attr:`Cluster.rank_gpu`); collectives take the measured ``alpha + beta *
+bytes`` of their op and axis size (:meth:`Cluster.collective_time`).
 
 Communication (payload formulas the comm counter checks): tensor parallelism all-reduces one
 ``b*s*h`` activation twice per layer forward and twice backward (all-gather + reduce-scatter under
 SP, the same wire bytes), on the critical path; data parallelism all-reduces the stage's
-gradients once per step (ring: ``2(n-1)/n`` of the bytes), overlapped with the last micro-batch's
-backward only without pipelining (the runtime reduces after the flush when pp > 1); ZeRO-3 adds
+gradients once per step in ``bucket_mb`` buckets (ring: ``2(n-1)/n`` of the bytes), overlapped
+with the last micro-batch's backward only without pipelining (the runtime reduces after the
+flush when pp > 1) and never the last bucket, which fills when backward ends; ZeRO-3 adds
 parameter all-gathers per micro-batch; pipeline p2p sends one activation per stage boundary per
 micro-batch; ring attention passes K/V ``cp - 1`` times per layer, hidden behind attention compute
 when it can be. Each axis uses NVLink if its ring fits in a node (tp innermost, then cp, dp, pp)
@@ -64,6 +75,14 @@ def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, ab: int) -> float:
     eff = gpu.gemm_efficiency * _q(m) * _q(n) * _q(k)
     mem = ab * (m * k + k * n + m * n) / gpu.hbm_bw
     return max(flops / (peak_flops(gpu, ab) * eff), mem) + gpu.launch_overhead
+
+
+def overlap_fraction(gpu: GPUSpec) -> float:
+    """How much of an asynchronous collective compute on the same device hides: measured by
+    ``hybridpar calibrate`` (CPU backends share the cores), else 1 (GPU copy engines and NCCL
+    run beside the kernels)."""
+    cal = gpu.calibration
+    return cal.overlap if cal is not None and cal.overlap is not None else 1.0
 
 
 def gemm_backward_time(m: float, n: float, k: float, gpu: GPUSpec, ab: int) -> tuple[float, float]:
@@ -160,8 +179,9 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     if L.cp > 1:
         cp_bw, cp_lat, _ = cluster.axis_bandwidth(L.cp, t)
         cp_pass = (L.cp - 1) * (2 * tok * kv / t * ab / cp_bw + cp_lat)
-    f = fwd_gemm + core + elem + max(0.0, cp_pass - core) + 2 * ar
-    b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - core) + 2 * ar
+    hide = overlap_fraction(g)  # ring attention passes K/V while attention computes
+    f = fwd_gemm + core + elem + max(0.0, cp_pass - hide * core) + 2 * ar
+    b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - hide * core) + 2 * ar
     w_time = bwd_w
     if L.recompute == "full":
         b_time += f
@@ -270,11 +290,15 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     last_bucket = cluster.collective_time("all_reduce", grad_bytes / buckets, n, t)
     dp_comm = buckets * last_bucket
     last_backward = (stage_lt.b + stage_lt.w) / v * max(scale)
+    hide = overlap_fraction(g)
     if L.zero_stage == 3:
-        gather = ring_time(grad_bytes, n, dp_bw, dp_lat, factor=1.0)
-        exposed_z3 = m * (max(0.0, gather - stage_lt.f) + max(0.0, gather - stage_lt.b))
-        dp_comm = ring_time(grad_bytes, n, dp_bw, dp_lat, factor=1.0) + exposed_z3
-    dp_exposed = max(last_bucket if L.zero_stage < 3 else 0.0, dp_comm - last_backward) if pp == 1 else dp_comm
+        # one all-gather per unit (each block, the embedding, the root) forward and backward, one
+        # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero3)
+        units = model.n_layers + (1 if model.tie_embeddings else 2)
+        gather = units * cluster.collective_time("all_gather", grad_bytes / units / n, n, t)
+        exposed_z3 = m * (max(0.0, gather - hide * stage_lt.f) + max(0.0, gather - hide * stage_lt.b))
+        dp_comm = units * cluster.collective_time("reduce_scatter", grad_bytes / units, n, t) + exposed_z3
+    dp_exposed = max(last_bucket if L.zero_stage < 3 else 0.0, dp_comm - hide * last_backward) if pp == 1 else dp_comm
     shard = rank_numel(key, t, pp, v, worst, n if L.zero_stage >= 1 else 1)
     opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
     if L.offload_optimizer:

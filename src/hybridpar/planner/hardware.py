@@ -115,7 +115,9 @@ class Calibration:
     fixed eager cost of one layer (kernel dispatch, autograd, module calls) that no byte or FLOP
     count sees. ``concurrency``: ``(ranks busy, GEMM rate, element-wise rate)`` as fractions of
     the one-busy-rank rates, for devices that share a chip (CPU cores share caches, memory
-    bandwidth and sometimes a physical core)."""
+    bandwidth and sometimes a physical core). ``overlap``: the fraction of an asynchronous
+    collective that compute on the same rank hides (1 on GPUs, whose copies and reductions run
+    beside the kernels; less on CPUs, where the backend's thread competes for the cores)."""
 
     device: str = "cpu"
     dtype: str = "fp32"
@@ -126,6 +128,7 @@ class Calibration:
     comm: tuple[CommFit, ...] = ()
     block: tuple[float, float] | None = None
     concurrency: tuple[tuple[float, float, float], ...] = ()
+    overlap: float | None = None
     _grids: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -298,7 +301,7 @@ def _calibration(data: object, p: Path) -> Calibration:
     if not isinstance(data, dict):
         raise PlanError(f"{p}: calibration must be a [calibration] table")
     known = {"device", "dtype", "backend", "threads", "gemm", "attention", "comm", "source", "block",
-             "concurrency"}
+             "concurrency", "overlap"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlanError(f"{p}: unknown [calibration] keys {unknown}; known: {sorted(known)}")
@@ -327,8 +330,13 @@ def _calibration(data: object, p: Path) -> Calibration:
     concurrency = _numbers(data.get("concurrency", []), 3, f"{p}: calibration.concurrency")
     if any(r[0] < 1 or not 0 < r[1] <= 2 or not 0 < r[2] <= 2 for r in concurrency):
         raise PlanError(f"{p}: calibration.concurrency rows are [ranks >= 1, GEMM fraction, element-wise fraction]")
+    overlap = data.get("overlap")
+    if overlap is not None and (isinstance(overlap, bool) or not isinstance(overlap, int | float)
+                                or not 0 <= overlap <= 1):
+        raise PlanError(f"{p}: calibration.overlap = {overlap!r} must be a fraction in [0, 1]")
     return Calibration(text["device"], text["dtype"], text["backend"], threads, gemm, attention,
-                       tuple(fits), block, concurrency)  # type: ignore[arg-type]
+                       tuple(fits), block, concurrency,  # type: ignore[arg-type]
+                       None if overlap is None else float(overlap))
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,23 @@ def pick_device(choice: str = "auto", local_rank: int = 0, local_processes: int 
     return torch.device("cpu")
 
 
+def accelerator_count() -> int:
+    """CUDA devices visible to this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's marketing name (``NVIDIA H100 80GB HBM3``), or ``cpu``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def total_memory(device: torch.device) -> int:
+    """Capacity in bytes: the GPU's memory, or this machine's RAM for ``cpu``."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work so wall-clock timings mean something."""
     if device.type == "cuda":

@@ -1,0 +1,200 @@
+"""``hybridpar train --parallel.auto true``: the planner picks the layout before launch.
+
+For the world size being launched (``--nproc``, or torchrun's ``WORLD_SIZE``), every
+factorisation ``dp * tp * pp * cp`` is completed by :func:`hybridpar.planner.search.complete`
+(micro-batch size, pipeline schedule and virtual stages, ZeRO stage) and every completion that
+``hybridpar.config.validate`` accepts for this trainer is ranked by the cost model's step time.
+The user's own settings that are not layout choices stay as given: sequence parallelism,
+recomputation, offload, the batch and sequence sizes, precision. The winner is written into the
+config, which then goes through the usual validation and launch; the choice and the runners-up
+(memory, predicted step time, why the others lost) are printed first.
+
+The device model comes from ``train.hardware`` (a known GPU name or a profile from
+``hybridpar calibrate``), else the calibrated default profile if one was written, else a
+built-in spec: the data sheet of the visible GPU, or :data:`CPU_CORE` for CPU ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+from hybridpar.config import Config, ConfigError, validate
+from hybridpar.planner.hardware import GB, GPUS, Cluster, GiB, GPUSpec, PlanError, gpu_spec
+from hybridpar.planner.layout import Layout, Workload
+from hybridpar.planner.search import ZERO, Evaluation, complete, factorisations
+
+# One CPU core running one rank over gloo on the same machine, for when nothing was calibrated:
+# a core with two 256-bit FMA units at ~3 GHz peaks near 100 GFLOP/s fp32 (~60 reached by
+# MKL/oneDNN on training-sized GEMMs), streams ~10 GB/s from DRAM, and gloo over loopback TCP
+# takes ~0.1-1 ms per collective at ~1 GB/s. Rough on purpose: `hybridpar calibrate` measures.
+CPU_CORE = GPUSpec("cpu core (uncalibrated)", bf16_flops=60e9, fp32_flops=60e9, hbm_bytes=4 * GiB,
+                   hbm_bw=10 * GB, intra_bw=1 * GB, inter_bw=1 * GB, intra_latency=200e-6,
+                   inter_latency=200e-6, gemm_efficiency=1.0, comm_efficiency=1.0,
+                   launch_overhead=5e-6, host_bw=10 * GB)
+
+# Fields the planner may set; everything else in [parallel] and [train] stays the user's.
+CHOSEN = ("dp", "tp", "pp", "cp", "zero_stage", "pipeline_schedule", "virtual_stages", "micro_batch")
+
+
+def resolve_hardware(cfg: Config, device_type: str) -> tuple[GPUSpec, str]:
+    """(device spec, where it came from) for ``parallel.auto`` (see the module docstring)."""
+    from hybridpar.planner.calibrate import default_profile_path
+
+    if cfg.train.hardware:
+        return gpu_spec(cfg.train.hardware), f"train.hardware = {cfg.train.hardware!r}"
+    default = default_profile_path()
+    if default.is_file():
+        return gpu_spec(str(default)), f"calibrated profile {default}"
+    if device_type == "cuda":
+        import torch
+
+        from hybridpar.training import device as devices
+
+        name = devices.device_name(torch.device("cuda", 0))
+        known = {"B200": "B200", "H200": "H200", "H100": "H100-SXM",
+                 "A100": "A100-80GB" if "80GB" in name else "A100-40GB"}
+        for marker, key in known.items():
+            if marker in name:
+                return GPUS[key], f"{key} data sheet (GPU {name!r}; run hybridpar calibrate to measure)"
+        return GPUS["H100-SXM"], f"H100-SXM data sheet (unknown GPU {name!r}; run hybridpar calibrate)"
+    return CPU_CORE, "built-in CPU core spec (run hybridpar calibrate for measured rates)"
+
+
+@dataclass
+class AutoChoice:
+    """The chosen layout, the ranked runnable candidates and the rejected ones with reasons."""
+
+    best: Evaluation
+    ranked: list[Evaluation]
+    rejected: dict[str, int] = field(default_factory=dict)
+    hardware: str = ""
+    source: str = ""
+    world: int = 1
+
+    def explain(self, top: int = 5) -> str:
+        """What the CLI prints: the choice, the runners-up and what was ruled out."""
+        b = self.best
+        assert b.cost is not None and b.memory is not None
+        lines = [f"hybridpar: parallel.auto: {self.world} processes on {self.hardware} ({self.source})",
+                 f"hybridpar: chose {describe(b.layout)}: predicted {b.cost.step_time_s:.3f} s/step, "
+                 f"{b.cost.tokens_per_s:,.0f} tokens/s, {b.memory.total / GiB:.2f} of {b.capacity / GiB:.1f} GiB "
+                 "per rank",
+                 f"  {'rank':>4}  {'layout':<52} {'step s':>8} {'vs best':>8} {'GiB':>6}"]
+        for i, ev in enumerate(self.ranked[:top], 1):
+            assert ev.cost is not None and ev.memory is not None
+            ratio = ev.cost.step_time_s / b.cost.step_time_s
+            lines.append(f"  {i:>4}  {describe(ev.layout):<52} {ev.cost.step_time_s:>8.3f} {ratio:>7.2f}x "
+                         f"{ev.memory.total / GiB:>6.2f}")
+        if len(self.ranked) > top:
+            lines.append(f"  ... {len(self.ranked) - top} more runnable layouts, all slower")
+        for why, n in sorted(self.rejected.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  ruled out {n}: {why}")
+        return "\n".join(lines)
+
+
+def describe(L: Layout) -> str:
+    """``dp=2,tp=1,pp=2,cp=1 mb=4 zero=0 1f1b`` (schedule only when pp > 1)."""
+    sched = f" {L.pipeline_schedule}{f'x{L.virtual_stages}' if L.virtual_stages > 1 else ''}" if L.pp > 1 else ""
+    return f"{L.short()} mb={L.micro_batch} zero={L.zero_stage}{sched}"
+
+
+def apply_layout(cfg: Config, layout: Layout) -> Config:
+    """A copy of ``cfg`` with the planner's fields (:data:`CHOSEN`) set and ``auto`` off."""
+    par = dataclasses.replace(cfg.parallel, auto=False, microbatches=0,
+                              **{k: getattr(layout, k) for k in CHOSEN if k != "micro_batch"})
+    train = dataclasses.replace(cfg.train, micro_batch=layout.micro_batch)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), parallel=par, train=train)
+
+
+def _runnable(cfg: Config, ev: Evaluation, world: int) -> str | None:
+    """Why the trainer would refuse this evaluation's layout, or None if it runs and fits."""
+    if ev.rule is not None:
+        return ev.rule.split(";")[0]
+    if not ev.fits or ev.cost is None:
+        return "does not fit in device memory"
+    try:
+        validate(apply_layout(cfg, ev.layout), world_size=world)
+    except ConfigError as e:
+        return str(e).split(";")[0]
+    return None
+
+
+def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_node: int | None = None,
+                  spec: tuple[GPUSpec, str] | None = None) -> AutoChoice:
+    """Rank every runnable layout of ``cfg.model`` on ``world`` ranks; raise if none runs."""
+    if world < 1:
+        raise ConfigError(f"parallel.auto needs a world size >= 1, got {world}")
+    gpu, source = spec if spec is not None else resolve_hardware(cfg, device_type)
+    cluster = Cluster.of(gpu, world, gpus_per_node or world)
+    t, p = cfg.train, cfg.parallel
+    work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb)
+    keep = {"sequence_parallel": p.sequence_parallel, "recompute": p.recompute,
+            "offload_optimizer": p.offload_optimizer}
+    ranked: list[Evaluation] = []
+    rejected: dict[str, int] = {}
+    for (dp, tp, pp, cp), zero in itertools.product(factorisations(world), ZERO):
+        # each ZeRO stage separately: the fastest may be one this trainer refuses for the layout
+        partial: dict[str, object] = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, **keep)
+        if tp == 1 or cp > 1:
+            partial["sequence_parallel"] = False
+        try:
+            _, tried = complete(cfg.model, partial, work, cluster)
+        except (ConfigError, PlanError) as e:
+            rejected[str(e).split(";")[0]] = rejected.get(str(e).split(";")[0], 0) + 1
+            continue
+        for ev in tried:
+            why = _runnable(cfg, ev, world)
+            if why is None:
+                ranked.append(ev)
+            else:
+                rejected[why] = rejected.get(why, 0) + 1
+    ranked.sort(key=lambda e: (e.cost.step_time_s, e.layout.world_size - e.layout.dp))  # type: ignore[union-attr]
+    if not ranked:
+        reasons = "; ".join(f"{why} ({n}x)" for why, n in sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
+        raise ConfigError(f"parallel.auto found no layout of this model that the trainer can run on {world} "
+                          f"process(es): {reasons}; change the world size (--nproc) or the batch sizes")
+    return AutoChoice(ranked[0], ranked, rejected, gpu.name, source, world)
+
+
+def plan_for_launch(cfg: Config, world: int, device_type: str, gpus_per_node: int | None = None,
+                    verbose: bool = True) -> Config:
+    """``cfg`` with the planner's layout for ``world`` ranks (printing why when ``verbose``)."""
+    choice = choose_layout(cfg, world, device_type, gpus_per_node)
+    if verbose:
+        print(choice.explain(), flush=True)
+    return apply_layout(cfg, choice.best.layout)
+
+
+def layout_overrides(cfg: Config) -> list[str]:
+    """Command-line overrides that pin ``cfg``'s chosen layout for launched workers."""
+    p = cfg.parallel
+    out = ["--parallel.auto", "false"]
+    for k in CHOSEN:
+        value = cfg.train.micro_batch if k == "micro_batch" else getattr(p, k)
+        out += [f"--{'train' if k == 'micro_batch' else 'parallel'}.{k}", str(value)]
+    return out
+
+
+def default_world(device_type: str) -> int:
+    """Processes to launch for ``parallel.auto`` without ``--nproc``: one per GPU, else per core."""
+    if device_type == "cuda":
+        from hybridpar.training import device as devices
+
+        return max(1, devices.accelerator_count())
+    from hybridpar.planner.calibrate import usable_cores
+
+    return usable_cores()
+
+
+def auto_config(cfg: Config, nproc: int | None, local_processes: int | None = None,
+                verbose: bool = True) -> Config:
+    """The train command's entry: ``cfg`` with the planned layout for ``nproc`` ranks (default
+    :func:`default_world`), ``local_processes`` of them per node (default all)."""
+    from hybridpar.training import device as devices
+
+    wants_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and devices.accelerator_count() > 0)
+    world = nproc if nproc is not None else default_world("cuda" if wants_gpu else "cpu")
+    kind = devices.resolve_device_type(cfg.train.device, local_processes or world)
+    return plan_for_launch(cfg, world, kind, gpus_per_node=local_processes, verbose=verbose)

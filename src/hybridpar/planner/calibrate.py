@@ -1,0 +1,586 @@
+"""``hybridpar calibrate``: measure this machine and write a hardware profile for the planner.
+
+The cost model (:mod:`hybridpar.planner.cost`) divides work by rates. For a datasheet GPU those
+rates are peak x efficiency; here they are measured, on the device and backend training will
+use, one process per device (on CPU: one process per core, ``torch.set_num_threads(1)``, the way
+the launcher runs ranks):
+
+* GEMM rate by shape: ``[m, k] @ [k, n]`` in the training matmul dtype (fp32 on CPU, bf16 on
+  CUDA) on a full grid of log-spaced shapes; the cost model interpolates between them, so thin
+  tensor-parallel shards and small micro-batches are priced by what this machine does with
+  them, overheads included;
+* causal scaled-dot-product attention, forward and backward, by (sequence, head dim);
+* element-wise bandwidth (products of activation-sized tensors streamed from a pool larger than
+  the caches), the fixed cost of one small op, and of one eager Llama block at a tiny shape
+  (kernel dispatch, autograd and module overhead per layer);
+* on CPU, how much each rank slows when all ranks compute at once (shared caches, memory
+  bandwidth, sometimes a shared physical core), alone and together alternating;
+* collectives (all-reduce, all-gather, reduce-scatter) for each axis size 2, 4, ... up to
+  ``--nproc`` and p2p send/recv, through :class:`hybridpar.distributed.comm.Comm` on the
+  backend training uses (gloo on CPU, NCCL on GPUs), fitted as ``alpha + beta * payload bytes``;
+  the latency ``alpha`` is the larger of the back-to-back value and the one seen when each call
+  follows a few milliseconds of compute, as in training (a rank that waited has to wake up).
+
+The profile is a TOML file (plain data; :func:`hybridpar.planner.hardware.load_gpu_toml` reads
+it with the standard ``tomllib``): a ``[gpu]`` table of :class:`GPUSpec` constants derived from
+the measurements, and a ``[calibration]`` table of the measured tables. ``hybridpar plan --gpu
+FILE`` and ``hybridpar train --parallel.auto true`` (``train.hardware``, or the default file
+:func:`default_profile_path`) use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import queue
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridpar.errors import UserError
+from hybridpar.planner.hardware import GB, load_gpu_toml
+from hybridpar.training import device as devices
+
+
+class CalibrateError(UserError):
+    """``hybridpar calibrate`` cannot measure what was asked (bad --nproc, no such device)."""
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under taskset), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_profile_path() -> Path:
+    """Where ``calibrate`` writes and ``train --parallel.auto`` looks: ``$HYBRIDPAR_CACHE`` (else
+    ``$XDG_CACHE_HOME/hybridpar``, else ``~/.cache/hybridpar``) ``/hardware.toml``."""
+    from hybridpar.data.corpus import cache_root
+
+    return cache_root() / "hardware.toml"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to measure: grids of shapes and message sizes, and how long to time each."""
+
+    gemm_dims: tuple[int, ...]  # every dimension of the GEMM grid takes these values
+    attention_seqs: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    message_bytes: tuple[int, ...]
+    min_time_s: float  # per timing batch
+    batches: int  # timing batches per point; the median batch is kept
+
+    @classmethod
+    def for_device(cls, device: str, quick: bool) -> Plan:
+        if device == "cuda":
+            dims = (256, 1024, 4096, 16384) if quick else (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+            return cls(dims, (512, 2048) if quick else (512, 1024, 2048, 4096, 8192), (64, 128),
+                       (1 << 16, 1 << 20, 1 << 24, 1 << 27), 0.01 if quick else 0.05, 3 if quick else 5)
+        dims = (32, 128, 512, 2048) if quick else (32, 64, 128, 256, 512, 1024, 2048)
+        return cls(dims, (64, 256) if quick else (64, 128, 256, 512, 1024), (16, 64) if quick else (16, 32, 64, 128),
+                   (1 << 12, 1 << 16, 1 << 20, 1 << 23), 0.01 if quick else 0.02, 3 if quick else 5)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, min_time_s: float, batches: int) -> float:
+    """Seconds per call of ``fn``: warm up, size a batch of calls to last ``min_time_s``, time
+    ``batches`` batches and keep the median (robust to a neighbour's burst, not best-case)."""
+    fn()
+    devices.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    devices.synchronize(device)
+    once = max(time.perf_counter() - t0, 1e-7)
+    reps = max(1, min(10_000, int(min_time_s / once)))
+    per_call = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        devices.synchronize(device)
+        per_call.append((time.perf_counter() - t0) / reps)
+    return statistics.median(per_call)
+
+
+def measure_gemm(plan: Plan, device: torch.device, dtype: torch.dtype,
+                 progress: Callable[[str], None]) -> list[list[float]]:
+    """``[m, n, k, FLOP/s]`` for every ``(m, n, k)`` of the grid."""
+    rows = []
+    for m in plan.gemm_dims:
+        for n in plan.gemm_dims:
+            for k in plan.gemm_dims:
+                a = torch.randn(m, k, device=device, dtype=dtype)
+                b = torch.randn(k, n, device=device, dtype=dtype)
+                t = time_call(lambda a=a, b=b: torch.mm(a, b), device, plan.min_time_s, plan.batches)
+                rows.append([m, n, k, 2.0 * m * n * k / t])
+        progress(f"  gemm m={m}: peak so far {max(r[3] for r in rows) / 1e9:,.1f} GFLOP/s")
+    return rows
+
+
+def measure_attention(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[list[float]]:
+    """``[seq, head_dim, forward FLOP/s, backward FLOP/s]`` of causal SDPA (FLOPs counted as
+    in :class:`hybridpar.planner.hardware.Calibration`)."""
+    import torch.nn.functional as F
+
+    rows = []
+    for s in plan.attention_seqs:
+        for d in plan.head_dims:
+            target = 2e8 if device.type == "cpu" else 5e10  # FLOPs per call: ~10 ms on a core, ~0.1 ms on a GPU
+            bh = int(max(1, min(1024, target // (2 * s * s * d))))
+            q, k, v = (torch.randn(1, bh, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            grad = torch.randn(1, bh, s, d, device=device, dtype=dtype)
+
+            def fwd(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> torch.Tensor:
+                with torch.no_grad():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            def fwd_bwd(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
+                        grad: torch.Tensor = grad) -> object:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return torch.autograd.grad(out, (q, k, v), grad)
+
+            t_f = time_call(fwd, device, plan.min_time_s, plan.batches)
+            t_fb = time_call(fwd_bwd, device, plan.min_time_s, plan.batches)
+            flops = 4.0 * bh * s * s * d / 2
+            rows.append([s, d, flops / t_f, 2.5 * flops / max(t_fb - t_f, 1e-3 * t_f)])
+    return rows
+
+
+def measure_memory(device: torch.device, dtype: torch.dtype, plan: Plan) -> tuple[float, float]:
+    """(element-wise bytes/s, seconds of one small op).
+
+    Bandwidth: an out-of-place product ``a * b`` (read 2, write 1) of activation-sized tensors
+    taken in turn from a pool larger than the last-level cache, as a training step streams its
+    activations (a tensor reused from cache would overstate the rate several times on a CPU).
+    The small op is a product of 8-element tensors that record autograd history: the fixed
+    dispatch (CPU) or launch (GPU) cost of one eager kernel."""
+    if device.type == "cpu":
+        numel, pool = 1 << 18, 64  # 1 MB fp32 tensors, 64 MB in all
+    else:
+        numel, pool = 1 << 26, 2  # 128 MB bf16 tensors: far past any GPU's L2
+    bufs = [torch.randn(numel, device=device, dtype=dtype) for _ in range(pool)]
+    turn = [0]
+
+    def product() -> torch.Tensor:
+        turn[0] = (turn[0] + 2) % pool
+        return bufs[turn[0]] * bufs[turn[0] - 1]
+
+    t = time_call(product, device, plan.min_time_s, plan.batches)
+    bw = 3 * numel * bufs[0].element_size() / t
+    bufs.clear()
+    x = torch.ones(8, device=device, dtype=dtype, requires_grad=True)
+    t_small = time_call(lambda: x * x, device, plan.min_time_s, plan.batches)
+    return bw, t_small
+
+
+def measure_block(device: torch.device, dtype: torch.dtype, plan: Plan) -> tuple[float, float]:
+    """(forward, backward) seconds of one :class:`hybridpar.models.llama.Block` at a tiny shape
+    (4 tokens of width 16): the fixed eager cost of a layer, which byte and FLOP counts miss."""
+    from hybridpar.config import ModelConfig
+    from hybridpar.models.llama import Block, precompute_rope
+
+    shape = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=16, max_seq_len=4)
+    block = Block(shape).to(device=device, dtype=dtype)
+    x = torch.randn(1, 4, 16, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = precompute_rope(8, torch.arange(4, device=device), 1e4)
+
+    def forward() -> torch.Tensor:
+        return block(x, cos, sin)
+
+    def both() -> None:
+        y = block(x, cos, sin)
+        y.backward(torch.ones_like(y))
+
+    t_f = time_call(forward, device, plan.min_time_s, plan.batches)
+    t_fb = time_call(both, device, plan.min_time_s, plan.batches)
+    return t_f, max(t_fb - t_f, 0.0)
+
+
+def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``t = alpha + beta * bytes`` in relative error (each point weighs 1/t^2),
+    clamped to non-negative terms."""
+    w = [1.0 / (t * t) for _, t in points]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, points, strict=True))
+    sy = sum(wi * t for wi, (_, t) in zip(w, points, strict=True))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points, strict=True))
+    sxy = sum(wi * x * t for wi, (x, t) in zip(w, points, strict=True))
+    det = sw * sxx - sx * sx
+    beta = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    beta = max(beta, 0.0)
+    alpha = max((sy - beta * sx) / sw, 0.0)
+    return alpha, beta
+
+
+def _concurrency(rank: int, sizes: list[int], min_time_s: float, batches: int) -> list[tuple[float, float, float]]:
+    """``(k, GEMM fraction, element-wise fraction)``: rank 0's rate while ranks ``0..k-1`` all
+    compute, over its rate computing alone (CPU ranks share caches, memory bandwidth and maybe a
+    physical core). Alone and together alternate ``batches`` times and the medians are compared,
+    so a neighbour's load that comes and goes affects both sides alike."""
+    import torch.distributed as dist
+
+    cpu = torch.device("cpu")
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    pool = [torch.randn(1 << 18) for _ in range(64)]
+    turn = [0]
+
+    def stream() -> torch.Tensor:
+        turn[0] = (turn[0] + 2) % len(pool)
+        return pool[turn[0]] * pool[turn[0] - 1]
+
+    rows = []
+    for k in sizes:
+        fractions = []
+        for fn in (lambda: torch.mm(a, b), stream):
+            alone, together = [], []
+            for _ in range(batches):
+                for busy, out in ((1, alone), (k, together)):  # each phase starts together
+                    dist.barrier()
+                    if rank < busy:
+                        out.append(time_call(fn, cpu, min_time_s, 1))
+            dist.barrier()
+            fractions.append(statistics.median(alone) / statistics.median(together) if rank == 0 else 1.0)
+        rows.append((float(k), fractions[0], fractions[1]))
+    return rows
+
+
+def _comm_worker(rank: int, world: int, port: int, backend: str, sizes: list[int],
+                 message_bytes: list[int], min_time_s: float, batches: int, out: Any) -> None:
+    """One calibration rank: the concurrency probe (CPU), then each op on the first ``n`` ranks
+    for each ``n`` in ``sizes``; rank 0 reports ``{(op, n): [(payload bytes, seconds), ...]}``
+    and ``("concurrency", 0): [(k, GEMM s, element-wise s), ...]``."""
+    import torch.distributed as dist
+
+    from hybridpar.distributed.comm import Comm
+    from hybridpar.distributed.mesh import Axis
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = devices.pick_device("cuda" if backend == "nccl" else "cpu", rank, world)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    comm = Comm()
+    result: dict[tuple[str, int], list[Any]] = {}
+    try:
+        if backend == "gloo":
+            result[("concurrency", 0)] = _concurrency(rank, sizes, max(min_time_s, 0.05), batches)
+        for n in sizes:
+            group = dist.new_group(list(range(n)))
+            if rank >= n:
+                dist.barrier()
+                continue
+            axis = Axis("dp", n, rank, tuple(range(n)), group, comm)
+            for nbytes in message_bytes:
+                numel = max(n, nbytes // 4 // n * n)
+                full = torch.ones(numel, device=device)
+                shard = torch.ones(numel // n, device=device)
+                for op, fn in _axis_ops(comm, axis, full, shard).items():
+                    dist.barrier(group=group)
+                    t = _collective_time(fn, group, device, min_time_s, batches)
+                    payload = shard.numel() * 4 if op == "all_gather" else numel * 4
+                    t = t / 2 if op == "send" else t  # a ping-pong is two one-way messages
+                    result.setdefault((op, n), []).append((float(payload), t))
+            # the same calls between compute phases, as training issues them: what a rank
+            # pays per call on top of the payload (wake-up after a wait, cold caches, skew)
+            small = torch.ones(max(n, (1 << 16) // 4 // n * n), device=device)
+            work = _busy_work(device)
+            long_s, many = max(min_time_s, 0.1), max(batches, 5)  # differences of timings: average more
+            for op, fn in _axis_ops(comm, axis, small, small[: small.numel() // n]).items():
+                if op == "send":
+                    continue
+                dist.barrier(group=group)
+                alone = _collective_time(work, group, device, long_s, many)
+                both = _collective_time(lambda fn=fn, work=work: (work(), fn()), group, device, long_s, many)
+                payload = small.numel() * 4 // (n if op == "all_gather" else 1)
+                result.setdefault((f"{op}@busy", n), []).append((float(payload), max(both - alone, 0.0)))
+            if n == 2:
+                result[("overlap", n)] = [(_overlap(comm, axis, work, device, long_s, many), 0.0)]
+            comm.counter.reset()
+            dist.barrier()
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _overlap(comm: Any, axis: Any, work: Callable[[], object], device: torch.device, min_time_s: float,
+             batches: int) -> float:
+    """The fraction of an async 1 MB all-reduce that ``work`` on the same rank hides (data
+    parallelism's buckets reduce while backward computes): ``(work + comm - both) / min``."""
+    t = torch.ones(1 << 18, device=device)
+
+    def both() -> None:
+        pending = comm.all_reduce_async(t, axis)
+        work()
+        pending.wait()
+
+    t_work = _collective_time(work, axis.group, device, min_time_s, batches)
+    t_comm = _collective_time(lambda: comm.all_reduce(t, axis), axis.group, device, min_time_s, batches)
+    t_both = _collective_time(both, axis.group, device, min_time_s, batches)
+    return min(1.0, max(0.0, (t_work + t_comm - t_both) / max(min(t_work, t_comm), 1e-9)))
+
+
+def _busy_work(device: torch.device) -> Callable[[], object]:
+    """A few milliseconds of GEMM work (one layer's share between two tensor-parallel calls)."""
+    a = torch.randn(512, 512, device=device)
+    return lambda: torch.mm(a, a)
+
+
+def _axis_ops(comm: Any, axis: Any, full: torch.Tensor, shard: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The calls to time on ``axis``: each collective, and on a 2-rank axis a send/recv
+    ping-pong (rank 0 sends first)."""
+    ops: dict[str, Callable[[], object]] = {
+        "all_reduce": lambda: comm.all_reduce(full, axis),
+        "all_gather": lambda: comm.all_gather(shard, axis),
+        "reduce_scatter": lambda: comm.reduce_scatter(full, axis),
+    }
+    if axis.size == 2:
+        peer = axis.global_rank(1 - axis.rank)
+
+        def ping() -> None:
+            if axis.rank == 0:
+                comm.send(full, peer, axis)
+                comm.recv(full, peer, axis)
+            else:
+                comm.recv(full, peer, axis)
+                comm.send(full, peer, axis)
+
+        ops["send"] = ping
+    return ops
+
+
+def _collective_time(fn: Callable[[], object], group: Any, device: torch.device,
+                     min_time_s: float, batches: int) -> float:
+    """Like :func:`time_call`, with every rank of ``group`` agreeing on the repetition count."""
+    import torch.distributed as dist
+
+    fn()
+    devices.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    devices.synchronize(device)
+    once = torch.tensor([time.perf_counter() - t0], device=device)
+    dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
+    reps = max(1, min(1000, int(min_time_s / max(float(once), 1e-7))))
+    per_call = []
+    for _ in range(batches):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        devices.synchronize(device)
+        per_call.append((time.perf_counter() - t0) / reps)
+    return statistics.median(per_call)
+
+
+def measure_comm(nproc: int, backend: str, plan: Plan,
+                 progress: Callable[[str], None]) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """Spawn ``nproc`` processes and time each collective for axis sizes 2, 4, ... and nproc."""
+    import torch.multiprocessing as mp
+
+    sizes = sorted({2 ** i for i in range(1, int(math.log2(nproc)) + 1)} | {nproc})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = (nproc, port, backend, sizes, list(plan.message_bytes), plan.min_time_s, plan.batches, out)
+    procs = [ctx.Process(target=_comm_worker, args=(r, *args), daemon=True) for r in range(nproc)]
+    progress(f"  spawning {nproc} {backend} processes for axis sizes {sizes}")
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 600
+    try:
+        while True:
+            try:
+                result: dict[tuple[str, int], list[tuple[float, float]]] = out.get(timeout=1)
+                break
+            except queue.Empty:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise CalibrateError(f"calibration ranks {failed or 'all'} failed or timed out "
+                                         "(see the traceback above); try a smaller --nproc") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return result
+
+
+# ------------------------------------------------------------------------------- the profile
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError(f"cannot write {v} to a profile")
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to a profile")
+
+
+def to_toml(gpu: dict[str, object], calibration: dict[str, object], comm: list[dict[str, object]],
+            header: str) -> str:
+    """The profile text: ``[gpu]``, ``[calibration]`` and ``[[calibration.comm]]`` tables."""
+    lines = [f"# {line}" for line in header.splitlines()] + ["", "[gpu]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in gpu.items()]
+    lines += ["", "[calibration]"]
+    for k, v in calibration.items():
+        if isinstance(v, list) and v and isinstance(v[0], list):
+            lines.append(f"{k} = [")
+            lines += [f"  {_toml_value(row)}," for row in v]
+            lines.append("]")
+        else:
+            lines.append(f"{k} = {_toml_value(v)}")
+    for fit in comm:
+        lines += ["", "[[calibration.comm]]"] + [f"{k} = {_toml_value(v)}" for k, v in fit.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _host_name(device: torch.device) -> str:
+    if device.type != "cpu":
+        return devices.device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu {model}"
+
+
+def calibrate(out: Path, nproc: int, quick: bool, device_name: str = "auto",
+              progress: Callable[[str], None] = print) -> Path:
+    """Measure, write the profile to ``out``, load it back (so a bad file never stays) and
+    return its path."""
+    if nproc < 1:
+        raise CalibrateError(f"--nproc {nproc} must be >= 1 (1 skips the collectives)")
+    device = devices.pick_device(device_name, 0, 1)  # a DeviceError if --device cuda finds none
+    if device.type == "cuda" and nproc > devices.accelerator_count():
+        progress(f"calibrate: only {devices.accelerator_count()} GPU(s): collectives measured up to that many")
+        nproc = devices.accelerator_count()
+    threads = 1 if device.type == "cpu" else torch.get_num_threads()
+    torch.set_num_threads(threads)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype_name = "fp32" if dtype == torch.float32 else "bf16"
+    plan = Plan.for_device(device.type, quick)
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+    progress(f"calibrate: {_host_name(device)}, {dtype_name} matmuls, {threads} thread(s) per process, "
+             f"{'quick' if quick else 'full'} grids")
+
+    t0 = time.perf_counter()
+    gemm = measure_gemm(plan, device, dtype, progress)
+    peak = max(r[3] for r in gemm)
+    progress(f"gemm: {len(gemm)} shapes in {time.perf_counter() - t0:.1f} s; best {peak / 1e9:,.1f} GFLOP/s")
+    t0 = time.perf_counter()
+    attention = measure_attention(plan, device, dtype)
+    progress(f"attention: {len(attention)} shapes in {time.perf_counter() - t0:.1f} s; forward "
+             f"{min(r[2] for r in attention) / 1e9:,.1f}-{max(r[2] for r in attention) / 1e9:,.1f} GFLOP/s")
+    bw, op_s = measure_memory(device, dtype, plan)
+    progress(f"memory: element-wise {bw / GB:,.1f} GB/s, one small op {op_s * 1e6:.1f} us")
+    block = measure_block(device, dtype, plan)
+    progress(f"eager block fixed cost: forward {block[0] * 1e6:.0f} us, backward {block[1] * 1e6:.0f} us")
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    comm_rows: list[dict[str, object]] = []
+    concurrency: list[list[float]] = []
+    cal_extra: dict[str, object] = {}
+    if nproc >= 2:
+        t0 = time.perf_counter()
+        measured = measure_comm(nproc, backend, plan, progress)
+        probe = measured.pop(("concurrency", 0), [])
+        if probe:
+            concurrency = [list(row) for row in probe]
+            progress("  busy ranks -> rate per rank: " + ", ".join(
+                f"{int(k)}: GEMM x{fg:.2f}, element-wise x{fm:.2f}" for k, fg, fm in concurrency))
+        overlap = measured.pop(("overlap", 2), [(None, 0.0)])[0][0]
+        if overlap is not None:
+            cal_extra["overlap"] = overlap
+            progress(f"  async all-reduce hidden behind compute on the same rank: {100 * overlap:.0f}%")
+        for (op, n), points in sorted(measured.items()):
+            if op.endswith("@busy"):
+                continue
+            alpha, beta = fit_alpha_beta(points)
+            if (f"{op}@busy", n) in measured:
+                (payload, t_busy), = measured[(f"{op}@busy", n)]
+                alpha = max(alpha, t_busy - beta * payload)  # the latency a computing rank sees
+            comm_rows.append({"op": op, "size": n, "alpha": alpha, "beta": beta,
+                              "points": [list(p) for p in points]})
+            bus = (1 / beta if beta > 0 else float("inf")) / GB
+            progress(f"  {op:<14} n={n}: latency {alpha * 1e6:8.1f} us, {bus:8.2f} GB/s of payload")
+        progress(f"collectives: {len(comm_rows)} fits in {time.perf_counter() - t0:.1f} s")
+    else:
+        progress("collectives: skipped (--nproc 1); the cost model keeps the link formula")
+
+    # GPUSpec constants: the measured peak and bandwidths; the tables carry the shape detail.
+    allreduce = max((r for r in comm_rows if r["op"] == "all_reduce"), key=lambda r: r["size"], default=None)
+    if allreduce is not None:
+        n, alpha, beta = int(allreduce["size"]), float(allreduce["alpha"]), float(allreduce["beta"])  # type: ignore[call-overload]
+        link_bw = 2 * (n - 1) / n / beta if beta > 0 else 1e12
+        latency = alpha / (2 * (n - 1))
+    else:
+        link_bw, latency = (10 * GB, 50e-6) if device.type == "cpu" else (450 * GB, 5e-6)
+    memory = float(devices.total_memory(device)) / (usable_cores() if device.type == "cpu" else 1)
+    gpu = {"name": f"calibrated {_host_name(device)}", "bf16_flops": peak, "fp32_flops": peak,
+           "hbm_bytes": memory, "hbm_bw": bw, "intra_bw": link_bw, "inter_bw": link_bw,
+           "intra_latency": latency, "inter_latency": latency, "gemm_efficiency": 1.0,
+           "comm_efficiency": 1.0, "launch_overhead": op_s, "host_bw": bw if device.type == "cpu" else 25 * GB}
+    cal = {"device": device.type, "dtype": dtype_name, "backend": backend, "threads": threads,
+           "source": f"hybridpar calibrate{' --quick' if quick else ''} --nproc {nproc}, torch {torch.__version__}",
+           "block": list(block), "concurrency": concurrency, **cal_extra, "gemm": gemm, "attention": attention}
+    header = (f"Hardware profile written by hybridpar calibrate on {time.strftime('%Y-%m-%d %H:%M:%S')}.\n"
+              f"Rates in FLOP/s, bandwidths in bytes/s, times in s. gemm rows: [m, n, k, FLOP/s];\n"
+              f"attention rows: [seq, head_dim, forward FLOP/s, backward FLOP/s]; comm: seconds = alpha + beta * "
+              f"payload bytes.\nUse: hybridpar plan --gpu {out}; hybridpar train --parallel.auto true "
+              f"--train.hardware {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(to_toml(gpu, cal, comm_rows, header))
+    load_gpu_toml(tmp)  # never leave a profile the planner cannot read
+    tmp.replace(out)
+    progress(f"wrote {out} in {time.perf_counter() - t_start:.1f} s")
+    return out
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="hybridpar calibrate",
+                                description="Measure matmul, attention, memory and collective rates of this "
+                                            "machine and write a hardware profile for plan and train.")
+    p.add_argument("--out", default=None, help=f"profile path (default {default_profile_path()})")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes for the collectives: axis sizes 2, 4, ... up to N are measured "
+                        "(default: CPU cores, or GPUs)")
+    p.add_argument("--quick", action="store_true", help="smaller grids and shorter timings (well under a minute)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda" or (args.device == "auto" and devices.accelerator_count() > 0)
+    nproc = args.nproc if args.nproc is not None else (
+        devices.accelerator_count() if cuda else max(2, usable_cores()))
+    out = Path(args.out) if args.out else default_profile_path()
+    calibrate(out, nproc, args.quick, args.device, progress=lambda s: print(s, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cmd_calibrate(sys.argv[1:]))
