@@ -293,10 +293,14 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     hide = overlap_fraction(g)
     if L.zero_stage == 3:
         # one all-gather per unit (each block, the embedding, the root) forward and backward, one
-        # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero3)
+        # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero3).
+        # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
+        # collective would run on the same cores), so on a CPU profile nothing hides them.
         units = model.n_layers + (1 if model.tie_embeddings else 2)
         gather = units * cluster.collective_time("all_gather", grad_bytes / units / n, n, t)
-        exposed_z3 = m * (max(0.0, gather - hide * stage_lt.f) + max(0.0, gather - hide * stage_lt.b))
+        cal = g.calibration
+        hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
+        exposed_z3 = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
         dp_comm = units * cluster.collective_time("reduce_scatter", grad_bytes / units, n, t) + exposed_z3
     dp_exposed = max(last_bucket if L.zero_stage < 3 else 0.0, dp_comm - hide * last_backward) if pp == 1 else dp_comm
     shard = rank_numel(key, t, pp, v, worst, n if L.zero_stage >= 1 else 1)
