@@ -102,9 +102,15 @@ def time_call(fn: Callable[[], object], device: torch.device, min_time_s: float,
     fn()
     devices.synchronize(device)
     once = max(time.perf_counter() - t0, 1e-7)
-    reps = max(1, min(10_000, int(min_time_s / once)))
+    return _median_per_call(fn, device, max(1, min(10_000, int(min_time_s / once))), batches)
+
+
+def _median_per_call(fn: Callable[[], object], device: torch.device, reps: int, batches: int,
+                     before_batch: Callable[[], object] = lambda: None) -> float:
+    """Median over ``batches`` batches of ``reps`` calls of the seconds per call."""
     per_call = []
     for _ in range(batches):
+        before_batch()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -377,15 +383,7 @@ def _collective_time(fn: Callable[[], object], group: Any, device: torch.device,
     once = torch.tensor([time.perf_counter() - t0], device=device)
     dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
     reps = max(1, min(1000, int(min_time_s / max(float(once), 1e-7))))
-    per_call = []
-    for _ in range(batches):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        devices.synchronize(device)
-        per_call.append((time.perf_counter() - t0) / reps)
-    return statistics.median(per_call)
+    return _median_per_call(fn, device, reps, batches, before_batch=lambda: dist.barrier(group=group))
 
 
 def measure_comm(nproc: int, backend: str, plan: Plan,
