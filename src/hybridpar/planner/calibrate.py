@@ -34,8 +34,6 @@ import argparse
 import math
 import os
 import platform
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -46,6 +44,7 @@ from typing import Any
 
 import torch
 
+from hybridpar.distributed.spawn import run_ranks
 from hybridpar.errors import UserError
 from hybridpar.planner.hardware import GB, load_gpu_toml
 from hybridpar.training import device as devices
@@ -261,7 +260,7 @@ def _concurrency(rank: int, sizes: list[int], min_time_s: float, batches: int) -
     return rows
 
 
-def _comm_worker(rank: int, world: int, port: int, backend: str, sizes: list[int],
+def _comm_worker(rank: int, world: int, backend: str, sizes: list[int],
                  message_bytes: list[int], min_time_s: float, batches: int, out: Any) -> None:
     """One calibration rank: the concurrency probe (CPU), then each op on the first ``n`` ranks
     for each ``n`` in ``sizes``; rank 0 reports ``{(op, n): [(payload bytes, seconds), ...]}``
@@ -272,7 +271,6 @@ def _comm_worker(rank: int, world: int, port: int, backend: str, sizes: list[int
     from hybridpar.distributed.mesh import Axis
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = devices.pick_device("cuda" if backend == "nccl" else "cpu", rank, world)
     dist.init_process_group(backend, rank=rank, world_size=world)
     comm = Comm()
@@ -389,35 +387,11 @@ def _collective_time(fn: Callable[[], object], group: Any, device: torch.device,
 def measure_comm(nproc: int, backend: str, plan: Plan,
                  progress: Callable[[str], None]) -> dict[tuple[str, int], list[tuple[float, float]]]:
     """Spawn ``nproc`` processes and time each collective for axis sizes 2, 4, ... and nproc."""
-    import torch.multiprocessing as mp
-
     sizes = sorted({2 ** i for i in range(1, int(math.log2(nproc)) + 1)} | {nproc})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    args = (nproc, port, backend, sizes, list(plan.message_bytes), plan.min_time_s, plan.batches, out)
-    procs = [ctx.Process(target=_comm_worker, args=(r, *args), daemon=True) for r in range(nproc)]
     progress(f"  spawning {nproc} {backend} processes for axis sizes {sizes}")
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 600
-    try:
-        while True:
-            try:
-                result: dict[tuple[str, int], list[tuple[float, float]]] = out.get(timeout=1)
-                break
-            except queue.Empty:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise CalibrateError(f"calibration ranks {failed or 'all'} failed or timed out "
-                                         "(see the traceback above); try a smaller --nproc") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    (result,) = run_ranks(_comm_worker, nproc, backend, sizes, list(plan.message_bytes), plan.min_time_s,
+                          plan.batches, timeout=600,
+                          error=lambda why: CalibrateError(f"calibration {why}; try a smaller --nproc"))
     return result
 
 
