@@ -233,3 +233,18 @@ def test_two_launchers_as_two_nodes_train_dp2_tp2_like_one_process(tmp_path):
 
     assert losses(run) == pytest.approx(losses(ref), rel=1e-5)  # fp32: only summation order differs
     assert main(["compare", str(ref), str(run)]) == 0  # weights within the documented tolerance
+
+
+def test_restart_after_the_final_checkpoint_has_nothing_left_to_train(tmp_path, monkeypatch, capsys):
+    """A rank lost after the last step's checkpoint: the restarted job finds it complete and
+    exits 0 without touching the run (instead of refusing the checkpoint as too far along)."""
+    run = tmp_path / "r"
+    assert main(["train", *BASE, "--train.steps", "2", "--train.run_dir", str(run)]) == 0
+    before = (run / "metrics.jsonl").read_text()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    from hybridpar import cli
+
+    cfg = load_config(None, [*BASE, "--train.steps", "2", "--train.run_dir", str(run)])
+    assert cli._run_worker(cfg, None, auto_resume=True) == 0
+    assert "nothing left to train" in capsys.readouterr().out
+    assert (run / "metrics.jsonl").read_text() == before
