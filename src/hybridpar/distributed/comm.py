@@ -133,6 +133,19 @@ class CommCounter:
         """Bytes this rank sent under the ring model (see :func:`wire_bytes`)."""
         return self._sum(2, op, axis)
 
+    def wire_bytes_by_axis(self) -> dict[str, int]:
+        """``{axis: bytes this rank sent}`` (ring model) over every op, axes sorted."""
+        out: dict[str, int] = {}
+        for (_, axis), (_, _, wire) in sorted(self._totals.items(), key=lambda kv: kv[0][1]):
+            out[axis] = out.get(axis, 0) + wire
+        return out
+
+    def wire_bytes_since(self, before: dict[str, int]) -> dict[str, int]:
+        """Per-axis bytes sent since ``before`` (an earlier :meth:`wire_bytes_by_axis`), axes
+        that sent nothing left out."""
+        now = self.wire_bytes_by_axis()
+        return {axis: sent - before.get(axis, 0) for axis, sent in now.items() if sent > before.get(axis, 0)}
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{"all_reduce/dp": {"calls": n, "bytes": b, "wire_bytes": w}, ...}``, sorted."""
         return {f"{op}/{axis}": {"calls": c, "bytes": b, "wire_bytes": w}

@@ -194,7 +194,6 @@ def auto_config(cfg: Config, nproc: int | None, local_processes: int | None = No
     :func:`default_world`), ``local_processes`` of them per node (default all)."""
     from hybridpar.training import device as devices
 
-    wants_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and devices.accelerator_count() > 0)
-    world = nproc if nproc is not None else default_world("cuda" if wants_gpu else "cpu")
+    world = nproc if nproc is not None else default_world("cuda" if devices.prefers_gpu(cfg.train.device) else "cpu")
     kind = devices.resolve_device_type(cfg.train.device, local_processes or world)
     return plan_for_launch(cfg, world, kind, gpus_per_node=local_processes, verbose=verbose)

@@ -551,7 +551,7 @@ def cmd_calibrate(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="smaller grids and shorter timings (well under a minute)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = p.parse_args(argv)
-    cuda = args.device == "cuda" or (args.device == "auto" and devices.accelerator_count() > 0)
+    cuda = devices.prefers_gpu(args.device)
     nproc = args.nproc if args.nproc is not None else (
         devices.accelerator_count() if cuda else max(2, usable_cores()))
     out = Path(args.out) if args.out else default_profile_path()

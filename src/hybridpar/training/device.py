@@ -37,7 +37,7 @@ def local_world_size() -> int:
 
 def gpus_fit(local_processes: int) -> bool:
     """One CUDA device per local process is visible (the layout every rank assumes)."""
-    return torch.cuda.is_available() and torch.cuda.device_count() >= local_processes
+    return accelerator_count() >= local_processes > 0
 
 
 def resolve_device_type(choice: str, local_processes: int) -> str:
@@ -48,7 +48,7 @@ def resolve_device_type(choice: str, local_processes: int) -> str:
     counts, raised before any process starts.
     """
     if choice == "cuda":
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        have = accelerator_count()
         if have == 0:
             raise DeviceError("train.device = 'cuda' but no CUDA device is visible; set train.device = 'cpu' "
                               "(or 'auto', which picks CUDA when there is one GPU per process)")
@@ -67,6 +67,11 @@ def pick_device(choice: str = "auto", local_rank: int = 0, local_processes: int 
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def prefers_gpu(choice: str) -> bool:
+    """Whether ``train.device = choice`` runs on GPUs when one process is launched per GPU."""
+    return choice == "cuda" or (choice == "auto" and accelerator_count() > 0)
 
 
 def accelerator_count() -> int:

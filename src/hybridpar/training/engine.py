@@ -124,6 +124,8 @@ class Engine:
             self.reducer = GradientReducer(self.params, topo.dp_cp, bucket, hierarchy)
         ids = {id(q) for q in self.params}
         self.tp_replicated = [q for q in tp_replicated_params(model) if id(q) in ids]
+        replicated = {id(q) for q in self.tp_replicated}
+        self.tp_replicated_names = {n for n, q in model.named_parameters() if id(q) in replicated}
 
     # ------------------------------------------------------------------ loss
     def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -164,8 +166,7 @@ class Engine:
             self.reducer.finish()
         if self.sequence_parallel:  # norm weights saw only this rank's sequence shard: sum over tp
             if self.zero is not None:  # (the sum over tp commutes with ZeRO's average over dp)
-                names = {n for n, q in self.model.named_parameters() if any(q is r for r in self.tp_replicated)}
-                sum_over(self.topo.tp, [g for n, g in self.zero.named_grads() if n in names])
+                sum_over(self.topo.tp, [g for n, g in self.zero.named_grads() if n in self.tp_replicated_names])
             else:
                 reduce_replicated_grads(self.tp_replicated, self.topo.tp)
         return losses

@@ -186,11 +186,12 @@ class Trainer:
         log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
         first_loss = last_loss = val_loss = float("nan")
         window_t0, window_steps = time.perf_counter(), 0
-        traffic: dict[str, int] = {}
+        counter, traffic = self.topo.comm.counter, {}
         for step in range(start + 1, t.steps + 1):
-            before = self.topo.comm.counter.snapshot()
+            before = counter.wire_bytes_by_axis() if step == t.steps else None
             result = self.train_step(step)
-            traffic = _per_axis(before, self.topo.comm.counter.snapshot())
+            if before is not None:  # the summary reports the last step's traffic per axis
+                traffic = counter.wire_bytes_since(before)
             if step == self._kill_at:  # fault injection for restart tests (see fault_kill_step)
                 os.kill(os.getpid(), signal.SIGKILL)
             window_steps += 1
@@ -296,14 +297,3 @@ class Trainer:
             print(f"hybridpar: moved the previous run in {self.run_dir} to {prev}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n")
-
-
-def _per_axis(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, int]:
-    """Wire bytes per axis between two :meth:`CommCounter.snapshot` s (keys ``op/axis``)."""
-    out: dict[str, int] = {}
-    for key, v in after.items():
-        axis = key.split("/", 1)[1]
-        sent = v["wire_bytes"] - before.get(key, {}).get("wire_bytes", 0)
-        if sent:
-            out[axis] = out.get(axis, 0) + sent
-    return dict(sorted(out.items()))
