@@ -38,7 +38,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,16 @@ import torch
 from hybridpar.distributed.spawn import run_ranks
 from hybridpar.errors import UserError
 from hybridpar.planner.hardware import GB, load_gpu_toml
+from hybridpar.planner.probes import (
+    Plan,
+    batch_time,
+    cold_pool,
+    in_turn,
+    measure_compute,
+    median_per_call,
+    pool_views,
+    reps_for,
+)
 from hybridpar.training import device as devices
 
 
@@ -68,148 +77,6 @@ def default_profile_path() -> Path:
     from hybridpar.data.corpus import cache_root
 
     return cache_root() / "hardware.toml"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What to measure: grids of shapes and message sizes, and how long to time each."""
-
-    gemm_dims: tuple[int, ...]  # every dimension of the GEMM grid takes these values
-    attention_seqs: tuple[int, ...]
-    head_dims: tuple[int, ...]
-    message_bytes: tuple[int, ...]
-    min_time_s: float  # per timing batch
-    batches: int  # timing batches per point; the median batch is kept
-
-    @classmethod
-    def for_device(cls, device: str, quick: bool) -> Plan:
-        if device == "cuda":
-            dims = (256, 1024, 4096, 16384) if quick else (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-            return cls(dims, (512, 2048) if quick else (512, 1024, 2048, 4096, 8192), (64, 128),
-                       (1 << 16, 1 << 20, 1 << 24, 1 << 27), 0.01 if quick else 0.05, 3 if quick else 5)
-        dims = (32, 128, 512, 2048) if quick else (32, 64, 128, 256, 512, 1024, 2048)
-        return cls(dims, (64, 256) if quick else (64, 128, 256, 512, 1024), (16, 64) if quick else (16, 32, 64, 128),
-                   (1 << 12, 1 << 16, 1 << 20, 1 << 23), 0.01 if quick else 0.02, 3 if quick else 5)
-
-
-def time_call(fn: Callable[[], object], device: torch.device, min_time_s: float, batches: int) -> float:
-    """Seconds per call of ``fn``: warm up, size a batch of calls to last ``min_time_s``, time
-    ``batches`` batches and keep the median (robust to a neighbour's burst, not best-case)."""
-    fn()
-    devices.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    devices.synchronize(device)
-    once = max(time.perf_counter() - t0, 1e-7)
-    return _median_per_call(fn, device, max(1, min(10_000, int(min_time_s / once))), batches)
-
-
-def _median_per_call(fn: Callable[[], object], device: torch.device, reps: int, batches: int,
-                     before_batch: Callable[[], object] = lambda: None) -> float:
-    """Median over ``batches`` batches of ``reps`` calls of the seconds per call."""
-    per_call = []
-    for _ in range(batches):
-        before_batch()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        devices.synchronize(device)
-        per_call.append((time.perf_counter() - t0) / reps)
-    return statistics.median(per_call)
-
-
-def measure_gemm(plan: Plan, device: torch.device, dtype: torch.dtype,
-                 progress: Callable[[str], None]) -> list[list[float]]:
-    """``[m, n, k, FLOP/s]`` for every ``(m, n, k)`` of the grid."""
-    rows = []
-    for m in plan.gemm_dims:
-        for n in plan.gemm_dims:
-            for k in plan.gemm_dims:
-                a = torch.randn(m, k, device=device, dtype=dtype)
-                b = torch.randn(k, n, device=device, dtype=dtype)
-                t = time_call(lambda a=a, b=b: torch.mm(a, b), device, plan.min_time_s, plan.batches)
-                rows.append([m, n, k, 2.0 * m * n * k / t])
-        progress(f"  gemm m={m}: peak so far {max(r[3] for r in rows) / 1e9:,.1f} GFLOP/s")
-    return rows
-
-
-def measure_attention(plan: Plan, device: torch.device, dtype: torch.dtype) -> list[list[float]]:
-    """``[seq, head_dim, forward FLOP/s, backward FLOP/s]`` of causal SDPA (FLOPs counted as
-    in :class:`hybridpar.planner.hardware.Calibration`)."""
-    import torch.nn.functional as F
-
-    rows = []
-    for s in plan.attention_seqs:
-        for d in plan.head_dims:
-            target = 2e8 if device.type == "cpu" else 5e10  # FLOPs per call: ~10 ms on a core, ~0.1 ms on a GPU
-            bh = int(max(1, min(1024, target // (2 * s * s * d))))
-            q, k, v = (torch.randn(1, bh, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-            grad = torch.randn(1, bh, s, d, device=device, dtype=dtype)
-
-            def fwd(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> torch.Tensor:
-                with torch.no_grad():
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-            def fwd_bwd(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
-                        grad: torch.Tensor = grad) -> object:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                return torch.autograd.grad(out, (q, k, v), grad)
-
-            t_f = time_call(fwd, device, plan.min_time_s, plan.batches)
-            t_fb = time_call(fwd_bwd, device, plan.min_time_s, plan.batches)
-            flops = 4.0 * bh * s * s * d / 2
-            rows.append([s, d, flops / t_f, 2.5 * flops / max(t_fb - t_f, 1e-3 * t_f)])
-    return rows
-
-
-def measure_memory(device: torch.device, dtype: torch.dtype, plan: Plan) -> tuple[float, float]:
-    """(element-wise bytes/s, seconds of one small op).
-
-    Bandwidth: an out-of-place product ``a * b`` (read 2, write 1) of activation-sized tensors
-    taken in turn from a pool larger than the last-level cache, as a training step streams its
-    activations (a tensor reused from cache would overstate the rate several times on a CPU).
-    The small op is a product of 8-element tensors that record autograd history: the fixed
-    dispatch (CPU) or launch (GPU) cost of one eager kernel."""
-    if device.type == "cpu":
-        numel, pool = 1 << 18, 64  # 1 MB fp32 tensors, 64 MB in all
-    else:
-        numel, pool = 1 << 26, 2  # 128 MB bf16 tensors: far past any GPU's L2
-    bufs = [torch.randn(numel, device=device, dtype=dtype) for _ in range(pool)]
-    turn = [0]
-
-    def product() -> torch.Tensor:
-        turn[0] = (turn[0] + 2) % pool
-        return bufs[turn[0]] * bufs[turn[0] - 1]
-
-    t = time_call(product, device, plan.min_time_s, plan.batches)
-    bw = 3 * numel * bufs[0].element_size() / t
-    bufs.clear()
-    x = torch.ones(8, device=device, dtype=dtype, requires_grad=True)
-    t_small = time_call(lambda: x * x, device, plan.min_time_s, plan.batches)
-    return bw, t_small
-
-
-def measure_block(device: torch.device, dtype: torch.dtype, plan: Plan) -> tuple[float, float]:
-    """(forward, backward) seconds of one :class:`hybridpar.models.llama.Block` at a tiny shape
-    (4 tokens of width 16): the fixed eager cost of a layer, which byte and FLOP counts miss."""
-    from hybridpar.config import ModelConfig
-    from hybridpar.models.llama import Block, precompute_rope
-
-    shape = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=16, max_seq_len=4)
-    block = Block(shape).to(device=device, dtype=dtype)
-    x = torch.randn(1, 4, 16, device=device, dtype=dtype, requires_grad=True)
-    cos, sin = precompute_rope(8, torch.arange(4, device=device), 1e4)
-
-    def forward() -> torch.Tensor:
-        return block(x, cos, sin)
-
-    def both() -> None:
-        y = block(x, cos, sin)
-        y.backward(torch.ones_like(y))
-
-    t_f = time_call(forward, device, plan.min_time_s, plan.batches)
-    t_fb = time_call(both, device, plan.min_time_s, plan.batches)
-    return t_f, max(t_fb - t_f, 0.0)
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -236,26 +103,29 @@ def _concurrency(rank: int, sizes: list[int], min_time_s: float, batches: int) -
     import torch.distributed as dist
 
     cpu = torch.device("cpu")
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    pool = [torch.randn(1 << 18) for _ in range(64)]
-    turn = [0]
-
-    def stream() -> torch.Tensor:
-        turn[0] = (turn[0] + 2) % len(pool)
-        return pool[turn[0]] * pool[turn[0] - 1]
+    pool = cold_pool(cpu, torch.float32)
+    gemm = in_turn(pool_views(pool, (512, 512), (512, 512)), torch.mm)
+    stream = in_turn(pool_views(pool, (1 << 18,), (1 << 18,)), torch.mul)
 
     rows = []
     for k in sizes:
         fractions = []
-        for fn in (lambda: torch.mm(a, b), stream):
+        for fn in (gemm, stream):
+            reps = reps_for(fn, cpu, min_time_s)
             alone, together = [], []
             for _ in range(batches):
                 for busy, out in ((1, alone), (k, together)):  # each phase starts together
                     dist.barrier()
-                    if rank < busy:
-                        out.append(time_call(fn, cpu, min_time_s, 1))
+                    if rank == 0:  # a settling batch after the wake-up from the barrier, then the timed one
+                        batch_time(fn, cpu, max(1, reps // 4))
+                        out.append(batch_time(fn, cpu, reps))
+                    elif rank < busy:  # outlast rank 0's batches, so all of them run beside these
+                        deadline = time.perf_counter() + 3 * min_time_s
+                        while time.perf_counter() < deadline:
+                            fn()
             dist.barrier()
-            fractions.append(statistics.median(alone) / statistics.median(together) if rank == 0 else 1.0)
+            # sharing a node never speeds a rank up: a fraction above 1 is noise
+            fractions.append(min(1.0, statistics.median(alone) / statistics.median(together)) if rank == 0 else 1.0)
         rows.append((float(k), fractions[0], fractions[1]))
     return rows
 
@@ -277,7 +147,7 @@ def _comm_worker(rank: int, world: int, backend: str, sizes: list[int],
     result: dict[tuple[str, int], list[Any]] = {}
     try:
         if backend == "gloo":
-            result[("concurrency", 0)] = _concurrency(rank, sizes, max(min_time_s, 0.05), batches)
+            result[("concurrency", 0)] = _concurrency(rank, sizes, max(min_time_s, 0.05), max(batches, 7))
         for n in sizes:
             group = dist.new_group(list(range(n)))
             if rank >= n:
@@ -381,7 +251,7 @@ def _collective_time(fn: Callable[[], object], group: Any, device: torch.device,
     once = torch.tensor([time.perf_counter() - t0], device=device)
     dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
     reps = max(1, min(1000, int(min_time_s / max(float(once), 1e-7))))
-    return _median_per_call(fn, device, reps, batches, before_batch=lambda: dist.barrier(group=group))
+    return median_per_call(fn, device, reps, batches, before_batch=lambda: dist.barrier(group=group))
 
 
 def measure_comm(nproc: int, backend: str, plan: Plan,
@@ -467,16 +337,16 @@ def calibrate(out: Path, nproc: int, quick: bool, device_name: str = "auto",
              f"{'quick' if quick else 'full'} grids")
 
     t0 = time.perf_counter()
-    gemm = measure_gemm(plan, device, dtype, progress)
+    rates = measure_compute(plan, device, dtype)
+    gemm, attention, bw, op_s, block = rates.gemm, rates.attention, rates.elementwise_bw, rates.small_op_s, rates.block_s
     peak = max(r[3] for r in gemm)
-    progress(f"gemm: {len(gemm)} shapes in {time.perf_counter() - t0:.1f} s; best {peak / 1e9:,.1f} GFLOP/s")
-    t0 = time.perf_counter()
-    attention = measure_attention(plan, device, dtype)
-    progress(f"attention: {len(attention)} shapes in {time.perf_counter() - t0:.1f} s; forward "
-             f"{min(r[2] for r in attention) / 1e9:,.1f}-{max(r[2] for r in attention) / 1e9:,.1f} GFLOP/s")
-    bw, op_s = measure_memory(device, dtype, plan)
+    progress(f"compute: {len(gemm)} GEMM shapes, {len(attention)} attention shapes and 4 eager probes in "
+             f"{plan.batches} interleaved passes, {time.perf_counter() - t0:.1f} s")
+    for m in plan.gemm_dims:
+        progress(f"  gemm m={m}: best {max(r[3] for r in gemm if r[0] == m) / 1e9:,.1f} GFLOP/s")
+    progress(f"attention: forward {min(r[2] for r in attention) / 1e9:,.1f}-"
+             f"{max(r[2] for r in attention) / 1e9:,.1f} GFLOP/s")
     progress(f"memory: element-wise {bw / GB:,.1f} GB/s, one small op {op_s * 1e6:.1f} us")
-    block = measure_block(device, dtype, plan)
     progress(f"eager block fixed cost: forward {block[0] * 1e6:.0f} us, backward {block[1] * 1e6:.0f} us")
 
     backend = "nccl" if device.type == "cuda" else "gloo"
