@@ -45,6 +45,7 @@ LAYOUTS: list[tuple[str, dict[str, Any]]] = [
     ("tp2 sp", {"tp": 2, "sequence_parallel": True}),
     ("pp2 1f1b", {"pp": 2}),
     ("pp2 1f1b mb2", {"pp": 2, "micro_batch": 2}),
+    ("pp2 zb-h1 mb2", {"pp": 2, "micro_batch": 2, "pipeline_schedule": "zb-h1"}),
 ]
 
 
