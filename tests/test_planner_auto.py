@@ -173,6 +173,23 @@ def test_auto_layout_is_runnable_and_explained(tmp_path):
     assert pinned[:2] == ["--parallel.auto", "false"] and len(pinned) == 2 + 2 * len(CHOSEN)
 
 
+def test_auto_keeps_the_layout_choices_the_config_makes(tmp_path):
+    f = tmp_path / "hw.toml"
+    write_profile(f)
+    cfg = Config()
+    cfg.parallel.auto, cfg.train.hardware, cfg.parallel.tp = True, str(f), 2
+    free = choose_layout(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1)), 4)
+    assert {e.layout.tp for e in free.ranked} > {2}  # left free, other tp sizes compete
+    choice = choose_layout(cfg, 4)
+    assert choice.ranked and {e.layout.tp for e in choice.ranked} == {2}
+    assert "kept from the config: tp=2" in choice.explain()
+    cfg.parallel.zero_stage = 1
+    assert {(e.layout.tp, e.layout.zero_stage) for e in choose_layout(cfg, 4).ranked} == {(2, 1)}
+    cfg.parallel.tp = 3
+    with pytest.raises(ConfigError, match=r"tp=3 = 3 ranks\), but 3 does not divide the world size 4"):
+        choose_layout(cfg, 4)
+
+
 def test_auto_without_a_profile_uses_the_cpu_spec(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))  # no default profile there
     choice = choose_layout(Config(), 2)

@@ -5,7 +5,10 @@ factorisation ``dp * tp * pp * cp`` is completed by :func:`hybridpar.planner.sea
 (micro-batch size, pipeline schedule and virtual stages, ZeRO stage) and every completion that
 ``hybridpar.config.validate`` accepts for this trainer is ranked by the cost model's step time.
 The user's own settings that are not layout choices stay as given: sequence parallelism,
-recomputation, offload, the batch and sequence sizes, precision. The winner is written into the
+recomputation, offload, the batch and sequence sizes, precision. Layout choices the user made
+explicitly are kept as constraints: a mesh axis (``dp``, ``tp``, ``pp``, ``cp``) set above 1 and
+a ZeRO stage above 0; the planner chooses only the rest (an error if no layout of the world size
+keeps them). The winner is written into the
 config, which then goes through the usual validation and launch; the choice and the runners-up
 (memory, predicted step time, why the others lost) are printed first.
 
@@ -72,6 +75,7 @@ class AutoChoice:
     hardware: str = ""
     source: str = ""
     world: int = 1
+    pinned: dict[str, int] = field(default_factory=dict)
 
     def explain(self, top: int = 5) -> str:
         """What the CLI prints: the choice, the runners-up and what was ruled out."""
@@ -80,8 +84,10 @@ class AutoChoice:
         lines = [f"hybridpar: parallel.auto: {self.world} processes on {self.hardware} ({self.source})",
                  f"hybridpar: chose {describe(b.layout)}: predicted {b.cost.step_time_s:.3f} s/step, "
                  f"{b.cost.tokens_per_s:,.0f} tokens/s, {b.memory.total / GiB:.2f} of {b.capacity / GiB:.1f} GiB "
-                 "per rank",
-                 f"  {'rank':>4}  {'layout':<52} {'step s':>8} {'vs best':>8} {'GiB':>6}"]
+                 "per rank"]
+        if self.pinned:
+            lines.append("hybridpar: kept from the config: " + ", ".join(f"{k}={v}" for k, v in self.pinned.items()))
+        lines += [f"  {'rank':>4}  {'layout':<52} {'step s':>8} {'vs best':>8} {'GiB':>6}"]
         for i, ev in enumerate(self.ranked[:top], 1):
             assert ev.cost is not None and ev.memory is not None
             ratio = ev.cost.step_time_s / b.cost.step_time_s
@@ -121,11 +127,32 @@ def _runnable(cfg: Config, ev: Evaluation, world: int) -> str | None:
     return None
 
 
+def pinned_choices(cfg: Config) -> dict[str, int]:
+    """The layout choices the config makes explicitly, which ``parallel.auto`` keeps: mesh axes
+    above 1 and a ZeRO stage above 0 (their defaults mean "planner's choice")."""
+    p = cfg.parallel
+    out = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp") if getattr(p, k) > 1}
+    if p.zero_stage > 0:
+        out["zero_stage"] = p.zero_stage
+    return out
+
+
 def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_node: int | None = None,
                   spec: tuple[GPUSpec, str] | None = None) -> AutoChoice:
-    """Rank every runnable layout of ``cfg.model`` on ``world`` ranks; raise if none runs."""
+    """Rank every runnable layout of ``cfg.model`` on ``world`` ranks that keeps the config's
+    explicit choices (:func:`pinned_choices`); raise if none runs."""
     if world < 1:
         raise ConfigError(f"parallel.auto needs a world size >= 1, got {world}")
+    pinned = pinned_choices(cfg)
+    axes = {k: v for k, v in pinned.items() if k != "zero_stage"}
+    product = 1
+    for v in axes.values():
+        product *= v
+    if world % product:
+        kept = " x ".join(f"{k}={v}" for k, v in axes.items())
+        raise ConfigError(f"parallel.auto keeps the axes set in the config ({kept} = {product} ranks), but "
+                          f"{product} does not divide the world size {world}; set --nproc to a multiple of "
+                          f"{product}, or leave those axes at 1 for the planner to choose")
     gpu, source = spec if spec is not None else resolve_hardware(cfg, device_type)
     cluster = Cluster.of(gpu, world, gpus_per_node or world)
     t, p = cfg.train, cfg.parallel
@@ -134,7 +161,10 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
             "offload_optimizer": p.offload_optimizer}
     ranked: list[Evaluation] = []
     rejected: dict[str, int] = {}
-    for (dp, tp, pp, cp), zero in itertools.product(factorisations(world), ZERO):
+    zeros = [pinned["zero_stage"]] if "zero_stage" in pinned else ZERO
+    for (dp, tp, pp, cp), zero in itertools.product(factorisations(world), zeros):
+        if any(dict(dp=dp, tp=tp, pp=pp, cp=cp)[k] != v for k, v in axes.items()):
+            continue
         # each ZeRO stage separately: the fastest may be one this trainer refuses for the layout
         partial: dict[str, object] = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, **keep)
         if tp == 1 or cp > 1:
@@ -153,9 +183,11 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
     ranked.sort(key=lambda e: (e.cost.step_time_s, e.layout.world_size - e.layout.dp))  # type: ignore[union-attr]
     if not ranked:
         reasons = "; ".join(f"{why} ({n}x)" for why, n in sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
+        kept = f" keeping {', '.join(f'{k}={v}' for k, v in pinned.items())}" if pinned else ""
         raise ConfigError(f"parallel.auto found no layout of this model that the trainer can run on {world} "
-                          f"process(es): {reasons}; change the world size (--nproc) or the batch sizes")
-    return AutoChoice(ranked[0], ranked, rejected, gpu.name, source, world)
+                          f"process(es){kept}: {reasons}; change the world size (--nproc), the batch sizes"
+                          f"{' or the settings kept' if pinned else ''}")
+    return AutoChoice(ranked[0], ranked, rejected, gpu.name, source, world, pinned)
 
 
 def plan_for_launch(cfg: Config, world: int, device_type: str, gpus_per_node: int | None = None,

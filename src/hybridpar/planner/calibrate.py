@@ -12,9 +12,12 @@ the launcher runs ranks):
 * causal scaled-dot-product attention, forward and backward, by (sequence, head dim);
 * element-wise bandwidth (products of activation-sized tensors streamed from a pool larger than
   the caches), the fixed cost of one small op, and of one eager Llama block at a tiny shape
-  (kernel dispatch, autograd and module overhead per layer);
+  (kernel dispatch, autograd and module overhead per layer); these compute probes take their
+  operands from a pool larger than the caches and are timed in interleaved passes
+  (:mod:`hybridpar.planner.probes` says why);
 * on CPU, how much each rank slows when all ranks compute at once (shared caches, memory
-  bandwidth, sometimes a shared physical core), alone and together alternating;
+  bandwidth, sometimes a shared physical core), alone and together alternating, the other
+  ranks busy for all of rank 0's timed batch;
 * collectives (all-reduce, all-gather, reduce-scatter) for each axis size 2, 4, ... up to
   ``--nproc`` and p2p send/recv, through :class:`hybridpar.distributed.comm.Comm` on the
   backend training uses (gloo on CPU, NCCL on GPUs), fitted as ``alpha + beta * payload bytes``;
