@@ -106,7 +106,6 @@ def test_toml_errors_name_the_key(tmp_path):
         (["--parallel.zero_stage", "5"], "zero_stage = 5 must be 0, 1, 2 or 3"),
         (["--parallel.dp", "0"], "parallel.dp = 0 must be >= 1"),
         (["--train.min_lr", "1.0"], "min_lr"),
-        (["--parallel.recompute", "full"], "recomputation is not implemented"),
     ],
 )
 def test_layout_rules_show_numbers(args, needle):

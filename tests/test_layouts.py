@@ -71,6 +71,16 @@ LAYOUTS = {
     "dp2-cp2-zero2": ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.zero_stage", "2"],
     "dp2-pp2-zero1": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "1"],
     "dp2-tp2-pp2-zero2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "2"],
+    # activation recomputation reruns forwards (their collectives included) inside backward
+    "recompute-full": ["--parallel.recompute", "full"],
+    "dp2-tp2-sp-recompute-full": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                                  "--parallel.recompute", "full"],
+    "cp2-recompute-selective": ["--parallel.cp", "2", "--parallel.recompute", "selective"],
+    "dp2-zero3-recompute-full": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--parallel.recompute", "full"],
+    "pp2-zb-recompute-full": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1",
+                              "--parallel.recompute", "full"],
+    "dp2-tp2-pp2-cp2-recompute-full": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",
+                                       "--parallel.cp", "2", "--parallel.recompute", "full"],
 }
 
 

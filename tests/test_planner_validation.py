@@ -105,6 +105,12 @@ ACT_LAYOUTS: dict[str, list[str]] = {
     "pp2-zb": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1"],
     "pp4-1f1b": ["--parallel.pp", "4"],
     "pp2-tp2-sp": ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    "single-recompute-full": ["--parallel.recompute", "full"],
+    "single-recompute-selective": ["--parallel.recompute", "selective"],
+    "tp2-sp-recompute-full": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                              "--parallel.recompute", "full"],
+    "cp2-recompute-selective": ["--parallel.cp", "2", "--parallel.recompute", "selective"],
+    "pp2-1f1b-recompute-full": ["--parallel.pp", "2", "--parallel.recompute", "full"],
 }
 ACT_TRAIN = ["--train.seq_len", "64", "--train.micro_batch", "2", "--train.global_batch", "8"]
 
@@ -126,18 +132,48 @@ def _metered(saved_cls: type, meter: SavedBytesMeter) -> type:
     return Metered
 
 
+def _metered_recompute(meter: SavedBytesMeter):
+    """The runtime's recompute wrapper with the recomputation counted. When backward reruns a
+    block (or attention core), the same forward first runs once more on detached aliases of its
+    inputs under a probe meter: the storages it saves that are not already live are what the
+    recomputation holds until that block's backward ends (torch checks that the recomputation
+    saves the same tensors as the original forward), added to the live bytes of that moment."""
+    from torch.utils.checkpoint import checkpoint
+
+    def recomputed(fn, *args):
+        calls = [0]
+
+        def run(*a):
+            calls[0] += 1
+            if calls[0] > 1:  # backward's recomputation
+                probe = SavedBytesMeter()
+                alias = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in a]
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
+                    out = fn(*alias)
+                extra = sum(nbytes for key, (_, nbytes) in probe.live.items() if key not in meter.live)
+                meter.peak = max(meter.peak, meter.current + extra)
+                del out
+            return fn(*a)
+
+        return checkpoint(run, *args, use_reentrant=False)
+
+    return recomputed
+
+
 def _measure_activations(rank: int, world: int, names: list[str]) -> dict[str, tuple[int, int]]:
     """Per layout: (this rank's pipeline rank, its peak saved bytes over one forward_backward)."""
+    from hybridpar.parallel import recompute
     from hybridpar.parallel.context import zigzag_shard
     from hybridpar.parallel.pipeline import runtime
     from hybridpar.training.engine import Engine
 
     out = {}
-    original = runtime._Saved
+    original, original_recompute = runtime._Saved, recompute._recomputed
     for name in names:
         cfg = _act_config(name)
         meter = SavedBytesMeter()
         runtime._Saved = _metered(original, meter)
+        recompute._recomputed = _metered_recompute(meter)
         try:
             with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
                 engine = Engine(cfg, topo, torch.device("cpu"))
@@ -153,7 +189,7 @@ def _measure_activations(rank: int, world: int, names: list[str]) -> dict[str, t
                     engine.forward_backward(batches, 1.0 / len(batches))
                 out[name] = (topo.pp.rank, meter.peak)
         finally:
-            runtime._Saved = original
+            runtime._Saved, recompute._recomputed = original, original_recompute
     return out
 
 
@@ -164,7 +200,7 @@ def _measure_activations(rank: int, world: int, names: list[str]) -> dict[str, t
 # benchmarks/planner_validation.py checks all of them.
 COMM_LAYOUTS = ["dp2", "tp2-sp", "cp2", "pp2-interleaved", "dp2-zero3", "dp4-hierarchical", "cp2-tp2",
                 "dp2-tp2-sp-zero1", "dp2-cp2-zero2", "dp2-tp2-pp2-zero2", "dp2-tp2-pp2-interleaved-sp",
-                "dp2-tp2-pp2-cp2-zb"]
+                "dp2-tp2-pp2-cp2-zb", "dp2-tp2-sp-recompute-full", "cp2-recompute-selective", "pp2-zb-recompute-full"]
 
 
 def _count_step(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int, dict[str, int]]]:

@@ -431,5 +431,3 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              "each stage's parameters for every micro-batch; use zero_stage = 1 or 2 with pp")
         need(t.precision != "fp16", f"parallel.zero_stage = {p.zero_stage} with train.precision = 'fp16' is not "
                                     "supported yet; use bf16 or fp32, or zero_stage = 0")
-    need(p.recompute == "none",
-         f"parallel.recompute = {p.recompute!r}: activation recomputation is not implemented yet; use 'none'")

@@ -112,12 +112,17 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``softmax(q k^T / sqrt(d) + causal mask) v`` for ``[B, heads, T, head_dim]`` inputs:
+        the attention core (what context parallelism replaces and selective recompute reruns)."""
         # enable_gqa broadcasts KV heads inside the kernel: no repeated copies, and measured
         # faster than repeat_interleave on CPU. Head counts come from the tensors, so a
         # tensor-parallel shard with fewer local heads works unchanged.
         gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.distributed.mesh import Axis
-from hybridpar.models.llama import Attention, Llama, apply_rope
+from hybridpar.models.llama import Attention, Llama
 from hybridpar.parallel.context import (
     AttentionStats,
     Layout,
@@ -116,19 +116,13 @@ class ContextParallelAttention(Attention):
         self.wq, self.wk, self.wv, self.wo = attn.wq, attn.wk, attn.wv, attn.wo
         self._cp = cp  # a plain object, not a submodule
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cp = self._cp
         if not cp.active:
-            return super().forward(x, cos, sin)
+            return super().core(q, k, v)
         if cp.plan is None:
             raise RuntimeError("ContextParallelAttention called outside the model's forward")
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ring_attention(q, k, v, cp.axis, cp.plan, stats=cp.stats)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return ring_attention(q, k, v, cp.axis, cp.plan, stats=cp.stats)
 
 
 def enable_context_parallel(model: Llama, axis: Axis, layout: Layout = "zigzag") -> ContextParallel:

@@ -2,7 +2,7 @@
 workload (batch, sequence, precision), and the bridge to :func:`hybridpar.config.validate`.
 
 The planner owns no layout rules: :func:`layout_rule_error` builds a real :class:`Config` and
-asks ``validate``. Features the runtime has not built yet (ZeRO, offload, recompute) are still
+asks ``validate``. Combinations the runtime refuses (such as ZeRO-3 with pipelining) are still
 planned, since the planner also answers "what would it take"; :func:`runtime_note` says when a
 layout cannot run in this version.
 """
@@ -105,7 +105,7 @@ _MODELS: list[tuple] = []
 
 def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
     """The layout rule ``validate`` says this layout breaks (None if it breaks none), judging
-    only shapes and divisibility: not-yet-built features are switched off for this check."""
+    only shapes and divisibility: ZeRO, offload and recompute are switched off for this check."""
     if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none":
         layout = dataclasses.replace(layout, zero_stage=0, offload_optimizer=False, recompute="none")
     return _validate_error(model_key(model), layout, work)

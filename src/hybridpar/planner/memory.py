@@ -175,9 +175,10 @@ def gpt_layer_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, recomp
 def llama_layer_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: str,
                       act_bytes: int = 2, residual_bytes: int | None = None, cp: int = 1) -> float:
     """Bytes one decoder layer of :class:`hybridpar.models.llama.Llama` keeps for backward, per
-    micro-batch of ``b`` sequences of ``s`` tokens on this rank (module docstring). Selective
-    recompute changes nothing (the fused attention keeps no scores); full recompute keeps the
-    layer input."""
+    micro-batch of ``b`` sequences of ``s`` tokens on this rank (module docstring). Full
+    recompute keeps the layer input. Selective recompute reruns the attention core, which then
+    keeps neither its fp32 log-sum-exp nor (ring attention) its own output copy; the fused
+    output itself stays, as the input ``wo`` keeps (the fused attention keeps no scores to drop)."""
     a, r = act_bytes, act_bytes if residual_bytes is None else residual_bytes
     h, kv, f, heads = model.dim, model.n_kv_heads * model.head_dim, model.ffn_hidden, model.n_heads
     shard = t if sp else 1
@@ -188,7 +189,8 @@ def llama_layer_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, reco
     def norm(consumers: int) -> float:
         return ((4 + r) * h + 4) / shard + (consumers if autocast else 1) * a * h
 
-    attn = (a * (2 * h + 2 * kv) + 4 * heads) / t + (a * h / t if cp > 1 else 0.0)
+    core = 0.0 if recompute == "selective" else 4 * heads / t + (a * h / t if cp > 1 else 0.0)
+    attn = a * (2 * h + 2 * kv) / t + core
     return s * b * (norm(3) + norm(2) + attn + 4 * a * f / t)
 
 
@@ -361,10 +363,16 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int
         if body + head > best[0]:
             best = (body + head, body, head, sum(vec[:v]))
     _, acts, logits, in_flight = best
-    if L.recompute == "full":  # the layer being recomputed holds its full activations
+    if L.recompute == "full":
+        # The layer being recomputed holds its full activations (but shares its stored input)
+        # until its backward ends. The first recomputation on a rank with the loss follows that
+        # micro-batch's head backward, which has freed the head's tensors by then.
         sp = L.sequence_parallel and L.tp > 1
-        acts += layer_activation_bytes(model, work.seq_len // L.cp, L.micro_batch, L.tp, sp, "none",
-                                       style, work.act_bytes, work.param_bytes, L.cp)
+        s, b, a, r = work.seq_len // L.cp, L.micro_batch, work.act_bytes, work.param_bytes
+        transient = (layer_activation_bytes(model, s, b, L.tp, sp, "none", style, a, r, L.cp)
+                     - layer_activation_bytes(model, s, b, L.tp, sp, "full", style, a, r, L.cp))
+        freed = max((cb.head for cb in sizes), default=0.0) if style == "llama" else 0.0
+        acts = max(acts, acts - freed + transient)
     return acts, logits, in_flight
 
 

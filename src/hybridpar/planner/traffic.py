@@ -18,7 +18,9 @@ token. Ring attention sends and receives, per layer, ``cp - 1`` K/V blocks forwa
 backward and ``cp - 1`` fp32 dK/dV blocks. Pipeline ranks send and receive one ``d/t_SP`` fp32
 hidden state per stage boundary and micro-batch each way, then broadcast the ``M`` losses. Under
 ZB-H1, W recomputes the backward of stages after the first for their weight gradients, so
-their backward collectives (tp, cp) run twice.
+their backward collectives (tp, cp) run twice. Activation recomputation reruns forward
+collectives in each backward traversal: a block's tp and cp ones (full), ring attention's
+(selective).
 Gradients cross dp x cp once per step: bucketed all-reduces (ZeRO-0), a reduce-scatter per
 bucket and an all-gather of the updated shard (ZeRO-1/2), or two all-gathers per unit and
 micro-batch and one reduce-scatter per unit (ZeRO-3), each over the padded ``ceil(rows/N)``
@@ -183,6 +185,19 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
         for op in ("send", "recv"):
             add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, m)
             add(op, "cp", L.cp, n_c * (L.cp - 1) * (kv * a + kv * 4), m * back)
+        # recomputation reruns, in every backward traversal, the forward collectives of each
+        # block (full: SP's gathers, ring attention, the attention exit) or of its attention
+        # core (selective: ring attention). torch's checkpoint stops a block's recomputation once
+        # the last tensor backward needs is saved (the MLP's down projection input), so the MLP
+        # exit's collective is not rerun.
+        rerun = m * back if L.recompute != "none" else 0
+        if L.recompute == "full" and sp:
+            add("all_gather", "tp", t, 2 * n_c * d // t * r, rerun)
+            add("reduce_scatter", "tp", t, n_c * d * a, rerun)
+        elif L.recompute == "full":
+            add("all_reduce", "tp", t, n_c * d * a, rerun)
+        for op in ("send", "recv"):
+            add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, rerun)
     # pipeline: hidden states forward, their gradients backward, the losses, tied-embedding grads
     if L.pp > 1:
         msg = d // (t if sp else 1) * 4  # the runner's fp32 act_shape

@@ -30,6 +30,7 @@ from hybridpar.parallel.pipeline.stages import (
     owned_named_parameters,
     sync_tied_embedding_grads,
 )
+from hybridpar.parallel.recompute import apply_recompute
 from hybridpar.parallel.shard import OuterSplit
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import (
@@ -67,6 +68,7 @@ class Engine:
         if t.init_from:  # shape checked against cfg.model; each tp rank reads only its slices
             init_from_hf(model, t.init_from, m, read=lambda name, lazy: read_shard(name, lazy, topo.tp))
         self.cp = enable_context_parallel(model, topo.cp) if topo.cp.size > 1 else None
+        apply_recompute(model, p.recompute)  # after cp: selective reruns ring attention's core too
         self.model = model
         self.runner: PipelineRunner | None = None
         self.last_pipeline_step: PipelineStepResult | None = None

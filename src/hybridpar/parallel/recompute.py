@@ -1,0 +1,54 @@
+"""Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022), applied to a model from
+outside, like the parallelisms: memory for compute.
+
+* ``full``: every decoder block keeps only its input for backward; when backward reaches the
+  block its forward runs again (collectives inside it included: tensor parallelism's forward
+  all-reduces or SP gathers, ring attention's K/V passes) and its activations live only while
+  that one block's backward runs. Per layer the stored bytes drop from about ``34 s b h`` to
+  ``s b h`` x the residual dtype (``/t`` under sequence parallelism), for one more forward.
+* ``selective``: only the attention core (:meth:`hybridpar.models.llama.Attention.core`: fused
+  attention, or ring attention under context parallelism) runs again; it keeps q, k, v but not
+  its output and log-sum-exp. Korthikanti's selective recompute exists to drop the ``5 a s / h``
+  attention-score term; fused attention never stores scores, so here it saves one output per layer.
+
+Both use ``torch.utils.checkpoint`` without reentrancy (RNG state and autocast are replayed,
+gradients are bit-identical to no recomputation). The wrapped forward replaces the module's
+``forward`` on the instance, so parameter names, module hooks (ZeRO-3 gathers a block's
+parameters when its output gradient arrives, before the recomputation needs them) and
+checkpoints are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hybridpar.models.llama import Attention, Block
+
+Mode = Literal["none", "selective", "full"]
+
+
+def _recomputed(fn: Callable[..., Any], *args: Any) -> Any:
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def apply_recompute(model: nn.Module, mode: Mode) -> int:
+    """Recompute ``model``'s blocks (``full``) or attention cores (``selective``) in backward;
+    returns how many modules were wrapped. ``none`` changes nothing."""
+    if mode == "none":
+        return 0
+    if mode not in ("full", "selective"):
+        raise ValueError(f"recompute mode {mode!r} is not one of 'none', 'selective', 'full'")
+    count = 0
+    for module in model.modules():
+        if mode == "full" and isinstance(module, Block):
+            module.forward = functools.partial(_recomputed, module.forward)  # type: ignore[method-assign]
+            count += 1
+        elif mode == "selective" and isinstance(module, Attention):
+            module.core = functools.partial(_recomputed, module.core)  # type: ignore[method-assign]
+            count += 1
+    return count
