@@ -472,7 +472,7 @@ def test_ties_prefer_less_memory(monkeypatch):
     cluster = Cluster.of(GPUS["H100-SXM"], 16, 8)
     monkeypatch.setattr(search_mod, "step_cost", _equal_times(fast_zero3=False))
     best, tried = search_mod.complete(model, {"dp": 4, "tp": 4}, work, cluster)
-    assert best.layout.zero_stage == 2 and best.layout.recompute == "none"
+    assert best.layout.zero_stage == 2  # (with equal times a recompute layout may win: it holds less)
     zero = {z: search_mod.evaluate(model, dataclasses.replace(best.layout, zero_stage=z), work, cluster)
             for z in (0, 1, 2)}
     assert all(ev.fits for ev in zero.values())
