@@ -190,6 +190,24 @@ def test_auto_keeps_the_layout_choices_the_config_makes(tmp_path):
         choose_layout(cfg, 4)
 
 
+def test_auto_recomputes_only_when_nothing_else_fits():
+    """Left at 'none', recompute is the planner's choice: off while a layout fits without it,
+    on (and said so) when memory is too small for any layout without it; set, it is kept."""
+    cfg = Config()
+    cfg.parallel.auto = True
+    roomy = choose_layout(cfg, 1, spec=(CPU_CORE, "test"))
+    assert {e.layout.recompute for e in roomy.ranked} == {"none"}
+    # below the smallest memory any no-recompute layout needs (at any micro-batch), above full's
+    smallest = min(e.memory.total for e in roomy.ranked)
+    tight = dataclasses.replace(CPU_CORE, hbm_bytes=smallest - 1)
+    choice = choose_layout(cfg, 1, spec=(tight, "test"))
+    assert choice.best.layout.recompute != "none" and choice.best.memory.total < smallest
+    assert apply_layout(cfg, choice.best.layout).parallel.recompute == choice.best.layout.recompute
+    cfg.parallel.recompute = "full"
+    kept = choose_layout(cfg, 1, spec=(CPU_CORE, "test"))
+    assert {e.layout.recompute for e in kept.ranked} == {"full"} and "recompute=full" in kept.explain()
+
+
 def test_auto_without_a_profile_uses_the_cpu_spec(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))  # no default profile there
     choice = choose_layout(Config(), 2)

@@ -5,10 +5,12 @@ factorisation ``dp * tp * pp * cp`` is completed by :func:`hybridpar.planner.sea
 (micro-batch size, pipeline schedule and virtual stages, ZeRO stage) and every completion that
 ``hybridpar.config.validate`` accepts for this trainer is ranked by the cost model's step time.
 The user's own settings that are not layout choices stay as given: sequence parallelism,
-recomputation, offload, the batch and sequence sizes, precision. Layout choices the user made
-explicitly are kept as constraints: a mesh axis (``dp``, ``tp``, ``pp``, ``cp``) set above 1 and
-a ZeRO stage above 0; the planner chooses only the rest (an error if no layout of the world size
-keeps them). The winner is written into the
+offload, the batch and sequence sizes, precision. Layout choices the user made explicitly are
+kept as constraints: a mesh axis (``dp``, ``tp``, ``pp``, ``cp``) set above 1, a ZeRO stage
+above 0 and a recompute mode other than ``none``; the planner chooses only the rest (an error if
+no layout of the world size keeps them). Left at ``none``, recomputation is used only for
+layouts that fit in memory no other way (the search tries ``none``, then ``selective``, then
+``full``). The winner is written into the
 config, which then goes through the usual validation and launch; the choice and the runners-up
 (memory, predicted step time, why the others lost) are printed first.
 
@@ -38,7 +40,7 @@ CPU_CORE = GPUSpec("cpu core (uncalibrated)", bf16_flops=60e9, fp32_flops=60e9, 
                    launch_overhead=5e-6, host_bw=10 * GB)
 
 # Fields the planner may set; everything else in [parallel] and [train] stays the user's.
-CHOSEN = ("dp", "tp", "pp", "cp", "zero_stage", "pipeline_schedule", "virtual_stages", "micro_batch")
+CHOSEN = ("dp", "tp", "pp", "cp", "zero_stage", "pipeline_schedule", "virtual_stages", "recompute", "micro_batch")
 
 
 def resolve_hardware(cfg: Config, device_type: str) -> tuple[GPUSpec, str]:
@@ -75,7 +77,7 @@ class AutoChoice:
     hardware: str = ""
     source: str = ""
     world: int = 1
-    pinned: dict[str, int] = field(default_factory=dict)
+    pinned: dict[str, object] = field(default_factory=dict)
 
     def explain(self, top: int = 5) -> str:
         """What the CLI prints: the choice, the runners-up and what was ruled out."""
@@ -127,13 +129,15 @@ def _runnable(cfg: Config, ev: Evaluation, world: int) -> str | None:
     return None
 
 
-def pinned_choices(cfg: Config) -> dict[str, int]:
+def pinned_choices(cfg: Config) -> dict[str, object]:
     """The layout choices the config makes explicitly, which ``parallel.auto`` keeps: mesh axes
-    above 1 and a ZeRO stage above 0 (their defaults mean "planner's choice")."""
+    above 1, a ZeRO stage above 0, a recompute mode (their defaults mean "planner's choice")."""
     p = cfg.parallel
-    out = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp") if getattr(p, k) > 1}
+    out: dict[str, object] = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp") if getattr(p, k) > 1}
     if p.zero_stage > 0:
         out["zero_stage"] = p.zero_stage
+    if p.recompute != "none":
+        out["recompute"] = p.recompute
     return out
 
 
@@ -144,7 +148,7 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
     if world < 1:
         raise ConfigError(f"parallel.auto needs a world size >= 1, got {world}")
     pinned = pinned_choices(cfg)
-    axes = {k: v for k, v in pinned.items() if k != "zero_stage"}
+    axes = {k: int(v) for k, v in pinned.items() if k in ("dp", "tp", "pp", "cp")}  # type: ignore[call-overload]
     product = 1
     for v in axes.values():
         product *= v
@@ -157,8 +161,9 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
     cluster = Cluster.of(gpu, world, gpus_per_node or world)
     t, p = cfg.train, cfg.parallel
     work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb)
-    keep = {"sequence_parallel": p.sequence_parallel, "recompute": p.recompute,
-            "offload_optimizer": p.offload_optimizer}
+    keep: dict[str, object] = {"sequence_parallel": p.sequence_parallel, "offload_optimizer": p.offload_optimizer}
+    if p.recompute != "none":  # set explicitly: kept; otherwise recompute only where nothing fits without
+        keep["recompute"] = p.recompute
     ranked: list[Evaluation] = []
     rejected: dict[str, int] = {}
     zeros = [pinned["zero_stage"]] if "zero_stage" in pinned else ZERO
