@@ -46,6 +46,8 @@ LAYOUTS: list[tuple[str, dict[str, Any]]] = [
     ("pp2 1f1b", {"pp": 2}),
     ("pp2 1f1b mb2", {"pp": 2, "micro_batch": 2}),
     ("pp2 zb-h1 mb2", {"pp": 2, "micro_batch": 2, "pipeline_schedule": "zb-h1"}),
+    ("dp1 recompute", {"recompute": "full"}),
+    ("tp2 sp recompute", {"tp": 2, "sequence_parallel": True, "recompute": "full"}),
 ]
 
 

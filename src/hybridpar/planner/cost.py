@@ -171,10 +171,10 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
         elem = tok * ab * fwd_el / g.hbm_bw + fixed[0]
         elem_b = tok * ab * bwd_el / g.hbm_bw + fixed[1]
     if L.sequence_parallel:  # all-gather of the sequence shard, reduce-scatter of the full output
-        ar = (cluster.collective_time("all_gather", tok * h * ab / t, t, 1)
-              + cluster.collective_time("reduce_scatter", tok * h * ab, t, 1))
+        exit_comm = cluster.collective_time("reduce_scatter", tok * h * ab, t, 1)
+        ar = cluster.collective_time("all_gather", tok * h * ab / t, t, 1) + exit_comm
     else:
-        ar = cluster.collective_time("all_reduce", tok * h * ab, t, 1)
+        ar = exit_comm = cluster.collective_time("all_reduce", tok * h * ab, t, 1)
     cp_pass = 0.0
     if L.cp > 1:
         cp_bw, cp_lat, _ = cluster.axis_bandwidth(L.cp, t)
@@ -183,11 +183,14 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     f = fwd_gemm + core + elem + max(0.0, cp_pass - hide * core) + 2 * ar
     b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - hide * core) + 2 * ar
     w_time = bwd_w
+    # full recompute reruns the block's forward, minus what comes after the last tensor backward
+    # needs (torch's checkpoint stops there): the MLP's down projection and its exit collective
+    rerun = f - gemm_time(*gemms[-1], g, ab) - exit_comm if style == "llama" else f
     if L.recompute == "full":
-        b_time += f
+        b_time += rerun
     elif L.recompute == "selective":
         b_time += core
-    tp_comm = (4 + (2 if L.recompute == "full" else 0)) * ar
+    tp_comm = 4 * ar + (2 * ar - (exit_comm if style == "llama" else 0.0) if L.recompute == "full" else 0.0)
     return LayerTime(f, b_time, w_time, tp_comm)
 
 
@@ -296,6 +299,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     dp_comm = buckets * last_bucket
     last_backward = (stage_lt.b + stage_lt.w) / v * max(scale)
     hide = overlap_fraction(g)
+    exposed_z3 = 0.0  # ZeRO-3 gathers nothing hides (priced below), apart from what backward hides
     if L.zero_stage == 3:
         # one all-gather per unit (each block, the embedding, the root) forward and backward, one
         # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero3).
@@ -307,7 +311,8 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
         hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
         exposed_z3 = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
         dp_comm = units * cluster.collective_time("reduce_scatter", grad_bytes / units, n, t) + exposed_z3
-    dp_exposed = max(last_bucket if L.zero_stage < 3 else 0.0, dp_comm - hide * last_backward) if pp == 1 else dp_comm
+    floor = last_bucket if L.zero_stage < 3 else 0.0
+    dp_exposed = (exposed_z3 + max(floor, dp_comm - exposed_z3 - hide * last_backward)) if pp == 1 else dp_comm
     shard = rank_numel(key, t, pp, v, worst, n if L.zero_stage >= 1 else 1)
     opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
     if L.offload_optimizer:
