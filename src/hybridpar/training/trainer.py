@@ -273,7 +273,8 @@ class Trainer:
 
     def layout_name(self) -> str:
         p = self.cfg.parallel
-        return f"dp{p.dp} tp{p.tp} pp{p.pp} cp{p.cp} zero{p.zero_stage}"
+        recompute = f" recompute={p.recompute}" if p.recompute != "none" else ""
+        return f"dp{p.dp} tp{p.tp} pp{p.pp} cp{p.cp} zero{p.zero_stage}{recompute}"
 
     def describe(self) -> str:
         t, m = self.cfg.train, self.cfg.model
