@@ -102,10 +102,11 @@ def time_interleaved(probes: dict[str, Probe], device: torch.device, min_time_s:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def cold_pool(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """One random buffer several times the last-level cache (CPU 64 MB, GPU 256 MB)."""
+def cold_pool(device: torch.device, dtype: torch.dtype, min_numel: int = 0) -> torch.Tensor:
+    """One random buffer several times the last-level cache (CPU 64 MB, GPU 256 MB), or of
+    ``min_numel`` elements if more (so that every probe's operands are views of it)."""
     nbytes = (64 if device.type == "cpu" else 256) << 20
-    return torch.randn(nbytes * 8 // torch.finfo(dtype).bits, device=device, dtype=dtype)
+    return torch.randn(max(min_numel, nbytes * 8 // torch.finfo(dtype).bits), device=device, dtype=dtype)
 
 
 def pool_views(pool: torch.Tensor, *shapes: tuple[int, ...]) -> list[tuple[torch.Tensor, ...]]:
@@ -198,9 +199,10 @@ def measure_compute(plan: Plan, device: torch.device, dtype: torch.dtype) -> Com
     GEMM ``[m, k] @ [k, n]`` on the full grid; attention forward and forward + backward (the
     backward's FLOPs are 2.5x the forward's, as FlashAttention-2 counts); the bandwidth of
     ``a * b`` (read 2, write 1) on 1 MB (CPU) / 128 MB (GPU) tensors; the small op; the block."""
-    pool = cold_pool(device, dtype)
-    probes: dict[str, Probe] = {}
     dims = plan.gemm_dims
+    # two groups of the largest GEMM's operands fit: all probes exist at once, as views of one pool
+    pool = cold_pool(device, dtype, 4 * max(dims) ** 2)
+    probes: dict[str, Probe] = {}
     for m in dims:
         for n in dims:
             for k in dims:
