@@ -10,9 +10,9 @@ kept as constraints: a mesh axis (``dp``, ``tp``, ``pp``, ``cp``) set above 1, a
 above 0 and a recompute mode other than ``none``; the planner chooses only the rest (an error if
 no layout of the world size keeps them). Left at ``none``, recomputation is used only for
 layouts that fit in memory no other way (the search tries ``none``, then ``selective``, then
-``full``). The winner is written into the
-config, which then goes through the usual validation and launch; the choice and the runners-up
-(memory, predicted step time, why the others lost) are printed first.
+``full``). The winner is written into the config, which then goes through the usual validation
+and launch; the choice and the runners-up (memory, predicted step time, why the others lost)
+are printed first.
 
 The device model comes from ``train.hardware`` (a known GPU name or a profile from
 ``hybridpar calibrate``), else the calibrated default profile if one was written, else a

@@ -299,7 +299,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     dp_comm = buckets * last_bucket
     last_backward = (stage_lt.b + stage_lt.w) / v * max(scale)
     hide = overlap_fraction(g)
-    exposed_z3 = 0.0  # ZeRO-3 gathers nothing hides (priced below), apart from what backward hides
+    exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed (below): not hidden again by backward
     if L.zero_stage == 3:
         # one all-gather per unit (each block, the embedding, the root) forward and backward, one
         # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero3).
