@@ -13,7 +13,8 @@ the mean loss over the global batch, with 4 bytes x parameters (fp32) on the wir
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -29,6 +30,35 @@ class _Bucket:
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
         self.ready = 0
         self.pending: Pending | None = None
+
+
+T = TypeVar("T")
+
+
+def param_bytes(p: nn.Parameter) -> int:
+    return p.numel() * p.element_size()
+
+
+def cut_buckets(items: Iterable[T], nbytes: Callable[[T], int], bucket_bytes: int,
+                compatible: Callable[[T, T], bool] = lambda first, item: True) -> list[list[T]]:
+    """``items`` in reverse order (roughly the order backward produces their gradients), cut
+    once a bucket holds ``bucket_bytes`` and wherever ``compatible(bucket's first, item)`` fails.
+    The gradient reducer, ZeRO-1/2 and the planner's traffic model all bucket this way."""
+    out: list[list[T]] = []
+    cur: list[T] = []
+    size = 0
+    for item in reversed(list(items)):
+        if cur and not compatible(cur[0], item):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(item)
+        size += nbytes(item)
+        if size >= bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
 
 
 class GradientReducer:
@@ -49,16 +79,7 @@ class GradientReducer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         if axis.size == 1:
             return
-        group: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(params):
-            group.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(_Bucket(group))
-                group, size = [], 0
-        if group:
-            self.buckets.append(_Bucket(group))
+        self.buckets = [_Bucket(group) for group in cut_buckets(params, param_bytes, bucket_bytes)]
         for bucket in self.buckets:
             offset = 0
             for p in bucket.params:

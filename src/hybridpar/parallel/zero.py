@@ -59,7 +59,7 @@ from torch import nn
 
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.data import GradientReducer
+from hybridpar.parallel.data import GradientReducer, cut_buckets, param_bytes
 from hybridpar.parallel.shard import GradShard, OuterSplit, ShardLayout, ShardMesh, storage_bytes
 from hybridpar.parallel.zero3 import ShardedModel
 
@@ -497,20 +497,6 @@ class ZeroOptimizer:
 
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Parameters in reverse order (roughly backward order), cut every ``bucket_bytes`` and
-    wherever dtype or device changes."""
-    out: list[list[nn.Parameter]] = []
-    cur: list[nn.Parameter] = []
-    size = 0
-    for p in reversed(params):
-        if cur and (p.dtype != cur[0].dtype or p.device != cur[0].device):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        size += p.numel() * p.element_size()
-        if size >= bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
-    return out
+    """:func:`~hybridpar.parallel.data.cut_buckets`, also cut wherever dtype or device changes."""
+    return cut_buckets(params, param_bytes, bucket_bytes,
+                       lambda first, p: p.dtype == first.dtype and p.device == first.device)

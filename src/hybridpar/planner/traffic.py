@@ -38,6 +38,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 from hybridpar.config import ModelConfig
+from hybridpar.parallel.data import cut_buckets
 from hybridpar.planner.layout import Layout, Workload
 from hybridpar.planner.memory import layer_partition, padded
 
@@ -102,18 +103,7 @@ def _numel(shape: Shape) -> int:
 
 def buckets(shapes: Iterable[Shape], elem: int, bucket_bytes: int) -> list[list[Shape]]:
     """Parameters in reverse order cut every ``bucket_bytes`` (GradientReducer and ZeRO-1/2)."""
-    out: list[list[Shape]] = []
-    cur: list[Shape] = []
-    size = 0
-    for s in reversed(list(shapes)):
-        cur.append(s)
-        size += _numel(s) * elem
-        if size >= bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
-    return out
+    return cut_buckets(shapes, lambda s: _numel(s) * elem, bucket_bytes)
 
 
 def shard_elems(shapes: Iterable[Shape], n: int) -> int:
