@@ -162,8 +162,8 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
     t, p = cfg.train, cfg.parallel
     work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb)
     keep: dict[str, object] = {"sequence_parallel": p.sequence_parallel, "offload_optimizer": p.offload_optimizer}
-    if p.recompute != "none":  # set explicitly: kept; otherwise recompute only where nothing fits without
-        keep["recompute"] = p.recompute
+    if "recompute" in pinned:  # else the search recomputes only where nothing fits without it
+        keep["recompute"] = pinned["recompute"]
     ranked: list[Evaluation] = []
     rejected: dict[str, int] = {}
     zeros = [pinned["zero_stage"]] if "zero_stage" in pinned else ZERO

@@ -243,18 +243,13 @@ def _axis_ops(comm: Any, axis: Any, full: torch.Tensor, shard: torch.Tensor) -> 
 
 def _collective_time(fn: Callable[[], object], group: Any, device: torch.device,
                      min_time_s: float, batches: int) -> float:
-    """Like :func:`time_call`, with every rank of ``group`` agreeing on the repetition count."""
+    """Median seconds per call over ``batches`` batches, every rank of ``group`` running the same
+    number of calls per batch (the fewest any rank sized for ``min_time_s``, at most 1000)."""
     import torch.distributed as dist
 
-    fn()
-    devices.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    devices.synchronize(device)
-    once = torch.tensor([time.perf_counter() - t0], device=device)
-    dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
-    reps = max(1, min(1000, int(min_time_s / max(float(once), 1e-7))))
-    return median_per_call(fn, device, reps, batches, before_batch=lambda: dist.barrier(group=group))
+    reps = torch.tensor([min(1000, reps_for(fn, device, min_time_s))], device=device)
+    dist.all_reduce(reps, op=dist.ReduceOp.MIN, group=group)
+    return median_per_call(fn, device, int(reps), batches, before_batch=lambda: dist.barrier(group=group))
 
 
 def measure_comm(nproc: int, backend: str, plan: Plan,

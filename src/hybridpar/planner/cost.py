@@ -183,14 +183,15 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     f = fwd_gemm + core + elem + max(0.0, cp_pass - hide * core) + 2 * ar
     b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - hide * core) + 2 * ar
     w_time = bwd_w
-    # full recompute reruns the block's forward, minus what comes after the last tensor backward
-    # needs (torch's checkpoint stops there): the MLP's down projection and its exit collective
-    rerun = f - gemm_time(*gemms[-1], g, ab) - exit_comm if style == "llama" else f
+    # full recompute reruns the block's forward; in this runtime it stops after the last tensor
+    # backward needs (torch's checkpoint), skipping the MLP's down projection and exit collective
+    skip_gemm, skip_comm = (gemm_time(*gemms[-1], g, ab), exit_comm) if style == "llama" else (0.0, 0.0)
+    tp_comm = 4 * ar
     if L.recompute == "full":
-        b_time += rerun
+        b_time += f - skip_gemm - skip_comm
+        tp_comm += 2 * ar - skip_comm
     elif L.recompute == "selective":
         b_time += core
-    tp_comm = 4 * ar + (2 * ar - (exit_comm if style == "llama" else 0.0) if L.recompute == "full" else 0.0)
     return LayerTime(f, b_time, w_time, tp_comm)
 
 

@@ -7,7 +7,7 @@ planner predicts from them (``benchmarks/planner_time.py``):
 * **Cold operands.** A training step streams its activations and weights: each GEMM or
   element-wise op reads tensors last touched a layer ago. Operands are therefore taken in turn
   from one pool several times the last-level cache (:func:`cold_pool`); a tensor reused back to
-  back stays in cache and overstates the rate (12-40% for this runtime's GEMMs on a 2-core
+  back stays in cache and overstates the rate (10-41% for this runtime's GEMMs on a 2-core
   EPYC, several times for element-wise ops).
 * **Interleaved passes.** Every probe is first sized to batches of about ``min_time_s``; then
   ``passes`` passes each time one batch of every probe, and each probe keeps its median batch
@@ -84,11 +84,6 @@ def median_per_call(fn: Probe, device: torch.device, reps: int, batches: int,
         before_batch()
         per_call.append(batch_time(fn, device, reps))
     return statistics.median(per_call)
-
-
-def time_call(fn: Probe, device: torch.device, min_time_s: float, batches: int) -> float:
-    """Seconds per call of one probe on its own: the median of ``batches`` batches."""
-    return median_per_call(fn, device, reps_for(fn, device, min_time_s), batches)
 
 
 def time_interleaved(probes: dict[str, Probe], device: torch.device, min_time_s: float,
