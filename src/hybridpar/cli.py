@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from hybridpar.config import Config, ConfigError, config_warnings, load_config, validate
 from hybridpar.errors import UserError
@@ -95,18 +94,11 @@ def cmd_train(argv: list[str]) -> int:
     resume = _preflight(cfg, nproc, args.resume)
     if nproc == 1 and not args.max_restarts:
         return _run_worker(cfg, resume)
-    restarts = [f"--max-restarts={args.max_restarts}"] if args.max_restarts else []
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *restarts,
-              "-m", "hybridpar.cli", "train", *[a for a in _strip_nproc(argv)]]
-    print(f"hybridpar: launching {nproc} local processes: {' '.join(launch[1:])}", flush=True)
-    from hybridpar.distributed import flight
+    from hybridpar.distributed.launch import launch_local
 
-    run_dir = Path(cfg.train.run_dir)
-    flight.clear(run_dir)
-    code = subprocess.call(launch)
-    if code != 0 and (text := flight.report(run_dir)):
-        print(text, file=sys.stderr)
-    return code
+    print(f"hybridpar: launching {nproc} local processes", flush=True)
+    return launch_local(nproc, ["train", *_strip_nproc(argv)], max_restarts=args.max_restarts or 0,
+                        run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv])
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -157,7 +149,10 @@ def _checkpoint_step(path: Path) -> int:
 
 
 def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False) -> int:
-    from hybridpar.distributed import flight
+    """Train in this process (one rank of a launched job, or the whole run). Returns the exit
+    status: 0 done, 128 + N stopped by signal N after a complete checkpoint; a user error is
+    raised, or (under the local launcher) reported to it and answered with its status."""
+    from hybridpar.distributed import flight, lifecycle
     from hybridpar.distributed.mesh import (
         ParallelDims,
         backend_for,
@@ -167,33 +162,70 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
     from hybridpar.training import device as devices
     from hybridpar.training.trainer import Trainer
 
+    if under_launcher():
+        lifecycle.die_with_parent()
     device = devices.pick_device(cfg.train.device, devices.local_rank())
     init_distributed(backend=backend_for(device.type), timeout_s=cfg.train.timeout_s)
-    try:
-        topo = ParallelDims.from_config(cfg.parallel).build(device.type)
-        run_dir = Path(cfg.train.run_dir)
-        if topo.world_size > 1:
-            flight.dump_on_sigterm(topo.comm.counter, run_dir, topo.rank)
-        if auto_resume:
-            resume = _agreed_latest_checkpoint(topo, run_dir, resume)
-            if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
-                if topo.rank == 0:
-                    print(f"hybridpar: restarted, but {resume} already holds the final step "
-                          f"{cfg.train.steps}: nothing left to train", flush=True)
-                return 0
+    run_dir = Path(cfg.train.run_dir)
+    rank = int(os.environ.get("RANK", "0")) if under_launcher() else 0
+    topo = None
+    clean = False
+    with lifecycle.StopRequest().installed() as stop:
         try:
-            Trainer(cfg, topo, device).fit(resume)
-        except (UserError, NonFiniteLossError):
+            topo = ParallelDims.from_config(cfg.parallel).build(device.type)
+            if topo.world_size > 1:  # a rank signalled while stuck in a collective leaves a record
+                counter = topo.comm.counter
+                stop.on_signal = lambda sig: flight.dump(counter, run_dir, rank, f"received {lifecycle.signal_name(sig)}")
+            if auto_resume:
+                resume = _agreed_latest_checkpoint(topo, run_dir, resume)
+                if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
+                    if topo.rank == 0:
+                        print(f"hybridpar: restarted, but {resume} already holds the final step "
+                              f"{cfg.train.steps}: nothing left to train", flush=True)
+                    clean = True
+                    return 0
+            try:
+                Trainer(cfg, topo, device, stop=stop).fit(resume)
+            except lifecycle.Preempted as p:
+                if topo.rank == 0:
+                    print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
+                          file=sys.stderr, flush=True)
+                clean = True
+                return 128 + p.signum
+            clean = True
+            return 0
+        except (UserError, NonFiniteLossError) as e:
+            kind = "error" if isinstance(e, UserError) else "stopped"
+            if lifecycle.report_error(rank, kind, str(e)):
+                return 2 if kind == "error" else 3
             raise
         except Exception as e:  # e.g. a collective that timed out: leave a flight record
-            if topo.world_size > 1:
+            if topo is not None and topo.world_size > 1:
                 flight.dump(topo.comm.counter, run_dir, topo.rank, f"{type(e).__name__}: {e}")
+                if stop.signum or lifecycle.reported_elsewhere(rank):  # a consequence, not the cause
+                    print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
+                          file=sys.stderr, flush=True)
+                    return 1
                 print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}",
                       file=sys.stderr)
             raise
-    finally:
-        destroy_distributed()
-    return 0
+        finally:
+            _teardown(topo, orderly=clean)
+            destroy_distributed()
+
+
+def _teardown(topo: Topology | None, orderly: bool) -> None:
+    """Release the job's process groups. After a clean finish every rank first waits for the
+    others (a rank that leaves early would cut a peer's last collective), then the groups are
+    destroyed so no gloo thread holds a tensor when the process exits."""
+    if topo is None:
+        return
+    if orderly and topo.world_size > 1:
+        import contextlib
+
+        with contextlib.suppress(Exception):
+            topo.comm.barrier()
+    topo.close()
 
 
 def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None) -> Path | None:
@@ -290,5 +322,25 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
+def entry() -> NoReturn:
+    """``hybridpar`` and ``python -m hybridpar.cli``. A launched worker leaves through
+    :func:`hybridpar.distributed.lifecycle.exit_process` (no interpreter finalization, which can
+    abort while gloo's threads free their last tensors); its groups are gone by then."""
+    if not under_launcher():
+        sys.exit(main())
+    from hybridpar.distributed.lifecycle import exit_process
+
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import sys
 import time
 from pathlib import Path
-from types import FrameType
 
 from hybridpar.distributed.comm import CommCounter
 
@@ -73,13 +70,3 @@ def report(run_dir: Path) -> str | None:
         reason = data["reason"].splitlines()[0][:160] if data["reason"] else ""
         lines.append(f"  rank {data['rank']}: {describe(data['ops'])}; stopped by: {reason}")
     return "\n".join(lines)
-
-
-def dump_on_sigterm(counter: CommCounter, run_dir: Path, rank: int) -> None:
-    """When the launcher terminates this rank (a peer failed), leave a flight record first."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        dump(counter, run_dir, rank, f"terminated by signal {signum} (another rank failed)")
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)

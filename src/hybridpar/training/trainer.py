@@ -21,6 +21,7 @@ import torch
 from hybridpar.config import Config
 from hybridpar.data.corpus import WindowSampler, load_tokens
 from hybridpar.data.errors import check_vocab
+from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
 from hybridpar.distributed.mesh import Topology
 from hybridpar.parallel.context import zigzag_shard
 from hybridpar.training import checkpoint
@@ -60,8 +61,10 @@ class StepResult:
 class Trainer:
     """Trains ``cfg.model`` under the layout in ``topo`` on ``cfg.train.data``."""
 
-    def __init__(self, cfg: Config, topo: Topology, device: torch.device | None = None) -> None:
+    def __init__(self, cfg: Config, topo: Topology, device: torch.device | None = None,
+                 stop: StopRequest | None = None) -> None:
         self.cfg = cfg
+        self.stop = stop  # a signal asks for a checkpoint and a clean stop after the current step
         self.topo = topo
         self.device = device or torch.device("cpu")
         t = cfg.train
@@ -221,9 +224,15 @@ class Trainer:
                 window_t0, window_steps = time.perf_counter(), 0
             else:
                 log.step(None)
-            if step == t.steps or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0):
+            saved = step == t.steps or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
+            if saved:
                 self.save_checkpoint(step)
                 window_t0 = time.perf_counter()  # saving is not training time
+            if step < t.steps and self.stop is not None and (signum := self.stop.agreed(self.topo.world, self.device)):
+                path = checkpoint.step_dir(self.run_dir, step) if saved else self.save_checkpoint(step)
+                log.write(f"stopping after step {step}: {signal_name(signum)} received; checkpoint {path}")
+                log.close()
+                raise Preempted(signum, step, path)
         log.close()
         summary = {"first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
                    "steps": t.steps, "layout": self.layout_name(), "params": m.num_params()}

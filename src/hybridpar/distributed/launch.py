@@ -1,0 +1,92 @@
+"""The local launcher behind ``hybridpar train --nproc N``: torch's elastic agent, run in this
+process, starts the N workers and supervises them.
+
+Running the agent here rather than as a ``torchrun`` child gives one process that owns the job:
+the agent's own signal handling forwards SIGTERM / SIGINT / SIGHUP to every worker (each sits in
+a session of its own, so a terminal's Ctrl-C reaches only this process) and waits for their
+preemption checkpoint; its failures arrive as exceptions this module turns into one line and an
+exit status instead of a traceback. Workers die with this process (``die_with_parent``), so
+nothing of the job outlives it, even under SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from hybridpar.distributed import flight
+from hybridpar.distributed.lifecycle import COMMAND_ENV, ERROR_DIR_ENV, read_reports, signal_name
+
+# Exit statuses of ``hybridpar train``: 2 bad input, 3 a stop by the NaN/Inf policy, 128 + N a
+# stop on signal N (after a complete checkpoint), 1 anything else.
+KIND_EXIT = {"error": 2, "stopped": 3}
+SHUTDOWN_TIMEOUT_S = 120  # how long a signalled worker may take to save its checkpoint
+
+
+def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_dir: Path,
+                 command: list[str]) -> int:
+    """Run ``python -m hybridpar.cli WORKER_ARGV`` on ``nproc`` local ranks and return the job's
+    exit status. ``command`` is the user's own command line (for the resume hint)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # this module says what happened, once
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    flight.clear(run_dir)
+    with tempfile.TemporaryDirectory(prefix="hybridpar-errors-") as errors:
+        env = {ERROR_DIR_ENV: errors, COMMAND_ENV: shlex.join(command)}
+        if nproc > 1:
+            env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            elastic_launch(config, sys.executable)("-m", "hybridpar.cli", *worker_argv)
+            return 0
+        except SignalException as e:  # the agent forwarded it and waited for the workers' checkpoint
+            sig = int(e.sigval)
+            print(f"hybridpar: stopped by {signal_name(sig)}", file=sys.stderr, flush=True)
+            return 128 + sig
+        except ChildFailedError as e:
+            codes = {f.exitcode for f in e.failures.values()}
+            return _report_failure(Path(errors), run_dir, codes)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _report_failure(errors: Path, run_dir: Path, codes: set[int]) -> int:
+    """One message for a failed job: the workers' user error (once), a signal stop, or the
+    ranks' exit codes with the hang report when a collective never completed."""
+    reports = read_reports(errors)
+    if reports:
+        first = reports[0]
+        seen: list[str] = []
+        for r in reports:
+            if r["message"] not in seen:
+                seen.append(r["message"])
+        prefix = "error" if first["kind"] == "error" else "stopped"
+        for message in seen:
+            print(f"hybridpar: {prefix}: {message}", file=sys.stderr, flush=True)
+        return KIND_EXIT.get(first["kind"], 1)
+    stops = {c for c in codes if c > 128 and c - 128 in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    if stops and stops == codes:  # a rank was signalled: all stopped after a checkpoint
+        return max(stops)
+    if text := flight.report(run_dir):
+        print(text, file=sys.stderr)
+    described = ", ".join(str(c) if c >= 0 else f"killed by {signal_name(-c)}" for c in sorted(codes))
+    print(f"hybridpar: a worker failed (exit status {described}); its traceback is above", file=sys.stderr,
+          flush=True)
+    return 1
