@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +17,16 @@ import hybridpar.data.corpus as corpus
 import hybridpar.data.prepare as prep
 from hybridpar.cli import main
 from hybridpar.data.corpus import WindowSampler, load_builtin, load_tokens
-from hybridpar.data.dataset import load_dataset
-from hybridpar.data.errors import DataError, DataNotFoundError, DatasetExistsError
+from hybridpar.data.dataset import check_seq_len, load_dataset
+from hybridpar.data.errors import (
+    DataError,
+    DataNotFoundError,
+    DatasetExistsError,
+    SplitTooShortError,
+)
 from hybridpar.data.prepare import prepare_dataset
 from hybridpar.data.tokenizer import BPETokenizer
+from hybridpar.errors import UserError
 
 WORDS = ["def", "return", "self", "value", "print", "import", "numpy", "tensor", "grad", "héllo", "naïve",
          "données", "loss", "step", "train", "model", "layer", "shard", "token", "π"]
@@ -319,3 +326,32 @@ def test_cli_train_on_unprepared_data_is_one_line(tmp_path, text_dir, capsys):
     assert main(["train", *TINY, "--train.data", str(text_dir), "--train.run_dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a prepared dataset" in err and len(err.splitlines()) == 1
+
+
+def test_split_shorter_than_one_sequence(tmp_path, capsys):
+    """A validation split of 42 tokens cannot hold one sequence of seq_len + 1 = 129: one line that
+    names the split, its size, the need and the fixes, from the pre-launch check and the sampler."""
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("train text " * 100)
+    (text / "b.txt").write_text("x" * 40)  # + the 2-byte separator = 42 validation tokens
+    out = tmp_path / "ds"
+    meta = prepare_dataset([text], out, val_fraction=0.5)
+    assert meta["tokens"]["val"] == 42
+    need = "has 42 tokens, fewer than one sequence needs (train.seq_len + 1 = 129)"
+    with pytest.raises(SplitTooShortError) as e:
+        check_seq_len(meta, 128, out)
+    msg = str(e.value)
+    assert isinstance(e.value, UserError) and "\n" not in msg
+    assert msg.startswith(f"the validation split of {str(out)!r} {need}")
+    assert "--val-fraction" in msg and "smaller --train.seq_len (at most 41)" in msg and "add more text" in msg
+    check_seq_len(meta, 41, out)  # 42 tokens hold exactly one window of 41 + 1
+    data = load_dataset(out)
+    with pytest.raises(SplitTooShortError, match=r"the validation split .* " + re.escape(need)):
+        WindowSampler(data.val, 128, seed=0, split="val", source=str(out))
+    assert WindowSampler(data.val, 41, seed=0).windows == 1
+    # through the CLI: one line, exit status 2 (refused before launch once _preflight calls check_seq_len)
+    assert main(["train", *TINY, "--model.max_seq_len", "128", "--train.seq_len", "128", "--train.data", str(out),
+                 "--train.run_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and need in err, err

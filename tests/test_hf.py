@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from hybridpar.cli import main
 from hybridpar.config import Config, ConfigError, load_config
+from hybridpar.data.tokenizer import BPETokenizer, ByteTokenizer
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.hf import (
     HFError,
@@ -211,10 +212,13 @@ def test_convert_cli(tmp_path, monkeypatch, capsys):
     ours.init_weights(5)
     fake = types.ModuleType("hybridpar.training.checkpoint")
     fake.load_model_state = lambda path: (cfg, ours.state_dict())
+    fake.load_tokenizer_of = lambda path: ByteTokenizer()
     monkeypatch.setitem(sys.modules, "hybridpar.training.checkpoint", fake)
     (tmp_path / "ckpt").mkdir()
     out = tmp_path / "hf"
     assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(out)]) == 0
+    assert "with its bytes tokenizer (vocab 256)" in capsys.readouterr().out
+    assert transformers.AutoTokenizer.from_pretrained(out)("héllo")["input_ids"] == list("héllo".encode())
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert rel_err(hf(input_ids=tokens()).logits, ours(tokens())) <= 1e-5
@@ -236,6 +240,7 @@ def test_convert_real_checkpoint(tmp_path):
     cfg, state = ckpt.load_model_state(path)
     assert isinstance(cfg, Config)
     assert main(["convert", str(path), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert_same_tokenizer(transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"), ckpt.load_tokenizer_of(path))
     ours = Llama(cfg.model)
     ours.load_state_dict(state, strict=True)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -245,3 +250,45 @@ def test_convert_real_checkpoint(tmp_path):
 
 def test_config_error_is_a_config_error():
     assert issubclass(HFError, ConfigError)
+
+
+TEXTS = ["hello world", "  two  spaces\tand a tab\n\nnew paragraph ", "héllo naïve données π", "日本語 🤖 ß",
+         "\x00\x01 control\x7f", ""]
+
+
+def assert_same_tokenizer(hf_tok, ours) -> None:
+    """transformers' tokenizer encodes (without added tokens) and decodes exactly like ours."""
+    assert len(hf_tok) == ours.vocab_size
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert hf_tok(text)["input_ids"] == hf_tok.encode(text) == ids, text
+        assert hf_tok.decode(ids) == ours.decode(ids) == text, text
+
+
+def train_bpe() -> BPETokenizer:
+    words = ["def", "return", "self", "héllo", "naïve", "données", "π", "tensor", " ", "\n"]
+    return BPETokenizer.train(iter([" ".join(words[(i * 7 + j) % len(words)] for j in range(50))
+                                    for i in range(20)]), 300)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_exported_tokenizer_loads_in_transformers(tmp_path, kind):
+    """``save_hf(..., tokenizer=...)`` (what ``hybridpar convert`` calls with the checkpoint's
+    tokenizer) writes tokenizer.json + tokenizer_config.json that AutoTokenizer loads beside the
+    Llama config.json (so not as LlamaTokenizer, which would add a BOS token) and that encodes
+    every text to the ids ours gives; nothing is downloaded."""
+    ours = ByteTokenizer() if kind == "bytes" else train_bpe()
+    cfg = load_config(None, [*MODEL_ARGS, *TRAIN_ARGS]).model
+    model = Llama(cfg)
+    model.init_weights(0)
+    out = save_hf(model.state_dict(), cfg, tmp_path / "hf", tokenizer=ours)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok.model_max_length == cfg.max_seq_len
+    assert_same_tokenizer(hf_tok, ours)
+    if kind == "bytes":  # one id per UTF-8 byte, the whole byte range included
+        every_byte = bytes(range(256)).decode("latin-1")
+        assert hf_tok(every_byte)["input_ids"] == list(every_byte.encode())
+        assert sorted(hf_tok.get_vocab().values()) == list(range(256))
+        assert hf_tok.decode(list(b"ab\xff\xfecd")) == ours.decode(list(b"ab\xff\xfecd"))  # invalid UTF-8

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from hybridpar.data.dataset import FORMAT_VERSION, META_FILE, TokenSplits, load_dataset
-from hybridpar.data.errors import DataError, DatasetExistsError
+from hybridpar.data.errors import DataError, DatasetExistsError, split_too_short
 from hybridpar.data.prepare import prepare_dataset
 from hybridpar.data.tokenizer import BYTE_VOCAB, ByteTokenizer
 
@@ -109,13 +109,15 @@ class WindowSampler:
     resumed run continues from the step alone.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, split: str | None = None,
+                 source: str | None = None) -> None:
+        """``split`` ("train", "val") and ``source`` (the dataset) only name the data in errors."""
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < 1:
-            raise ValueError(f"corpus of {len(tokens)} tokens is shorter than one sequence of {seq_len + 1}")
+            raise split_too_short(split, len(tokens), seq_len, source)
         self._perm_epoch = -1
         self._perm = np.arange(self.windows)
 

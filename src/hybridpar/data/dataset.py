@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridpar.data.errors import DataError, DataNotFoundError
+from hybridpar.data.errors import DataError, DataNotFoundError, split_too_short
 from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 FORMAT = "hybridpar-tokens"
@@ -160,6 +160,18 @@ def read_meta(directory: Path) -> dict[str, Any]:
         raise DataError(f"{str(path)!r} has format version {version!r}, this hybridpar reads version "
                         f"{FORMAT_VERSION}; {_fix(directory)}")
     return meta
+
+
+def check_seq_len(meta: dict[str, Any], seq_len: int, source: str | Path | None = None) -> None:
+    """Before launch: every split of a dataset (its ``meta.json``) must hold at least one training
+    sequence of ``seq_len + 1`` tokens (inputs and their shifted targets)."""
+    tokens = meta.get("tokens")
+    if not isinstance(tokens, dict):
+        return  # malformed meta: load_dataset reports it with the fix
+    for split in SPLITS:
+        n = tokens.get(split)
+        if isinstance(n, int) and n < seq_len + 1:
+            raise split_too_short(split, n, seq_len, None if source is None else str(source))
 
 
 def verify_shard(path: Path, entry: dict[str, Any], dtype: np.dtype, vocab_size: int) -> None:

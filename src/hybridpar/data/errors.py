@@ -23,3 +23,22 @@ def check_vocab(data_vocab: int, model_vocab: int) -> None:
     if data_vocab > model_vocab:
         raise DataError(f"data vocabulary {data_vocab} > model.vocab_size = {model_vocab}; "
                         f"raise model.vocab_size to at least {data_vocab}")
+
+
+class SplitTooShortError(DataError):
+    """A split (train or validation) holds fewer tokens than one training sequence needs."""
+
+
+SPLIT_NAMES = {"train": "training", "val": "validation"}
+
+
+def split_too_short(split: str | None, tokens: int, seq_len: int, source: str | None = None) -> SplitTooShortError:
+    """The one-line error for a split of ``tokens`` tokens when a sequence needs ``seq_len + 1``."""
+    what = f"the {SPLIT_NAMES.get(split, split)} split" if split else "a split"
+    where = f" of {source!r}" if source else ""
+    fixes = ["add more text"]
+    if split != "train":
+        fixes.append("prepare with a larger --val-fraction")
+    fixes.append("pass a smaller --train.seq_len" + (f" (at most {tokens - 1})" if tokens >= 2 else ""))
+    return SplitTooShortError(f"{what}{where} has {tokens} tokens, fewer than one sequence needs (train.seq_len + 1 "
+                              f"= {seq_len + 1}); {', '.join(fixes[:-1])} or {fixes[-1]}")

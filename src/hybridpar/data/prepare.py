@@ -9,7 +9,9 @@ split by tokens instead.
 
 Atomicity: everything is written into a temporary sibling directory, ``meta.json`` last, and the
 directory is renamed to ``--out`` only when complete. An interrupted run leaves at most a hidden
-``.<name>.tmp-*`` sibling, never a directory that loads.
+``.<name>.tmp-*`` sibling, never a directory that loads. Before the rename the directory and its
+files get the modes a plain ``mkdir``/``open`` would (``0o777``/``0o666`` less the umask), not the
+temporary directory's private 0700, so a dataset can be shared.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from hybridpar.data.tokenizer import (
     token_dtype,
     utf8_text,
 )
+from hybridpar.fsutil import publish_modes
 
 SEPARATOR = b"\n\n"
 DEFAULT_VAL_FRACTION = 0.05
@@ -226,6 +229,7 @@ def prepare_dataset(
             "tokens": {s: e["tokens"] for s, e in splits.items()}, "splits": splits, "sources": sources,
         }
         write_json(tmp / META_FILE, meta)  # last: its presence marks a complete dataset
+        publish_modes(tmp)  # mkdtemp made it 0700: give it the modes a plain mkdir/open would
         _install(tmp, out, force)
     except BaseException:
         for w in writers.values():

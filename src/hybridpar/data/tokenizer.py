@@ -23,6 +23,7 @@ from hybridpar.data.errors import DataError, DataNotFoundError
 
 BYTE_VOCAB = 256
 TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 DEFAULT_BPE_VOCAB = 8192
 
 
@@ -35,6 +36,8 @@ class Tokenizer(Protocol):
     def decode(self, tokens: Iterable[int]) -> str: ...
 
     def encode_document(self, data: bytes, name: str) -> np.ndarray: ...
+
+    def export_hf(self, directory: Path, model_max_length: int | None = None) -> None: ...
 
 
 class ByteTokenizer:
@@ -51,6 +54,23 @@ class ByteTokenizer:
 
     def encode_document(self, data: bytes, name: str) -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8)
+
+    def to_hf(self) -> Any:
+        """The same tokenizer as a ``tokenizers.Tokenizer``: the ByteLevel pre-tokenizer (no regex
+        split, no prefix space) turns text into its UTF-8 bytes, each shown as one printable symbol,
+        and a merge-free BPE whose vocabulary maps the symbol of byte ``b`` to id ``b``."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        symbol = _byte_symbols()
+        tok = HFTokenizer(models.BPE(vocab={symbol[b]: b for b in range(BYTE_VOCAB)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    def export_hf(self, directory: Path, model_max_length: int | None = None) -> None:
+        """Write ``tokenizer.json`` + ``tokenizer_config.json`` that ``AutoTokenizer`` loads."""
+        _export_hf(self.to_hf(), directory, model_max_length)
 
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=256)"
@@ -100,8 +120,40 @@ class BPETokenizer:
     def encode_document(self, data: bytes, name: str) -> np.ndarray:
         return np.asarray(self.encode(utf8_text(data, name)), dtype=np.int64)
 
+    def export_hf(self, directory: Path, model_max_length: int | None = None) -> None:
+        """Write ``tokenizer.json`` + ``tokenizer_config.json`` that ``AutoTokenizer`` loads."""
+        _export_hf(self.tok, directory, model_max_length)
+
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size})"
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable symbol of each byte, the one the ``ByteLevel`` pre-tokenizer emits:
+    printable Latin-1 bytes stand for themselves, the other 68 map to U+0100 onwards in order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbol, extra = {b: chr(b) for b in keep}, 0
+    for b in range(BYTE_VOCAB):
+        if b not in symbol:
+            symbol[b] = chr(BYTE_VOCAB + extra)
+            extra += 1
+    return [symbol[b] for b in range(BYTE_VOCAB)]
+
+
+def _export_hf(tok: Any, directory: Path, model_max_length: int | None) -> None:
+    """``tokenizer.json`` plus a ``tokenizer_config.json`` that names the generic fast tokenizer
+    class (a Llama ``config.json`` beside it would otherwise pick LlamaTokenizer, which adds a BOS
+    token ours never has) and turns off decode's whitespace clean-up (ours returns the text as is).
+    There are no special tokens, so no ``special_tokens_map.json``."""
+    import json
+
+    directory = Path(directory)
+    tok.save(str(directory / TOKENIZER_FILE))
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                              "add_bos_token": False, "add_eos_token": False}
+    if model_max_length is not None:
+        config["model_max_length"] = int(model_max_length)
+    (directory / HF_TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def utf8_text(data: bytes, name: str) -> str:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, ModelConfig
+from hybridpar.fsutil import publish_modes
 from hybridpar.models.llama import Llama, from_hf_key, hf_key, to_hf_config_dict
 
 __all__ = ["HFError", "check_same_shape", "cmd_convert", "init_from_hf", "load_hf_state_dict",
@@ -213,10 +214,14 @@ def init_from_hf(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | None =
     model.load_state_dict(load_hf_state_dict(hf_dir, cfg, read), strict=True)
 
 
-def save_hf(model_state: dict[str, Tensor], cfg: ModelConfig, out_dir: str | Path, overwrite: bool = False) -> Path:
+def save_hf(model_state: dict[str, Tensor], cfg: ModelConfig, out_dir: str | Path, overwrite: bool = False,
+            tokenizer: Any = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (fp32, HF names) that
-    ``LlamaForCausalLM.from_pretrained(out_dir)`` loads. Atomic: built in a temporary sibling
-    directory, then renamed; an existing non-empty ``out_dir`` is replaced only with ``overwrite``."""
+    ``LlamaForCausalLM.from_pretrained(out_dir)`` loads, and with ``tokenizer`` (an object with
+    ``export_hf(directory, model_max_length)``, e.g. a hybridpar.data tokenizer) the files that
+    ``AutoTokenizer.from_pretrained(out_dir)`` loads. Atomic: built in a temporary sibling
+    directory, then renamed; an existing non-empty ``out_dir`` is replaced only with ``overwrite``.
+    Published with the modes a plain mkdir/open would give (the safetensors writer's are 0600)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{str(out)!r} exists and is not empty; choose a new directory or pass --overwrite")
@@ -233,6 +238,9 @@ def save_hf(model_state: dict[str, Tensor], cfg: ModelConfig, out_dir: str | Pat
         tmp.mkdir()
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.export_hf(tmp, model_max_length=cfg.max_seq_len)
+        publish_modes(tmp)
         if out.exists():
             out.rename(old)
         tmp.rename(out)
@@ -249,7 +257,8 @@ def _convert_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridpar convert",
                                 description="Export a hybridpar checkpoint as Hugging Face LlamaForCausalLM weights.")
     p.add_argument("checkpoint", help="a hybridpar checkpoint directory")
-    p.add_argument("--to-hf", required=True, metavar="DIR", help="output directory (config.json + model.safetensors)")
+    p.add_argument("--to-hf", required=True, metavar="DIR",
+                   help="output directory (config.json + model.safetensors + the tokenizer's tokenizer.json)")
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
     return p
 
@@ -257,14 +266,16 @@ def _convert_parser() -> argparse.ArgumentParser:
 def cmd_convert(argv: list[str]) -> int:
     """``hybridpar convert CHECKPOINT --to-hf DIR [--overwrite]``."""
     args = _convert_parser().parse_args(argv)
-    from hybridpar.training.checkpoint import load_model_state
+    from hybridpar.training.checkpoint import load_model_state, load_tokenizer_of
 
     if not Path(args.checkpoint).is_dir():
         raise ConfigError(f"checkpoint {args.checkpoint!r} is not a directory; pass a hybridpar checkpoint directory")
     try:
         cfg, state = load_model_state(args.checkpoint)
-        out = save_hf(state, cfg.model, args.to_hf, overwrite=args.overwrite)
+        tokenizer = load_tokenizer_of(args.checkpoint)
+        out = save_hf(state, cfg.model, args.to_hf, overwrite=args.overwrite, tokenizer=tokenizer)
     except FileExistsError as e:
         raise ConfigError(str(e)) from None
-    print(f"hybridpar: wrote {cfg.model.num_params() / 1e6:.2f}M parameters as Hugging Face Llama to {out}")
+    print(f"hybridpar: wrote {cfg.model.num_params() / 1e6:.2f}M parameters as Hugging Face Llama to {out}, "
+          f"with its {tokenizer.kind} tokenizer (vocab {tokenizer.vocab_size})")
     return 0

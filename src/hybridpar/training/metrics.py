@@ -13,18 +13,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from hybridpar.fsutil import (
+    atomic_write_text as atomic_write_text,  # re-exported: its users import it here
+)
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a whole file or nothing: a temporary sibling, fsync, then rename over."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class MetricsLogger:
