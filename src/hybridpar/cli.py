@@ -231,12 +231,23 @@ def _teardown(topo: Topology | None, orderly: bool) -> None:
 def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None) -> Path | None:
     """The newest complete checkpoint in ``run_dir`` as rank 0 sees it, the same on every rank (a
     broadcast of its step), else ``fallback`` (``--resume``; None: start over). Used when torchrun
-    restarted the job after a failure (``train.auto_resume``)."""
+    restarted the job after a failure (``train.auto_resume``). Newer checkpoints that fail their
+    checksums are skipped, and rank 0 says which and why."""
     import torch
 
-    from hybridpar.training.checkpoint import latest_checkpoint, read_info, step_dir
+    from hybridpar.training.checkpoint import (
+        latest_verified_checkpoint,
+        read_info,
+        recover,
+        step_dir,
+    )
 
-    found = latest_checkpoint(run_dir) if topo.rank == 0 else None
+    found = None
+    if topo.rank == 0:  # the others wait in the broadcast while rank 0 tidies and checks the checksums
+        recover(run_dir)
+        found, skipped = latest_verified_checkpoint(run_dir)
+        for _, why in skipped:
+            print(f"hybridpar: skipping checkpoint {why}", flush=True)
     step = torch.tensor([int(read_info(found)["step"]) if found is not None else -1], dtype=torch.int64)
     topo.comm.broadcast(step, topo.world, src=0)
     chosen = step_dir(run_dir, int(step)) if int(step) >= 0 else fallback

@@ -142,6 +142,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 0  # keep the newest K complete checkpoints, delete older ones; 0 = keep all
     run_dir: str = "runs/default"
     data: str = "builtin"
     sample_tokens: int = 200
@@ -356,7 +357,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
         need(getattr(t, key) >= 1, f"train.{key} = {getattr(t, key)} must be >= 1")
-    for key in ("eval_every", "checkpoint_every", "warmup_steps", "sample_tokens"):
+    for key in ("eval_every", "checkpoint_every", "keep_checkpoints", "warmup_steps", "sample_tokens"):
         need(getattr(t, key) >= 0, f"train.{key} = {getattr(t, key)} must be >= 0")
     need(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 <= train.min_lr ({t.min_lr}) <= train.lr ({t.lr}) and lr > 0")
     need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 = {t.beta1}, beta2 = {t.beta2} must be in [0, 1)")

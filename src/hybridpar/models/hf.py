@@ -65,6 +65,10 @@ def _rope_type(rope: Any) -> str | None:
 def model_config_from_hf(hf_dir: str | Path) -> ModelConfig:
     """The :class:`ModelConfig` of the Llama model in ``hf_dir/config.json``; rejects what we
     cannot represent exactly, naming the key and value."""
+    if (Path(hf_dir) / "complete.json").is_file():  # has a config.json too, but hybridpar's own
+        raise HFError(f"{str(hf_dir)!r} is a hybridpar checkpoint, not a Hugging Face model directory: continue "
+                      f"training from it with --resume {hf_dir}, or export it with "
+                      f"`hybridpar convert {hf_dir} --to-hf DIR` and start from DIR")
     c = _read_config(hf_dir)
     where = str(Path(hf_dir) / "config.json")
 

@@ -2,9 +2,13 @@
 reshard them), plus the run's config and position as plain JSON.
 
 Layout of ``<run_dir>/checkpoints/step-000010/``: DCP's ``.distcp`` shards and ``.metadata``,
-``config.json``, and ``complete.json`` written last. Everything is written into a temporary
-sibling first and renamed once every rank has finished, so a directory named ``step-*`` with a
-``complete.json`` is always whole; anything else is ignored by ``--resume``.
+``config.json``, the tokenizer files, and ``complete.json`` written last with the size and
+sha256 of every other file. Everything is written into ``.tmp-step-000010`` first, fsynced, and
+renamed once every rank has finished, so a directory named ``step-*`` with a ``complete.json``
+is always whole; anything else is ignored by ``--resume``. Re-saving an existing step moves the
+old directory aside (``.old-step-N``) before the new one is renamed in; a crash in between
+leaves the old one to be restored (:func:`recover`). Deleted checkpoints are first renamed to
+``.del-step-N``, so a half-deleted one is never mistaken for a checkpoint.
 
 Nothing here unpickles untrusted data: tensors load with ``weights_only``, and DCP's pickled
 metadata goes through an allow-list unpickler (:class:`SafeReader`).
@@ -13,11 +17,13 @@ metadata goes through an allow-list unpickler (:class:`SafeReader`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import pickle
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,9 +46,9 @@ from hybridpar.config import Config, ConfigError, config_from_dict
 from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, save_tokenizer
 from hybridpar.distributed.mesh import Topology
 from hybridpar.errors import UserError
+from hybridpar.fsutil import dir_mode, publish_modes
 from hybridpar.parallel.tensor_plan import shard_dim
 from hybridpar.parallel.zero import ZeroOptimizer
-from hybridpar.training.metrics import atomic_write_text
 
 COMPLETE = "complete.json"
 TOKENIZER_INFO = "tokenizer-info.json"
@@ -102,6 +109,8 @@ class SafeReader(dcp.FileSystemReader):
 
 # ----------------------------------------------------------------------------- paths
 
+TMP, OLD, DEL = ".tmp-", ".old-", ".del-"  # prefixes of a save in progress, a replaced step, a deletion
+
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CKPT_DIR / f"step-{step:06d}"
@@ -111,38 +120,206 @@ def is_complete(path: Path) -> bool:
     return (Path(path) / COMPLETE).is_file()
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete ``step-*`` checkpoint under ``run_dir``, or None."""
-    root = Path(run_dir) / CKPT_DIR
+def _step_of(path: Path) -> int | None:
+    """N of a directory named ``step-N``, else None."""
+    name = Path(path).name
+    digits = name[len("step-"):]
+    return int(digits) if name.startswith("step-") and digits.isdigit() else None
+
+
+def _candidates(root: Path) -> list[Path]:
+    """The ``step-N`` directories under ``root`` that have a ``complete.json``, newest first."""
     if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and is_complete(p))
-    return done[-1] if done else None
+        return []
+    found = [(s, p) for p in root.iterdir() if (s := _step_of(p)) is not None and p.is_dir() and is_complete(p)]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _problem(path: Path, deep: bool) -> str | None:
+    """Why ``path`` is not a whole checkpoint, as the rest of a sentence that starts with
+    "checkpoint " (None: it is whole): a valid ``complete.json``, the metadata, and every file of
+    its manifest at its size; ``deep`` also reads the metadata through the safe unpickler and
+    compares every checksum."""
+    if not path.is_dir():
+        return f"{path} does not exist"
+    if not is_complete(path):
+        return f"{path} is incomplete (no {COMPLETE}); it was interrupted while saving"
+    info, why = _info(path)
+    if why is not None:
+        return why
+    if not (path / ".metadata").is_file():
+        return f"{path} has no .metadata; it is not a complete hybridpar checkpoint"
+    if deep:
+        try:
+            SafeReader(str(path)).read_metadata()  # refuse unsafe or corrupt metadata before DCP wraps the error
+        except CheckpointError as e:
+            return str(e).removeprefix("checkpoint ")
+    for name, entry in info.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{path} is missing {name}; it was damaged after saving"
+        size = f.stat().st_size
+        if size != entry["bytes"] or (deep and _sha256(f) != entry["sha256"]):
+            return (f"file {f} does not match its checksum in {COMPLETE} ({size} bytes, expected "
+                    f"{entry['bytes']}); it is corrupt")
+    return None
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest whole ``step-*`` checkpoint under ``run_dir`` (a valid ``complete.json`` and
+    every file it lists, at its size; checksums are not read), or None. Leftovers of an
+    interrupted save (``.tmp-*``, ``.old-*``, ``.del-*``) are never picked."""
+    return next((p for p in _candidates(Path(run_dir) / CKPT_DIR) if _problem(p, deep=False) is None), None)
+
+
+def latest_verified_checkpoint(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under ``run_dir`` that passes :func:`require_complete` (every
+    checksum), and the newer ones skipped on the way, each with the reason."""
+    skipped: list[tuple[Path, str]] = []
+    for p in _candidates(Path(run_dir) / CKPT_DIR):
+        why = _problem(p, deep=True)
+        if why is None:
+            return p, skipped
+        skipped.append((p, why))
+    return None, skipped
+
+
+def _earlier(path: Path) -> Path | None:
+    """The newest verified checkpoint beside ``path`` with a lower step (for error messages)."""
+    step = _step_of(path)
+    for p in _candidates(Path(path).parent):
+        if p != path and (step is None or (_step_of(p) or 0) < step) and _problem(p, deep=True) is None:
+            return p
+    return None
+
+
+def recover(run_dir: Path) -> None:
+    """Finish what a crash interrupted under ``run_dir/checkpoints``: an ``.old-step-N`` (moved
+    aside to re-save step N) is put back when no whole ``step-N`` replaced it, and removed when
+    one did; ``.del-*`` (checkpoints being deleted) are removed. Safe to run on several ranks at
+    once (each step is a rename that at most one wins); not while a save is running."""
+    _recover_dir(Path(run_dir) / CKPT_DIR)
+
+
+def _recover_dir(root: Path) -> None:
+    if not root.is_dir():
+        return
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(DEL):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(OLD) and _step_of(Path(p.name[len(OLD):])) is not None:
+            target = root / p.name[len(OLD):]
+            if target.exists() and _problem(target, deep=False) is None:
+                _remove(p)
+            elif not target.exists() and _problem(p, deep=False) is None:
+                with contextlib.suppress(OSError):
+                    os.rename(p, target)
+                    _fsync_dir(root)
+            elif not target.exists():
+                _remove(p)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory so that no crash leaves a half-deleted one that looks
+    whole: rename it to ``.del-<name>`` first (atomic), then delete that."""
+    doomed = path.with_name(DEL + path.name.removeprefix(OLD))
+    try:
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(path, doomed)
+    except OSError:  # gone already (another rank), or not ours to rename: leave it
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def resolve_resume(resume: str, run_dir: Path) -> Path:
-    """``--resume`` with no value (``"latest"``) or a path -> a complete checkpoint directory."""
+    """``--resume`` with no value (``"latest"``) or a path -> a complete checkpoint directory.
+    ``latest`` skips checkpoints that fail their checksums, saying so on rank 0."""
     if resume == "latest":
-        found = latest_checkpoint(run_dir)
+        recover(run_dir)
+        found, skipped = latest_verified_checkpoint(run_dir)
+        if os.environ.get("RANK", "0") == "0":
+            for _, why in skipped:
+                print(f"hybridpar: warning: skipping checkpoint {why}", file=sys.stderr, flush=True)
         if found is None:
-            raise CheckpointError(f"--resume: no complete checkpoint under {Path(run_dir) / CKPT_DIR}; "
+            why = f" (newest: checkpoint {skipped[0][1]})" if skipped else ""
+            raise CheckpointError(f"--resume: no complete checkpoint under {Path(run_dir) / CKPT_DIR}{why}; "
                                   "start without --resume or pass a checkpoint path")
         return found
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
     if not is_complete(path):
-        raise CheckpointError(f"--resume {resume}: checkpoint is incomplete (no {COMPLETE}); "
-                              "it was interrupted while saving — pick an earlier one")
+        raise CheckpointError(f"--resume {resume}: {_not_a_checkpoint(path, resume=True)}")
+    why = _problem(path, deep=False)
+    if why is not None:
+        raise CheckpointError(f"--resume {resume}: checkpoint {why}{_use_earlier(path)}")
     return path
 
 
-def read_info(path: Path) -> dict[str, Any]:
-    """The completion record (step, format, time) of a complete checkpoint."""
+def _not_a_checkpoint(path: Path, resume: bool) -> str:
+    """What a directory without ``complete.json`` is, and what to pass instead."""
+    if (path / CKPT_DIR).is_dir():
+        latest = latest_checkpoint(path)
+        example = latest if latest is not None else f"{path / CKPT_DIR}/step-N"
+        if resume:
+            return (f"is a run directory, not a checkpoint; use --resume (latest) with --train.run_dir {path}, "
+                    f"or --resume {example}")
+        return f"is a run directory, not a checkpoint; pass one of its checkpoints, e.g. {example}"
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        if resume:
+            return f"is a Hugging Face model directory, not a checkpoint; use --train.init_from {path}"
+        return f"is a Hugging Face model directory, not a hybridpar checkpoint; train from it with --train.init_from {path}"
+    return f"checkpoint is incomplete (no {COMPLETE}); it was interrupted while saving — pick an earlier one"
+
+
+def _use_earlier(path: Path) -> str:
+    earlier = _earlier(path)
+    if earlier is None:
+        return f" — there is no earlier complete checkpoint in {path.parent}"
+    return f" — resume from the earlier complete checkpoint {earlier} (--resume {earlier})"
+
+
+def _info_problem(info: Any) -> str | None:
+    """What is wrong with a parsed ``complete.json`` (None: nothing)."""
+    if not isinstance(info, dict):
+        return "is not a JSON object"
+    if "step" not in info:
+        return "has no 'step'"
+    step = info["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"has step = {json.dumps(step)}, not a step number >= 0"
+    if "format" in info and info["format"] != FORMAT:
+        return f"has format = {json.dumps(info['format'])}; this hybridpar reads format {FORMAT}"
+    files = info.get("files", {})
+    if not isinstance(files, dict):
+        return "has a 'files' manifest that is not an object"
+    for name, entry in files.items():
+        ok = (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)
+              and name not in ("", ".", "..") and "/" not in name and "\\" not in name)
+        if not ok:
+            return f"has a malformed 'files' entry {json.dumps(name)}"
+    return None
+
+
+def _info(path: Path) -> tuple[dict[str, Any], str | None]:
+    """``complete.json`` of ``path`` and, if it is unusable, why (a "checkpoint ..." sentence tail)."""
     try:
-        return json.loads((Path(path) / COMPLETE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: unreadable {COMPLETE} ({e})") from None
+        info = json.loads((Path(path) / COMPLETE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        return {}, f"{path}: unreadable {COMPLETE} ({e})"
+    why = _info_problem(info)
+    if why is not None:
+        return {}, f"{path}: {COMPLETE} {why}; it was not written by hybridpar or was edited"
+    return info, None
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    """The completion record (step, format, time, manifest) of a complete checkpoint, checked
+    field by field before anything is loaded."""
+    info, why = _info(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {why}")
+    return info
 
 
 def read_config(path: Path) -> Config:
@@ -156,34 +333,241 @@ def read_config(path: Path) -> Config:
 
 # ----------------------------------------------------------------------------- save / load
 
+_SMALL_FILES = 1 << 20  # room for .metadata, config.json and the tokenizer on top of the tensors
+
 
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, cfg: Config, step: int,
          topo: Topology, tokenizer: Tokenizer | None = None, extra: dict[str, Any] | None = None) -> Path:
     """Write a complete checkpoint for ``step`` at ``path`` atomically (all ranks call this).
-    The tokenizer travels with it, so ``generate`` and ``convert`` need no dataset."""
+    The tokenizer travels with it, so ``generate`` and ``convert`` need no dataset.
+
+    Crash-safe: shards, config and tokenizer are fsynced into ``.tmp-<name>`` before
+    ``complete.json`` (their manifest) is written and fsynced, then the directory is renamed in
+    (an existing ``path`` is moved aside first and deleted after). A checkpoint that does not fit
+    on the disk (estimated before writing, or a write that fails) raises one CheckpointError,
+    leaves no temporary directory and keeps every earlier checkpoint. With
+    ``train.keep_checkpoints = K > 0`` the older complete checkpoints beyond the newest K are
+    deleted once this one is complete."""
     path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
+    root = path.parent
+    tmp = path.with_name(f"{TMP}{path.name}")
+    failure: str | None = None
     if topo.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    topo.comm.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _recover_dir(root)
+            for leftover in root.glob(f"{TMP}*"):  # an interrupted save: never completed, never picked
+                shutil.rmtree(leftover, ignore_errors=True)
+            tmp.mkdir()
+            os.chmod(tmp, dir_mode())
+        except OSError as e:
+            failure = f"checkpoint {path} could not be written: {_reason(e)}"
     state = _train_state(model, optimizer, topo, extra)
-    with single_process_quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(topo),
-                 no_dist=topo.world_size == 1)
-    topo.comm.barrier()
+    need = _needed_bytes(state, topo)
+    if topo.rank == 0 and failure is None:
+        free = _free_bytes(root)
+        if free is not None and free < need:
+            failure = (f"not enough disk space for checkpoint {path}: it needs about {_size(need)}, "
+                       f"{root} has {_size(free)} free; free some space, keep fewer checkpoints "
+                       "(train.keep_checkpoints) or use another train.run_dir")
+    _agree(topo, failure, path, tmp)
+    error: BaseException | None = None
+    try:
+        with single_process_quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(topo),
+                     no_dist=topo.world_size == 1)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        error = e
+    _agree(topo, error, path, tmp, need)
     if topo.rank == 0:
-        atomic_write_text(tmp / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, tmp)
-        atomic_write_text(tmp / COMPLETE, json.dumps({"step": step, "format": FORMAT, "time": time.time(),
-                                                      "world_size": topo.world_size,
-                                                      "files": _manifest(tmp)}, indent=1) + "\n")
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        try:
+            _publish(tmp, path, cfg, step, topo.world_size, tokenizer)
+        except (OSError, RuntimeError) as e:
+            error = e
+    _agree(topo, error, path, tmp, need)
+    if topo.rank == 0 and cfg.train.keep_checkpoints > 0:
+        _retain(root, path, cfg.train.keep_checkpoints)
     topo.comm.barrier()
     return path
+
+
+def _publish(tmp: Path, path: Path, cfg: Config, step: int, world_size: int, tokenizer: Tokenizer | None) -> None:
+    """Rank 0: complete ``tmp`` (config, tokenizer, then the manifest), make it durable and
+    readable as the umask allows, and rename it to ``path``."""
+    _write_durable(tmp / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, tmp)
+    publish_modes(tmp)
+    for f in tmp.iterdir():
+        _fsync_file(f)  # DCP fsynced its shards; the tokenizer writer may not have
+    _write_durable(tmp / COMPLETE, json.dumps({"step": step, "format": FORMAT, "time": time.time(),
+                                               "world_size": world_size, "files": _manifest(tmp)}, indent=1) + "\n")
+    _fsync_dir(tmp)
+    root = path.parent
+    aside = path.with_name(f"{OLD}{path.name}")
+    if path.exists():  # re-saving a step: the old one stays whole (as .old-*) until the new is in place
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(path, aside)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            os.rename(aside, path)
+            raise
+    else:
+        os.replace(tmp, path)
+    _fsync_dir(root)
+    if aside.exists():
+        _remove(aside)
+
+
+def _retain(root: Path, saved: Path, keep: int) -> None:
+    """Rank 0, after ``saved`` is complete: delete the complete checkpoints older than it beyond
+    the newest ``keep`` (``saved`` included). Newer steps (another run's) are left alone."""
+    step = _step_of(saved)
+    older = [p for p in _candidates(root) if p != saved and step is not None and (_step_of(p) or 0) < step]
+    for p in older[keep - 1:]:
+        _remove(p)
+    _fsync_dir(root)
+
+
+def _agree(topo: Topology, error: BaseException | str | None, path: Path, tmp: Path, need: int = 0) -> None:
+    """Every rank learns whether any rank failed (one all-reduce); if so, rank 0 removes the
+    temporary directory and every rank raises: a CheckpointError for a disk that is full or
+    refuses the write, the original exception for anything else (a bug)."""
+    flags = torch.tensor([0 if error is None else topo.rank + 1], dtype=torch.int64)
+    topo.comm.all_reduce(flags, topo.world, op="max")
+    failed = int(flags[0])
+    if not failed:
+        return
+    if topo.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(error, str):
+        raise CheckpointError(error)
+    if error is None:
+        raise CheckpointError(f"checkpoint {path} was not saved: rank {failed - 1} could not write it (see its "
+                              "error); the previous checkpoints are intact")
+    if _disk_full(error):
+        free = _free_bytes(path.parent)
+        raise CheckpointError(f"checkpoint {path} does not fit on the disk: it needs about {_size(need)}, "
+                              f"{path.parent} has {_size(free) if free is not None else 'unknown'} free "
+                              f"({_reason(error)}); free some space, keep fewer checkpoints "
+                              "(train.keep_checkpoints) or use another train.run_dir — the previous "
+                              "checkpoints are intact") from None
+    if isinstance(error, OSError) or isinstance(_root_cause(error), OSError):
+        raise CheckpointError(f"checkpoint {path} could not be written: {_reason(error)}; "
+                              "the previous checkpoints are intact") from None
+    raise error
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    """``e``, the per-rank failures DCP wrapped in it, and their causes."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        if isinstance(x, CheckpointException):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in x.failures.values())
+        todo.extend(c for c in (x.__cause__, x.__context__) if c is not None)
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The first per-rank failure inside a DCP CheckpointException (else ``e``)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        first = next(iter(e.failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return e
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether a write failed for want of space: ENOSPC/EDQUOT, or torch's zip writer's short
+    write (``unexpected pos ...``), which is how a full disk shows inside ``torch.save``."""
+    for x in _causes(e):
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(x)
+        if "No space left" in text or "unexpected pos" in text or "Disk quota exceeded" in text:
+            return True
+    return False
+
+
+def _reason(e: BaseException) -> str:
+    """One line about ``e`` (DCP's multi-line CheckpointException: its first failure)."""
+    cause = _root_cause(e)
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
+
+
+def _needed_bytes(state: Any, topo: Topology) -> int:
+    """Estimated size of the checkpoint from the state's tensors: the pieces of sharded tensors
+    summed over ranks, replicated tensors (written once) counted once; plus room for the small
+    files."""
+    sharded, plain = _tensor_bytes(state)
+    counts = torch.tensor([sharded], dtype=torch.int64)
+    topo.comm.all_reduce(counts, topo.world, op="sum")
+    biggest = torch.tensor([plain], dtype=torch.int64)
+    topo.comm.all_reduce(biggest, topo.world, op="max")
+    return int(counts[0]) + int(biggest[0]) + _SMALL_FILES
+
+
+def _tensor_bytes(tree: Any) -> tuple[int, int]:
+    """(bytes of DTensor pieces held here, bytes of plain tensors) in a nested state."""
+    if isinstance(tree, DTensor):
+        local = tree.to_local()
+        return local.numel() * local.element_size(), 0
+    if isinstance(tree, torch.Tensor):
+        return 0, tree.numel() * tree.element_size()
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    sharded = plain = 0
+    for v in items:
+        s, p = _tensor_bytes(v)
+        sharded, plain = sharded + s, plain + p
+    return sharded, plain
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Free bytes on the filesystem of ``folder`` (None where it cannot be asked)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes ({n / 2**20:.1f} MiB)"
+
+
+def _write_durable(path: Path, text: str) -> None:
+    """Write and fsync a file (inside a temporary checkpoint directory: no rename needed)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make renames and creations in ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, cfg: Config, topo: Topology,
@@ -201,8 +585,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
                      no_dist=topo.world_size == 1)
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
+    except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures; say which checkpoint and why
+        raise _load_error(path, e, "") from None
     _keep_own_group_names(state["optim"], own_names, path)
     if isinstance(optimizer, ZeroOptimizer):
         optimizer.load_checkpoint_state(model, state)
@@ -214,6 +598,14 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
                        options=StateDictOptions(strict=False))
     torch.set_rng_state(state["rng"]["torch_cpu"])
     return int(info["step"])
+
+
+def _load_error(path: Path, e: BaseException, hint: str) -> CheckpointError:
+    """One line for a failed ``dcp.load`` (DCP's CheckpointException carries a traceback per rank)."""
+    inner = next((x for x in _causes(e) if isinstance(x, CheckpointError)), None)
+    if inner is not None:
+        return CheckpointError(str(inner))
+    return CheckpointError(f"checkpoint {path} could not be loaded: {_reason(e)}{hint}")
 
 
 def load_model_state(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
@@ -229,8 +621,8 @@ def load_model_state(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]
             dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
     except CheckpointError:
         raise
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
+    except (Exception, CheckpointException) as e:
+        raise _load_error(path, e, "; its config.json may not describe its weights (was it edited?)") from None
     return cfg, state["model"]
 
 
@@ -339,23 +731,16 @@ def _local(tree: Any) -> Any:
 
 
 def require_complete(path: Path) -> Path:
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE}); it was interrupted while saving")
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"checkpoint {path} has no .metadata; it is not a complete hybridpar checkpoint")
-    SafeReader(str(path)).read_metadata()  # refuse unsafe or corrupt metadata before DCP wraps the error
-    expected = read_info(path).get("files", {})
-    for name, entry in expected.items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is missing {name}; it was damaged after saving")
-        if f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint file {f} does not match its checksum in {COMPLETE} "
-                                  f"({f.stat().st_size} bytes, expected {entry['bytes']}); it is corrupt — "
-                                  "resume from an earlier checkpoint")
-    return path
+    """``path`` if it is a whole checkpoint whose files all match their checksums, else one
+    CheckpointError saying what is wrong and naming the newest earlier checkpoint that is whole."""
+    path = Path(path)
+    if path.is_dir() and not is_complete(path):
+        raise CheckpointError(f"checkpoint {path} {_not_a_checkpoint(path, resume=False)}")
+    why = _problem(path, deep=True)
+    if why is None:
+        return path
+    hint = "" if not path.is_dir() or not is_complete(path) else _use_earlier(path)
+    raise CheckpointError(f"checkpoint {why}{hint}")
 
 
 def _sha256(path: Path) -> str:
@@ -367,9 +752,10 @@ def _sha256(path: Path) -> str:
 
 
 def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every data file DCP wrote, checked before each load."""
+    """Size and sha256 of every file in the checkpoint (DCP's shards and metadata, config,
+    tokenizer), checked before each load."""
     return {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-            for f in sorted(folder.iterdir()) if f.suffix == ".distcp" or f.name == ".metadata"}
+            for f in sorted(folder.iterdir()) if f.is_file() and f.name != COMPLETE}
 
 
 def _group(topo: Topology) -> Any:
