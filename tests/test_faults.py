@@ -3,8 +3,7 @@
 * A rank killed with SIGKILL under ``torchrun --max-restarts 1``: the job restarts, continues from
   the last complete checkpoint (``train.auto_resume``) and ends bit for bit equal to an
   uninterrupted run of the same layout (weights, optimizer state, per-step losses).
-* Two launchers (``--nnodes 2 --node-rank 0/1``, c10d rendezvous on 127.0.0.1) train dp2 x tp2
-  together: tp groups stay inside a "node", and the result equals the single-process run.
+(Two launchers as two nodes: ``tests/test_slurm_example.py``, through the Slurm example.)
 
 Every launcher runs in its own process group, killed on timeout or failure.
 """
@@ -18,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -175,64 +173,6 @@ def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_ends_bit_for_bit_e
             continue
         same = torch.equal(full_run[key], value) if isinstance(value, torch.Tensor) else full_run[key] == value
         assert same, key
-
-
-# ----------------------------------------------------------------------------- two "nodes"
-
-PLACEMENT = textwrap.dedent("""
-    import json, os, sys
-    from pathlib import Path
-    from hybridpar.training.trainer import Trainer
-    from hybridpar.cli import main
-
-    real = Trainer.fit
-
-    def fit(self, resume=None):  # record where this rank sits, then train as usual
-        record = {"rank": self.topo.rank, "tp": list(self.topo.tp.ranks), "dp": list(self.topo.dp.ranks),
-                  "group_rank": int(os.environ["GROUP_RANK"]), "local_rank": int(os.environ["LOCAL_RANK"]),
-                  "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "agent": os.getppid()}
-        (Path(os.environ["PLACEMENT_DIR"]) / f"rank-{self.topo.rank}.json").write_text(json.dumps(record))
-        return real(self, resume)
-
-    Trainer.fit = fit
-    sys.exit(main(sys.argv[1:]))
-""")
-
-NODE_ARGS = [*BASE, "--train.steps", "4", "--train.checkpoint_every", "0"]
-
-
-def test_two_launchers_as_two_nodes_train_dp2_tp2_like_one_process(tmp_path):
-    ref, run = tmp_path / "one", tmp_path / "nodes"
-    assert main(["train", *NODE_ARGS, "--train.run_dir", str(ref)]) == 0
-
-    script = tmp_path / "placed.py"
-    script.write_text(PLACEMENT)
-    placement = tmp_path / "placement"
-    placement.mkdir()
-    endpoint = f"127.0.0.1:{_free_port()}"
-    cmds = [[*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
-             "--rdzv-conf", f"is_host={node == 0}", str(script),
-             "train", *NODE_ARGS, "--parallel.dp", "2", "--parallel.tp", "2", "--train.run_dir", str(run)]
-            for node in (0, 1)]
-    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    with _launched(cmds, _env(PLACEMENT_DIR=str(placement)), logs) as procs:
-        codes = _wait(procs, 240)
-        agents = {p.pid for p in procs}
-    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
-
-    ranks = {r["rank"]: r for r in (json.loads(f.read_text()) for f in placement.glob("rank-*.json"))}
-    assert sorted(ranks) == [0, 1, 2, 3]
-    assert {r["agent"] for r in ranks.values()} == agents  # both launchers ran two ranks each
-    for r in ranks.values():
-        assert r["local_world_size"] == 2
-        assert r["rank"] == 2 * r["group_rank"] + r["local_rank"]  # a node's ranks are consecutive
-        # tp (innermost) stays inside the node; dp spans the two nodes
-        assert {ranks[t]["agent"] for t in r["tp"]} == {r["agent"]} and len(r["tp"]) == 2
-        assert {ranks[d]["agent"] for d in r["dp"]} == agents and len(r["dp"]) == 2
-
-    assert losses(run) == pytest.approx(losses(ref), rel=1e-5)  # fp32: only summation order differs
-    assert main(["compare", str(ref), str(run)]) == 0  # weights within the documented tolerance
 
 
 def test_restart_after_the_final_checkpoint_has_nothing_left_to_train(tmp_path, monkeypatch, capsys):

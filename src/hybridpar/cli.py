@@ -127,10 +127,12 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
     for warning in config_warnings(cfg):
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
     if cfg.train.data != "builtin":
-        from hybridpar.data.dataset import read_meta
+        from hybridpar.data.dataset import check_seq_len, read_meta
         from hybridpar.data.errors import check_vocab
 
-        check_vocab(read_meta(Path(cfg.train.data)).get("vocab_size", 0), cfg.model.vocab_size)
+        meta = read_meta(Path(cfg.train.data))
+        check_vocab(meta.get("vocab_size", 0), cfg.model.vocab_size)
+        check_seq_len(meta, cfg.train.seq_len, cfg.train.data)
     if cfg.train.init_from and resume is None:
         from hybridpar.models.hf import check_same_shape, model_config_from_hf
 

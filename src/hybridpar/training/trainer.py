@@ -71,8 +71,8 @@ class Trainer:
         data = load_tokens(t.data)
         self.tokenizer = data.tokenizer
         check_vocab(data.vocab_size, cfg.model.vocab_size)
-        self.train_data = WindowSampler(data.train, t.seq_len, t.seed)
-        self.val_data = WindowSampler(data.val, t.seq_len, t.seed + 1)
+        self.train_data = WindowSampler(data.train, t.seq_len, t.seed, split="train", source=t.data)
+        self.val_data = WindowSampler(data.val, t.seq_len, t.seed + 1, split="val", source=t.data)
         self.engine = Engine(cfg, topo, self.device)
         self.model, self.optimizer, self.params = self.engine.model, self.engine.optimizer, self.engine.params
         self.cp, self.reducer = self.engine.cp, self.engine.reducer
