@@ -36,6 +36,11 @@ DEMO = ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--tra
         "--train.micro_batch", "4"]
 
 
+SMALL = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+         "--model.ffn_hidden", "64", "--model.max_seq_len", "64", "--train.seq_len", "32",
+         "--train.global_batch", "4", "--train.micro_batch", "2"]
+
+
 def _hog(stop: float) -> None:
     x = 0
     while time.time() < stop:
@@ -140,7 +145,8 @@ def long(a: argparse.Namespace) -> dict:
 
     from hybridpar.training.checkpoint import load_model_state, step_dir
 
-    layout = shlex.split(a.layout) if a.layout else ["--parallel.dp", "2"]
+    # a small model by default: the soak is about restarts and memory growth, not compute
+    layout = shlex.split(a.layout) if a.layout else [*SMALL, "--parallel.dp", "2"]
     common = [*layout, "--train.steps", str(a.steps), "--train.checkpoint_every", "50", "--train.log_every", "10",
               "--train.eval_every", "0"]
     nproc = a.nproc if a.layout else 2
