@@ -87,7 +87,8 @@ def load_builtin(val_fraction: float = 0.05, max_bytes: int = 8 << 20) -> TokenS
             data.source = "python-stdlib"
             return data
     with contextlib.suppress(DatasetExistsError):  # raised when another process finished first
-        prepare_dataset(files, cache, tokenizer="bytes", val_fraction=val_fraction, force=force)
+        prepare_dataset(files, cache, tokenizer="bytes", val_fraction=val_fraction, force=force,
+                        text_suffixes=(".py",))
     data = load_dataset(cache)
     data.source = "python-stdlib"
     return data

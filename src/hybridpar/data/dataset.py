@@ -6,7 +6,12 @@ A dataset directory holds::
                        (file, tokens, sha256) per split, total tokens per split, source files
     train-00000.bin    raw little-endian token ids (uint16 when vocab <= 65536, else uint32)
     val-00000.bin
-    tokenizer.json     BPE only (Hugging Face ``tokenizers`` format)
+    train-docs.bin     int64 little-endian: the offset of each document's first token in the
+    val-docs.bin       split's token stream (its shards concatenated), ascending; meta.json lists
+                       it under splits.<split>.documents (file, count, sha256). Datasets written
+                       before it existed have no such entry.
+    tokenizer.json     BPE and Hugging Face tokenizers (``tokenizers`` format); a Hugging Face
+                       tokenizer's tokenizer_config.json / special_tokens_map.json beside it
 
 A directory without ``meta.json`` is never accepted: ``prepare`` writes into a temporary sibling
 and renames it into place only when complete. Loading checks every shard (present, size, sha256,
@@ -25,7 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from hybridpar.data.errors import DataError, DataNotFoundError, split_too_short
+from hybridpar.data.errors import (
+    DataError,
+    DataNotFoundError,
+    TokenizerMismatchError,
+    split_too_short,
+)
 from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 FORMAT = "hybridpar-tokens"
@@ -47,6 +57,8 @@ class TokenSplits:
     source: str
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
     meta: dict[str, Any] | None = None
+    train_docs: np.ndarray | None = None  # int64 document start offsets (None: not recorded)
+    val_docs: np.ndarray | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -74,9 +86,13 @@ def write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+DOCS_DTYPE = np.dtype("<i8")
+
+
 class ShardWriter:
     """Appends token arrays to ``<split>-NNNNN.bin`` files of at most ``shard_tokens`` tokens each,
-    hashing as it writes. ``close()`` returns the split's entry for ``meta.json``."""
+    hashing as it writes, and document start offsets (``add_documents``) to ``<split>-docs.bin``.
+    ``close()`` returns the split's entry for ``meta.json``."""
 
     def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
         self.directory, self.split, self.dtype, self.shard_tokens = directory, split, np.dtype(dtype), shard_tokens
@@ -85,6 +101,22 @@ class ShardWriter:
         self._fh: Any = None
         self._hash: Any = None
         self._count = 0
+        self.docs_file = f"{split}-docs.bin"
+        self._docs_fh: Any = None
+        self._docs_hash = hashlib.sha256()
+        self.documents = 0
+
+    def add_documents(self, starts: np.ndarray | list[int]) -> None:
+        """Record documents that start at these offsets of the split's token stream."""
+        arr = np.asarray(starts, dtype=DOCS_DTYPE)
+        if not len(arr):
+            return
+        if self._docs_fh is None:
+            self._docs_fh = open(self.directory / self.docs_file, "wb")  # noqa: SIM115 (closed in close / abort)
+        buf = arr.tobytes()
+        self._docs_fh.write(buf)
+        self._docs_hash.update(buf)
+        self.documents += len(arr)
 
     def _open(self) -> None:
         name = f"{self.split}-{len(self.shards):05d}.bin"
@@ -120,12 +152,22 @@ class ShardWriter:
 
     def close(self) -> dict[str, Any]:
         self._close_shard()
-        return {"tokens": self.total, "shards": self.shards}
+        if self._docs_fh is None:
+            (self.directory / self.docs_file).write_bytes(b"")
+        else:
+            self._docs_fh.flush()
+            os.fsync(self._docs_fh.fileno())
+            self._docs_fh.close()
+            self._docs_fh = None
+        docs = {"file": self.docs_file, "count": self.documents, "dtype": "int64",
+                "sha256": self._docs_hash.hexdigest()}
+        return {"tokens": self.total, "shards": self.shards, "documents": docs}
 
     def abort(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        for name in ("_fh", "_docs_fh"):
+            if getattr(self, name) is not None:
+                getattr(self, name).close()
+                setattr(self, name, None)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -174,6 +216,31 @@ def check_seq_len(meta: dict[str, Any], seq_len: int, source: str | Path | None 
             raise split_too_short(split, n, seq_len, None if source is None else str(source))
 
 
+def check_tokenizer(meta: dict[str, Any], data: str | Path, init_from: str | Path | None) -> None:
+    """Before launch: a dataset that trains ``train.init_from``'s model must be tokenized with that
+    model's tokenizer when its directory has a ``tokenizer.json`` (same sha256: ``prepare`` copies
+    the file byte for byte). No ``init_from``, or no ``tokenizer.json`` there: nothing to check."""
+    if not init_from:
+        return
+    from hybridpar.data.hf_tokenizer import directory_tokenizer_sha
+
+    model_sha = directory_tokenizer_sha(init_from)
+    if model_sha is None:
+        return
+    tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
+    data_sha = tok.get("sha256")
+    if data_sha == model_sha:
+        return
+    kind = tok.get("kind", "?")
+    used = {"bytes": "the byte tokenizer", "bpe": "a BPE tokenizer trained by hybridpar prepare"}.get(
+        kind, f"the tokenizer from {tok.get('source', '?')!r}")
+    sha = f" (tokenizer.json sha256 {str(data_sha)[:12]}...)" if data_sha else ""
+    raise TokenizerMismatchError(
+        f"dataset {str(data)!r} was tokenized with {used}{sha}, not the tokenizer of --train.init_from "
+        f"{str(init_from)!r} (tokenizer.json sha256 {model_sha[:12]}...); re-run hybridpar prepare --input ... "
+        f"--tokenizer {init_from} --out DIR and train with --train.data DIR")
+
+
 def verify_shard(path: Path, entry: dict[str, Any], dtype: np.dtype, vocab_size: int) -> None:
     """Raise unless ``path`` exists with the size, sha256 and id range that ``meta.json`` records.
 
@@ -218,6 +285,27 @@ def _split_array(directory: Path, entry: dict[str, Any], dtype: np.dtype) -> np.
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+def _verify_docs(directory: Path, entry: dict[str, Any]) -> None:
+    docs = entry["documents"]
+    path = directory / docs["file"]
+    if not path.is_file():
+        raise DataNotFoundError(f"document index {str(path)!r} listed in {META_FILE} is missing; {_fix(directory)}")
+    size = int(docs["count"]) * DOCS_DTYPE.itemsize
+    if path.stat().st_size != size or sha256_file(path) != docs["sha256"]:
+        raise DataError(f"document index {str(path)!r} is corrupt or modified (size or sha256 differs from "
+                        f"{META_FILE}); {_fix(directory)}")
+
+
+def _docs_array(directory: Path, entry: dict[str, Any]) -> np.ndarray | None:
+    docs = entry.get("documents")
+    if not docs:
+        return None
+    n = int(docs["count"])
+    if n == 0:
+        return np.zeros(0, dtype=DOCS_DTYPE)
+    return np.memmap(directory / docs["file"], dtype=DOCS_DTYPE, mode="r", shape=(n,))
+
+
 def load_dataset(directory: str | Path, verify: bool = True) -> TokenSplits:
     """A prepared dataset: shards verified, each split a memory map (or, for several shards, one
     concatenated array), plus its tokenizer."""
@@ -240,8 +328,12 @@ def load_dataset(directory: str | Path, verify: bool = True) -> TokenSplits:
                 if tok_path.is_file() and sha256_file(tok_path) != tok_info["sha256"]:
                     raise DataError(f"tokenizer {str(tok_path)!r} does not match the sha256 in {META_FILE}; "
                                     f"{_fix(directory)}")
+            for entry in splits.values():
+                if entry.get("documents"):
+                    _verify_docs(directory, entry)
         tokenizer = load_tokenizer(tok_info, directory)
         arrays = {name: _split_array(directory, entry, dtype) for name, entry in splits.items()}
+        docs = {name: _docs_array(directory, entry) for name, entry in splits.items()}
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, DataError):
             raise
@@ -251,4 +343,4 @@ def load_dataset(directory: str | Path, verify: bool = True) -> TokenSplits:
         raise DataError(f"tokenizer vocabulary {tokenizer.vocab_size} > vocab_size {vocab} in {META_FILE}; "
                         f"{_fix(directory)}")
     return TokenSplits(train=arrays["train"], val=arrays["val"], vocab_size=vocab, source=str(directory),
-                       tokenizer=tokenizer, meta=meta)
+                       tokenizer=tokenizer, meta=meta, train_docs=docs["train"], val_docs=docs["val"])

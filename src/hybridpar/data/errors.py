@@ -18,11 +18,18 @@ class DatasetExistsError(DataError):
     """``prepare`` would overwrite a non-empty directory and ``--force`` was not given."""
 
 
-def check_vocab(data_vocab: int, model_vocab: int) -> None:
-    """A dataset's tokens must all be ids the model's embedding has."""
+class TokenizerMismatchError(DataError):
+    """A dataset tokenized with another tokenizer than the model it trains (``train.init_from``)."""
+
+
+def check_vocab(data_vocab: int, model_vocab: int, data: str | None = None, tokenizer: str | None = None) -> None:
+    """A dataset's tokens must all be ids the model's embedding has (``data`` and ``tokenizer``
+    only name the dataset and its tokenizer in the message)."""
     if data_vocab > model_vocab:
-        raise DataError(f"data vocabulary {data_vocab} > model.vocab_size = {model_vocab}; "
-                        f"raise model.vocab_size to at least {data_vocab}")
+        named = ", ".join(x for x in (f"dataset {data!r}" if data else "", f"tokenizer {tokenizer}" if tokenizer else "") if x)
+        raise DataError(f"data vocabulary {data_vocab} > model.vocab_size = {model_vocab}"
+                        f"{f' ({named})' if named else ''}; raise model.vocab_size to at least {data_vocab} or "
+                        "prepare the data with the model's tokenizer")
 
 
 class SplitTooShortError(DataError):

@@ -1,6 +1,7 @@
-"""Tokenizers of prepared datasets: byte-level (vocabulary 256, nothing to train) and byte-level
+"""Tokenizers of prepared datasets: byte-level (vocabulary 256, nothing to train), byte-level
 BPE trained with Hugging Face ``tokenizers`` (ByteLevel pre-tokenizer and decoder, all 256 byte
-symbols in the initial alphabet, so any text encodes without an unknown token).
+symbols in the initial alphabet, so any text encodes without an unknown token), and any Hugging
+Face ``tokenizer.json`` / model directory (:mod:`hybridpar.data.hf_tokenizer`).
 
 Both offer ``encode(text) -> list[int]``, ``decode(tokens) -> str`` and ``encode_document(raw
 bytes) -> np.ndarray``; ``decode`` never raises: ids outside the vocabulary (a model's padded
@@ -20,6 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from hybridpar.data.errors import DataError, DataNotFoundError
+from hybridpar.data.hf_tokenizer import HFTokenizer
+from hybridpar.data.readers import utf8_text
 
 BYTE_VOCAB = 256
 TOKENIZER_FILE = "tokenizer.json"
@@ -59,11 +62,11 @@ class ByteTokenizer:
         """The same tokenizer as a ``tokenizers.Tokenizer``: the ByteLevel pre-tokenizer (no regex
         split, no prefix space) turns text into its UTF-8 bytes, each shown as one printable symbol,
         and a merge-free BPE whose vocabulary maps the symbol of byte ``b`` to id ``b``."""
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import Tokenizer as RustTokenizer
         from tokenizers import decoders, models, pre_tokenizers
 
         symbol = _byte_symbols()
-        tok = HFTokenizer(models.BPE(vocab={symbol[b]: b for b in range(BYTE_VOCAB)}, merges=[]))
+        tok = RustTokenizer(models.BPE(vocab={symbol[b]: b for b in range(BYTE_VOCAB)}, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         return tok
@@ -87,10 +90,10 @@ class BPETokenizer:
 
     @classmethod
     def train(cls, texts: Iterator[str], vocab_size: int) -> BPETokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import Tokenizer as RustTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
-        tok = HFTokenizer(models.BPE())
+        tok = RustTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
@@ -100,10 +103,10 @@ class BPETokenizer:
 
     @classmethod
     def from_file(cls, path: Path) -> BPETokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import Tokenizer as RustTokenizer
 
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            return cls(RustTokenizer.from_file(str(path)))
         except Exception as e:  # the library raises its own Exception type
             raise DataError(f"cannot load the BPE tokenizer {str(path)!r} ({e}); re-run hybridpar prepare") from None
 
@@ -116,6 +119,11 @@ class BPETokenizer:
     def decode(self, tokens: Iterable[int]) -> str:
         ids = [int(t) for t in tokens]
         return self.tok.decode([t for t in ids if 0 <= t < self.vocab_size], skip_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text, on all cores (the library's own thread pool)."""
+        fast = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [e.ids for e in fast(texts)]
 
     def encode_document(self, data: bytes, name: str) -> np.ndarray:
         return np.asarray(self.encode(utf8_text(data, name)), dtype=np.int64)
@@ -156,14 +164,6 @@ def _export_hf(tok: Any, directory: Path, model_max_length: int | None) -> None:
     (directory / HF_TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
-def utf8_text(data: bytes, name: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"input {name!r} is not UTF-8 text (invalid byte at offset {e.start}); the bpe tokenizer "
-                        "needs UTF-8: convert the file, leave it out of --input, or use --tokenizer bytes") from None
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 while every id fits (vocab <= 65536), else uint32; little-endian on disk."""
     if vocab_size <= 1 << 16:
@@ -184,17 +184,22 @@ def load_tokenizer(info: dict[str, Any], directory: Path) -> Tokenizer:
         if not path.is_file():
             raise DataNotFoundError(f"tokenizer file {str(path)!r} is missing; re-run hybridpar prepare")
         return BPETokenizer.from_file(path)
+    if kind == "hf":
+        return HFTokenizer.from_info(info, directory)
     raise DataError(f"unknown tokenizer kind {kind!r} in {str(directory / 'meta.json')!r}; "
-                    "re-run hybridpar prepare with --tokenizer bytes or bpe")
+                    "re-run hybridpar prepare with --tokenizer bytes, bpe or PATH")
 
 
 def save_tokenizer(tok: Tokenizer, directory: Path, info_name: str = "tokenizer-info.json") -> None:
     """Write what :func:`load_tokenizer` needs into ``directory``: an info file (and the BPE
-    model as ``tokenizer.json``)."""
+    model as ``tokenizer.json``, or a Hugging Face tokenizer's files)."""
     import json
 
     info: dict[str, Any] = {"kind": tok.kind, "vocab_size": tok.vocab_size}
-    if isinstance(tok, BPETokenizer):
+    if isinstance(tok, HFTokenizer):  # its files, byte for byte, and the same entry meta.json has
+        tok.save(directory)
+        info = tok.info()
+    elif isinstance(tok, BPETokenizer):
         tok.save(directory / TOKENIZER_FILE)
         info["file"] = TOKENIZER_FILE
     (directory / info_name).write_text(json.dumps(info) + "\n")
