@@ -1,0 +1,162 @@
+"""``hybridpar prepare`` throughput and memory, side by side with a plain ``tokenizers`` loop.
+
+Generates a corpus of random words as JSON Lines (nothing downloaded) and trains a byte-level BPE
+tokenizer on a sample of it with ``tokenizers``, saved as a Hugging Face model directory
+(``tokenizer.json`` + ``tokenizer_config.json`` with BOS/EOS). Then, each in a fresh process on
+the same cores, alternating over ``--rounds``:
+
+- ``hybridpar prepare --input corpus.jsonl --tokenizer DIR --out ...`` (the CLI, progress bar on),
+- the plain loop a user would write: read the JSON Lines with ``json``, ``encode_batch`` batches of
+  1000 documents with the same tokenizer (the library's fast variant, all cores), count tokens.
+
+Reported: tokens/s of both (the corpus's document tokens over each one's best wall time inside
+its process, imports excluded) and their ratio (target >= 0.9), and the peak RSS of ``prepare``
+on the corpus and on one 4x larger (target: equal within 10%).
+
+    python benchmarks/prepare.py [--mb 16] [--scale 4] [--rounds 2] [--vocab 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BATCH_DOCS = 1000
+
+
+def make_corpus(path: Path, mb: float, seed: int = 0) -> int:
+    """Random words as JSON Lines, ``mb`` MiB, documents of 50-2000 words; returns documents."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "an", "el", "ver", "qu", "ix", "or", "um", "zé"]
+    vocab = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(20000)]
+    weights = [1.0 / (i + 1) for i in range(len(vocab))]  # Zipf-like
+    target, n, size = int(mb * (1 << 20)), 0, 0
+    with open(path, "w", encoding="utf-8") as f:
+        while size < target:
+            words = rng.choices(vocab, weights, k=rng.randint(50, 2000))
+            line = json.dumps({"id": n, "text": " ".join(words) + "."}, ensure_ascii=False) + "\n"
+            f.write(line)
+            size += len(line.encode())
+            n += 1
+    return n
+
+
+def make_tokenizer(directory: Path, corpus: Path, vocab: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    def sample():
+        with open(corpus, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i >= 500:
+                    return
+                yield json.loads(line)["text"]
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(sample(), trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+
+
+def child_prepare(corpus: str, tokenizer: str, out: str) -> dict:
+    from hybridpar.cli import main
+
+    t0 = time.perf_counter()
+    rc = main(["prepare", "--input", corpus, "--tokenizer", tokenizer, "--out", out, "--force"])
+    wall = time.perf_counter() - t0
+    meta = json.loads((Path(out) / "meta.json").read_text())
+    return {"rc": rc, "wall_s": wall, "tokens": meta["tokens"]["train"] + meta["tokens"]["val"],
+            "documents": meta["documents"]}
+
+
+def child_plain(corpus: str, tokenizer: str) -> dict:
+    from tokenizers import Tokenizer
+
+    t0 = time.perf_counter()
+    tok = Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json"))
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    tokens = docs = 0
+    batch: list[str] = []
+    with open(corpus, encoding="utf-8") as f:
+        for line in f:
+            batch.append(json.loads(line)["text"])
+            if len(batch) == BATCH_DOCS:
+                tokens += sum(len(e.ids) for e in encode(batch, add_special_tokens=False))
+                docs += len(batch)
+                batch = []
+    if batch:
+        tokens += sum(len(e.ids) for e in encode(batch, add_special_tokens=False))
+        docs += len(batch)
+    return {"rc": 0, "wall_s": time.perf_counter() - t0, "tokens": tokens, "documents": docs}
+
+
+def run_child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=float, default=16, help="size of the smaller corpus in MiB")
+    ap.add_argument("--scale", type=float, default=4, help="the larger corpus is this many times bigger")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each side on the smaller corpus, alternating")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        result = child_prepare(*rest) if kind == "prepare" else child_plain(*rest)
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result))
+        return
+
+    with tempfile.TemporaryDirectory(prefix="hybridpar-bench-prepare-") as tmp:
+        root = Path(tmp)
+        small, large, model = root / "small.jsonl", root / "large.jsonl", root / "model"
+        n_small = make_corpus(small, args.mb, seed=0)
+        n_large = make_corpus(large, args.mb * args.scale, seed=1)
+        make_tokenizer(model, small, args.vocab)
+        runs: dict[str, list[dict]] = {"hybridpar prepare": [], "plain encode_batch": []}
+        for _ in range(args.rounds):
+            runs["hybridpar prepare"].append(run_child("prepare", str(small), str(model), str(root / "ds")))
+            runs["plain encode_batch"].append(run_child("plain", str(small), str(model)))
+        big = run_child("prepare", str(large), str(model), str(root / "ds-large"))
+
+    doc_tokens = runs["plain encode_batch"][0]["tokens"]
+    best = {k: min(r["wall_s"] for r in v) for k, v in runs.items()}
+    tps = {k: doc_tokens / v for k, v in best.items()}
+    ratio = tps["hybridpar prepare"] / tps["plain encode_batch"]
+    rss_small = max(r["peak_rss_mib"] for r in runs["hybridpar prepare"])
+    rss_ratio = big["peak_rss_mib"] / rss_small
+    print(f"corpus {args.mb:g} MiB ({n_small} documents, {doc_tokens} tokens) and {args.mb * args.scale:g} MiB "
+          f"({n_large} documents); BPE vocab {args.vocab}; {os.cpu_count()} cores; {args.rounds} rounds")
+    print(f"{'side':<22}{'best wall (s)':>15}{'tokens/s':>14}{'peak RSS (MiB)':>16}")
+    for k, v in runs.items():
+        print(f"{k:<22}{best[k]:>15.2f}{tps[k]:>14.0f}{max(r['peak_rss_mib'] for r in v):>16.0f}")
+    print(f"{'prepare, ' + format(args.scale, 'g') + 'x corpus':<22}{big['wall_s']:>15.2f}"
+          f"{big['tokens'] / big['wall_s']:>14.0f}{big['peak_rss_mib']:>16.0f}")
+    print(f"tokens/s ratio prepare / plain = {ratio:.3f} (target >= 0.9); peak RSS {args.scale:g}x / 1x = "
+          f"{rss_ratio:.3f} (target within 10%, < 1 GiB)")
+    print(json.dumps({"benchmark": "prepare", "tokens_per_s_ratio": round(ratio, 4), "target_ratio": 0.9,
+                      "tokens_per_s": {k: round(v) for k, v in tps.items()},
+                      "best_wall_s": {k: round(v, 3) for k, v in best.items()},
+                      "peak_rss_mib": {"1x": round(rss_small, 1), f"{args.scale:g}x": round(big["peak_rss_mib"], 1)},
+                      "rss_ratio": round(rss_ratio, 4), "corpus_mib": [args.mb, args.mb * args.scale],
+                      "documents": [n_small, n_large], "rounds": args.rounds, "cores": os.cpu_count()}))
+
+
+if __name__ == "__main__":
+    main()
