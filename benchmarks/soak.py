@@ -154,37 +154,11 @@ def long(a: argparse.Namespace) -> dict:
     kills = sorted(rng.sample(range(60, a.steps - 10), 3))
     with tempfile.TemporaryDirectory() as tmp:
         ref, run = Path(tmp) / "uninterrupted", Path(tmp) / "killed"
-        cmd = [sys.executable, "-m", "hybridpar.cli", "train", "--nproc", str(nproc), "--max-restarts", "3",
-               *common, "--train.run_dir", str(run)]
-        log = open(Path(tmp) / "killed.log", "w")  # noqa: SIM115 (closed below)
-        t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        rss: dict[int, list[tuple[int, float]]] = {}  # local slot -> (step, MiB), first attempt only
-        pending = list(kills)
-        restarts = 0
-        while p.poll() is None:
-            time.sleep(0.5)
-            step = _last_step(run)
-            pids = sorted(_workers(run))
-            if restarts == 0 and step > a.warmup:
-                for slot, pid in enumerate(pids):
-                    if (v := _rss_mib(pid)) is not None:
-                        rss.setdefault(slot, []).append((step, v))
-            if pending and step >= pending[0] and pids:
-                victim = rng.choice(pids)
-                print(f"step {step}: SIGKILL worker pid {victim}", flush=True)
-                os.kill(victim, signal.SIGKILL)
-                pending.pop(0)
-                restarts += 1
-                time.sleep(3)
-        log.close()
-        killed_s = time.perf_counter() - t0
-        code = p.returncode
-        text = (Path(tmp) / "killed.log").read_text(errors="replace")
-        t0 = time.perf_counter()
-        code_ref, _ = _train(["--nproc", str(nproc), *common, "--train.run_dir", str(ref)], Path(tmp) / "ref.log",
-                             a.timeout * 10)
-        ref_s = time.perf_counter() - t0
+        launch = [sys.executable, "-m", "hybridpar.cli", "train", "--nproc", str(nproc), *common]
+        code, killed_s, text, _ = _watch([*launch, "--max-restarts", "3", "--train.run_dir", str(run)], run,
+                                         Path(tmp) / "killed.log", kills, rng, a.warmup)
+        code_ref, ref_s, _, rss = _watch([*launch, "--train.run_dir", str(ref)], ref, Path(tmp) / "ref.log",
+                                         [], rng, a.warmup)
         equal = False
         if code == 0 and code_ref == 0:
             _, want = load_model_state(step_dir(ref, a.steps))
@@ -194,13 +168,40 @@ def long(a: argparse.Namespace) -> dict:
         print(f"\n{a.steps} steps, {' '.join(layout)}, SIGKILL at steps {kills}: exit {code} "
               f"({text.count('restart ')} restart lines), reference exit {code_ref}")
         print(f"final weights bit for bit equal to the uninterrupted run: {equal}")
-        print("host RSS slope after warm-up (first attempt), MiB per 1,000 steps: "
-              + ", ".join(f"rank slot {s}: {v:+.2f}" for s, v in slopes.items()))
+        print(f"host RSS slope of the uninterrupted run from step {a.warmup} on, MiB per 1,000 steps: "
+              + ", ".join(f"rank {s}: {v:+.2f}" for s, v in slopes.items()))
         print(f"wall: killed run {killed_s:.0f} s, uninterrupted {ref_s:.0f} s")
         if code != 0:
             print(text[-3000:])
     return {"bench": "soak", "mode": "long", "steps": a.steps, "kills": kills, "exit": code, "equal": equal,
             "rss_slope_mib_per_1k_steps": slopes}
+
+
+def _watch(cmd: list[str], run: Path, log_path: Path, kills: list[int], rng: random.Random,
+           warmup: int) -> tuple[int, float, str, dict[int, list[tuple[int, float]]]]:
+    """Run ``cmd`` to its end, SIGKILLing a random worker once the run passes each step in
+    ``kills``; returns exit status, seconds, output and each rank's (step, RSS MiB) samples after
+    ``warmup`` (until the first kill)."""
+    t0 = time.perf_counter()
+    rss: dict[int, list[tuple[int, float]]] = {}
+    pending = list(kills)
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        while p.poll() is None:
+            time.sleep(0.5)
+            step = _last_step(run)
+            pids = sorted(_workers(run))
+            if len(pending) == len(kills) and step > warmup:
+                for slot, pid in enumerate(pids):
+                    if (v := _rss_mib(pid)) is not None:
+                        rss.setdefault(slot, []).append((step, v))
+            if pending and step >= pending[0] and pids:
+                victim = rng.choice(pids)
+                print(f"step {step}: SIGKILL worker pid {victim}", flush=True)
+                os.kill(victim, signal.SIGKILL)
+                pending.pop(0)
+                time.sleep(3)
+    return p.returncode, time.perf_counter() - t0, log_path.read_text(errors="replace"), rss
 
 
 def main() -> None:
