@@ -278,3 +278,21 @@ def test_prepare_jsonl_with_the_hf_tokenizer_and_train(tmp_path, model_dir, caps
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "alpha beta", "--tokens", "4"]) == 0
     assert "<s>" not in capsys.readouterr().out  # decoded with the tokenizer, special tokens skipped
+
+
+def test_large_json_lines_are_checked_on_all_cores_naming_the_same_line(tmp_path, monkeypatch, docs):
+    """The pre-pass over big JSON Lines inputs runs in a process pool over line-aligned byte ranges:
+    the same record count, and a bad line reported with its line number in the whole file."""
+    import hybridpar.data.readers as readers
+
+    src = _write("jsonl", tmp_path, docs * 5)
+    monkeypatch.setattr(readers, "PARALLEL_SCAN_BYTES", 1)
+    monkeypatch.setattr(readers, "_RANGE_BYTES", src.stat().st_size // 4)
+    source = readers.open_source(src)
+    assert len(source.ranges(4)) == 4
+    assert readers.scan_all([source], True, workers=2) == [5 * N_DOCS]
+    lines = src.read_text().splitlines(keepends=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:170]) + '{"text": 1}\n' + "".join(lines[170:]))
+    with pytest.raises(DataError, match=r"bad.jsonl:171: field 'text' on line 171 is a JSON int, not a string"):
+        readers.scan_all([readers.open_source(bad)], True, workers=2)

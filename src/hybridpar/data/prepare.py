@@ -53,7 +53,7 @@ from hybridpar.data.dataset import (
 )
 from hybridpar.data.errors import DataError, DatasetExistsError
 from hybridpar.data.hf_tokenizer import HFTokenizer
-from hybridpar.data.readers import Source, TextSource, expand_inputs, open_source
+from hybridpar.data.readers import Source, TextSource, expand_inputs, open_source, scan_all
 from hybridpar.data.tokenizer import (
     BYTE_VOCAB,
     DEFAULT_BPE_VOCAB,
@@ -303,7 +303,7 @@ def prepare_dataset(
         if isinstance(src, TextSource):
             src.tokenizer_name = kind
     sizes = [src.size() for src in sources]
-    counts = [src.scan(needs_text) for src in sources]  # every record checked before anything is written
+    counts = scan_all(sources, needs_text)  # every record checked before anything is written
     n_docs = sum(counts)
     if n_docs == 0:
         shown = ", ".join(repr(str(p)) for p in files[:3]) + (", ..." if len(files) > 3 else "")

@@ -296,11 +296,103 @@ class JsonlSource(Source):
                 count += 1
         return count
 
+    def ranges(self, parts: int) -> list[tuple[int, int]]:
+        """Byte ranges that start and end at line boundaries (one range when compressed)."""
+        size = self.size()
+        if self.comp or parts < 2:
+            return [(0, size)]
+        bounds = [0]
+        with open(self.path, "rb") as f:
+            for k in range(1, parts):
+                f.seek(max(k * size // parts, bounds[-1]))
+                f.readline()
+                if f.tell() < size and f.tell() > bounds[-1]:
+                    bounds.append(f.tell())
+        return list(zip(bounds, [*bounds[1:], size], strict=True))
+
+    def scan_range(self, start: int, end: int, first_line: int = 1) -> tuple[int, int]:
+        """(records, lines) of an uncompressed byte range (or, with the whole-file range, any file);
+        raises for a bad record with its line number counted from ``first_line``."""
+        if self.comp:  # one range, the whole file, from line 1
+            count = lines = 0
+            for lines, line in self._lines():  # noqa: B007 (lines counts them)
+                count += self._record(lines, line) is not False
+            return count, lines
+        count, n = 0, first_line - 1
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            if start == 0:
+                what = _magic(f.read(8))
+                if what is not None:
+                    raise self._error(f"is {what}, not JSON Lines text; name it by its format (e.g. "
+                                      f"{self.path.name}.gz) or leave it out of --input")
+                f.seek(0)
+            pos = start
+            while pos < end:
+                line = f.readline()
+                if not line:
+                    break
+                pos += len(line)
+                n += 1
+                count += self._record(n, line) is not False
+        return count, n - first_line + 1
+
     def documents(self, needs_text: bool) -> Iterator[Doc]:
         for n, line in self._lines():
             rec = self._record(n, line)
             if rec is not False:
                 yield rec  # type: ignore[misc]
+
+
+PARALLEL_SCAN_BYTES = 16 << 20  # JSON Lines inputs at least this large are checked by a process pool
+_RANGE_BYTES = 4 << 20
+
+
+def _scan_task(source: JsonlSource, start: int, end: int) -> tuple[int, int, bool]:
+    """In a worker: (records, lines, failed) of one range; the parent re-reads a failed range to
+    raise its error with the right line number."""
+    try:
+        count, lines = source.scan_range(start, end)
+        return count, lines, False
+    except DataError:
+        return 0, 0, True
+
+
+def scan_all(sources: Sequence[Source], needs_text: bool, workers: int | None = None) -> list[int]:
+    """Every source's ``scan`` (record counts), in order. JSON Lines parsing is the one costly check:
+    when the uncompressed ones are large it runs on all cores, over line-aligned byte ranges, in a
+    pool of forked processes (they only read files and parse JSON; fork needs no ``__main__``
+    guard in the caller's script), while the other sources are scanned here; errors are raised
+    in input order, naming the same line as a sequential scan."""
+    import multiprocessing
+
+    jsonl = [i for i, s in enumerate(sources) if isinstance(s, JsonlSource) and not s.comp]
+    workers = workers or os.cpu_count() or 1
+    total = sum(sources[i].size() for i in jsonl)
+    if workers < 2 or total < PARALLEL_SCAN_BYTES or "fork" not in multiprocessing.get_all_start_methods():
+        return [s.scan(needs_text) for s in sources]
+    from concurrent.futures import ProcessPoolExecutor
+
+    counts: list[int] = [0] * len(sources)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = {i: [(a, b, pool.submit(_scan_task, sources[i], a, b))
+                       for a, b in sources[i].ranges(max(1, sources[i].size() // _RANGE_BYTES))]  # type: ignore[attr-defined]
+                   for i in jsonl}
+        for i, src in enumerate(sources):
+            if i not in futures:
+                counts[i] = src.scan(needs_text)
+                continue
+            line = 1
+            for a, b, fut in futures[i]:
+                n, lines, failed = fut.result()
+                if failed:
+                    for _, _, f in (x for j in futures for x in futures[j]):
+                        f.cancel()
+                    src.scan_range(a, b, line)  # type: ignore[attr-defined]  # raises with the global line number
+                    raise DataError(f"input {src.name!r} failed a check in a worker but not when read again; re-run")
+                counts[i] += n
+                line += lines
+    return counts
 
 
 def _check_column(source: Source, schema: Any, field: str) -> None:
