@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/hybridpar train
 
+# The tests marked `numerics` (results compared across layouts and kernels) run first under the
+# generic and the AVX2 kernels, then everything under this CPU's own; the first failing pass
+# stops make, so the last pytest summary line is the failing pass's or the full suite's.
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m numerics
+	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m numerics
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -11,10 +11,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import ADAMW_STEP_ULPS, CLIP_ULPS, assert_close_ulps
 from torch import nn
 
 import hybridpar
 from hybridpar.distributed.mesh import ParallelDims
+
+pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
 
 STEPS, GA, GLOBAL, D_IN, HID, D_OUT = 3, 2, 8, 8, 32, 4
 CFG = {"lr": 1e-2, "weight_decay": 0.1, "grad_clip": 0.05, "gradient_accumulation_steps": GA,
@@ -137,10 +140,18 @@ def _save_load(rank: int, world: int, path: str, stage: int, reload_stage: int, 
 @pytest.mark.parametrize("world, tp, stage, reload_stage", [(2, 1, 3, 3), (2, 1, 3, 1), (2, 1, 0, 2),
                                                             (4, 2, 1, 3)])
 def test_save_load_round_trip(dist_run, tmp_path, world, tp, stage, reload_stage):
+    """The reload is exact (a copy), so the next step's loss is bit for bit. The step after it
+    is bit for bit only under the same stage: under another one the reduced gradient still is
+    (dp=2: a + b == b + a) but AdamW runs on other shards, whose elements may take other
+    vector-lane / scalar-tail paths (numerics.py): one step's ADAMW_STEP_ULPS ulps of
+    (|w| + lr), lr the largest scheduled rate."""
     for r in dist_run(world, _save_load, str(tmp_path / "ckpt"), stage, reload_stage, tp):
         assert r["after"] == r["resumed"]
         for k in r["full"]:
-            torch.testing.assert_close(r["full2"][k], r["full"][k], rtol=0, atol=0, msg=k)
+            if reload_stage == stage:
+                torch.testing.assert_close(r["full2"][k], r["full"][k], rtol=0, atol=0, msg=k)
+            else:
+                assert_close_ulps(r["full2"][k], r["full"][k], ADAMW_STEP_ULPS + CLIP_ULPS, floor=CFG["lr"], msg=k)
     assert (tmp_path / "ckpt" / "complete.json").is_file()
     assert not (tmp_path / ".tmp-ckpt").exists()
 

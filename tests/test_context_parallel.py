@@ -31,6 +31,8 @@ from hybridpar.parallel.context import (
 )
 from hybridpar.parallel.context_model import ContextParallelAttention, enable_context_parallel
 
+pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
+
 TINY = ModelConfig(preset="test-cp", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                    vocab_size=64, max_seq_len=64, rope_theta=10000.0, norm_eps=1e-5)
 

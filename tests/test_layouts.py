@@ -20,6 +20,8 @@ from hybridpar.config import load_config
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training.trainer import Trainer
 
+pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
+
 STEPS = 3
 LR = 3e-3
 WEIGHT_ATOL = 0.01 * LR * STEPS

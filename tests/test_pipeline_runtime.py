@@ -22,6 +22,8 @@ from hybridpar.parallel.pipeline.stages import (
     sync_tied_embedding_grads,
 )
 
+pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
+
 MB, SEQ, DIM = 2, 8, 32
 
 

@@ -20,6 +20,8 @@ from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
 from hybridpar.training.trainer import Trainer
 
+pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
+
 SAVED_LAYOUT = LAYOUTS["dp2-tp2-pp2"]  # 1F1B, 8 processes
 SAVED_AT = 2
 TOTAL = 4

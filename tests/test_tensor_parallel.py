@@ -44,6 +44,8 @@ from hybridpar.parallel.tensor_plan import (
 )
 from hybridpar.training.optim import build_optimizer, clip_by_total_norm, grad_norm_sq
 
+pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
+
 RTOL = 1e-5  # relative to the largest entry of the reference tensor
 
 

@@ -16,6 +16,8 @@ from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training.checkpoint import SafeReader
 from hybridpar.training.optim import clip_by_total_norm, grad_norm_sq
 
+pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
+
 
 def _save_load_worker(rank: int, world: int, ckpt: str, save_stage: int, load_stage: int | None) -> dict:
     """Train step 1 at ``save_stage`` and save; then (at ``load_stage``) load into fresh state

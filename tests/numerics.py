@@ -1,0 +1,84 @@
+"""What is bit-exact and what is not, and comparisons in units in the last place (ulps).
+
+The rule the tests follow:
+
+* **Exact** (``torch.equal`` / ``rtol=atol=0``): a copy, a save and reload, a resume with the
+  same layout (same shapes, same kernels), and one IEEE operation on the same operands:
+  ``a + b == b + a``, so a sum of *two* terms (a dp=2 all-reduce or reduce-scatter) is the same
+  in any order. Sums of integers below 2**24 are exact in any order too.
+* **Not exact**: the same elementwise formula run on another shape, shard or layout. ATen
+  vectorises an elementwise loop in blocks of ``2 * Vec::size()`` lanes (16 floats with AVX2,
+  32 with AVX-512, the ``default`` build's generic vectors in between) and finishes the remainder
+  with a scalar loop; the vector and the scalar loop may contract ``a * b + c`` into one FMA
+  differently (``lerp``, ``addcmul``, ``addcdiv``, the three ops of Adam that have one), and
+  SLEEF and libm transcendentals differ. A shard of a tensor puts an element at another lane
+  position than the whole tensor does, so the same element can take the other path, and which
+  path depends on ``ATEN_CPU_CAPABILITY``. Each such op then differs by at most one rounding,
+  1 ulp of its result. Sums of more than two terms in another order are not exact either
+  (``(a + b) + c != a + (b + c)``); their error is relative to the terms, not to the sum, so
+  under cancellation it has no ulp bound in the result: those tests keep absolute tolerances.
+
+:func:`assert_close_ulps` checks the second kind with a tolerance counted in roundings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# One torch.optim.AdamW step, per element, when two kernels may round each op differently:
+#   p *= 1 - lr*wd (1 rounding); m.lerp_(g, 1 - b1) (2); v *= b2 (1); v.addcmul_(g, g, 1 - b2)
+#   (3); sqrt(v) (1); / sqrt(bias_correction2) (1); + eps (1); p.addcdiv_(m, denom, -step) (3).
+# Two are relative to |p| (the decay and the final add); the other 11 reach p through the update
+# term, whose size Adam bounds: |m_hat| / sqrt(v_hat) <= 1 at step 1 and < 1.17 for betas
+# (0.9, 0.95) at any step (Cauchy-Schwarz over the moving averages), so |update| < 1.17 lr.
+# One step's results then differ by at most eps * (2 |p| + 11 * 1.17 lr) < 13 eps (|p| + lr);
+# 16 leaves room for the products inside lerp / addcmul, rounded relative to their operands.
+ADAMW_STEP_ULPS = 16
+
+# Clipping multiplies every gradient by max_norm / norm, and a sharded optimizer sums the
+# squares over other pieces in another order. A sum of squares does not cancel: its relative
+# error is ~log2(n) eps for torch's cascade sums (n <= 2**11 elements per tensor, <= 2**5
+# tensors in these tests): 16 eps in norm**2, 8 in the norm, 9 in the coefficient. At step 1
+# Adam's update is scale-free in g (g / (|g| + eps)); later it moves by at most 2x the relative
+# change of g. So clipping adds at most 2 * 9 ulps of lr to a step.
+CLIP_ULPS = 18
+
+
+def eps_of(dtype: torch.dtype) -> float:
+    """Machine epsilon of a floating dtype: 1 ulp of a value in [1, 2)."""
+    return torch.finfo(dtype).eps
+
+
+def ulps_apart(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
+    """``|actual - expected|`` in units of ``eps * (|expected| + floor)``, elementwise (float64)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    scale = eps_of(expected.dtype) * (e.abs() + floor)
+    diff = (a - e).abs()
+    out = diff / scale.clamp_min(torch.finfo(torch.float64).tiny)
+    return torch.where(diff == 0, torch.zeros_like(out), out)
+
+
+def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: float, *, floor: float = 0.0,
+                      msg: object = "") -> None:
+    """Assert ``|actual - expected| <= ulps * eps(dtype) * (|expected| + floor)`` elementwise.
+
+    ``ulps`` counts the roundings in which the two computations may differ (derive it; do not
+    guess it). ``floor`` is the magnitude of the smallest quantity that was added into the
+    value (for an Adam-trained weight: the per-step update bound, ``lr``): rounding errors of
+    an update are relative to the update, not to a weight that happens to be near zero.
+    Shapes and dtypes must match; non-finite values must match exactly.
+    """
+    assert actual.shape == expected.shape, (msg, actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (msg, actual.dtype, expected.dtype)
+    finite = torch.isfinite(expected)
+    if not bool(finite.all()):
+        assert torch.equal(actual[~finite], expected[~finite]), (msg, "non-finite entries differ")
+        actual, expected = actual[finite], expected[finite]
+    apart = ulps_apart(actual, expected, floor)
+    bad = apart > ulps
+    if bool(bad.any()):
+        worst = int(apart.argmax())
+        raise AssertionError(
+            f"{msg}: {int(bad.sum())} / {apart.numel()} elements more than {ulps} ulps apart "
+            f"(scale eps * (|expected| + {floor:g})); worst {float(apart.flatten()[worst]):.1f} ulps: "
+            f"{float(actual.flatten()[worst])!r} vs {float(expected.flatten()[worst])!r}")
