@@ -126,13 +126,20 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
     resolve_device_type(cfg.train.device, local_world_size() if under_launcher() else world_size)
     for warning in config_warnings(cfg):
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
-    if cfg.train.data != "builtin":
-        from hybridpar.data.dataset import check_seq_len, read_meta
-        from hybridpar.data.errors import check_vocab
+    from hybridpar.data.dataset import check_seq_len, check_tokenizer, read_meta
+    from hybridpar.data.errors import check_vocab
+    from hybridpar.data.mixture import check_one_tokenizer, parse_mixture
 
-        meta = read_meta(Path(cfg.train.data))
-        check_vocab(meta.get("vocab_size", 0), cfg.model.vocab_size)
-        check_seq_len(meta, cfg.train.seq_len, cfg.train.data)
+    metas = []
+    for part in parse_mixture(cfg.train.data):  # one dataset, or each of a mixture's
+        if part.path != "builtin":
+            meta = read_meta(Path(part.path))
+            check_vocab(meta.get("vocab_size", 0), cfg.model.vocab_size)
+            check_seq_len(meta, cfg.train.seq_len, part.path)
+            check_tokenizer(meta, part.path, cfg.train.init_from)
+            metas.append((part.path, meta))
+    if len(metas) > 1:
+        check_one_tokenizer(metas)
     if cfg.train.init_from and resume is None:
         from hybridpar.models.hf import check_same_shape, model_config_from_hf
 

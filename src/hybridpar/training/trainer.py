@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from hybridpar.config import Config
-from hybridpar.data.corpus import WindowSampler, load_tokens
+from hybridpar.data.corpus import WindowSampler
 from hybridpar.data.errors import check_vocab
+from hybridpar.data.mixture import MixtureSampler, open_training_data
 from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
 from hybridpar.distributed.mesh import Topology
 from hybridpar.parallel.context import zigzag_shard
@@ -68,11 +69,10 @@ class Trainer:
         self.topo = topo
         self.device = device or torch.device("cpu")
         t = cfg.train
-        data = load_tokens(t.data)
-        self.tokenizer = data.tokenizer
-        check_vocab(data.vocab_size, cfg.model.vocab_size)
-        self.train_data = WindowSampler(data.train, t.seq_len, t.seed, split="train", source=t.data)
-        self.val_data = WindowSampler(data.val, t.seq_len, t.seed + 1, split="val", source=t.data)
+        self.data = open_training_data(t.data, t.seq_len, t.seed)  # one dataset or a weighted mixture
+        self.tokenizer = self.data.tokenizer
+        check_vocab(self.data.vocab_size, cfg.model.vocab_size)
+        self.train_data, self.val_data = self.data.train, self.data.val
         self.engine = Engine(cfg, topo, self.device)
         self.model, self.optimizer, self.params = self.engine.model, self.engine.optimizer, self.engine.params
         self.cp, self.reducer = self.engine.cp, self.engine.reducer
@@ -83,7 +83,8 @@ class Trainer:
         self._kill_at = fault_kill_step(topo.rank)
 
     # ------------------------------------------------------------------ data
-    def micro_batches(self, step: int, per_step: int, sampler: WindowSampler) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(self, step: int, per_step: int,
+                      sampler: WindowSampler | MixtureSampler) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of step ``step`` (from 1) when a step reads ``per_step``
         global sample ids: the dp axis takes contiguous equal shares of the ids, and the cp axis
         its zigzag share of each sequence's tokens."""
@@ -238,6 +239,8 @@ class Trainer:
                    "steps": t.steps, "layout": self.layout_name(), "params": m.num_params()}
         timeline = self.engine.save_timeline(self.run_dir / "pipeline_timeline.png", self.is_logger)
         memory = self._memory_per_rank()
+        if len(self.data.components) > 1:
+            summary["tokens_per_dataset"] = self.data.tokens_drawn(t.steps * t.global_batch, t.seq_len)
         summary["traffic_bytes_per_step"] = traffic
         summary["peak_memory_bytes_per_rank"] = memory
         text = self.sample_text()
