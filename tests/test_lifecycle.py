@@ -33,12 +33,10 @@ CLI = [sys.executable, "-m", "hybridpar.cli"]
 
 
 @contextlib.contextmanager
-def _launch(args: list[str], log: Path):
-    """``hybridpar train ARGS`` in its own session, output to ``log``; killed on leaving."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as f:
-        p = subprocess.Popen([*CLI, "train", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
+def session(cmd: list[str], env: dict[str, str], log: Path):
+    """``cmd`` in a session of its own, output appended to ``log``; the session is killed on leaving."""
+    with open(log, "a") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             yield p
         finally:
@@ -46,9 +44,18 @@ def _launch(args: list[str], log: Path):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-            for pid in _workers(args):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _launch(args: list[str], log: Path):
+    """``hybridpar train ARGS``; on leaving, its session and any worker left are killed."""
+    try:
+        with session([*CLI, "train", *args], {**os.environ, "OMP_NUM_THREADS": "1"}, log) as p:
+            yield p
+    finally:
+        for pid in _workers(args):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _workers(args: list[str]) -> list[int]:

@@ -10,7 +10,6 @@ two "nodes" on 127.0.0.1, one torchrun each, c10d rendezvous.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_cli import BASE, losses
-from test_lifecycle import LONG, _uninterrupted, _wait_for_step
+from test_lifecycle import LONG, _uninterrupted, _wait_for_step, session
 
 from hybridpar.cli import main
 from hybridpar.training.checkpoint import is_complete, load_model_state, step_dir
@@ -103,18 +102,8 @@ def _env(tmp: Path, run_dir: Path, args: list[str], nproc: int, **extra: str) ->
             "STUB_LOG": str(tmp / "stub.log"), **extra}
 
 
-@contextlib.contextmanager
 def _sbatch(env: dict[str, str], log: Path):
-    with open(log, "a") as f:
-        p = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=f, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        try:
-            yield p
-        finally:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    return session(["bash", str(SBATCH)], env, log)
 
 
 def _finish(p: subprocess.Popen, log: Path, timeout: float = 240) -> int:
