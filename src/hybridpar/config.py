@@ -155,6 +155,7 @@ class TrainConfig:
     init_from: str = ""  # a Hugging Face Llama directory to start from; "" = random init from seed
     hardware: str = ""  # parallel.auto's device: a GPU name or calibrated profile; "" = the default profile
     auto_resume: bool = True  # when torchrun restarts the job, continue from the latest complete checkpoint
+    document_mask: bool = False  # packed documents: attention stays within each document, RoPE restarts per document
 
     @property
     def grad_accum(self) -> int:

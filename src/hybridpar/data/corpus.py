@@ -84,8 +84,9 @@ def load_builtin(val_fraction: float = 0.05, max_bytes: int = 8 << 20) -> TokenS
         except DataError:
             force = True
         else:
-            data.source = "python-stdlib"
-            return data
+            if data.train_docs is not None:  # a cache from before document offsets: prepare again
+                data.source = "python-stdlib"
+                return data
     with contextlib.suppress(DatasetExistsError):  # raised when another process finished first
         prepare_dataset(files, cache, tokenizer="bytes", val_fraction=val_fraction, force=force,
                         text_suffixes=(".py",))
@@ -111,9 +112,12 @@ class WindowSampler:
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, split: str | None = None,
-                 source: str | None = None) -> None:
-        """``split`` ("train", "val") and ``source`` (the dataset) only name the data in errors."""
+                 source: str | None = None, docs: np.ndarray | None = None) -> None:
+        """``split`` ("train", "val") and ``source`` (the dataset) only name the data in errors;
+        ``docs``: the split's document start offsets (for :meth:`doc_ids`), None if not recorded."""
         self.tokens = tokens
+        self.docs = docs
+        self.split, self.source = split, source
         self.seq_len = seq_len
         self.seed = seed
         self.windows = (len(tokens) - 1) // seq_len
@@ -137,3 +141,19 @@ class WindowSampler:
             rows.append(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         block = torch.from_numpy(np.stack(rows))
         return block[:, :-1], block[:, 1:]
+
+    def doc_ids(self, sample_ids: range | list[int]) -> torch.Tensor:
+        """Document index of every input token of :meth:`batch`'s windows, int64
+        ``[len(sample_ids), seq_len]`` (the index of the document in the split, so labels from
+        different windows or datasets need not differ: compare them within one sequence)."""
+        if self.docs is None:
+            where = f"dataset {self.source!r}" if self.source else "this dataset"
+            raise DataError(f"train.document_mask = true needs document offsets, but {where} "
+                            f"({self.split or 'split'}) has none recorded; prepare it again with hybridpar prepare")
+        offsets = np.asarray(self.docs, dtype=np.int64)
+        rows = []
+        for sid in sample_ids:
+            start = self._window(sid) * self.seq_len
+            pos = np.arange(start, start + self.seq_len, dtype=np.int64)
+            rows.append(np.searchsorted(offsets, pos, side="right") - 1)
+        return torch.from_numpy(np.stack(rows).astype(np.int64))

@@ -106,6 +106,11 @@ class MixtureSampler:
         xs, ys = zip(*(self.samplers[d].batch([k]) for d, k in map(self.locate, sample_ids)), strict=True)
         return torch.cat(xs), torch.cat(ys)
 
+    def doc_ids(self, sample_ids: range | list[int]) -> torch.Tensor:
+        """Document labels of :meth:`batch`'s input tokens, int64 ``[len(sample_ids), seq_len]``
+        (see :meth:`WindowSampler.doc_ids`)."""
+        return torch.cat([self.samplers[d].doc_ids([k]) for d, k in map(self.locate, sample_ids)])
+
     def drawn(self, n: int) -> list[int]:
         """How many of the global ids ``0 .. n-1`` each dataset supplies."""
         full, rest = divmod(n, self.block)
@@ -139,9 +144,9 @@ def open_training_data(spec: str, seq_len: int, seed: int) -> TrainingData:
     splits = [load_tokens(c.path) for c in components]
     first = splits[0]
     check_one_tokenizer([(c.path, s.meta or {}) for c, s in zip(components, splits, strict=True)])
-    train = [WindowSampler(s.train, seq_len, seed, split="train", source=c.path)
+    train = [WindowSampler(s.train, seq_len, seed, split="train", source=c.path, docs=s.train_docs)
              for c, s in zip(components, splits, strict=True)]
-    val = [WindowSampler(s.val, seq_len, seed + 1, split="val", source=c.path)
+    val = [WindowSampler(s.val, seq_len, seed + 1, split="val", source=c.path, docs=s.val_docs)
            for c, s in zip(components, splits, strict=True)]
     if len(components) == 1:
         return TrainingData(train[0], val[0], first.tokenizer, first.vocab_size, components)

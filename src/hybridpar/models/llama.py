@@ -15,6 +15,7 @@ import hashlib
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from hybridpar.config import ModelConfig
 __all__ = [
     "Attention",
     "Block",
+    "Documents",
     "FeedForward",
     "Llama",
     "RMSNorm",
@@ -35,6 +37,7 @@ __all__ = [
     "init_tensor",
     "precompute_rope",
     "rotate_half",
+    "segment_positions",
     "to_hf_config_dict",
 ]
 
@@ -86,6 +89,60 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
+# ----------------------------------------------------------------------------- documents
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents of a batch (``train.document_mask``): tokens attend only within their
+    own document (block-causal) and RoPE positions restart at each document start.
+
+    ``segments [B, T]`` (int64): a document label per token, equal labels = same document; labels
+    must be consistent over a whole sequence (context parallelism compares the labels of
+    different ranks' tokens). ``positions [B, T]`` (int64): each token's position within its
+    document, the RoPE position. Both hold this rank's tokens in the order of ``tokens``.
+    """
+
+    segments: Tensor
+    positions: Tensor
+
+    @classmethod
+    def from_segments(cls, segments: Tensor) -> Documents:
+        """From per-token document labels ``[B, T]`` of whole (unsharded) sequences."""
+        return cls(segments, segment_positions(segments))
+
+    def index_select(self, dim: int, index: Tensor) -> Documents:
+        """The tokens at ``index`` along ``dim`` (e.g. a context-parallel shard)."""
+        return Documents(self.segments.index_select(dim, index), self.positions.index_select(dim, index))
+
+    def to(self, device: torch.device | str) -> Documents:
+        return Documents(self.segments.to(device), self.positions.to(device))
+
+    def rope(self, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)`` ``[B, 1, T, head_dim]`` for the document-relative positions."""
+        b, t = self.positions.shape
+        cos, sin = precompute_rope(head_dim, self.positions.reshape(-1), theta)
+        return cos.view(b, 1, t, head_dim), sin.view(b, 1, t, head_dim)
+
+    def mask(self) -> Tensor:
+        """Bool ``[B, 1, T, T]`` (True = visible): causal within the same document, for tokens in
+        sequence order (no context-parallel sharding)."""
+        t = self.segments.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.segments.device).tril_()
+        return (causal & (self.segments[:, :, None] == self.segments[:, None, :])).unsqueeze(1)
+
+
+def segment_positions(segments: Tensor) -> Tensor:
+    """Position of each token within its run of equal labels along the last dim: ``[0, 0, 1, 1,
+    1]`` -> ``[0, 1, 0, 1, 2]`` (a sequence's first token starts a run)."""
+    t = segments.shape[-1]
+    idx = torch.arange(t, device=segments.device).expand_as(segments)
+    start = torch.ones_like(segments, dtype=torch.bool)
+    start[..., 1:] = segments[..., 1:] != segments[..., :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=-1).values
+    return idx - first
+
+
 # ----------------------------------------------------------------------------- layers
 
 
@@ -106,23 +163,26 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v) if docs is None else self.core(q, k, v, docs)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
-    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def core(self, q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None) -> Tensor:
         """``softmax(q k^T / sqrt(d) + causal mask) v`` for ``[B, heads, T, head_dim]`` inputs:
-        the attention core (what context parallelism replaces and selective recompute reruns)."""
+        the attention core (what context parallelism replaces and selective recompute reruns).
+        With ``docs`` the mask is block-causal: causal and within the same document."""
         # enable_gqa broadcasts KV heads inside the kernel: no repeated copies, and measured
         # faster than repeat_interleave on CPU. Head counts come from the tensors, so a
         # tensor-parallel shard with fewer local heads works unchanged.
         gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if docs is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
@@ -148,8 +208,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
+        h = self.attention_norm(x)
+        x = x + (self.attention(h, cos, sin) if docs is None else self.attention(h, cos, sin, docs))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -170,14 +231,30 @@ class Llama(nn.Module):
             None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         )
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Logits ``[B, T, vocab]`` for ``tokens [B, T]``; ``positions [T]`` defaults to arange."""
+    def forward(self, tokens: Tensor, positions: Tensor | None = None,
+                docs: Documents | None = None) -> Tensor:
+        """Logits ``[B, T, vocab]`` for ``tokens [B, T]``; ``positions [T]`` defaults to arange.
+
+        With ``docs`` (packed documents) attention stays within each document and RoPE uses
+        ``docs.positions``; ``positions`` then only orders the tokens (context parallelism)."""
+        if docs is not None:
+            return self._forward_documents(tokens, docs.to(tokens.device))
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = precompute_rope(self.cfg.head_dim, positions.to(tokens.device), self.cfg.rope_theta)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    def _forward_documents(self, tokens: Tensor, docs: Documents) -> Tensor:
+        cos, sin = docs.rope(self.cfg.head_dim, self.cfg.rope_theta)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, docs)
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)

@@ -14,6 +14,8 @@ only layer that mixes tokens, so it is the only one that communicates:
   and step a rank sends ``n - 1`` K/V blocks forward, ``n - 1`` K/V and ``n - 1`` fp32 dK/dV
   blocks backward: 1.5x an all-gather design's bytes, the price of never holding the whole
   sequence's K/V. Grouped-query attention is native (no repeated K/V).
+* **Document masks.** With ``segments`` (document labels per token) a pair is masked by
+  position and label; pairs across documents are skipped. The labels travel with K/V.
 * **Causal masking by original positions.** Visible means ``pos_q >= pos_k`` in the unsharded
   sequence, so any layout works. A :class:`RingPlan` classifies each pair of position runs (query
   run, key run) once per length: fully visible, causal diagonal (same positions), fully masked
@@ -255,14 +257,26 @@ def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     return s if mask is None else s.masked_fill_(~mask, -math.inf)
 
 
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, pr: BlockPair, scale: float) -> tuple[Tensor, Tensor]:
+def _doc_mask(pr: BlockPair, seg_q: Tensor, seg_k: Tensor) -> Tensor:
+    """A pair's visibility mask with documents: its position mask and same document label,
+    bool ``[B, 1, 1, Lq, Lk]`` (broadcast over kv heads and query groups of :func:`_scores`)."""
+    same = seg_q[:, pr.q, None] == seg_k[:, None, pr.k]
+    if pr.causal:
+        same = same.tril_()
+    elif pr.mask is not None:
+        same &= pr.mask
+    return same[:, None, None]
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, pr: BlockPair, scale: float,
+                   mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of ``q [B, H, Lq, D]`` to ``k, v [B, Hk, Lk, D]`` within one block pair: the
     output normalized within the block and its log-sum-exp ``[B, H, Lq]`` (fp32; -inf for rows
-    that see no key)."""
-    if _fused(q, pr):
+    that see no key). ``mask`` (documents, see :func:`_doc_mask`) replaces the pair's own."""
+    if mask is None and _fused(q, pr):
         return _FLASH_CPU(q, k, v, 0.0, pr.causal, scale=scale)
     b, h, lq, d = q.shape
-    s = _scores(q, k, scale, _mask(pr, q, k))
+    s = _scores(q, k, scale, _mask(pr, q, k) if mask is None else mask)
     lse = torch.logsumexp(s, dim=-1)
     safe = lse.masked_fill(lse == -math.inf, 0.0)
     p = torch.exp(s.sub_(safe.unsqueeze(-1)))
@@ -279,15 +293,15 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 
 
 def _block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
-                    pr: BlockPair, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    pr: BlockPair, scale: float, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block pair given the final ``out`` and ``lse`` of these query rows:
     ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO out))``, ``dQ = dS K``,
-    ``dK = dS^T Q`` (times ``scale``)."""
-    if _fused(q, pr):
+    ``dK = dS^T Q`` (times ``scale``). ``mask`` as in :func:`_block_forward`."""
+    if mask is None and _fused(q, pr):
         return _FLASH_CPU_BWD(dout, q, k, v, out, lse, 0.0, pr.causal, scale=scale)
     b, h, lq, d = q.shape
     hk = k.shape[1]
-    s = _scores(q, k, scale, _mask(pr, q, k))
+    s = _scores(q, k, scale, _mask(pr, q, k) if mask is None else mask)
     lse_safe = lse.masked_fill(lse == -math.inf, 0.0).view(b, hk, h // hk, lq, 1)
     p = torch.exp(s.sub_(lse_safe)).view(b, hk, -1, k.shape[2])
     do = _grouped(dout, hk)
@@ -300,10 +314,22 @@ def _block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, 
     return dq, dk, dv
 
 
-def _exchange(send: Tensor, recv: Tensor, axis: Axis) -> Pending:
-    """Post ``send`` to the next rank of the ring and ``recv`` from the previous; don't wait."""
-    return axis.comm.batch_p2p([("send", send, axis.peer(1)), ("recv", recv, axis.peer(-1))],
-                               axis, wait=False)
+def _exchange(send: Tensor, recv: Tensor, axis: Axis, seg: tuple[Tensor, Tensor] | None = None) -> Pending:
+    """Post ``send`` to the next rank of the ring and ``recv`` from the previous; don't wait.
+    ``seg``: a (send, recv) pair of document labels travelling with the K/V block."""
+    ops = [("send", send, axis.peer(1)), ("recv", recv, axis.peer(-1))]
+    if seg is not None:
+        ops += [("send", seg[0], axis.peer(1)), ("recv", seg[1], axis.peer(-1))]
+    return axis.comm.batch_p2p(ops, axis, wait=False)
+
+
+def _pair_mask(pr: BlockPair, seg_q: Tensor | None, seg_k: Tensor | None) -> tuple[bool, Tensor | None]:
+    """(compute?, mask) of a pair: without documents (True, None); with documents the combined
+    mask, and False when no query of the pair sees any key of it (a block across documents)."""
+    if seg_q is None or seg_k is None:
+        return True, None
+    mask = _doc_mask(pr, seg_q, seg_k)
+    return bool(mask.any()), mask
 
 
 class RingAttention(torch.autograd.Function):
@@ -316,24 +342,34 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, axis: Axis, plan: RingPlan,
-                scale: float, stats: AttentionStats | None) -> Tensor:
+                scale: float, stats: AttentionStats | None, segments: Tensor | None = None) -> Tensor:
         b, h, t, d = q.shape
         out = q.new_zeros((b, h, t, d), dtype=torch.float32)
         lse = q.new_full((b, h, t), -math.inf, dtype=torch.float32)
         kv = torch.stack([k, v])
         spare = torch.empty_like(kv) if axis.size > 1 else kv
+        seg_k, seg_spare = segments, segments  # the labels of the K/V block in hand, and a buffer
+        if segments is not None and axis.size > 1:  # (never receive into the queries' labels)
+            seg_k, seg_spare = segments.clone(), torch.empty_like(segments)
         for s, pairs in enumerate(plan.steps):
-            pending = _exchange(kv, spare, axis) if s < axis.size - 1 else None
+            segx = (seg_k, seg_spare) if segments is not None else None
+            pending = _exchange(kv, spare, axis, segx) if s < axis.size - 1 else None
             for pr in pairs:  # attend to the block in hand while the next one arrives
+                go, mask = _pair_mask(pr, segments, seg_k)
+                if not go:  # every key of the block is in another document: skipped
+                    continue
                 o_b, l_b = _block_forward(q[..., pr.q, :], kv[0][..., pr.k, :], kv[1][..., pr.k, :],
-                                          pr, scale)
+                                          pr, scale, mask)
                 _merge(out[..., pr.q, :], lse[..., pr.q], o_b, l_b)
             if pending is not None:
                 pending.wait()
                 kv, spare = spare, kv
+                if segments is not None:
+                    seg_k, seg_spare = seg_spare, seg_k
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.axis, ctx.plan, ctx.scale, ctx.stats = axis, plan, scale, stats
+        ctx.segments = segments
         if stats is not None:
             stats.forward_scores += b * h * plan.work
             stats.forward_flops += 4 * d * b * h * plan.work
@@ -350,13 +386,20 @@ class RingAttention(torch.autograd.Function):
         spare = torch.empty_like(kv) if axis.size > 1 else kv
         own = grad_in = None
         grad_pending: Pending | None = None
+        segments = seg_k = seg_spare = ctx.segments
+        if segments is not None and axis.size > 1:
+            seg_k, seg_spare = segments.clone(), torch.empty_like(segments)
         for s, pairs in enumerate(plan.steps):
-            pending = _exchange(kv, spare, axis) if s < axis.size - 1 else None
+            segx = (seg_k, seg_spare) if segments is not None else None
+            pending = _exchange(kv, spare, axis, segx) if s < axis.size - 1 else None
             dkv = kv.new_zeros(kv.shape, dtype=torch.float32)
             for pr in pairs:
+                go, mask = _pair_mask(pr, segments, seg_k)
+                if not go:
+                    continue
                 dq_b, dk_b, dv_b = _block_backward(q[..., pr.q, :], kv[0][..., pr.k, :],
                                                    kv[1][..., pr.k, :], dout[..., pr.q, :],
-                                                   out[..., pr.q, :], lse[..., pr.q], pr, scale)
+                                                   out[..., pr.q, :], lse[..., pr.q], pr, scale, mask)
                 dq[..., pr.q, :] += dq_b
                 dkv[0][..., pr.k, :] += dk_b
                 dkv[1][..., pr.k, :] += dv_b
@@ -371,23 +414,31 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 pending.wait()
                 kv, spare = spare, kv
+                if segments is not None:
+                    seg_k, seg_spare = seg_spare, seg_k
         if grad_pending is not None:  # the other ranks' share of our block's gradient
             grad_pending.wait()
             own += grad_in
         if ctx.stats is not None:
             ctx.stats.backward_scores += b * h * plan.work
             ctx.stats.backward_flops += 10 * d * b * h * plan.work
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, axis: Axis, plan: RingPlan, *,
-                   scale: float | None = None, stats: AttentionStats | None = None) -> Tensor:
+                   scale: float | None = None, stats: AttentionStats | None = None,
+                   segments: Tensor | None = None) -> Tensor:
     """Causal attention of this rank's queries to the keys of the whole (sharded) sequence.
 
     ``q [B, H, T_local, D]``, ``k, v [B, Hk, T_local, D]`` hold the tokens of
     ``plan``'s positions for this cp rank; the result is ``[B, H, T_local, D]`` in q's dtype,
     equal to full causal attention on the gathered sequence restricted to these rows. ``scale``
     defaults to ``1 / sqrt(D)``. At cp = 1 this is blockwise local causal attention.
+
+    ``segments [B, T_local]`` (int64 document labels of these tokens, consistent over the whole
+    sequence): block-causal attention within documents. The labels travel around the ring with
+    the K/V blocks; each block pair is masked by position and label, and a pair whose queries
+    see none of its keys (a block across documents) is skipped.
     """
     if plan.size != axis.size or plan.rank != axis.rank:
         raise ValueError(f"ring plan is for cp rank {plan.rank} of {plan.size}, not {axis.rank} of {axis.size}")
@@ -395,5 +446,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, axis: Axis, plan: RingPlan, 
         raise ValueError(f"ring_attention needs q [B, H, T, D], k = v [B, Hk, T, D] with H % Hk == 0; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if segments is not None:
+        if segments.shape != (q.shape[0], q.shape[2]):
+            raise ValueError(f"ring_attention segments must be [B, T] = {(q.shape[0], q.shape[2])}, "
+                             f"got {tuple(segments.shape)}")
+        return RingAttention.apply(q, k, v, axis, plan, scale, stats, segments.contiguous())
     return RingAttention.apply(q, k, v, axis, plan, scale, stats)
 

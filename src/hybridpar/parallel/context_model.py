@@ -13,6 +13,8 @@ Usage (the trainer's side)::
     cp = enable_context_parallel(model, topo.cp)          # once, after building the model
     x, y = zigzag_shard(x, topo.cp), zigzag_shard(y, topo.cp)
     logits = model(x, zigzag_positions(seq_len, topo.cp))  # positions may be left out
+    # packed documents: Documents.from_segments(full-sequence labels), sharded the same way
+    # (docs.index_select(1, zigzag_positions(...))), passed as model(x, positions, docs=docs)
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())  # mean over local tokens
     # gradients: average over dp and cp (Topology.dp_cp); logged loss: all_reduce avg over dp_cp
 
@@ -30,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.distributed.mesh import Axis
-from hybridpar.models.llama import Attention, Llama
+from hybridpar.models.llama import Attention, Documents, Llama
 from hybridpar.parallel.context import (
     AttentionStats,
     Layout,
@@ -116,13 +118,14 @@ class ContextParallelAttention(Attention):
         self.wq, self.wk, self.wv, self.wo = attn.wq, attn.wk, attn.wv, attn.wo
         self._cp = cp  # a plain object, not a submodule
 
-    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def core(self, q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None) -> Tensor:
         cp = self._cp
         if not cp.active:
-            return super().core(q, k, v)
+            return super().core(q, k, v) if docs is None else super().core(q, k, v, docs)
         if cp.plan is None:
             raise RuntimeError("ContextParallelAttention called outside the model's forward")
-        return ring_attention(q, k, v, cp.axis, cp.plan, stats=cp.stats)
+        segments = None if docs is None else docs.segments
+        return ring_attention(q, k, v, cp.axis, cp.plan, stats=cp.stats, segments=segments)
 
 
 def enable_context_parallel(model: Llama, axis: Axis, layout: Layout = "zigzag") -> ContextParallel:

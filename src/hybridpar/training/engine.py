@@ -19,7 +19,7 @@ from torch import Tensor
 from hybridpar.config import Config
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.hf import init_from_hf
-from hybridpar.models.llama import Llama
+from hybridpar.models.llama import Documents, Llama
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import enable_context_parallel
 from hybridpar.parallel.data import GradientReducer
@@ -52,7 +52,7 @@ from hybridpar.training.generate import sample
 from hybridpar.training.optim import build_optimizer, clip_by_total_norm
 from hybridpar.training.precision import autocast
 
-Batch = tuple[Tensor, Tensor]
+Batch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Documents]  # (inputs, targets[, packed documents])
 
 
 class Engine:
@@ -136,11 +136,12 @@ class Engine:
         these means is the mean over whole sequences."""
         return vocab_parallel_cross_entropy(logits.float(), targets, self.topo.tp, self.cfg.model.vocab_size)
 
-    def loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """Loss of one micro-batch through the whole (non-pipelined) model."""
+    def loss(self, inputs: Tensor, targets: Tensor, docs: Documents | None = None) -> Tensor:
+        """Loss of one micro-batch through the whole (non-pipelined) model; ``docs``: its packed
+        documents (``train.document_mask``), this rank's tokens of them."""
         positions = zigzag_positions(self.cfg.train.seq_len, self.topo.cp) if self.cp is not None else None
         with autocast(self.cfg.train.precision, self.device):
-            logits = self.model(inputs, positions)
+            logits = self.model(inputs, positions) if docs is None else self.model(inputs, positions, docs=docs)
         return self.loss_from_logits(logits, targets)
 
     # ------------------------------------------------------------------ step pieces
@@ -155,10 +156,10 @@ class Engine:
             losses = self.last_pipeline_step.losses
         else:
             out = []
-            for i, (x, y) in enumerate(batches):
+            for i, batch in enumerate(batches):
                 last = i == len(batches) - 1
                 with contextlib.nullcontext() if last else self.no_sync():
-                    loss = self.loss(x, y)
+                    loss = self.loss(*batch)
                     (loss * grad_scale).backward()
                 out.append(loss.detach())
             losses = torch.stack(out)
@@ -180,7 +181,7 @@ class Engine:
             return self.runner.evaluate(batches)
         self.model.eval()
         try:
-            return torch.stack([self.loss(x, y) for x, y in batches])
+            return torch.stack([self.loss(*batch) for batch in batches])
         finally:
             self.model.train()
 

@@ -24,7 +24,8 @@ from hybridpar.data.errors import check_vocab
 from hybridpar.data.mixture import MixtureSampler, open_training_data
 from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
 from hybridpar.distributed.mesh import Topology
-from hybridpar.parallel.context import zigzag_shard
+from hybridpar.models.llama import Documents
+from hybridpar.parallel.context import zigzag_positions, zigzag_shard
 from hybridpar.training import checkpoint
 from hybridpar.training import device as devices
 from hybridpar.training.engine import Engine
@@ -84,10 +85,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int,
-                      sampler: WindowSampler | MixtureSampler) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      sampler: WindowSampler | MixtureSampler) -> list[tuple]:
         """This rank's micro-batches of step ``step`` (from 1) when a step reads ``per_step``
         global sample ids: the dp axis takes contiguous equal shares of the ids, and the cp axis
-        its zigzag share of each sequence's tokens."""
+        its zigzag share of each sequence's tokens. With ``train.document_mask`` each is
+        ``(x, y, Documents)`` (document labels and positions, sharded like the tokens)."""
         dp = self.topo.dp
         share = per_step // dp.size
         first = (step - 1) * per_step + dp.rank * share
@@ -95,9 +97,17 @@ class Trainer:
         out = []
         for start in range(first, first + share, mb):
             x, y = sampler.batch(range(start, start + mb))
+            docs = None  # train.document_mask: labels and RoPE positions of whole sequences
+            if self.cfg.train.document_mask:
+                docs = Documents.from_segments(sampler.doc_ids(range(start, start + mb)))
             if self.cp is not None:
                 x, y = zigzag_shard(x, self.topo.cp, dim=1), zigzag_shard(y, self.topo.cp, dim=1)
-            out.append((x.to(self.device), y.to(self.device)))
+                if docs is not None:  # sharded like the tokens
+                    docs = docs.index_select(1, zigzag_positions(self.cfg.train.seq_len, self.topo.cp))
+            if docs is None:
+                out.append((x.to(self.device), y.to(self.device)))
+            else:
+                out.append((x.to(self.device), y.to(self.device), docs.to(self.device)))
         return out
 
     def train_step(self, step: int) -> StepResult:

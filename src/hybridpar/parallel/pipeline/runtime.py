@@ -113,7 +113,8 @@ class PipelineRunner:
     def run(self, microbatches: Sequence[tuple[Tensor, Tensor]],
             grad_scale: float | None = None) -> PipelineStepResult:
         """Forward and backward of all ``(inputs, targets)`` micro-batches (every pp rank passes
-        the same list; the first stage reads inputs, the last targets). Gradients accumulate
+        the same list; the first stage reads inputs, the last targets; an optional third item,
+        packed documents, goes to every stage's chunk as ``docs``). Gradients accumulate
         into ``.grad`` scaled by ``grad_scale`` (default ``1 / M``)."""
         self._scale = 1.0 / self.schedule.microbatches if grad_scale is None else grad_scale
         return self._execute(self.schedule, microbatches)
@@ -196,14 +197,14 @@ class PipelineRunner:
 
     def _forward(self, a: Action, received: Tensor | None, step: _Step) -> None:
         m, s = a.microbatch, a.stage
-        inputs, targets = step.microbatches[m]
+        inputs, targets, *extra = step.microbatches[m]  # extra: the packed documents, for every stage
         if received is None:  # first stage: its own inputs; one that requires grad gets it in B
             x = inputs.to(self.topo.device)
             inp = x if x.is_floating_point() and x.requires_grad else None
         else:
             x = inp = received.requires_grad_(step.store)
         with self.forward_context():
-            out = self.chunks[s](x)
+            out = self.chunks[s](x) if not extra else self.chunks[s](x, docs=extra[0])
             if s == self.last_stage:
                 loss = self.loss_fn(out, targets.to(self.topo.device))
         if s == self.last_stage:

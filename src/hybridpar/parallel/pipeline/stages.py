@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.distributed.mesh import Topology
-from hybridpar.models.llama import Llama, precompute_rope
+from hybridpar.models.llama import Documents, Llama, precompute_rope
 from hybridpar.parallel.pipeline.partition import ChunkSpec, Partition, partition_model
 
 
@@ -47,9 +47,12 @@ class LlamaChunk(nn.Module):
         # parallelism's zigzag shards); None means arange.
         self.positions: Tensor | None = None
 
-    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None, docs: Documents | None = None) -> Tensor:
         """Tokens ``[B, T]`` (first chunk) or hidden ``[B, T, dim]`` -> hidden, or logits
-        ``[B, T, vocab]`` (last chunk)."""
+        ``[B, T, vocab]`` (last chunk). ``docs``: the micro-batch's packed documents (every
+        stage gets them from the runner; RoPE then uses their positions)."""
+        if docs is not None:
+            return self._forward_documents(x, docs.to(x.device))
         if positions is None:
             positions = self.positions
         if positions is None:
@@ -62,6 +65,17 @@ class LlamaChunk(nn.Module):
             x = layer(x, cos, sin)
         if not self.spec.head:
             return x
+        return self._head(x)
+
+    def _forward_documents(self, x: Tensor, docs: Documents) -> Tensor:
+        if self.spec.embedding:
+            x = self.tok_embeddings(x)
+        cos, sin = docs.rope(self.head_dim, self.rope_theta)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, docs)
+        return self._head(x) if self.spec.head else x
+
+    def _head(self, x: Tensor) -> Tensor:
         x = self.norm(x)
         if self.output is None:
             return F.linear(x, self.tok_embeddings.weight)

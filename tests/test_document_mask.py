@@ -1,0 +1,153 @@
+"""train.document_mask: block-causal attention within packed documents, RoPE restarting per
+document, under every layout.
+
+Tolerances: the model-level comparisons run different kernels (SDPA with a boolean mask on a
+packed batch vs SDPA's causal kernel on each document alone), so they agree to float32
+rounding, not bit for bit: 1e-5 absolute/relative on logits of size ~1. The layout tests follow
+tests/test_layouts.py: per-step losses to 1e-5 relative to the single-process run (the same
+document-masked model), which any masking or position error exceeds by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from test_trainer import SMALL
+
+from hybridpar.config import ModelConfig, load_config
+from hybridpar.data.corpus import WindowSampler
+from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.models.llama import Documents, Llama, segment_positions
+from hybridpar.training.trainer import Trainer
+
+STEPS = 3
+LR = 1e-2  # high enough that masking moves the step-3 loss ~700x the 1e-5 tolerance
+
+
+def _model(seed: int = 0) -> Llama:
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=97, max_seq_len=64)
+    model = Llama(cfg)
+    model.init_weights(seed)
+    return model.eval()
+
+
+def test_segment_positions_restart_per_document():
+    seg = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 5, 5]])
+    assert segment_positions(seg).tolist() == [[0, 1, 0, 1, 2, 0], list(range(6))]
+
+
+def test_packed_batch_equals_each_document_alone():
+    model = _model()
+    lengths = [[5, 11, 4, 12], [32], [1, 30, 1]]
+    tokens = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(1))
+    seg = torch.stack([torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls)) for ls in lengths])
+    with torch.no_grad():
+        packed = model(tokens, docs=Documents.from_segments(seg))
+        for b, ls in enumerate(lengths):
+            start = 0
+            for n in ls:
+                alone = model(tokens[b : b + 1, start : start + n])[0]
+                torch.testing.assert_close(packed[b, start : start + n], alone, rtol=1e-5, atol=1e-5)
+                start += n
+        unmasked = model(tokens)
+    # the packed rows differ from plain causal attention where a sequence holds several documents
+    assert not torch.allclose(packed[0], unmasked[0], atol=1e-3)
+
+
+def test_one_document_per_sequence_equals_unmasked():
+    model = _model()
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(2))
+    one = Documents.from_segments(torch.full((2, 32), 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, docs=one), model(tokens), rtol=1e-5, atol=1e-5)
+    # gradients too (the masked kernel's backward)
+    a, b = _model(), _model()
+    a(tokens, docs=one).square().mean().backward()
+    b(tokens).square().mean().backward()
+    for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_window_sampler_doc_ids():
+    tokens = np.arange(200, dtype=np.uint16)
+    docs = np.array([0, 10, 15, 40, 120], dtype=np.int64)
+    s = WindowSampler(tokens, 16, seed=0, docs=docs)
+    ids = s.doc_ids(range(6))
+    x, _ = s.batch(range(6))
+    expected = np.searchsorted(docs, x.numpy(), side="right") - 1  # token value = its offset
+    assert torch.equal(ids, torch.from_numpy(expected))
+
+
+def test_document_mask_needs_recorded_offsets():
+    from hybridpar.data.errors import DataError
+
+    s = WindowSampler(np.arange(100, dtype=np.uint16), 16, seed=0, split="train", source="old-data")
+    with pytest.raises(DataError, match=r"needs document offsets, but dataset 'old-data' \(train\) has none"):
+        s.doc_ids([0])
+
+
+# ----------------------------------------------------------------------------- layouts
+
+LAYOUTS = {
+    "cp2": ["--parallel.cp", "2"],
+    "tp2-sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    "pp2": ["--parallel.pp", "2"],
+    "dp2-tp2-pp2-cp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.cp", "2"],
+}
+
+
+def _dataset(tmp: str) -> str:
+    """A small prepared dataset of many short documents (so every window holds several)."""
+    from hybridpar.data.prepare import prepare_dataset
+
+    out = f"{tmp}/docs-data"
+    import os
+    if not os.path.exists(f"{out}/meta.json"):
+        rng = np.random.default_rng(0)
+        words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+        os.makedirs(f"{tmp}/docs-src", exist_ok=True)
+        for i in range(200):
+            text = " ".join(rng.choice(words, size=int(rng.integers(2, 12))))
+            with open(f"{tmp}/docs-src/d{i:03d}.txt", "w") as fh:
+                fh.write(text)
+        prepare_dataset(sorted(f"{tmp}/docs-src/{f}" for f in os.listdir(f"{tmp}/docs-src")), out,
+                        tokenizer="bytes", val_fraction=0.1)
+    return out
+
+
+def config(tmp: str, layout: list[str], mask: bool = True):
+    return load_config(None, [*SMALL, "--model.n_kv_heads", "4", "--model.n_layers", "4", "--train.lr", str(LR),
+                              "--train.run_dir", f"{tmp}/run", "--train.data", _dataset(tmp),
+                              "--train.document_mask", str(mask).lower(), *layout])
+
+
+def _run(rank: int, world: int, tmp: str, layout: list[str], mask: bool = True) -> list[float]:
+    cfg = config(tmp, layout, mask)
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        return [trainer.train_step(s).loss for s in range(1, STEPS + 1)]
+
+
+@functools.cache
+def reference(tmp: str, mask: bool = True) -> list[float]:
+    return _run(0, 1, tmp, [], mask)
+
+
+def test_masking_changes_the_loss(tmp_path_factory):
+    tmp = str(tmp_path_factory.getbasetemp() / "docmask")
+    masked, plain = reference(tmp), reference(tmp, False)
+    # so the layout tests below (rel 1e-5) could tell a masked run from an unmasked one
+    assert abs(masked[-1] - plain[-1]) > 1e-4 * abs(plain[-1])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_document_mask_layout_matches_single_process(name, dist_run, tmp_path_factory):
+    tmp = str(tmp_path_factory.getbasetemp() / "docmask")
+    ref = reference(tmp)
+    layout = LAYOUTS[name]
+    world = config(tmp, layout).parallel.world_size
+    for rank, losses in enumerate(dist_run(world, _run, tmp, layout)):
+        assert losses == pytest.approx(ref, rel=1e-5), f"rank {rank}"
