@@ -89,6 +89,50 @@ def test_document_mask_needs_recorded_offsets():
         s.doc_ids([0])
 
 
+# ----------------------------------------------------------------------------- ring attention
+
+
+def _ring_vs_full_documents(rank: int, world: int, hk: int) -> dict:
+    """Ring attention (zigzag) with document labels on this rank's shard vs masked attention on the
+    whole sequence: outputs and q/k/v gradients. Documents cross zigzag chunk boundaries, and
+    sequence 0 has one document per chunk, so whole block pairs lie across documents (skipped)."""
+    import torch.nn.functional as F
+
+    from hybridpar.parallel.context import RingPlan, ring_attention, shard_positions
+
+    b, h, t, d = 2, 4, 8 * world, 8
+    chunk = t // (2 * world)
+    g = torch.Generator().manual_seed(5)
+    seg = torch.stack([torch.arange(t) // chunk,  # one document per zigzag chunk
+                       torch.cumsum((torch.rand(t, generator=g) < 0.2).long(), 0)])  # random lengths
+    seg[1, 0] = 0
+    q = torch.randn(b, h, t, d, generator=g, requires_grad=True)
+    k = torch.randn(b, hk, t, d, generator=g, requires_grad=True)
+    v = torch.randn(b, hk, t, d, generator=g, requires_grad=True)
+    dout = torch.randn(b, h, t, d, generator=g)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=Documents.from_segments(seg).mask(),
+                                         enable_gqa=hk != h)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    with ParallelDims(cp=world).build() as topo:
+        idx = shard_positions(t, world, rank)
+        local = [x.detach().index_select(2, idx).requires_grad_() for x in (q, k, v)]
+        plan = RingPlan.for_layout(t, world, rank)
+        out = ring_attention(*local, topo.cp, plan, segments=seg.index_select(1, idx))
+        grads = torch.autograd.grad(out, local, dout.index_select(2, idx))
+    diffs = {"out": float((out - ref.detach().index_select(2, idx)).abs().max())}
+    torch.testing.assert_close(out, ref.detach().index_select(2, idx), rtol=1e-5, atol=1e-6)
+    for name, gr, r in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(gr, r.index_select(2, idx), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
+        diffs[f"d{name}"] = float((gr - r.index_select(2, idx)).abs().max())
+    return diffs
+
+
+@pytest.mark.parametrize("world, hk", [(2, 2), (4, 4), (4, 1)])
+def test_ring_attention_with_documents_equals_masked_full_attention(world, hk, dist_run):
+    dist_run(world, _ring_vs_full_documents, hk)
+
+
 # ----------------------------------------------------------------------------- layouts
 
 LAYOUTS = {
