@@ -71,6 +71,22 @@ def test_one_document_per_sequence_equals_unmasked():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_passes_the_documents(mode):
+    from hybridpar.parallel.recompute import apply_recompute
+
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(3))
+    docs = Documents.from_segments(torch.tensor([[0] * 9 + [1] * 23, [0] * 20 + [1] * 12]))
+    a, b = _model().train(), _model().train()
+    assert apply_recompute(b, mode) > 0
+    la, lb = a(tokens, docs=docs), b(tokens, docs=docs)
+    assert torch.equal(la, lb)
+    la.square().mean().backward()
+    lb.square().mean().backward()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8)
+
+
 def test_window_sampler_doc_ids():
     tokens = np.arange(200, dtype=np.uint16)
     docs = np.array([0, 10, 15, 40, 120], dtype=np.int64)
@@ -79,6 +95,17 @@ def test_window_sampler_doc_ids():
     x, _ = s.batch(range(6))
     expected = np.searchsorted(docs, x.numpy(), side="right") - 1  # token value = its offset
     assert torch.equal(ids, torch.from_numpy(expected))
+
+
+def test_mixture_sampler_forwards_doc_ids():
+    from hybridpar.data.mixture import MixtureSampler
+
+    a = WindowSampler(np.arange(300, dtype=np.uint16), 16, seed=0, docs=np.array([0, 7, 50, 51, 200]))
+    b = WindowSampler(np.arange(300, dtype=np.uint16), 16, seed=1, docs=np.array([0, 100]))
+    mix = MixtureSampler([a, b], [0.5, 0.5], seed=2, block=10)
+    ids = mix.doc_ids(range(12))
+    expected = torch.cat([[a, b][d].doc_ids([k]) for d, k in map(mix.locate, range(12))])
+    assert torch.equal(ids, expected) and ids.shape == (12, 16)
 
 
 def test_document_mask_needs_recorded_offsets():
@@ -119,7 +146,7 @@ def _ring_vs_full_documents(rank: int, world: int, hk: int) -> dict:
         plan = RingPlan.for_layout(t, world, rank)
         out = ring_attention(*local, topo.cp, plan, segments=seg.index_select(1, idx))
         grads = torch.autograd.grad(out, local, dout.index_select(2, idx))
-    diffs = {"out": float((out - ref.detach().index_select(2, idx)).abs().max())}
+    diffs = {"out": float((out.detach() - ref.detach().index_select(2, idx)).abs().max())}
     torch.testing.assert_close(out, ref.detach().index_select(2, idx), rtol=1e-5, atol=1e-6)
     for name, gr, r in zip("qkv", grads, ref_grads, strict=True):
         torch.testing.assert_close(gr, r.index_select(2, idx), rtol=1e-5, atol=1e-6,
