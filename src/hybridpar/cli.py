@@ -126,7 +126,7 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
     resolve_device_type(cfg.train.device, local_world_size() if under_launcher() else world_size)
     for warning in config_warnings(cfg):
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
-    from hybridpar.data.dataset import check_seq_len, check_tokenizer, read_meta
+    from hybridpar.data.dataset import check_documents, check_seq_len, check_tokenizer, read_meta
     from hybridpar.data.errors import check_vocab
     from hybridpar.data.mixture import check_one_tokenizer, parse_mixture
 
@@ -137,6 +137,8 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
             check_vocab(meta.get("vocab_size", 0), cfg.model.vocab_size)
             check_seq_len(meta, cfg.train.seq_len, part.path)
             check_tokenizer(meta, part.path, cfg.train.init_from)
+            if cfg.train.document_mask:
+                check_documents(meta, part.path)
             metas.append((part.path, meta))
     if len(metas) > 1:
         check_one_tokenizer(metas)

@@ -216,6 +216,14 @@ def check_seq_len(meta: dict[str, Any], seq_len: int, source: str | Path | None 
             raise split_too_short(split, n, seq_len, None if source is None else str(source))
 
 
+def check_documents(meta: dict[str, Any], data: str | Path) -> None:
+    """Before launch, for ``train.document_mask``: every split records its document offsets."""
+    missing = [name for name, split in meta.get("splits", {}).items() if "documents" not in split]
+    if missing:
+        raise DataError(f"train.document_mask = true needs document offsets, but dataset {str(data)!r} "
+                        f"({', '.join(missing)}) has none recorded; prepare it again with hybridpar prepare")
+
+
 def check_tokenizer(meta: dict[str, Any], data: str | Path, init_from: str | Path | None) -> None:
     """Before launch: a dataset that trains ``train.init_from``'s model must be tokenized with that
     model's tokenizer when its directory has a ``tokenizer.json`` (same sha256: ``prepare`` copies
