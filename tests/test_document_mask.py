@@ -114,7 +114,8 @@ def test_document_mask_needs_recorded_offsets():
     s = WindowSampler(np.arange(100, dtype=np.uint16), 16, seed=0, split="train", source="old-data")
     with pytest.raises(DataError, match=r"needs document offsets, but dataset 'old-data' \(train\) has none"):
         s.doc_ids([0])
-    from hybridpar.data.dataset import check_documents  # the same refusal before launch, from meta.json
+    # the same refusal before launch, from meta.json
+    from hybridpar.data.dataset import check_documents
 
     meta = {"splits": {"train": {"tokens": 100}, "val": {"tokens": 10, "documents": {"count": 1}}}}
     with pytest.raises(DataError, match=r"needs document offsets, but dataset 'old-data' \(train\) has none"):
