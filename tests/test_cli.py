@@ -113,16 +113,15 @@ def test_compare_tells_expected_from_unexpected(tmp_path, capsys):
 def test_no_arguments_runs_the_3d_demo(monkeypatch, capsys):
     """`hybridpar train` with no arguments launches dp2 x tp2 x pp2 on 8 local processes; any
     argument means the user's own config (1 process by default)."""
-    import subprocess
-
     from hybridpar import cli
+    from hybridpar.distributed import launch
 
-    launched: list[list[str]] = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd: launched.append(cmd) or 0)
+    launched: list[tuple[int, list[str]]] = []
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **kw: launched.append((nproc, argv)) or 0)
     monkeypatch.setattr(cli, "_preflight", lambda cfg, nproc, resume: None)
     assert cli.main([]) == 0
-    cmd = launched[0]
-    assert "--nproc-per-node=8" in cmd
-    args = cmd[cmd.index("train") + 1:]
-    assert args == ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--train.micro_batch", "4"]
+    nproc, argv = launched[0]
+    assert nproc == 8
+    assert argv == ["train", "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",
+                    "--train.micro_batch", "4"]
     assert "built-in demo" in capsys.readouterr().out

@@ -186,7 +186,8 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
             topo = ParallelDims.from_config(cfg.parallel).build(device.type)
             if topo.world_size > 1:  # a rank signalled while stuck in a collective leaves a record
                 counter = topo.comm.counter
-                stop.on_signal = lambda sig: flight.dump(counter, run_dir, rank, f"received {lifecycle.signal_name(sig)}")
+                stop.on_signal = lambda sig: flight.dump(counter, run_dir, rank,
+                                                        f"signal {lifecycle.signal_name(sig)} received")
             if auto_resume:
                 resume = _agreed_latest_checkpoint(topo, run_dir, resume)
                 if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
