@@ -11,17 +11,15 @@ leaves the old one to be restored (:func:`recover`). Deleted checkpoints are fir
 ``.del-step-N``, so a half-deleted one is never mistaken for a checkpoint.
 
 Nothing here unpickles untrusted data: tensors load with ``weights_only``, and DCP's pickled
-metadata goes through an allow-list unpickler (:class:`SafeReader`).
+metadata goes through an allow-list unpickler (:class:`SafeReader`, in ``safe_metadata.py``).
+fsync, free space and disk-full detection live in ``durable.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import json
 import os
-import pickle
 import shutil
 import sys
 import time
@@ -45,66 +43,27 @@ from torch.distributed.tensor import DTensor, Shard
 from hybridpar.config import Config, ConfigError, config_from_dict
 from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, save_tokenizer
 from hybridpar.distributed.mesh import Topology
-from hybridpar.errors import UserError
 from hybridpar.fsutil import dir_mode, publish_modes
 from hybridpar.parallel.tensor_plan import shard_dim
 from hybridpar.parallel.zero import ZeroOptimizer
+from hybridpar.training.durable import (
+    _causes,
+    _disk_full,
+    _free_bytes,
+    _fsync_dir,
+    _fsync_file,
+    _reason,
+    _root_cause,
+    _sha256,
+    _size,
+    _write_durable,
+)
+from hybridpar.training.safe_metadata import CheckpointError, SafeReader
 
 COMPLETE = "complete.json"
 TOKENIZER_INFO = "tokenizer-info.json"
 CKPT_DIR = "checkpoints"
 FORMAT = 1
-
-
-class CheckpointError(UserError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit this run."""
-
-
-# ----------------------------------------------------------------------------- safe metadata
-
-_ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-_ALLOWED_GLOBALS = {
-    ("collections", "OrderedDict"),
-    ("torch", "Size"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("builtins", "getattr"),
-    ("torch", "device"),
-    ("torch.serialization", "_get_layout"),  # maps "torch.strided" to the layout object
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-}
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata but refuses any global outside DCP's own dataclasses and a few
-    torch value types, so a crafted ``.metadata`` cannot run code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-class SafeReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose metadata is read with the allow-list unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
-        path = Path(self.path) / (".metadata" if kwargs.get("rank") is None else f"__{kwargs['rank']}.metadata")
-        try:
-            with open(path, "rb") as f:
-                metadata = _AllowListUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-            raise CheckpointError(f"checkpoint metadata {path} is corrupt or unsafe: {e}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 # ----------------------------------------------------------------------------- paths
@@ -459,48 +418,6 @@ def _agree(topo: Topology, error: BaseException | str | None, path: Path, tmp: P
     raise error
 
 
-def _causes(e: BaseException) -> Iterator[BaseException]:
-    """``e``, the per-rank failures DCP wrapped in it, and their causes."""
-    seen: set[int] = set()
-    todo = [e]
-    while todo:
-        x = todo.pop()
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
-        yield x
-        if isinstance(x, CheckpointException):
-            todo.extend(f[0] if isinstance(f, tuple) else f for f in x.failures.values())
-        todo.extend(c for c in (x.__cause__, x.__context__) if c is not None)
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """The first per-rank failure inside a DCP CheckpointException (else ``e``)."""
-    if isinstance(e, CheckpointException) and e.failures:
-        first = next(iter(e.failures.values()))
-        return first[0] if isinstance(first, tuple) else first
-    return e
-
-
-def _disk_full(e: BaseException) -> bool:
-    """Whether a write failed for want of space: ENOSPC/EDQUOT, or torch's zip writer's short
-    write (``unexpected pos ...``), which is how a full disk shows inside ``torch.save``."""
-    for x in _causes(e):
-        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(x)
-        if "No space left" in text or "unexpected pos" in text or "Disk quota exceeded" in text:
-            return True
-    return False
-
-
-def _reason(e: BaseException) -> str:
-    """One line about ``e`` (DCP's multi-line CheckpointException: its first failure)."""
-    cause = _root_cause(e)
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
-
-
 def _needed_bytes(state: Any, topo: Topology) -> int:
     """Estimated size of the checkpoint from the state's tensors: the pieces of sharded tensors
     summed over ranks, replicated tensors (written once) counted once; plus room for the small
@@ -526,48 +443,6 @@ def _tensor_bytes(tree: Any) -> tuple[int, int]:
         s, p = _tensor_bytes(v)
         sharded, plain = sharded + s, plain + p
     return sharded, plain
-
-
-def _free_bytes(folder: Path) -> int | None:
-    """Free bytes on the filesystem of ``folder`` (None where it cannot be asked)."""
-    try:
-        return shutil.disk_usage(folder).free
-    except OSError:
-        return None
-
-
-def _size(n: int) -> str:
-    return f"{n} bytes ({n / 2**20:.1f} MiB)"
-
-
-def _write_durable(path: Path, text: str) -> None:
-    """Write and fsync a file (inside a temporary checkpoint directory: no rename needed)."""
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make renames and creations in ``folder`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, cfg: Config, topo: Topology,
@@ -741,14 +616,6 @@ def require_complete(path: Path) -> Path:
         return path
     hint = "" if not path.is_dir() or not is_complete(path) else _use_earlier(path)
     raise CheckpointError(f"checkpoint {why}{hint}")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
