@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
+from hybridpar.compat import flash_attention_cpu
+
 if TYPE_CHECKING:
     from hybridpar.distributed.comm import Pending
     from hybridpar.distributed.mesh import Axis
@@ -227,8 +229,7 @@ class AttentionStats:
 # The fused CPU kernel behind F.scaled_dot_product_attention (native GQA); it returns the
 # log-sum-exp, and its backward takes the final merged output and log-sum-exp: all ring attention
 # needs. Off CPU and for explicit masks the portable matmul kernels below run instead.
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_FLASH_CPU, _FLASH_CPU_BWD = flash_attention_cpu() or (None, None)
 
 
 def _fused(q: Tensor, pr: BlockPair) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridpar.compat import storage_ptr_nbytes
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
 
@@ -170,12 +171,11 @@ def storage_bytes(tensors: Sequence[torch.Tensor | None], seen: set[int]) -> int
     for t in tensors:
         if t is None:
             continue
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if storage.nbytes() == 0 or ptr in seen:
+        ptr, nbytes = storage_ptr_nbytes(t)
+        if nbytes == 0 or ptr in seen:
             continue
         seen.add(ptr)
-        total += storage.nbytes()
+        total += nbytes
     return total
 
 

@@ -32,6 +32,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hybridpar.compat import (
+    free_storage,
+    own_parameters,
+    restore_storage,
+    set_parameter,
+    spans_whole_storage,
+)
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.shard import GradShard, OuterSplit, ShardLayout, ShardMesh
@@ -59,7 +66,7 @@ class Unit:
                 view.copy_(p.detach()[slice(*self.layout.local_rows(i))])
         self.shards = [nn.Parameter(v, requires_grad=p.requires_grad) for v, p in zip(views, self.full, strict=True)]
         for p in self.full:  # give each full parameter its own storage so it can be freed alone
-            if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+            if not spans_whole_storage(p):
                 p.data = p.data.clone()
         self.grads = GradShard(self.layout, self.full, axis, reduce_dtype=reduce_dtype)
         self.trainable = {i for i, p in enumerate(self.full) if p.requires_grad}
@@ -71,7 +78,7 @@ class Unit:
 
     def _install(self, params: list[nn.Parameter]) -> None:
         for (mod, attr), p in zip(self.owners, params, strict=True):
-            mod._parameters[attr] = p
+            set_parameter(mod, attr, p)
 
     def unshard(self) -> None:
         """Start gathering the full parameters (no-op unless sharded)."""
@@ -87,7 +94,7 @@ class Unit:
         if self.state == "gathering":
             self._pending.wait()
             for i, p in enumerate(self.full):
-                p.data.untyped_storage().resize_(p.numel() * p.element_size())
+                restore_storage(p.data)
                 self.layout.unpack(self._buf, i, p.data)
             self._buf = self._pending = None
             self.state = "full"
@@ -100,7 +107,7 @@ class Unit:
         if self.state == "full":
             self._install(self.shards)
             for p in self.full:
-                p.data.untyped_storage().resize_(0)
+                free_storage(p.data)
             self.state = "sharded"
 
     def held(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -138,7 +145,7 @@ class ShardedModel:
         groups: dict[int, list[tuple[nn.Module, str, str, nn.Parameter]]] = {id(u): [] for u in [model, *units]}
         owner_of: dict[int, str] = {}
         for name, mod in model.named_modules():
-            for attr, p in mod._parameters.items():
+            for attr, p in own_parameters(mod):
                 if p is None:
                     continue
                 fqn = f"{name}.{attr}" if name else attr

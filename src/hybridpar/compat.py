@@ -1,0 +1,130 @@
+"""Every private or semi-private torch API hybridpar relies on, in one place.
+
+Each function wraps one use, says why the public API does not suffice, and names the torch
+versions it was checked on; ``tests/test_compat.py`` holds one test per function that asserts the
+behaviour the callers depend on, so a torch upgrade that changes any of it fails there first.
+
+This module imports only torch: it sits at the bottom of the package and everything else
+(``hybridpar.parallel`` in particular) may import it.
+
+Checked on: torch 2.13.0 (CPU build).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# ----------------------------------------------------------------------------- storage
+
+
+def storage_ptr_nbytes(t: torch.Tensor) -> tuple[int, int]:
+    """``(data pointer, size in bytes)`` of the whole untyped storage behind ``t``.
+
+    Why: two views of one buffer (e.g. ZeRO's per-parameter views of a flat shard) must be
+    counted once when measuring memory held; the storage's pointer identifies the buffer and
+    its ``nbytes`` is the memory it holds, whatever slice ``t`` covers. A storage freed with
+    :func:`free_storage` reports 0 bytes. ``Tensor.untyped_storage()`` is documented but its
+    semantics (shared by all views, resizable) are what this relies on.
+
+    Checked on: torch 2.13.0.
+    """
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def spans_whole_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` starts at offset 0 of its storage and covers exactly all of its bytes.
+
+    Why: :func:`free_storage` resizes the *storage*, so it may only be applied to a tensor
+    for which that storage is its own: a view into a larger buffer (offset, or fewer bytes)
+    must be cloned first. This does not detect another tensor viewing the same whole storage.
+
+    Checked on: torch 2.13.0.
+    """
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release the memory behind ``t`` while keeping the tensor object, its shape and strides.
+
+    Why: ZeRO-3 frees a gathered parameter after its unit runs, but autograd may have saved
+    that very tensor for backward; resizing its storage to zero (instead of dropping the
+    tensor) lets :func:`restore_storage` refill it in place before backward reads it. torch
+    has no public API for this (FSDP uses the same ``untyped_storage().resize_(0)``). Pass
+    ``p.data`` for a parameter so the write is invisible to autograd's version counter.
+
+    Checked on: torch 2.13.0.
+    """
+    t.untyped_storage().resize_(0)
+
+
+def restore_storage(t: torch.Tensor) -> None:
+    """Give a tensor freed by :func:`free_storage` ``numel * element_size`` bytes again.
+
+    The contents are undefined until written; the caller fills them (e.g. from an
+    all-gather). ``t`` must span its whole storage (see :func:`spans_whole_storage`).
+
+    Checked on: torch 2.13.0.
+    """
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+# ----------------------------------------------------------------------------- nn.Module
+
+
+def set_parameter(module: nn.Module, name: str, p: nn.Parameter) -> None:
+    """Make ``p`` the parameter ``name`` of ``module`` by writing ``module._parameters``.
+
+    Why: ZeRO-3 swaps each parameter between its shard and its full tensor twice per unit
+    per step. ``setattr``/``register_parameter`` would run nn.Module's checks and any global
+    parameter-registration hooks on every swap; the swap only replaces the value of an
+    already-registered name, so it writes the dict directly (as FSDP does). ``name`` must
+    already be a parameter of ``module``.
+
+    Checked on: torch 2.13.0.
+    """
+    module._parameters[name] = p
+
+
+def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter | None]]:
+    """``(name, parameter)`` registered directly on ``module`` (not its children), in
+    registration order, including ``None`` entries and parameters also registered elsewhere.
+
+    Why: ZeRO-3 needs the owning module and attribute of every parameter (to swap it with
+    :func:`set_parameter`) and must see a parameter shared between two modules in order to
+    refuse it; ``named_parameters()`` drops duplicates by default.
+
+    Checked on: torch 2.13.0.
+    """
+    return list(module._parameters.items())
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def flash_attention_cpu(namespace: Any = None) -> tuple[Any, Any] | None:
+    """The fused CPU attention kernel behind ``F.scaled_dot_product_attention`` and its
+    backward, ``(aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward)``, or ``None`` when this torch
+    lacks either.
+
+    Why: ring attention needs the per-row log-sum-exp of each block (to merge blocks) and a
+    backward that takes the final merged output and log-sum-exp; the public
+    ``scaled_dot_product_attention`` exposes neither. Signatures relied on::
+
+        fwd(q, k, v, dropout_p, is_causal, *, scale) -> (out, logsumexp)   # native GQA
+        bwd(dout, q, k, v, out, logsumexp, dropout_p, is_causal, *, scale) -> (dq, dk, dv)
+
+    ``namespace`` defaults to ``torch.ops.aten`` (another object can be passed in tests).
+
+    Checked on: torch 2.13.0.
+    """
+    ops = torch.ops.aten if namespace is None else namespace
+    fwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is None or bwd is None:
+        return None
+    return fwd, bwd

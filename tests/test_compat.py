@@ -1,0 +1,163 @@
+"""One test per private torch API wrapped in :mod:`hybridpar.compat`: each asserts the behaviour
+its caller relies on, on the installed torch, so an upgrade that changes it fails here first."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpar import compat
+
+# ----------------------------------------------------------------------------- storage
+
+
+def test_storage_ptr_nbytes_identifies_the_shared_buffer():
+    flat = torch.zeros(10)
+    a, b = flat[:4], flat[4:]
+    ptr_a, n_a = compat.storage_ptr_nbytes(a)
+    ptr_b, n_b = compat.storage_ptr_nbytes(b)
+    assert ptr_a == ptr_b == flat.data_ptr()  # views of one buffer: one storage, counted once
+    assert n_a == n_b == 10 * 4  # the whole buffer's bytes, not the view's
+    other_ptr, _ = compat.storage_ptr_nbytes(torch.zeros(10))
+    assert other_ptr != ptr_a
+    t = torch.ones(6)
+    compat.free_storage(t)
+    assert compat.storage_ptr_nbytes(t)[1] == 0  # a freed storage holds no memory
+
+
+def test_spans_whole_storage():
+    flat = torch.zeros(12)
+    assert compat.spans_whole_storage(flat)
+    assert compat.spans_whole_storage(flat.view(3, 4))
+    assert not compat.spans_whole_storage(flat[2:])  # offset
+    assert not compat.spans_whole_storage(flat[:6])  # fewer bytes than the storage
+    assert compat.spans_whole_storage(flat[:6].clone())
+    assert compat.spans_whole_storage(nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16)))
+
+
+def test_free_then_restore_storage_keeps_the_tensor_and_refills_in_place():
+    p = nn.Parameter(torch.arange(12, dtype=torch.float32).view(3, 4))
+    obj, shape, stride = id(p), p.shape, p.stride()
+    compat.free_storage(p.data)
+    assert id(p) == obj and p.shape == shape and p.stride() == stride
+    assert p.untyped_storage().nbytes() == 0
+    compat.restore_storage(p.data)
+    assert id(p) == obj and p.shape == shape and p.stride() == stride
+    assert p.untyped_storage().nbytes() == p.numel() * p.element_size() == 48
+    p.data.copy_(torch.full((3, 4), 7.0))  # writable, and visible through the parameter
+    assert torch.equal(p.detach(), torch.full((3, 4), 7.0))
+
+
+def test_freed_tensor_saved_by_autograd_is_refilled_before_backward():
+    """ZeRO-3's reason for resizing storage instead of dropping the tensor: a tensor autograd
+    saved in forward, freed and then refilled through ``.data``, is read back in backward with
+    the new contents and without a version-counter error."""
+    w = nn.Parameter(torch.full((4,), 2.0))
+    x = torch.ones(4, requires_grad=True)
+    y = (x * w).sum()  # saves w for x's gradient
+    version = w._version
+    compat.free_storage(w.data)
+    compat.restore_storage(w.data)
+    w.data.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert w._version == version  # writes through .data are invisible to autograd
+    y.backward()
+    assert torch.equal(x.grad, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+
+# ----------------------------------------------------------------------------- nn.Module
+
+
+def test_set_parameter_swaps_without_registration_side_effects():
+    lin = nn.Linear(3, 2)
+    calls: list[str] = []
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(
+        lambda module, name, param: calls.append(name))
+    try:
+        lin.bias = nn.Parameter(torch.zeros(2))  # the public path, for contrast
+        assert calls == ["bias"]
+        calls.clear()
+        new = nn.Parameter(torch.ones(5))  # another shape: a ZeRO-3 shard is not the full size
+        compat.set_parameter(lin, "weight", new)
+    finally:
+        handle.remove()
+    assert calls == []  # no global registration hook ran
+    assert lin.weight is new
+    assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]  # order kept
+    assert dict(lin.named_parameters())["weight"] is new
+    assert "weight" not in lin.__dict__
+
+
+def test_own_parameters_sees_none_entries_and_shared_parameters():
+    shared = nn.Parameter(torch.zeros(2))
+    root = nn.Module()
+    root.a, root.b = nn.Module(), nn.Module()
+    root.a.w = shared
+    root.b.w = shared
+    root.b.register_parameter("bias", None)
+    root.top = nn.Parameter(torch.zeros(1))
+    assert compat.own_parameters(root) == [("top", root.top)]  # not the children's
+    assert compat.own_parameters(root.a) == [("w", shared)]
+    assert compat.own_parameters(root.b) == [("w", shared), ("bias", None)]
+    # named_parameters() would hide the second registration ZeRO-3 must refuse
+    assert [n for n, _ in root.named_parameters()] == ["top", "a.w"]
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def test_flash_attention_cpu_returns_none_without_the_ops():
+    assert compat.flash_attention_cpu(types.SimpleNamespace()) is None
+    fwd_only = types.SimpleNamespace(_scaled_dot_product_flash_attention_for_cpu=object())
+    assert compat.flash_attention_cpu(fwd_only) is None
+
+
+def _rounding_bound(magnitude: torch.Tensor, roundings: int) -> float:
+    """Worst-case fp32 error of a result of ``magnitude``: ``roundings`` roundings along its
+    longest chain, each at most eps relative to the running value (Higham's gamma_n bound for an
+    n-term sum, applied to sums of O(1) terms whose running values stay within the result's
+    magnitude)."""
+    return roundings * torch.finfo(torch.float32).eps * float(magnitude.detach().abs().max())
+
+
+def test_flash_attention_cpu_matches_sdpa_and_autograd():
+    ops = compat.flash_attention_cpu()
+    if ops is None:  # this torch lacks the kernel: the wrapper says so and ring attention uses matmuls
+        assert not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") or \
+            not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+        pytest.skip("no fused CPU flash attention in this torch")
+    fwd, bwd = ops
+    b, h, hk, n, d = 2, 4, 2, 48, 16  # GQA: two query heads per kv head, as ring attention uses
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(b, x, n, d, generator=g) for x in (h, hk, hk, h))
+    scale = d ** -0.5
+
+    out, lse = fwd(q, k, v, 0.0, True, scale=scale)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, 0.0, True, scale=scale)
+
+    # reference: the public op and autograd in float64 (its own rounding is ~1e-16, negligible)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True, scale=scale, enable_gqa=True)
+    ref.backward(dout.double())
+    scores = q64.detach() @ k64.detach().repeat_interleave(h // hk, 1).transpose(-1, -2) * scale
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    lse_ref = torch.logsumexp(scores.masked_fill(~causal, float("-inf")), dim=-1)
+
+    # forward chain: scores (d-term dot) -> max/exp/sum over n keys -> divide -> P.V over n keys
+    tol_out = _rounding_bound(ref, d + 2 * n + 4)
+    # backward chain: scores (d) and P from lse (2), dP = dO.V (d), delta (d), dS (2), then the
+    # final sum over n keys per query head, times h/hk query heads per kv head for dK and dV
+    tol_grad = 3 * d + 4 + (h // hk) * n
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32 and lse.shape == (b, h, n)
+    assert (out.double() - ref.detach()).abs().max() <= tol_out
+    assert (lse.double() - lse_ref).abs().max() <= _rounding_bound(lse_ref, d + n + 2)
+    for got, want in ((dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
+        assert got.shape == want.shape
+        assert (got.double() - want).abs().max() <= _rounding_bound(want, tol_grad)
+
+    # the tolerance is far tighter than a wrong kernel call: without the causal mask it fails
+    wrong, _ = fwd(q, k, v, 0.0, False, scale=scale)
+    assert (wrong.double() - ref.detach()).abs().max() > 100 * tol_out
