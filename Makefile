@@ -21,6 +21,7 @@ demo: $(STAMP)
 # stops make, so the last pytest summary line is the failing pass's or the full suite's.
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/lint-imports --no-cache
 	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m numerics
 	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m numerics
 	$(BIN)/python -m pytest -q

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from hybridpar.config import load_config
 from hybridpar.data.corpus import load_tokens
+from hybridpar.distributed import device as devices
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.llama import Llama
-from hybridpar.training import device as devices
 from hybridpar.training.optim import lr_at
 from hybridpar.training.precision import autocast
 from hybridpar.training.trainer import Trainer

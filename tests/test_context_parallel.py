@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.models.llama import Attention, Llama
+from hybridpar.models.llama import Llama
+from hybridpar.models.llama.parallelize import attention_modules
 from hybridpar.parallel import context
 from hybridpar.parallel.context import (
     AttentionStats,
@@ -29,7 +30,7 @@ from hybridpar.parallel.context import (
     zigzag_positions,
     zigzag_shard,
 )
-from hybridpar.parallel.context_model import ContextParallelAttention, enable_context_parallel
+from hybridpar.parallel.context_model import enable_context_parallel, ring_core_of
 
 pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
 
@@ -153,17 +154,17 @@ def test_enable_at_cp1_keeps_names_and_results():
     ref, model = _plain_and_cp_models()
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
-    cp = enable_context_parallel(model, ParallelDims().build().cp)
+    cp = enable_context_parallel(model, ParallelDims().build().cp, attention_modules(model))
     assert [n for n, _ in model.named_parameters()] == names and list(model.parameters()) == params
-    assert all(isinstance(blk.attention, ContextParallelAttention) for blk in model.layers)
+    assert all(ring_core_of(blk.attention) is cp for blk in model.layers)
     tokens = torch.randint(0, TINY.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-6)
     with cp.paused():
         torch.testing.assert_close(model(tokens), ref(tokens), rtol=0, atol=0)
     with pytest.raises(ValueError, match="already enabled"):
-        enable_context_parallel(model, cp.axis)
+        enable_context_parallel(model, cp.axis, attention_modules(model))
     cp.remove()
-    assert all(type(blk.attention) is Attention for blk in model.layers)
+    assert all(ring_core_of(blk.attention) is None and "core" not in vars(blk.attention) for blk in model.layers)
 
 
 # ----------------------------------------------------------------------------- multi-process
@@ -243,7 +244,7 @@ def _llama_cp_vs_single(rank: int, world: int) -> dict:
     ref_loss.backward()
     with ParallelDims(cp=world).build() as topo:
         axis = topo.cp
-        cp = enable_context_parallel(model, axis)
+        cp = enable_context_parallel(model, axis, attention_modules(model))
         x, y = zigzag_shard(tokens, axis), zigzag_shard(targets, axis)
         logits = model(x, zigzag_positions(t, axis))
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())  # mean over local tokens
@@ -296,7 +297,7 @@ def _activation_bytes(rank: int, world: int) -> dict:
     with ParallelDims(cp=world).build() as topo:
         for name, axis in (("cp1", ParallelDims().build().cp), ("cpN", topo.cp)):
             _, model = _plain_and_cp_models()
-            enable_context_parallel(model, axis)
+            enable_context_parallel(model, axis, attention_modules(model))
             x = zigzag_shard(tokens, axis)
             q, k, v = _qkv(b, 4, 2, x.shape[1], 8, seed=4)
             plan = RingPlan.for_layout(t, axis.size, axis.rank)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpar.training.device import DeviceError, resolve_device_type
+from hybridpar.distributed.device import DeviceError, resolve_device_type
 
 
 @pytest.fixture

@@ -73,12 +73,13 @@ def test_one_document_per_sequence_equals_unmasked():
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_recompute_passes_the_documents(mode):
+    from hybridpar.models.llama.parallelize import attention_modules, blocks
     from hybridpar.parallel.recompute import apply_recompute
 
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(3))
     docs = Documents.from_segments(torch.tensor([[0] * 9 + [1] * 23, [0] * 20 + [1] * 12]))
     a, b = _model().train(), _model().train()
-    assert apply_recompute(b, mode) > 0
+    assert apply_recompute(b, mode, blocks(b), attention_modules(b)) > 0
     la, lb = a(tokens, docs=docs), b(tokens, docs=docs)
     assert torch.equal(la, lb)
     la.square().mean().backward()

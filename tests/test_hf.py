@@ -21,7 +21,8 @@ from hybridpar.models.hf import (
     model_config_from_hf,
     save_hf,
 )
-from hybridpar.models.llama import Llama, hf_key
+from hybridpar.models.llama import Llama
+from hybridpar.models.llama.hf import hf_key
 from hybridpar.training.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -171,8 +172,8 @@ def test_trainer_rejects_other_shape(tmp_path):
     ("attention_bias", True, "attention_bias = true"),
     ("mlp_bias", True, "mlp_bias = true"),
     ("hidden_act", "gelu", 'hidden_act = "gelu"'),
-    ("model_type", "mistral", 'model_type = "mistral"'),
-    ("head_dim", 16, "head_dim = 16"),
+    ("model_type", "falcon", 'model_type = "falcon"'),
+    ("attention_dropout", 0.1, "attention_dropout = 0.1"),
 ])
 def test_unsupported_config_is_named(tmp_path, key, value, needle):
     make_hf(tmp_path)

@@ -169,7 +169,7 @@ def _hf_logits(rank: int, world: int, tmp: str, hf_dir: str, layout: list[str]) 
 def test_hugging_face_weights_seed_a_tensor_parallel_run(tmp_path, dist_run):
     """Each tp rank reads only its slices of the safetensors file; the logits equal transformers'."""
     transformers = pytest.importorskip("transformers")
-    from hybridpar.models.llama import to_hf_config_dict
+    from hybridpar.models.llama.hf import to_hf_config_dict
 
     cfg = config(str(tmp_path), [])
     torch.manual_seed(0)

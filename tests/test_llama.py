@@ -7,14 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
-from hybridpar.models.llama import (
-    Llama,
-    from_hf_key,
-    hf_key,
-    init_tensor,
-    precompute_rope,
-    to_hf_config_dict,
-)
+from hybridpar.models.llama import Llama, init_tensor, precompute_rope
+from hybridpar.models.llama.hf import from_hf_key, hf_key, to_hf_config_dict
 
 GQA_UNTIED = ModelConfig(preset="test-gqa", dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                          ffn_hidden=160, vocab_size=100, max_seq_len=64, rope_theta=10000.0,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.models.llama import Llama
+from hybridpar.models.llama import Llama, LlamaChunk
 from hybridpar.parallel.pipeline import ActionKind, ScheduleError, build_schedule
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
@@ -52,7 +52,7 @@ def _pipeline_step(rank: int, world: int, kind: str, v: int, m: int, n_layers: i
     model = _model(n_layers, tie)
     with ParallelDims(pp=world).build() as topo:
         sched = build_schedule(kind, world, v, m)
-        chunks = build_stage_modules(model, topo.pp.rank, world, v)
+        chunks = build_stage_modules(model, LlamaChunk, topo.pp.rank, world, v)
         runner = PipelineRunner(chunks, topo, sched, _loss, act_shape=(MB, SEQ, DIM))
         batches = _batches(m, model.cfg.vocab_size)
         eval_losses = runner.evaluate(batches[:3])  # forward only, any micro-batch count
@@ -144,7 +144,7 @@ def test_single_stage_runs_in_process():
     m, n_layers = 3, 2
     model = _model(n_layers, True)
     topo = ParallelDims().build()
-    chunks = build_stage_modules(model, 0, 1)
+    chunks = build_stage_modules(model, LlamaChunk, 0, 1)
     runner = PipelineRunner(chunks, topo, build_schedule("1f1b", 1, 1, m), _loss, (MB, SEQ, DIM))
     result = runner.run(_batches(m, model.cfg.vocab_size))
     ref_losses, ref_grads = _reference(m, n_layers, True)

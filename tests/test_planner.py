@@ -73,7 +73,7 @@ def test_model_states_equal_runtime_tensors_world1():
 def test_pipeline_rank_params_equal_stage_modules(tied):
     """pp=2 (and V=2): each rank's predicted parameters are exactly its stage modules' tensors
     (a tied embedding's mirror included), built in-process without a process group."""
-    from hybridpar.models.llama import Llama
+    from hybridpar.models.llama import Llama, LlamaChunk
     from hybridpar.parallel.pipeline.stages import build_stage_modules
 
     model_cfg = model_preset("tiny")
@@ -81,7 +81,7 @@ def test_pipeline_rank_params_equal_stage_modules(tied):
     model = Llama(model_cfg)
     for v in (1, 2):
         for rank in range(2):
-            chunks = build_stage_modules(model, rank, 2, v)
+            chunks = build_stage_modules(model, LlamaChunk, rank, 2, v)
             params = {id(q): q for c in chunks for q in c.parameters()}.values()
             assert sum(q.numel() for q in params) == numel(rank_param_shapes(model_cfg, 1, 2, v, rank))
 

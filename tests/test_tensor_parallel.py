@@ -22,6 +22,8 @@ from hybridpar.distributed.autograd import copy_to_tp, gather_from_sp, reduce_sc
 from hybridpar.distributed.comm import Comm, wire_bytes
 from hybridpar.distributed.mesh import Axis, ParallelDims
 from hybridpar.models.llama import Llama, RMSNorm, precompute_rope
+from hybridpar.models.llama.model import init_tensor
+from hybridpar.models.llama.parallelize import PLAN, check_tp_shape, parallelize_llama
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -30,18 +32,7 @@ from hybridpar.parallel.tensor import (
     pad_dim,
     vocab_parallel_cross_entropy,
 )
-from hybridpar.parallel.tensor_plan import (
-    check_tp_shape,
-    gather_full,
-    gather_full_state_dict,
-    init_parallel_weights,
-    parallelize_llama,
-    reduce_replicated_grads,
-    set_sequence_parallel,
-    shard_state_dict,
-    tp_grad_norm_sq,
-    tp_replicated_params,
-)
+from hybridpar.parallel.tensor_plan import reduce_replicated_grads, set_sequence_parallel
 from hybridpar.training.optim import build_optimizer, clip_by_total_norm, grad_norm_sq
 
 pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
@@ -91,10 +82,11 @@ def test_shards_from_layout_independent_init_concatenate_to_tp1(tp, tied, vocab)
         with torch.device("meta"):  # never materialise the full model: init shard by shard
             lazy = Llama(cfg)
         parallelize_llama(lazy, axis).to_empty(device="cpu")
-        init_parallel_weights(lazy, 3, axis)
+        PLAN.init_parallel_weights(lazy, lambda n, shape: init_tensor(n, shape, 3, cfg), axis,
+                                 lazy.cfg.vocab_size)
         sd = model.state_dict()
         assert sd.keys() == full.keys()  # tp=1 names, so checkpoints and HF names carry over
-        for name, t in shard_state_dict(full, axis).items():
+        for name, t in PLAN.shard_state_dict(full, axis).items():
             assert torch.equal(sd[name], t) and torch.equal(lazy.state_dict()[name], t), name
         parts.append(sd)
     for name, t in full.items():
@@ -283,18 +275,18 @@ def _model_worker(rank: int, world: int, sp: bool, tied: bool, vocab: int) -> di
                 # norm activations per rank: 1/tp of tp=1 under SP, all of them without
                 assert norm_saved * (world if sp else 1) == norm_saved_ref
             if sp:
-                reduce_replicated_grads(tp_replicated_params(model), tp)
+                reduce_replicated_grads(PLAN.replicated_params(model), tp)
             if step == 0:
                 for name, p in model.named_parameters():
-                    close(gather_full(name, p.grad, tp, vocab), dict(ref.named_parameters())[name].grad, errs)
-            for m, o, norm in ((ref, opt_ref, grad_norm_sq(ref.parameters())), (model, opt, tp_grad_norm_sq(model, tp))):
+                    close(PLAN.gather_full(name, p.grad, tp, vocab), dict(ref.named_parameters())[name].grad, errs)
+            for m, o, norm in ((ref, opt_ref, grad_norm_sq(ref.parameters())), (model, opt, PLAN.grad_norm_sq(model, tp))):
                 clip_by_total_norm(list(m.parameters()), norm.sqrt(), 1.0)
                 o.step()
                 o.zero_grad()
             losses.append(float(loss.detach()))
             losses_ref.append(float(loss_ref))
         weight_err = 0.0
-        for name, v in gather_full_state_dict(model, tp).items():
+        for name, v in PLAN.gather_full_state_dict(model, tp, model.cfg.vocab_size).items():
             close(v, ref.state_dict()[name], [], atol=0.01 * tcfg.lr * steps)
             weight_err = max(weight_err, float((v - ref.state_dict()[name]).abs().max()))
 

@@ -12,9 +12,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from hybridpar.config import Config, ConfigError, validate
+from hybridpar.models.llama.parallelize import check_tp_shape
 from hybridpar.parallel.context import check_seq_len
 from hybridpar.parallel.pipeline import build_schedule, partition_model
-from hybridpar.parallel.tensor_plan import check_tp_shape
 from hybridpar.planner.hardware import Cluster, gpu_spec
 from hybridpar.planner.layout import Layout, Workload, runtime_note
 from hybridpar.planner.search import evaluate

@@ -13,7 +13,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from hybridpar.config import Config, ConfigError, config_warnings, load_config, validate
+from hybridpar.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    config_warnings,
+    load_config,
+    validate,
+)
 from hybridpar.errors import UserError
 from hybridpar.training.errors import NonFiniteLossError
 
@@ -64,7 +71,7 @@ def cmd_train(argv: list[str]) -> int:
         if not under_launcher():
             print(f"hybridpar: no arguments: the built-in demo, as `hybridpar train {' '.join(argv)}`", flush=True)
     args, overrides = _train_parser().parse_known_args(argv)
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, init_model=_hf_model)
     if under_launcher():
         if args.nproc is not None:
             raise ConfigError("--nproc cannot be combined with an external torchrun launch; "
@@ -101,6 +108,13 @@ def cmd_train(argv: list[str]) -> int:
                         run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv])
 
 
+def _hf_model(path: str) -> ModelConfig:
+    """The model (family and shape) of a Hugging Face directory given as ``train.init_from``."""
+    from hybridpar.models.hf import model_config_from_hf
+
+    return model_config_from_hf(path)
+
+
 def _strip_nproc(argv: list[str]) -> list[str]:
     """``argv`` without the options that only the local launcher reads (--nproc, --max-restarts)."""
     out, skip = [], False
@@ -121,7 +135,7 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
     """Every check that needs no process group: layout for this world size, the checkpoint to
     resume, the shape of ``train.init_from``. Returns the checkpoint path to resume from."""
     validate(cfg, world_size=world_size)
-    from hybridpar.training.device import local_world_size, resolve_device_type
+    from hybridpar.distributed.device import local_world_size, resolve_device_type
 
     resolve_device_type(cfg.train.device, local_world_size() if under_launcher() else world_size)
     for warning in config_warnings(cfg):
@@ -163,6 +177,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
     """Train in this process (one rank of a launched job, or the whole run). Returns the exit
     status: 0 done, 128 + N stopped by signal N after a complete checkpoint; a user error is
     raised, or (under the local launcher) reported to it and answered with its status."""
+    from hybridpar.distributed import device as devices
     from hybridpar.distributed import flight, lifecycle
     from hybridpar.distributed.mesh import (
         ParallelDims,
@@ -170,7 +185,6 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
         destroy_distributed,
         init_distributed,
     )
-    from hybridpar.training import device as devices
     from hybridpar.training.trainer import Trainer
 
     if under_launcher():
@@ -270,7 +284,9 @@ def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | No
 
 
 def cmd_convert(argv: list[str]) -> int:
-    from hybridpar.models.hf import cmd_convert as convert  # torch/safetensors only when used
+    from hybridpar.training.convert import (
+        cmd_convert as convert,  # torch/safetensors only when used
+    )
 
     return convert(argv)
 

@@ -10,6 +10,7 @@ import dataclasses
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -27,9 +28,13 @@ class ConfigError(UserError):
 
 @dataclass
 class ModelConfig:
-    """Llama-style decoder shape. ``preset`` names the published shape the others started from."""
+    """A decoder's shape. ``family`` names its folder under ``hybridpar.models`` (``llama``,
+    ``qwen2``, ``qwen3``, ``mistral``, ``gpt2``); ``preset`` names the published shape the others
+    started from. ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3) and ``kv_channels`` (a head size other
+    than ``dim / n_heads``, 0 = that) are the features some families add to Llama's."""
 
     preset: str = "tiny"
+    family: str = "llama"
     dim: int = 128
     n_layers: int = 8
     n_heads: int = 8
@@ -40,20 +45,32 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    kv_channels: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.kv_channels or self.dim // self.n_heads
+
+    def layer_params(self) -> int:
+        """Exact parameter count of one decoder layer of this family."""
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = 2 * self.dim * q_dim + 2 * self.dim * kv_dim
+        if self.family == "gpt2":  # LayerNorms with bias, a 2-matrix GELU MLP, biases everywhere
+            return attn + (q_dim + 2 * kv_dim + self.dim) + 2 * self.dim * self.ffn_hidden \
+                + self.ffn_hidden + self.dim + 4 * self.dim
+        attn += (q_dim + 2 * kv_dim) if self.qkv_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        return attn + 3 * self.dim * self.ffn_hidden + 2 * self.dim
 
     def num_params(self) -> int:
-        """Exact parameter count of :class:`hybridpar.models.llama.Llama` for this shape."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
-        mlp = 3 * self.dim * self.ffn_hidden
-        layer = attn + mlp + 2 * self.dim
+        """Exact parameter count of this family's model for this shape."""
         embed = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.n_layers * layer + embed + head + self.dim
+        final_norm = 2 * self.dim if self.family == "gpt2" else self.dim
+        positions = self.max_seq_len * self.dim if self.family == "gpt2" else 0
+        return self.n_layers * self.layer_params() + embed + head + final_norm + positions
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul parameters + 12 x n_layers x dim x seq_len.
@@ -61,9 +78,10 @@ class ModelConfig:
         Forward + backward = 3x forward (PaLM, appendix B). The embedding lookup is no matmul;
         the output head is (tied or not). Attention scores count in full, as in PaLM.
         """
-        matmul_params = self.num_params() - self.dim * (2 * self.n_layers + 1)
-        if not self.tie_embeddings:
-            matmul_params -= self.vocab_size * self.dim
+        matmul_params = self.n_layers * (2 * self.dim * self.n_heads * self.head_dim
+                                         + 2 * self.dim * self.n_kv_heads * self.head_dim
+                                         + (2 if self.family == "gpt2" else 3) * self.dim * self.ffn_hidden)
+        matmul_params += self.vocab_size * self.dim  # the head, tied or not
         return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
 
@@ -266,10 +284,16 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                init_model: Callable[[str], ModelConfig] | None = None) -> Config:
     """Defaults, then the TOML file, then ``--section.key value`` overrides, then :func:`validate`
-    of everything that does not need the world size."""
+    of everything that does not need the world size.
+
+    ``init_model(dir)`` reads the model (family and shape) of a ``train.init_from`` directory
+    (``hybridpar.models.hf.model_config_from_hf``): the run's model is then that one, and a
+    ``model.*`` key set explicitly (file or command line) that contradicts it is refused."""
     cfg = Config()
+    explicit: set[str] = set()
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -279,13 +303,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
         _apply_sections(cfg, data, str(path))
+        explicit.update(data.get("model", {}) if isinstance(data.get("model"), dict) else {})
     pairs = parse_overrides(overrides or [])
+    explicit.update(k.partition(".")[2] for k, _ in pairs if k.startswith("model."))
     presets = [(k, v) for k, v in pairs if k == "model.preset"]
     for key, value in presets + [(k, v) for k, v in pairs if k != "model.preset"]:
         section, _, name = key.partition(".")
         _apply(cfg, section, {name: value}, from_cli=True)
+    if cfg.train.init_from and init_model is not None:
+        cfg.model = _model_of_init_from(cfg.model, init_model(cfg.train.init_from), explicit, cfg.train.init_from)
     validate(cfg)
     return cfg
+
+
+def _model_of_init_from(given: ModelConfig, found: ModelConfig, explicit: set[str], source: str) -> ModelConfig:
+    """``found`` (the model of ``train.init_from``), unless a key set explicitly disagrees: then
+    one error naming every such key with both values. A preset counts as setting its shape."""
+    keys = set(explicit) - {"preset"}
+    if "preset" in explicit:
+        keys |= set(MODEL_PRESETS.get(given.preset, {}))
+    diffs = [(k, getattr(given, k), getattr(found, k)) for k in sorted(keys)
+             if hasattr(found, k) and getattr(given, k) != getattr(found, k)]
+    if diffs:
+        said = "; ".join(f"model.{k} = {a!r} was given but {source} has {b!r}" for k, a, b in diffs)
+        raise ConfigError(f"train.init_from = {source!r} contradicts the configured model: {said}. The model "
+                          f"comes from the directory's config.json: drop those model.* settings")
+    return found
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

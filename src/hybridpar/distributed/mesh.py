@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hybridpar.config import ParallelConfig
 from hybridpar.distributed.comm import Comm
-from hybridpar.training.device import resolve_device_type
+from hybridpar.distributed.device import resolve_device_type
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 

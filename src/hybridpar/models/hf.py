@@ -1,14 +1,16 @@
-"""Hugging Face ``LlamaForCausalLM`` weights in and out: ``config.json`` + safetensors.
+"""Hugging Face weights in and out, for every family: ``config.json`` + safetensors.
 
+``config.json``'s ``model_type`` picks the family (:mod:`hybridpar.models.registry`) and the
+family's :class:`~hybridpar.models.family.HFMapping` translates the config and the tensor names.
 Reading goes through the ``safetensors`` library only (never ``torch.load``/pickle), from
-``model.safetensors`` or a sharded ``model.safetensors.index.json``. Names are translated with
-:func:`~hybridpar.models.llama.hf_key`; anything this model cannot represent exactly (RoPE
-scaling, biases, another activation) is rejected with one message naming the key and value.
+``model.safetensors`` or a sharded ``model.safetensors.index.json``; anything a family cannot
+represent exactly (RoPE scaling, another activation) is rejected with one message naming the key
+and value.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -23,24 +25,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from hybridpar.config import ConfigError, ModelConfig
+from hybridpar.config import ModelConfig
 from hybridpar.fsutil import publish_modes
-from hybridpar.models.llama import Llama, from_hf_key, hf_key, to_hf_config_dict
+from hybridpar.models.family import Family, HFError
+from hybridpar.models.registry import FAMILIES, family_of
 
-__all__ = ["HFError", "check_same_shape", "cmd_convert", "init_from_hf", "load_hf_state_dict",
+__all__ = ["HFError", "check_same_shape", "init_from_hf", "load_hf_state_dict",
            "model_config_from_hf", "save_hf"]
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
-# HF config key -> ModelConfig field
-_SHAPE_KEYS = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
-               "intermediate_size": "ffn_hidden", "vocab_size": "vocab_size",
-               "max_position_embeddings": "max_seq_len"}
+HEAD = "lm_head.weight"  # every Hugging Face causal LM's output head
 # Keys some checkpoints carry that hold no parameters of the model (old RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class HFError(ConfigError):
-    """A Hugging Face directory this model cannot load; the message names file, key and value."""
 
 
 def _read_config(hf_dir: str | Path) -> dict[str, Any]:
@@ -54,53 +50,20 @@ def _read_config(hf_dir: str | Path) -> dict[str, Any]:
         raise HFError(f"{str(path)!r} is not valid JSON: {e}") from None
 
 
-def _rope_type(rope: Any) -> str | None:
-    if rope is None:
-        return None
-    if not isinstance(rope, dict):
-        return str(rope)
-    return rope.get("rope_type", rope.get("type"))
-
-
 def model_config_from_hf(hf_dir: str | Path) -> ModelConfig:
-    """The :class:`ModelConfig` of the Llama model in ``hf_dir/config.json``; rejects what we
-    cannot represent exactly, naming the key and value."""
+    """The :class:`ModelConfig` (family and shape) of the model in ``hf_dir/config.json``;
+    rejects what its family cannot represent exactly, naming the key and value."""
     if (Path(hf_dir) / "complete.json").is_file():  # has a config.json too, but hybridpar's own
         raise HFError(f"{str(hf_dir)!r} is a hybridpar checkpoint, not a Hugging Face model directory: continue "
                       f"training from it with --resume {hf_dir}, or export it with "
                       f"`hybridpar convert {hf_dir} --to-hf DIR` and start from DIR")
     c = _read_config(hf_dir)
     where = str(Path(hf_dir) / "config.json")
-
-    def bad(key: str, value: Any, why: str) -> HFError:
-        return HFError(f"{where}: {key} = {json.dumps(value)} is not supported ({why})")
-
-    if c.get("model_type") != "llama":
-        raise bad("model_type", c.get("model_type"), "only 'llama' (LlamaForCausalLM) models load")
-    for key in ("rope_scaling", "rope_parameters"):
-        kind = _rope_type(c.get(key))
-        if kind not in (None, "default"):
-            raise bad(key, c[key], "RoPE scaling is not implemented; only rope_type 'default'")
-    for key in ("attention_bias", "mlp_bias"):
-        if c.get(key, False):
-            raise bad(key, c[key], "the model has no biases")
-    if c.get("hidden_act", "silu") != "silu":
-        raise bad("hidden_act", c["hidden_act"], "the MLP is SwiGLU with silu")
-    if c.get("attention_dropout", 0.0):
-        raise bad("attention_dropout", c["attention_dropout"], "the model has no dropout")
-    missing = [k for k in (*_SHAPE_KEYS, "rms_norm_eps") if k not in c]
-    if missing:
-        raise HFError(f"{where} lacks {', '.join(missing)}")
-    rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))  # HF's default when absent
-    shape = {field: c[key] for key, field in _SHAPE_KEYS.items()}
-    heads = shape["n_heads"]
-    head_dim = c.get("head_dim") or shape["dim"] // heads
-    if head_dim * heads != shape["dim"]:
-        raise bad("head_dim", head_dim, f"must equal hidden_size / num_attention_heads = {shape['dim']} / {heads}")
-    return ModelConfig(preset=f"hf:{Path(hf_dir).name}", **shape,
-                       n_kv_heads=c.get("num_key_value_heads") or heads, rope_theta=float(theta),
-                       norm_eps=float(c["rms_norm_eps"]), tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+    model_type = c.get("model_type")
+    if model_type not in FAMILIES:
+        raise HFError(f"{where}: model_type = {json.dumps(model_type)} is not supported; supported: "
+                      f"{', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type].hf.config_from_hf(c, where, Path(hf_dir).name)
 
 
 def check_same_shape(hf: ModelConfig, ours: ModelConfig, source: str) -> None:
@@ -120,7 +83,7 @@ def check_same_shape(hf: ModelConfig, ours: ModelConfig, source: str) -> None:
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
-        return {name: p.shape for name, p in Llama(cfg).named_parameters()}
+        return {name: p.shape for name, p in family_of(cfg).build(cfg).named_parameters()}
 
 
 def _check_state(state: dict[str, Tensor], cfg: ModelConfig, name: Any, source: str) -> None:
@@ -166,46 +129,59 @@ def load_hf_state_dict(hf_dir: str | Path, cfg: ModelConfig | None = None,
     cfg = cfg or model_config_from_hf(hf_dir)
     if read is None:
         return _load(hf_dir, cfg, lambda name, sl: sl[:], check=True)
-    _load(hf_dir, cfg, lambda name, sl: torch.empty(sl.get_shape(), device="meta"), check=True)  # no data read
+    _load(hf_dir, cfg, lambda name, sl: torch.empty(_shape(sl), device="meta"), check=True)  # no data read
     return _load(hf_dir, cfg, read, check=False)
 
 
+def _shape(x: Any) -> list[int]:
+    return list(x.shape) if isinstance(x, Tensor) else list(x.get_shape())
+
+
 def _load(hf_dir: Path, cfg: ModelConfig, read: Callable[[str, Any], Tensor], check: bool) -> dict[str, Tensor]:
-    raw: dict[str, Tensor] = {}
-    for fname, keys in _tensor_files(hf_dir).items():
-        if not (hf_dir / fname).is_file():
-            raise HFError(f"{str(hf_dir / fname)!r} is listed in {INDEX} but does not exist")
-        with safe_open(str(hf_dir / fname), framework="pt") as f:
+    family = family_of(cfg)
+    with contextlib.ExitStack() as files:
+        lazy: dict[str, Any] = {}
+        for fname, keys in _tensor_files(hf_dir).items():
+            if not (hf_dir / fname).is_file():
+                raise HFError(f"{str(hf_dir / fname)!r} is listed in {INDEX} but does not exist")
+            f = files.enter_context(safe_open(str(hf_dir / fname), framework="pt"))
             present = set(f.keys())
             for key in keys or sorted(present):
                 if key not in present:
                     raise HFError(f"{hf_dir / INDEX} maps {key!r} to {fname}, which lacks it")
-                raw[key] = read(_our_name(key), f.get_slice(key))
-    head, embed = raw.get(hf_key("output.weight")), raw.get(hf_key("tok_embeddings.weight"))
-    if cfg.tie_embeddings and head is not None:
-        same = head.is_meta or torch.equal(head, embed) if embed is not None and head.shape == embed.shape else False
-        if not same:
-            raise HFError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs from "
-                          "model.embed_tokens.weight")
-        del raw[hf_key("output.weight")]
-    state = {}
-    for key, t in raw.items():
-        if key.endswith(_IGNORED_SUFFIXES):
-            continue
-        try:
-            state[from_hf_key(key)] = t
-        except KeyError:
-            raise HFError(f"{hf_dir}: unexpected tensor {key!r} (no Llama parameter has that name)") from None
+                if not key.endswith(_IGNORED_SUFFIXES):
+                    lazy[key] = f.get_slice(key)
+        _drop_tied_head(lazy, cfg, family, hf_dir)
+        expected = _expected_shapes(cfg)
+        state, shown = {}, _hf_name(family)
+        for name, value in family.hf.to_ours(lazy):
+            if name not in expected:
+                raise HFError(f"{hf_dir}: unexpected tensor {shown(name)!r} (no {family.name} parameter of this "
+                              "config has that name)")
+            state[name] = read(name, value)
     if check:
-        _check_state(state, cfg, hf_key, str(hf_dir))
+        _check_state(state, cfg, shown, str(hf_dir))
     return state
 
 
-def _our_name(hf_name: str) -> str:
-    try:
-        return from_hf_key(hf_name)
-    except KeyError:
-        return hf_name  # reported (or ignored) by the caller with the full context
+def _drop_tied_head(lazy: dict[str, Any], cfg: ModelConfig, family: Family, hf_dir: Path) -> None:
+    """With tied embeddings an ``lm_head.weight`` may be stored; it must equal the embedding."""
+    head = lazy.get(HEAD)
+    if not cfg.tie_embeddings or head is None:
+        return
+    embed = lazy.get(family.hf.hf_key("tok_embeddings.weight"))
+    if embed is None or _shape(embed) != _shape(head) or not torch.equal(embed[:], head[:]):
+        raise HFError(f"{hf_dir}: tie_word_embeddings is true but {HEAD} differs from the embedding")
+    del lazy[HEAD]
+
+
+def _hf_name(family: Family) -> Callable[[str], str]:
+    def name(ours: str) -> str:
+        try:
+            return family.hf.hf_key(ours)
+        except KeyError:
+            return ours
+    return name
 
 
 @torch.no_grad()
@@ -220,8 +196,8 @@ def init_from_hf(model: nn.Module, hf_dir: str | Path, cfg: ModelConfig | None =
 
 def save_hf(model_state: dict[str, Tensor], cfg: ModelConfig, out_dir: str | Path, overwrite: bool = False,
             tokenizer: Any = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (fp32, HF names) that
-    ``LlamaForCausalLM.from_pretrained(out_dir)`` loads, and with ``tokenizer`` (an object with
+    """Write ``config.json`` + ``model.safetensors`` (fp32, HF names) that the family's
+    ``*ForCausalLM.from_pretrained(out_dir)`` loads, and with ``tokenizer`` (an object with
     ``export_hf(directory, model_max_length)``, e.g. a hybridpar.data tokenizer) the files that
     ``AutoTokenizer.from_pretrained(out_dir)`` loads. Atomic: built in a temporary sibling
     directory, then renamed; an existing non-empty ``out_dir`` is replaced only with ``overwrite``.
@@ -231,9 +207,9 @@ def save_hf(model_state: dict[str, Tensor], cfg: ModelConfig, out_dir: str | Pat
         raise FileExistsError(f"{str(out)!r} exists and is not empty; choose a new directory or pass --overwrite")
     state = {k: v.detach() for k, v in model_state.items()}
     _check_state(state, cfg, lambda k: k, "model state")
-    tensors = {hf_key(k): v.to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    hf_cfg = {**to_hf_config_dict(cfg), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "torch_dtype": "float32", "dtype": "float32"}
+    hf = family_of(cfg).hf
+    tensors = {k: v.to("cpu", torch.float32).contiguous() for k, v in hf.to_hf(state).items()}
+    hf_cfg = {**hf.to_hf_config(cfg), "torch_dtype": "float32", "dtype": "float32"}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -255,31 +231,3 @@ def save_hf(model_state: dict[str, Tensor], cfg: ModelConfig, out_dir: str | Pat
         elif old.exists():
             old.unlink()
     return out
-
-
-def _convert_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridpar convert",
-                                description="Export a hybridpar checkpoint as Hugging Face LlamaForCausalLM weights.")
-    p.add_argument("checkpoint", help="a hybridpar checkpoint directory")
-    p.add_argument("--to-hf", required=True, metavar="DIR",
-                   help="output directory (config.json + model.safetensors + the tokenizer's tokenizer.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
-    return p
-
-
-def cmd_convert(argv: list[str]) -> int:
-    """``hybridpar convert CHECKPOINT --to-hf DIR [--overwrite]``."""
-    args = _convert_parser().parse_args(argv)
-    from hybridpar.training.checkpoint import load_model_state, load_tokenizer_of
-
-    if not Path(args.checkpoint).is_dir():
-        raise ConfigError(f"checkpoint {args.checkpoint!r} is not a directory; pass a hybridpar checkpoint directory")
-    try:
-        cfg, state = load_model_state(args.checkpoint)
-        tokenizer = load_tokenizer_of(args.checkpoint)
-        out = save_hf(state, cfg.model, args.to_hf, overwrite=args.overwrite, tokenizer=tokenizer)
-    except FileExistsError as e:
-        raise ConfigError(str(e)) from None
-    print(f"hybridpar: wrote {cfg.model.num_params() / 1e6:.2f}M parameters as Hugging Face Llama to {out}, "
-          f"with its {tokenizer.kind} tokenizer (vocab {tokenizer.vocab_size})")
-    return 0

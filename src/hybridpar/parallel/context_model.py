@@ -1,38 +1,36 @@
-"""Context parallelism applied to a :class:`~hybridpar.models.llama.Llama` without touching its code.
+"""Context parallelism applied to a model without touching its code.
 
-:func:`enable_context_parallel` replaces every ``Attention`` module by a
-:class:`ContextParallelAttention` that shares its ``wq``/``wk``/``wv``/``wo`` layers (same
-``Parameter`` objects, same names, so optimizers, checkpoints and init are unaffected) and calls
-:func:`~hybridpar.parallel.context.ring_attention` instead of local causal attention. A forward
-pre-hook on the model reads the ``positions`` argument (the rank's original token positions,
-which the model already uses for RoPE), checks them against the layout and picks the
-:class:`~hybridpar.parallel.context.RingPlan` for the sequence length (cached per length).
+:func:`enable_context_parallel` replaces the attention *core* of every module the family names
+(its ``core(q, k, v, docs=None)`` method: ``softmax(q k^T / sqrt(d) + mask) v``) with
+:func:`~hybridpar.parallel.context.ring_attention` over the cp axis, on the instance, so the
+module keeps its class, projections, parameters and names (optimizers, checkpoints and init are
+unaffected). A forward pre-hook on the model reads the ``positions`` argument (the rank's
+original token positions, which the model uses for its position encoding), checks them against
+the layout and picks the :class:`~hybridpar.parallel.context.RingPlan` for the sequence length.
 
 Usage (the trainer's side)::
 
-    cp = enable_context_parallel(model, topo.cp)          # once, after building the model
+    cp = enable_context_parallel(model, topo.cp, cores=family.attention_modules(model))
     x, y = zigzag_shard(x, topo.cp), zigzag_shard(y, topo.cp)
     logits = model(x, zigzag_positions(seq_len, topo.cp))  # positions may be left out
-    # packed documents: Documents.from_segments(full-sequence labels), sharded the same way
-    # (docs.index_select(1, zigzag_positions(...))), passed as model(x, positions, docs=docs)
-    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())  # mean over local tokens
+    # packed documents: sharded the same way, passed as model(x, positions, docs=docs);
+    # ring attention masks across documents with docs.segments
     # gradients: average over dp and cp (Topology.dp_cp); logged loss: all_reduce avg over dp_cp
 
-This module sits between the model and the parallel layer: it imports the model,
-:mod:`hybridpar.parallel.context` does not.
+Any model whose forward is ``model(tokens, positions=None, docs=None)`` and whose attention
+modules have such a ``core`` works: the families under :mod:`hybridpar.models` do.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from hybridpar.distributed.mesh import Axis
-from hybridpar.models.llama import Attention, Documents, Llama
 from hybridpar.parallel.context import (
     AttentionStats,
     Layout,
@@ -42,15 +40,15 @@ from hybridpar.parallel.context import (
     shard_positions,
 )
 
-__all__ = ["ContextParallel", "ContextParallelAttention", "enable_context_parallel"]
+__all__ = ["ContextParallel", "enable_context_parallel", "ring_core_of"]
 
 
 class ContextParallel:
     """The handle :func:`enable_context_parallel` returns: the cp axis, layout, current plan and
     executed attention work (``stats``) of one model. ``paused()`` runs plain local attention
-    (e.g. to sample on one rank); ``remove()`` restores the original attention modules."""
+    (e.g. to sample on one rank); ``remove()`` restores the original cores."""
 
-    def __init__(self, model: Llama, axis: Axis, layout: Layout) -> None:
+    def __init__(self, model: nn.Module, axis: Axis, layout: Layout) -> None:
         self.model = model
         self.axis = axis
         self.layout = layout
@@ -58,7 +56,7 @@ class ContextParallel:
         self.plan: RingPlan | None = None
         self.stats = AttentionStats()
         self._plans: dict[tuple[int, str], RingPlan] = {}
-        self._originals: list[tuple[nn.Module, Attention]] = []
+        self.modules: list[nn.Module] = []  # the attention modules whose core is the ring
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
 
     def plan_for(self, seq_len: int, device: torch.device) -> RingPlan:
@@ -78,7 +76,7 @@ class ContextParallel:
         seq_len = tokens.shape[1] * self.axis.size
         check_seq_len(seq_len, self.axis.size, self.layout)
         expected = shard_positions(seq_len, self.axis.size, self.axis.rank, self.layout)
-        if positions is None:  # fill in the layout's positions so RoPE uses them too
+        if positions is None:  # fill in the layout's positions so the position encoding uses them too
             args, kwargs = args[:1], {**kwargs, "positions": expected.to(tokens.device)}
         elif not torch.equal(positions.detach().cpu(), expected):
             raise ValueError(
@@ -98,54 +96,57 @@ class ContextParallel:
             self.active = True
 
     def remove(self) -> None:
-        """Put the original attention modules back and remove the hook."""
+        """Put the original attention cores back and remove the hook."""
         self._hook.remove()
-        for parent, attn in self._originals:
-            parent.attention = attn
-        self._originals.clear()
+        for module in self.modules:
+            del module.core  # the instance attribute; the class's method shows again
+            del module.ring
+        self.modules.clear()
 
 
-class ContextParallelAttention(Attention):
-    """Attention whose core is ring attention over the cp axis; projections and RoPE unchanged.
+class _RingCore:
+    """An attention module's core under context parallelism: ring attention while the handle
+    is active, the module's own core (local attention) while paused."""
 
-    Built from an existing :class:`Attention` whose linear layers it shares (no new parameters).
-    Head counts are read from the tensors, so tensor-parallel shards with fewer local heads work.
-    """
+    def __init__(self, local: Any, cp: ContextParallel) -> None:
+        self.local, self.cp = local, cp
 
-    def __init__(self, attn: Attention, cp: ContextParallel) -> None:
-        nn.Module.__init__(self)
-        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.wq, self.wk, self.wv, self.wo = attn.wq, attn.wk, attn.wv, attn.wo
-        self._cp = cp  # a plain object, not a submodule
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None) -> Tensor:
-        cp = self._cp
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs: Any = None) -> Tensor:
+        cp = self.cp
         if not cp.active:
-            return super().core(q, k, v) if docs is None else super().core(q, k, v, docs)
+            return self.local(q, k, v) if docs is None else self.local(q, k, v, docs)
         if cp.plan is None:
-            raise RuntimeError("ContextParallelAttention called outside the model's forward")
+            raise RuntimeError("context-parallel attention called outside the model's forward")
         segments = None if docs is None else docs.segments
         return ring_attention(q, k, v, cp.axis, cp.plan, stats=cp.stats, segments=segments)
 
 
-def enable_context_parallel(model: Llama, axis: Axis, layout: Layout = "zigzag") -> ContextParallel:
+def ring_core_of(module: nn.Module) -> ContextParallel | None:
+    """The handle whose ring attention ``module`` computes with, or None."""
+    ring = vars(module).get("ring")
+    return ring.cp if isinstance(ring, _RingCore) else None
+
+
+def enable_context_parallel(model: nn.Module, axis: Axis, cores: Iterable[nn.Module],
+                            layout: Layout = "zigzag") -> ContextParallel:
     """Make ``model`` compute attention across the cp ``axis`` (in place) and return the handle.
 
-    Afterwards ``model(tokens, positions)`` expects this rank's shard of every sequence
-    (``zigzag_shard`` of the full batch along dim 1) and its original positions
+    ``cores``: the model's attention modules (each with a ``core(q, k, v, docs=None)`` method),
+    as the family lists them. Afterwards ``model(tokens, positions)`` expects this rank's shard of
+    every sequence (``zigzag_shard`` of the full batch along dim 1) and its original positions
     (``zigzag_positions``; filled in when left out, checked when given). Must be called on every
     cp rank; at ``axis.size == 1`` it is the plain model computed blockwise.
     """
-    if any(isinstance(m, ContextParallelAttention) for m in model.modules()):
+    modules = list(cores)
+    if any(ring_core_of(m) is not None for m in modules):
         raise ValueError("context parallelism is already enabled on this model")
+    if not modules:
+        raise ValueError(f"no attention modules given for {type(model).__name__}; context parallelism "
+                         "needs the family's attention modules (their core(q, k, v) is replaced)")
     cp = ContextParallel(model, axis, layout)
-    for parent in list(model.modules()):
-        attn = getattr(parent, "attention", None)
-        if isinstance(attn, Attention):
-            parent.attention = ContextParallelAttention(attn, cp)
-            cp._originals.append((parent, attn))
-    if not cp._originals:
-        cp.remove()
-        raise ValueError(f"no Attention modules found in {type(model).__name__}; "
-                         "context parallelism needs the Llama attention layers")
+    for module in modules:
+        ring = _RingCore(module.core, cp)
+        module.ring = ring  # plain attributes on the instance: names and parameters unchanged
+        module.core = ring
+        cp.modules.append(module)
     return cp

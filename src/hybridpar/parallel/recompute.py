@@ -7,7 +7,7 @@ outside, like the parallelisms: memory for compute.
   that one block's backward runs. Per layer the stored bytes drop to ``s b h`` x the residual
   dtype (``/t`` under sequence parallelism): 21x less for the tiny preset in fp32 (1,381,376 to
   65,536 bytes, ``tests/test_planner_validation.py``), for one more forward.
-* ``selective``: only the attention core (:meth:`hybridpar.models.llama.Attention.core`: fused
+* ``selective``: only the attention core (the ``core(q, k, v)`` method of a family's attention: fused
   attention, or ring attention under context parallelism) runs again; it keeps q, k, v but not
   its output and log-sum-exp. Korthikanti's selective recompute exists to drop the ``5 a s / h``
   attention-score term; fused attention never stores scores, so here it saves one output per layer.
@@ -22,13 +22,11 @@ checkpoints are unchanged.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from hybridpar.models.llama import Attention, Block
 
 Mode = Literal["none", "selective", "full"]
 
@@ -37,19 +35,23 @@ def _recomputed(fn: Callable[..., Any], *args: Any) -> Any:
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-def apply_recompute(model: nn.Module, mode: Mode) -> int:
-    """Recompute ``model``'s blocks (``full``) or attention cores (``selective``) in backward;
-    returns how many modules were wrapped. ``none`` changes nothing."""
+def apply_recompute(model: nn.Module, mode: Mode, blocks: Iterable[nn.Module],
+                    attentions: Iterable[nn.Module]) -> int:
+    """Recompute ``blocks`` (``full``) or the cores of ``attentions`` (``selective``) of
+    ``model`` in backward, as the family lists them; returns how many modules were wrapped.
+    ``none`` changes nothing."""
     if mode == "none":
         return 0
     if mode not in ("full", "selective"):
         raise ValueError(f"recompute mode {mode!r} is not one of 'none', 'selective', 'full'")
+    inside = {id(m) for m in model.modules()}
     count = 0
-    for module in model.modules():
-        if mode == "full" and isinstance(module, Block):
+    for module in blocks if mode == "full" else attentions:
+        if id(module) not in inside:
+            raise ValueError(f"{type(module).__name__} to recompute is not a submodule of the model")
+        if mode == "full":
             module.forward = functools.partial(_recomputed, module.forward)  # type: ignore[method-assign]
-            count += 1
-        elif mode == "selective" and isinstance(module, Attention):
+        else:
             module.core = functools.partial(_recomputed, module.core)  # type: ignore[method-assign]
-            count += 1
+        count += 1
     return count

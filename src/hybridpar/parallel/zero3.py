@@ -313,16 +313,6 @@ def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],
     return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer)
 
 
-def llama_units(model: nn.Module) -> list[nn.Module]:
-    """Units of a :class:`~hybridpar.models.llama.Llama`: the embedding (unless the head reuses
-    its weight, which then stays in the root with the head) and every block."""
-    units: list[nn.Module] = []
-    if getattr(model, "output", None) is not None:
-        units.append(model.tok_embeddings)
-    units.extend(model.layers)
-    return units
-
-
 def _flatten(output: Any) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]

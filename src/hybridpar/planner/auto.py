@@ -55,7 +55,7 @@ def resolve_hardware(cfg: Config, device_type: str) -> tuple[GPUSpec, str]:
     if device_type == "cuda":
         import torch
 
-        from hybridpar.training import device as devices
+        from hybridpar.distributed import device as devices
 
         name = devices.device_name(torch.device("cuda", 0))
         known = {"B200": "B200", "H200": "H200", "H100": "H100-SXM",
@@ -217,7 +217,7 @@ def layout_overrides(cfg: Config) -> list[str]:
 def default_world(device_type: str) -> int:
     """Processes to launch for ``parallel.auto`` without ``--nproc``: one per GPU, else per core."""
     if device_type == "cuda":
-        from hybridpar.training import device as devices
+        from hybridpar.distributed import device as devices
 
         return max(1, devices.accelerator_count())
     from hybridpar.planner.calibrate import usable_cores
@@ -229,7 +229,7 @@ def auto_config(cfg: Config, nproc: int | None, local_processes: int | None = No
                 verbose: bool = True) -> Config:
     """The train command's entry: ``cfg`` with the planned layout for ``nproc`` ranks (default
     :func:`default_world`), ``local_processes`` of them per node (default all)."""
-    from hybridpar.training import device as devices
+    from hybridpar.distributed import device as devices
 
     world = nproc if nproc is not None else default_world("cuda" if devices.prefers_gpu(cfg.train.device) else "cpu")
     kind = devices.resolve_device_type(cfg.train.device, local_processes or world)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from hybridpar.distributed import device as devices
 from hybridpar.distributed.spawn import run_ranks
 from hybridpar.errors import UserError
 from hybridpar.planner.hardware import GB, load_gpu_toml
@@ -59,7 +60,6 @@ from hybridpar.planner.probes import (
     pool_views,
     reps_for,
 )
-from hybridpar.training import device as devices
 
 
 class CalibrateError(UserError):

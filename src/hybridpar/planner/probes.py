@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridpar.training import device as devices
+from hybridpar.distributed import device as devices
 
 Probe = Callable[[], object]
 
@@ -160,7 +160,7 @@ def block_probes(device: torch.device, dtype: torch.dtype) -> tuple[Probe, Probe
     shape (4 tokens of width 16): the fixed eager cost of a layer (dispatch, autograd, module
     calls), which byte and FLOP counts miss."""
     from hybridpar.config import ModelConfig
-    from hybridpar.models.llama import Block, precompute_rope
+    from hybridpar.models.llama.model import Block, precompute_rope
 
     shape = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=16, max_seq_len=4)
     block = Block(shape).to(device=device, dtype=dtype)

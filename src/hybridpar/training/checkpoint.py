@@ -44,7 +44,7 @@ from hybridpar.config import Config, ConfigError, config_from_dict
 from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, save_tokenizer
 from hybridpar.distributed.mesh import Topology
 from hybridpar.fsutil import dir_mode, publish_modes
-from hybridpar.parallel.tensor_plan import shard_dim
+from hybridpar.models.registry import family_of
 from hybridpar.parallel.zero import ZeroOptimizer
 from hybridpar.training.durable import (
     _causes,
@@ -321,7 +321,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
             os.chmod(tmp, dir_mode())
         except OSError as e:
             failure = f"checkpoint {path} could not be written: {_reason(e)}"
-    state = _train_state(model, optimizer, topo, extra)
+    state = _train_state(model, optimizer, topo, extra, cfg)
     need = _needed_bytes(state, topo)
     if topo.rank == 0 and failure is None:
         free = _free_bytes(root)
@@ -452,7 +452,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
     path = Path(path)
     info = read_info(require_complete(path))
     check_compatible(read_config(path), cfg, path)
-    state = _train_state(model, optimizer, topo, extra)
+    state = _train_state(model, optimizer, topo, extra, cfg)
     own_names = [list(group["params"]) for group in state["optim"]["param_groups"]]
     try:
         with single_process_quiet():
@@ -485,11 +485,9 @@ def _load_error(path: Path, e: BaseException, hint: str) -> CheckpointError:
 
 def load_model_state(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
     """The run's Config and the full model state (our naming) of a checkpoint, in one process."""
-    from hybridpar.models.llama import Llama
-
     path = Path(path)
     cfg = read_config(require_complete(path))
-    model = Llama(cfg.model)
+    model = family_of(cfg.model).build(cfg.model)
     state = {"model": get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))}
     try:
         with single_process_quiet():
@@ -527,7 +525,7 @@ def single_process_quiet() -> Iterator[None]:
 
 
 def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, topo: Topology,
-                 extra: dict[str, Any] | None) -> dict[str, Any]:
+                 extra: dict[str, Any] | None, cfg: Config) -> dict[str, Any]:
     """What a checkpoint holds, keyed by parameter name: the parameters this rank trains (all
     of them, or one pipeline stage's) and their optimizer state. Tensor-parallel shards (and their
     optimizer moments) become DTensors over the tp mesh axis, so DCP stores each shard once as
@@ -545,7 +543,7 @@ def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimi
         mesh = topo.mesh["tp"]
 
         def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
-            dim = shard_dim(name)
+            dim = family_of(cfg.model).tp.shard_dim(name)
             if dim is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
                 return t
             return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)

@@ -1,9 +1,10 @@
 """The engine: one model and its optimizer under a layout.
 
-This is the one place that knows how the parallel axes apply to the Llama model:
-tensor parallelism shards its layers (``parallelize_llama``), context parallelism swaps in ring
-attention, pipeline parallelism cuts it into this rank's chunks and runs a schedule, and data
-parallelism averages gradients over dp x cp. The Trainer above it only feeds micro-batches,
+This is the one place that applies the parallel axes to a model, through its family
+(:mod:`hybridpar.models.registry`): tensor parallelism shards its layers (``family.parallelize``),
+context parallelism swaps in ring attention for its attention cores, pipeline parallelism cuts
+it into this rank's chunks (``family.make_chunk``) and runs a schedule, and data parallelism
+averages gradients over dp x cp. The Trainer above it only feeds micro-batches,
 clips, steps and logs; it branches on nothing.
 """
 
@@ -18,8 +19,9 @@ from torch import Tensor
 
 from hybridpar.config import Config
 from hybridpar.distributed.mesh import Topology
+from hybridpar.models.common import Documents
 from hybridpar.models.hf import init_from_hf
-from hybridpar.models.llama import Documents, Llama
+from hybridpar.models.registry import family_of
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import enable_context_parallel
 from hybridpar.parallel.data import GradientReducer
@@ -33,21 +35,9 @@ from hybridpar.parallel.pipeline.stages import (
 from hybridpar.parallel.recompute import apply_recompute
 from hybridpar.parallel.shard import OuterSplit
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
-from hybridpar.parallel.tensor_plan import (
-    gather_full,
-    gather_full_state_dict,
-    parallelize_llama,
-    read_shard,
-    reduce_replicated_grads,
-    set_sequence_parallel,
-    shard_dim,
-    sum_over,
-    tp_grad_norm_sq,
-    tp_norm_sq,
-    tp_replicated_params,
-)
+from hybridpar.parallel.tensor_plan import reduce_replicated_grads, set_sequence_parallel, sum_over
 from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
-from hybridpar.parallel.zero3 import llama_units, shard_model
+from hybridpar.parallel.zero3 import shard_model
 from hybridpar.training.generate import sample
 from hybridpar.training.optim import build_optimizer, clip_by_total_norm
 from hybridpar.training.precision import autocast
@@ -61,20 +51,25 @@ class Engine:
     def __init__(self, cfg: Config, topo: Topology, device: torch.device) -> None:
         self.cfg, self.topo, self.device = cfg, topo, device
         m, p, t = cfg.model, cfg.parallel, cfg.train
-        model = Llama(m).to(device)
+        self.family = family = family_of(m)
+        self.plan = plan = family.tp
+        model = family.build(m).to(device)
         model.init_weights(t.seed)
         self.sequence_parallel = p.sequence_parallel and topo.tp.size > 1
-        parallelize_llama(model, topo.tp, sequence_parallel=self.sequence_parallel)  # no-op at tp=1
+        family.parallelize(model, topo.tp, self.sequence_parallel)  # no-op at tp=1
         if t.init_from:  # shape checked against cfg.model; each tp rank reads only its slices
-            init_from_hf(model, t.init_from, m, read=lambda name, lazy: read_shard(name, lazy, topo.tp))
-        self.cp = enable_context_parallel(model, topo.cp) if topo.cp.size > 1 else None
-        apply_recompute(model, p.recompute)  # after cp: selective reruns ring attention's core too
+            init_from_hf(model, t.init_from, m, read=lambda name, lazy: plan.read_shard(name, lazy, topo.tp))
+        self.cp = (enable_context_parallel(model, topo.cp, family.attention_modules(model))
+                   if topo.cp.size > 1 else None)
+        # after cp: selective reruns ring attention's core too
+        apply_recompute(model, p.recompute, family.blocks(model), family.attention_modules(model))
         self.model = model
         self.runner: PipelineRunner | None = None
         self.last_pipeline_step: PipelineStepResult | None = None
         if topo.pp.size > 1:
             self.partition = partition_model(m, p.pp, p.virtual_stages)
-            self.chunks = build_stage_modules(model, topo.pp.rank, p.pp, p.virtual_stages, self.partition)
+            self.chunks = build_stage_modules(model, family.make_chunk, topo.pp.rank, p.pp, p.virtual_stages,
+                                              self.partition)
             for chunk in self.chunks:
                 chunk.sequence_shards = topo.tp.size if self.sequence_parallel else 1
             if self.cp is not None:  # chunks bypass the model's forward hook: set cp's plan here
@@ -100,14 +95,14 @@ class Engine:
             # Sharded optimizer state (1), + gradients (2), + parameters (3) over dp x cp: the
             # ranks that hold replicas and average gradients. Under tp the shards are rows of
             # each rank's tp piece; under pp each stage shards the parameters it trains.
-            outer = OuterSplit(topo.tp, shard_dim) if topo.tp.size > 1 else None
+            outer = OuterSplit(topo.tp, plan.shard_dim) if topo.tp.size > 1 else None
             # Prefetching the next unit's gather overlaps it with compute on GPUs (separate comm
             # streams); on CPU the collective runs on the same cores, so it only adds a unit of
             # peak memory (as FSDP2, which prefetches only with CUDA streams).
             prefetch = device.type == "cuda"
             ids = {id(q) for q in train}
             names = {n for n, q in model.named_parameters() if id(q) in ids}
-            sharded = (shard_model(model, topo.dp_cp, llama_units(model), prefetch=prefetch, outer=outer)
+            sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer)
                        if p.zero_stage == 3 else None)
             named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
             self.zero = ZeroOptimizer(decay_groups(named, t.weight_decay), topo.dp_cp, stage=p.zero_stage,
@@ -124,10 +119,11 @@ class Engine:
                 node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
                 hierarchy = topo.node_split(topo.dp_cp, node)
             self.reducer = GradientReducer(self.params, topo.dp_cp, bucket, hierarchy)
+        # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
-        self.tp_replicated = [q for q in tp_replicated_params(model) if id(q) in ids]
-        replicated = {id(q) for q in self.tp_replicated}
-        self.tp_replicated_names = {n for n, q in model.named_parameters() if id(q) in replicated}
+        self.tp_partial_names = {n for n, q in model.named_parameters()
+                                 if id(q) in ids and plan.needs_tp_sum(n, self.sequence_parallel)}
+        self.tp_partial = [q for n, q in model.named_parameters() if n in self.tp_partial_names]
 
     # ------------------------------------------------------------------ loss
     def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -167,11 +163,11 @@ class Engine:
             self.zero.finish_grads()
         else:
             self.reducer.finish()
-        if self.sequence_parallel:  # norm weights saw only this rank's sequence shard: sum over tp
+        if self.tp_partial:  # SP: norms saw only this rank's sequence shard; per-head norms: its heads
             if self.zero is not None:  # (the sum over tp commutes with ZeRO's average over dp)
-                sum_over(self.topo.tp, [g for n, g in self.zero.named_grads() if n in self.tp_replicated_names])
+                sum_over(self.topo.tp, [g for n, g in self.zero.named_grads() if n in self.tp_partial_names])
             else:
-                reduce_replicated_grads(self.tp_replicated, self.topo.tp)
+                reduce_replicated_grads(self.tp_partial, self.topo.tp)
         return losses
 
     @torch.no_grad()
@@ -195,11 +191,12 @@ class Engine:
         last-stage mirror is left out)."""
         if self.zero is not None:  # this rank's rows of its tp pieces: sum over tp, ZeRO, pp
             owned = {n for n, _ in self.owned}
-            sq = tp_norm_sq([(n, g) for n, g in self.zero.named_grads() if n in owned], self.topo.tp, self.device)
+            sq = self.plan.norm_sq([(n, g) for n, g in self.zero.named_grads() if n in owned], self.topo.tp,
+                                   self.device)
             if self.zero.mode != 0:
                 self.topo.comm.all_reduce(sq, self.topo.dp_cp)
         else:
-            sq = tp_grad_norm_sq(self.owned, self.topo.tp)
+            sq = self.plan.grad_norm_sq(self.owned, self.topo.tp)
         self.topo.comm.all_reduce(sq, self.topo.pp)
         return sq.sqrt()
 
@@ -216,8 +213,8 @@ class Engine:
         self._share_pipeline_weights()
         if self.zero is not None and self.zero.sharded is not None:  # ZeRO rows -> tp pieces -> full
             pieces = self.zero.sharded.gather_full_state_dict()
-            return {n: gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()}
-        return gather_full_state_dict(self.model, self.topo.tp)
+            return {n: self.plan.gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()}
+        return self.plan.gather_full_state_dict(self.model, self.topo.tp, self.cfg.model.vocab_size)
 
     # ------------------------------------------------------------------ sampling, timeline
     def sample(self, prompt: list[int], max_new_tokens: int, seed: int) -> list[int]:
@@ -242,7 +239,8 @@ class Engine:
         pp = self.topo.pp
         owner: dict[str, int] = {}
         for r in range(pp.size):
-            chunks = build_stage_modules(self.model, r, pp.size, self.cfg.parallel.virtual_stages, self.partition)
+            chunks = build_stage_modules(self.model, self.family.make_chunk, r, pp.size,
+                                         self.cfg.parallel.virtual_stages, self.partition)
             for name, _ in owned_named_parameters(chunks):
                 owner.setdefault(name, r)
         for name, param in self.model.named_parameters():

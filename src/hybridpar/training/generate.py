@@ -48,7 +48,7 @@ def sample(
 
 def cmd_generate(argv: list[str]) -> int:
     """``hybridpar generate --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] ...``"""
-    from hybridpar.models.llama import Llama
+    from hybridpar.models.registry import family_of
     from hybridpar.training.checkpoint import load_model_state, load_tokenizer_of
 
     ap = argparse.ArgumentParser(prog="hybridpar generate", description="Sample text from a checkpoint.")
@@ -61,7 +61,7 @@ def cmd_generate(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     cfg, state = load_model_state(args.checkpoint)
     tokenizer = load_tokenizer_of(args.checkpoint)
-    model = Llama(cfg.model)
+    model = family_of(cfg.model).build(cfg.model)
     model.load_state_dict(state)
     prompt = tokenizer.encode(args.prompt or "\n")  # the model needs at least one token
     out = sample(model, prompt, args.tokens, cfg.model.max_seq_len, args.temperature, args.top_k, args.seed)

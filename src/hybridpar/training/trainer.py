@@ -22,12 +22,12 @@ from hybridpar.config import Config
 from hybridpar.data.corpus import WindowSampler
 from hybridpar.data.errors import check_vocab
 from hybridpar.data.mixture import MixtureSampler, open_training_data
+from hybridpar.distributed import device as devices
 from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
 from hybridpar.distributed.mesh import Topology
-from hybridpar.models.llama import Documents
+from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
 from hybridpar.training import checkpoint
-from hybridpar.training import device as devices
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text

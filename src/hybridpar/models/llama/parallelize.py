@@ -1,0 +1,124 @@
+"""Llama's parallel plan: which layer splits how (tensor + sequence parallelism), and the
+modules the other parallelisms need (attention cores, blocks, ZeRO-3 units).
+
+:func:`parallelize_llama` turns a full model into this rank's tp shard in place, leaving the
+model's math untouched (the plan swaps in parallel layers):
+
+* ``wq``/``wk``/``wv`` (and their biases) and ``w1``/``w3``: :class:`ColumnParallelLinear`
+  (heads and kv-heads split in contiguous blocks, so rank ``r``'s query heads use exactly its kv
+  heads under GQA);
+* ``wo`` and ``w2``: :class:`RowParallelLinear` (all-reduce, or reduce-scatter under SP);
+* ``tok_embeddings``: :class:`VocabParallelEmbedding` (vocabulary padded to a multiple of tp);
+* ``output``: :class:`ColumnParallelLinear` over the padded vocabulary; with tied embeddings the
+  model's own ``F.linear(h, tok_embeddings.weight)`` uses the embedding shard, same result;
+* ``attention_norm``/``ffn_norm``/``norm``: replicated, and their outputs enter the tp region
+  (:func:`~hybridpar.parallel.tensor_plan.enter_tp_region`); Qwen3's per-head ``q_norm``/``k_norm``
+  act on this rank's heads, so their gradients are summed over tp (``TensorPlan.partial``).
+
+Per layer and micro-batch that is 2 forward + 2 backward all-reduces of ``b*s*h`` activations
+without SP, or 2 all-gathers + 2 reduce-scatters each way with SP (same wire bytes). The
+embedding and the final norm add two more activation-sized collectives (4L + 2 in all).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybridpar.config import ModelConfig
+from hybridpar.distributed.mesh import Axis
+from hybridpar.models.llama.model import Llama
+from hybridpar.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    pad_dim,
+    padded_size,
+)
+from hybridpar.parallel.tensor_plan import TensorPlan, enter_tp_region
+
+__all__ = ["PLAN", "attention_modules", "blocks", "check_tp_shape", "parallelize_llama", "zero3_units"]
+
+PLAN = TensorPlan(
+    shard_dims={
+        "attention.wq.weight": 0, "attention.wk.weight": 0, "attention.wv.weight": 0,
+        "attention.wq.bias": 0, "attention.wk.bias": 0, "attention.wv.bias": 0,
+        "attention.wo.weight": 1,
+        "feed_forward.w1.weight": 0, "feed_forward.w3.weight": 0, "feed_forward.w2.weight": 1,
+        "tok_embeddings.weight": 0, "output.weight": 0,
+    },
+    vocab_params=("tok_embeddings.weight", "output.weight"),
+    partial=("attention.q_norm.weight", "attention.k_norm.weight"),
+)
+
+
+def check_tp_shape(cfg: ModelConfig, tp: int) -> None:
+    """Raise ``ValueError`` (one line, numbers and fix) if ``cfg`` cannot be split ``tp`` ways."""
+    if cfg.n_heads % tp:
+        raise ValueError(f"model.n_heads = {cfg.n_heads} is not divisible by parallel.tp = {tp}; "
+                         f"use a tp that divides {cfg.n_heads}")
+    if cfg.n_kv_heads < tp:
+        raise ValueError(f"model.n_kv_heads = {cfg.n_kv_heads} < parallel.tp = {tp}: every tp rank "
+                         f"needs a whole KV head (KV-head replication is not supported); use tp <= "
+                         f"{cfg.n_kv_heads}")
+    if cfg.n_kv_heads % tp:
+        raise ValueError(f"model.n_kv_heads = {cfg.n_kv_heads} is not divisible by parallel.tp = "
+                         f"{tp}; use a tp that divides {cfg.n_kv_heads}")
+    if cfg.ffn_hidden % tp:
+        raise ValueError(f"model.ffn_hidden = {cfg.ffn_hidden} is not divisible by parallel.tp = "
+                         f"{tp}; use a tp that divides {cfg.ffn_hidden}")
+
+
+def _column(layer: nn.Linear, axis: Axis, sp: bool) -> ColumnParallelLinear:
+    bias = None if layer.bias is None else layer.bias.detach()
+    return ColumnParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sync_input=False,
+                                          sequence_parallel=sp)
+
+
+def parallelize_llama(model: Llama, axis: Axis, sequence_parallel: bool = False) -> Llama:
+    """Turn the full (initialised) ``model`` into this rank's tensor-parallel shard, in place.
+
+    Every rank of ``axis`` must pass the same weights. Returns ``model``; at tp=1 it is left
+    unchanged. Raises ``ValueError`` for head counts tp cannot split (see :func:`check_tp_shape`).
+    Build the optimizer afterwards (parameters are replaced).
+    """
+    if axis.size == 1:
+        return model
+    cfg, tp, sp = model.cfg, axis.size, sequence_parallel
+    check_tp_shape(cfg, tp)
+    for block in model.layers:
+        attn, ffn = block.attention, block.feed_forward
+        attn.wq, attn.wk, attn.wv = (_column(attn.wq, axis, sp), _column(attn.wk, axis, sp),
+                                     _column(attn.wv, axis, sp))
+        attn.wo = RowParallelLinear.from_full(attn.wo.weight.detach(), axis, sequence_parallel=sp)
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
+        ffn.w1, ffn.w3 = _column(ffn.w1, axis, sp), _column(ffn.w3, axis, sp)
+        ffn.w2 = RowParallelLinear.from_full(ffn.w2.weight.detach(), axis, sequence_parallel=sp)
+        enter_tp_region(block.attention_norm, axis, sp)
+        enter_tp_region(block.ffn_norm, axis, sp)
+    model.tok_embeddings = VocabParallelEmbedding.from_full(model.tok_embeddings.weight.detach(),
+                                                            axis, sequence_parallel=sp)
+    enter_tp_region(model.norm, axis, sp)
+    if model.output is not None:
+        full = pad_dim(model.output.weight.detach(), 0, padded_size(cfg.vocab_size, tp))
+        model.output = ColumnParallelLinear.from_full(full, axis, sync_input=False, sequence_parallel=sp)
+    return model
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules (context parallelism and selective recompute replace their core)."""
+    return [block.attention for block in model.layers]
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers (full recompute reruns each)."""
+    return list(model.layers)
+
+
+def zero3_units(model: nn.Module) -> list[nn.Module]:
+    """ZeRO-3 units: the embedding (unless the head reuses its weight, which then stays in the
+    root with the head) and every block."""
+    units: list[nn.Module] = []
+    if getattr(model, "output", None) is not None:
+        units.append(model.tok_embeddings)
+    units.extend(model.layers)
+    return units
