@@ -37,9 +37,9 @@ from torch.utils._pytree import tree_leaves
 
 from hybridpar.config import model_preset
 from hybridpar.distributed.mesh import Axis, ParallelDims
-from hybridpar.models.llama import Llama, apply_rope
+from hybridpar.models.llama import FAMILY, Llama
 from hybridpar.parallel.context import positions_table, zigzag_positions, zigzag_shard
-from hybridpar.parallel.context_model import ContextParallelAttention, enable_context_parallel
+from hybridpar.parallel.context_model import enable_context_parallel
 from hybridpar.parallel.data import GradientReducer
 
 MIB = 2**20
@@ -79,16 +79,19 @@ class _GatherSequence(torch.autograd.Function):
         return ctx.axis.comm.reduce_scatter(dy.contiguous(), ctx.axis, dim=2), None
 
 
-class NaiveCPAttention(ContextParallelAttention):
-    """The baseline: every rank gathers the whole sequence's K/V and masks by position. The
-    additive mask ``[T / cp, T]`` is built once per length and shared by all layers."""
+class NaiveCore:
+    """The baseline attention core: every rank gathers the whole sequence's K/V and masks by
+    position. Installed on each attention module in place of the ring core that
+    ``enable_context_parallel`` put there (``module.core = NaiveCore(...)``), so projections,
+    RoPE and everything around the core are the same code in both runners. The additive mask
+    ``[T / cp, T]`` is built once per length and shared by all layers."""
 
-    def __init__(self, attn: ContextParallelAttention, masks: dict[int, torch.Tensor]) -> None:
-        super().__init__(attn, attn._cp)
+    def __init__(self, axis: Axis, masks: dict[int, torch.Tensor]) -> None:
+        self.axis = axis
         self.masks = masks
 
     def mask(self, seq_len: int) -> torch.Tensor:
-        axis = self._cp.axis
+        axis = self.axis
         if seq_len not in self.masks:
             self.masks.clear()
             table = positions_table(seq_len, axis.size)
@@ -96,17 +99,14 @@ class NaiveCPAttention(ContextParallelAttention):
             self.masks[seq_len] = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
         return self.masks[seq_len]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        axis = self._cp.axis
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Any = None) -> torch.Tensor:
+        if docs is not None:
+            raise NotImplementedError("the naive baseline core takes single sequences only")
+        axis = self.axis
+        t = q.shape[2]  # [B, heads, T / cp, head_dim], RoPE already applied
         k, v = _GatherSequence.apply(k, axis), _GatherSequence.apply(v, axis)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(t * axis.size),
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(t * axis.size),
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Runner:
@@ -115,11 +115,11 @@ class Runner:
     def __init__(self, cfg, axis: Axis, naive: bool) -> None:  # noqa: ANN001
         self.model = Llama(cfg)
         self.model.init_weights(0)
-        enable_context_parallel(self.model, axis)
-        if naive:
+        cp = enable_context_parallel(self.model, axis, cores=FAMILY.attention_modules(self.model))
+        if naive:  # same hook, layout and positions check; only the core differs
             masks: dict[int, torch.Tensor] = {}
-            for blk in self.model.layers:
-                blk.attention = NaiveCPAttention(blk.attention, masks)
+            for module in cp.modules:
+                module.core = NaiveCore(axis, masks)
         self.axis = axis
         self.params = list(self.model.parameters())
         self.opt = torch.optim.AdamW(self.params, lr=1e-3)

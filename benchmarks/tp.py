@@ -36,12 +36,9 @@ from hybridpar.config import load_config
 from hybridpar.distributed.comm import wire_bytes
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.llama import Llama
+from hybridpar.models.llama.parallelize import PLAN, parallelize_llama
 from hybridpar.parallel.tensor import vocab_parallel_cross_entropy
-from hybridpar.parallel.tensor_plan import (
-    parallelize_llama,
-    reduce_replicated_grads,
-    tp_replicated_params,
-)
+from hybridpar.parallel.tensor_plan import reduce_replicated_grads
 from hybridpar.training.optim import build_optimizer
 
 DEFAULTS = ["--model.n_layers", "4", "--train.seq_len", "128", "--train.micro_batch", "4"]
@@ -148,7 +145,7 @@ def compare(topo: Any, cfg: Any, data: Tensor, sp: bool) -> dict[str, Any]:
     ref.init_weights(t.seed)
     dtensor_plan(ref, topo.mesh["tp"], sp)
     opt_ours, opt_ref = build_optimizer(ours, t), build_optimizer(ref, t)
-    norms = tp_replicated_params(ours)
+    norms = PLAN.replicated_params(ours)
     counter = C10dCounter(tp.size)
     times: dict[str, list[float]] = {"hybridpar": [], "dtensor": []}
     losses: dict[str, list[float]] = {"hybridpar": [], "dtensor": []}
