@@ -1,0 +1,147 @@
+"""GPT-2's tensor-parallel plan (Megatron-LM's, which was built on GPT-2) and the modules the
+other parallelisms use.
+
+* ``attention.wq``/``wk``/``wv`` (weights and biases) and ``feed_forward.w1`` (weight and bias):
+  :class:`ColumnParallelLinear`, split by rows. q, k and v are separate layers in our model
+  (:mod:`.model`), so each is split by heads: rank ``r`` holds heads ``[r * H/tp, (r+1) * H/tp)``
+  of all three, and a checkpoint's ``Shard(0)`` of each is a set of whole heads. (A row split
+  of HF's fused ``c_attn`` would not be: its rows are q | k | v, rank 0 would get all of q.)
+* ``attention.wo`` and ``feed_forward.w2``: :class:`RowParallelLinear` (all-reduce, or
+  reduce-scatter under SP); their biases are replicated and added once after the reduction.
+* ``tok_embeddings``: :class:`VocabParallelEmbedding` (vocabulary padded to a multiple of tp);
+  the tied head ``F.linear(h, tok_embeddings.weight)`` then gives vocab-sharded logits. An
+  untied ``output`` is a :class:`ColumnParallelLinear` over the padded vocabulary.
+* ``pos_embeddings`` and every LayerNorm: replicated. The norms' outputs enter the tp region
+  (:func:`~hybridpar.parallel.tensor_plan.enter_tp_region`).
+
+Learned positions under sequence parallelism: the token embedding then returns this rank's
+sequence shard ``[B, T/tp, H]`` (its reduce-scatter gives rank ``r`` tokens
+``[r * T/tp, (r+1) * T/tp)``), so the position term must be the same shard. A forward hook on
+``pos_embeddings`` (:class:`PositionShard`) keeps those rows of its output: a plain slice, whose
+backward leaves the other rows' gradient zero; the position table's gradient is then a partial
+sum over tp like every replicated parameter's under SP, and the engine sums it
+(``TensorPlan.needs_tp_sum``). Under context parallelism nothing changes here: the model gets
+the rank's zigzag positions as its ``positions`` argument and looks them up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from hybridpar.config import ModelConfig
+from hybridpar.distributed.mesh import Axis
+from hybridpar.models.gpt2.model import GPT2
+from hybridpar.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    pad_dim,
+    padded_size,
+)
+from hybridpar.parallel.tensor_plan import RegionEntry, TensorPlan, enter_tp_region
+
+__all__ = ["PLAN", "PositionShard", "attention_modules", "blocks", "check_tp_shape", "parallelize_gpt2",
+           "zero3_units"]
+
+PLAN = TensorPlan(
+    shard_dims={
+        "attention.wq.weight": 0, "attention.wk.weight": 0, "attention.wv.weight": 0,
+        "attention.wq.bias": 0, "attention.wk.bias": 0, "attention.wv.bias": 0,
+        "attention.wo.weight": 1,
+        "feed_forward.w1.weight": 0, "feed_forward.w1.bias": 0, "feed_forward.w2.weight": 1,
+        "tok_embeddings.weight": 0, "output.weight": 0,
+    },
+    vocab_params=("tok_embeddings.weight", "output.weight"),
+)
+
+
+def check_tp_shape(cfg: ModelConfig, tp: int) -> None:
+    """Raise ``ValueError`` (one line, numbers and fix) if ``cfg`` cannot be split ``tp`` ways."""
+    if cfg.n_heads % tp:
+        raise ValueError(f"model.n_heads = {cfg.n_heads} is not divisible by parallel.tp = {tp}; "
+                         f"use a tp that divides {cfg.n_heads}")
+    if cfg.ffn_hidden % tp:
+        raise ValueError(f"model.ffn_hidden = {cfg.ffn_hidden} is not divisible by parallel.tp = "
+                         f"{tp}; use a tp that divides {cfg.ffn_hidden}")
+
+
+class PositionShard(RegionEntry):
+    """Forward hook on the position embedding: under SP, this rank's sequence shard of its
+    output (the rows matching the token embedding's reduce-scatter), else the output as is.
+    A :class:`RegionEntry` so :func:`~hybridpar.parallel.tensor_plan.set_sequence_parallel`
+    switches it with the rest."""
+
+    def __call__(self, module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        if not self.sequence_parallel:
+            return output
+        dim = output.dim() - 2  # [T, H] (positions [T]) or [B, T, H] (documents' positions [B, T])
+        n = self.axis.size
+        if output.shape[dim] % n:
+            raise ValueError(f"sequence parallelism splits the {output.shape[dim]} positions over tp = {n}: "
+                             f"the sequence length must be a multiple of {n}")
+        per = output.shape[dim] // n
+        return output.narrow(dim, self.axis.rank * per, per)
+
+
+def _column(layer: nn.Linear, axis: Axis, sp: bool) -> ColumnParallelLinear:
+    bias = None if layer.bias is None else layer.bias.detach()
+    return ColumnParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sync_input=False,
+                                          sequence_parallel=sp)
+
+
+def _row(layer: nn.Linear, axis: Axis, sp: bool) -> RowParallelLinear:
+    bias = None if layer.bias is None else layer.bias.detach()
+    return RowParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sequence_parallel=sp)
+
+
+def parallelize_gpt2(model: GPT2, axis: Axis, sequence_parallel: bool = False) -> GPT2:
+    """Turn the full (initialised) ``model`` into this rank's tensor-parallel shard, in place.
+
+    Every rank of ``axis`` must pass the same weights. Returns ``model``; at tp=1 it is left
+    unchanged. Raises ``ValueError`` for shapes tp cannot split (see :func:`check_tp_shape`).
+    Build the optimizer afterwards (parameters are replaced).
+    """
+    if axis.size == 1:
+        return model
+    cfg, tp, sp = model.cfg, axis.size, sequence_parallel
+    check_tp_shape(cfg, tp)
+    for block in model.layers:
+        attn, ffn = block.attention, block.feed_forward
+        attn.wq, attn.wk, attn.wv = _column(attn.wq, axis, sp), _column(attn.wk, axis, sp), _column(attn.wv, axis, sp)
+        attn.wo = _row(attn.wo, axis, sp)
+        attn.n_heads = attn.n_heads // tp
+        ffn.w1, ffn.w2 = _column(ffn.w1, axis, sp), _row(ffn.w2, axis, sp)
+        enter_tp_region(block.attention_norm, axis, sp)
+        enter_tp_region(block.ffn_norm, axis, sp)
+    model.tok_embeddings = VocabParallelEmbedding.from_full(model.tok_embeddings.weight.detach(),
+                                                            axis, sequence_parallel=sp)
+    shard = PositionShard(axis, sp)
+    model.pos_embeddings.register_forward_hook(shard)
+    model.pos_embeddings.tp_region = shard  # set_sequence_parallel finds it there
+    enter_tp_region(model.norm, axis, sp)
+    if model.output is not None:
+        full = pad_dim(model.output.weight.detach(), 0, padded_size(cfg.vocab_size, tp))
+        model.output = ColumnParallelLinear.from_full(full, axis, sync_input=False, sequence_parallel=sp)
+    return model
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules (context parallelism and selective recompute replace their core)."""
+    return [block.attention for block in model.layers]
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers (full recompute reruns each)."""
+    return list(model.layers)
+
+
+def zero3_units(model: nn.Module) -> list[nn.Module]:
+    """ZeRO-3 units: every block, and the token embedding when the head does not reuse its
+    weight; the tied embedding, the position table and the final norm stay in the root."""
+    units: list[nn.Module] = []
+    if getattr(model, "output", None) is not None:
+        units.append(model.tok_embeddings)
+    units.extend(model.layers)
+    return units
