@@ -28,6 +28,7 @@ from hybridpar.data.tokenizer import ByteTokenizer
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.errors import UserError
 from hybridpar.models.llama import Llama
+from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
 from hybridpar.training import checkpoint
 from hybridpar.training.checkpoint import CheckpointError
 
@@ -40,7 +41,7 @@ class Tiny:
         self.topo = ParallelDims.from_config(self.cfg.parallel).build("cpu")
         torch.manual_seed(0)
         self.model = Llama(self.cfg.model)
-        self.opt = torch.optim.AdamW(self.model.parameters())
+        self.opt = ZeroOptimizer(decay_groups(self.model, 0.0), self.topo.dp_cp, stage=0)
 
     def config(self, run: Path, keep: int = 0):
         return load_config(None, [*SMALL, "--train.run_dir", str(run), "--train.keep_checkpoints", str(keep)])

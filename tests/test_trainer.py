@@ -156,12 +156,12 @@ def _overlap_worker(rank: int, world: int, tmp: str) -> tuple[int, int]:
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
         trainer = Trainer(cfg, topo)
         x, y = trainer.micro_batches(1, cfg.train.global_batch, trainer.train_data)[0]
-        with trainer.reducer.no_sync():
+        with trainer.engine.no_sync():
             trainer.engine.loss(x, y).backward()
         during_no_sync = topo.comm.counter.calls()
         trainer.engine.loss(x, y).backward()
         during_backward = topo.comm.counter.calls()  # before finish(): started by the hooks
-        trainer.reducer.finish()
+        trainer.optimizer.finish_grads()
         return during_no_sync, during_backward
 
 

@@ -355,7 +355,6 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 # ----------------------------------------------------------------------------- validation
 
 # Parallelism implemented so far; the rest is rejected with a message saying so.
-BUILT = {"dp": True, "tp": True, "pp": True, "cp": True, "zero": True}
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -373,106 +372,10 @@ def config_warnings(cfg: Config) -> list[str]:
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Every layout and shape rule, in one place. Raises one ConfigError naming numbers and fix."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    """Every layout and shape rule (:data:`hybridpar.rules.RULES`, in order). Raises one
+    ConfigError naming numbers and fix: the first broken rule's message."""
+    from hybridpar.rules import first_broken
 
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
-        need(getattr(m, key) >= 1, f"model.{key} = {getattr(m, key)} must be >= 1")
-    need(m.dim % m.n_heads == 0,
-         f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; pick a dim that is a multiple of n_heads")
-    need(m.head_dim % 2 == 0, f"head dim = dim / n_heads = {m.head_dim} must be even for RoPE")
-    need(m.n_kv_heads <= m.n_heads and m.n_heads % m.n_kv_heads == 0,
-         f"model.n_heads = {m.n_heads} must be a multiple of model.n_kv_heads = {m.n_kv_heads} (grouped-query attention)")
-    need(m.rope_theta > 0 and m.norm_eps > 0, "model.rope_theta and model.norm_eps must be > 0")
-
-    for key in ("dp", "tp", "pp", "cp", "virtual_stages"):
-        need(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be >= 1")
-    need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3")
-    need(p.bucket_mb > 0, f"parallel.bucket_mb = {p.bucket_mb} must be > 0")
-    need(p.node_size >= 0, f"parallel.node_size = {p.node_size} must be >= 0 (0 = LOCAL_WORLD_SIZE)")
-    need(not (p.hierarchical_dp and p.zero_stage > 0),
-         f"parallel.hierarchical_dp = true with parallel.zero_stage = {p.zero_stage} is not supported yet; "
-         "ZeRO reduce-scatters over dp itself: use zero_stage = 0 or hierarchical_dp = false")
-    need(p.microbatches >= 0, f"parallel.microbatches = {p.microbatches} must be >= 0 (0 = automatic)")
-
-    for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
-        need(getattr(t, key) >= 1, f"train.{key} = {getattr(t, key)} must be >= 1")
-    for key in ("eval_every", "checkpoint_every", "keep_checkpoints", "warmup_steps", "sample_tokens"):
-        need(getattr(t, key) >= 0, f"train.{key} = {getattr(t, key)} must be >= 0")
-    need(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 <= train.min_lr ({t.min_lr}) <= train.lr ({t.lr}) and lr > 0")
-    need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 = {t.beta1}, beta2 = {t.beta2} must be in [0, 1)")
-    need(t.loss_scale_init >= 1 and t.loss_scale_window >= 1,
-         f"train.loss_scale_init = {t.loss_scale_init} must be >= 1 and train.loss_scale_window = {t.loss_scale_window} >= 1")
-    need(t.max_skipped_steps >= 0, f"train.max_skipped_steps = {t.max_skipped_steps} must be >= 0")
-    need(t.timeout_s > 0, f"train.timeout_s = {t.timeout_s} must be > 0 seconds")
-    need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)")
-    need(t.seq_len <= m.max_seq_len,
-         f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; lower seq_len or raise max_seq_len")
-
-    # Layout rules.
-    need(t.global_batch % (p.dp * t.micro_batch) == 0,
-         f"train.global_batch = {t.global_batch} is not divisible by parallel.dp * train.micro_batch = "
-         f"{p.dp} * {t.micro_batch} = {p.dp * t.micro_batch}; make global_batch a multiple of {p.dp * t.micro_batch}")
-    need(m.n_kv_heads >= p.tp,
-         f"model.n_kv_heads = {m.n_kv_heads} < parallel.tp = {p.tp}: every tp rank needs a whole KV head "
-         f"(KV-head replication is not supported); use tp <= {m.n_kv_heads}")
-    need(m.n_heads % p.tp == 0,
-         f"model.n_heads = {m.n_heads} is not divisible by parallel.tp = {p.tp}; use a tp that divides {m.n_heads}")
-    need(m.n_kv_heads % p.tp == 0,
-         f"model.n_kv_heads = {m.n_kv_heads} is not divisible by parallel.tp = {p.tp}; use tp <= {m.n_kv_heads} that divides it")
-    need(m.ffn_hidden % p.tp == 0,
-         f"model.ffn_hidden = {m.ffn_hidden} is not divisible by parallel.tp = {p.tp}")
-    stages = p.pp * p.virtual_stages
-    need(m.n_layers >= stages,
-         f"model.n_layers = {m.n_layers} < parallel.pp * virtual_stages = {p.pp} * {p.virtual_stages} = {stages} "
-         "pipeline chunks; every chunk needs a layer: lower pp or virtual_stages, or add layers")
-    need(p.virtual_stages == 1 or p.pipeline_schedule == "interleaved",
-         f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pipeline_schedule = 'interleaved'")
-    micro = t.global_batch // (p.dp * t.micro_batch)  # micro-batches per step on each rank
-    need(p.microbatches in (0, micro),
-         f"parallel.microbatches = {p.microbatches} but global_batch / (dp * micro_batch) = {t.global_batch} / "
-         f"({p.dp} * {t.micro_batch}) = {micro}; set train.micro_batch = {t.global_batch // max(1, p.dp * p.microbatches)} "
-         "or leave parallel.microbatches = 0")
-    if p.pipeline_schedule == "interleaved" and p.pp > 1:
-        need(micro % p.pp == 0,
-             f"interleaved 1F1B needs micro-batches per step divisible by parallel.pp: {micro} % {p.pp} = "
-             f"{micro % p.pp}; use {max(p.pp, micro - micro % p.pp)} or {micro + p.pp - micro % p.pp} micro-batches "
-             "(train.global_batch / (dp * train.micro_batch))")
-    if p.cp > 1:
-        need(t.seq_len % (2 * p.cp) == 0,
-             f"train.seq_len = {t.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} "
-             f"(zigzag causal load balancing); use a multiple of {2 * p.cp}")
-    if p.sequence_parallel and p.tp > 1:
-        split = p.tp * (2 * p.cp if p.cp > 1 else 1)
-        need(t.seq_len % split == 0,
-             f"train.seq_len = {t.seq_len} is not divisible by {split} (sequence parallelism splits each "
-             f"sequence{' chunk' if p.cp > 1 else ''} across parallel.tp = {p.tp}); use a multiple of {split}")
-    need(not (p.cp > 1 and p.sequence_parallel),
-         f"parallel.cp = {p.cp} with parallel.sequence_parallel = true is not supported yet; turn one of them off")
-    if world_size is not None:
-        need(world_size == p.world_size,
-             f"world size {world_size} != dp * tp * pp * cp = {p.dp} * {p.tp} * {p.pp} * {p.cp} = {p.world_size}; "
-             f"launch {p.world_size} processes (--nproc {p.world_size}) or change the layout")
-
-    # Not built yet: say so rather than run something that is not there.
-    for axis, size in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)):
-        need(BUILT[axis] or size == 1,
-             f"parallel.{axis} = {size}: {axis} parallelism is not implemented in this version yet; set parallel.{axis} = 1")
-    need(BUILT["zero"] or p.zero_stage == 0,
-         f"parallel.zero_stage = {p.zero_stage}: ZeRO is not implemented in this version yet; set parallel.zero_stage = 0")
-    need(not p.offload_optimizer or p.zero_stage >= 1,
-         f"parallel.offload_optimizer = true needs parallel.zero_stage >= 1 (got {p.zero_stage}); "
-         "set zero_stage to 1, 2 or 3 or turn offload off")
-    if p.zero_stage > 0:
-        # ZeRO-3 under pp would re-gather every unit's parameters for each micro-batch's forward
-        # and backward (2M all-gathers per stage per step) while a stage already holds 1/pp of
-        # the model: stages 1 and 2 shard what dominates there (optimizer state, gradients).
-        need(not (p.zero_stage == 3 and p.pp > 1),
-             f"parallel.zero_stage = 3 with parallel.pp = {p.pp} is not supported: ZeRO-3 would re-gather "
-             "each stage's parameters for every micro-batch; use zero_stage = 1 or 2 with pp")
-        need(t.precision != "fp16", f"parallel.zero_stage = {p.zero_stage} with train.precision = 'fp16' is not "
-                                    "supported yet; use bf16 or fp32, or zero_stage = 0")
+    broken = first_broken(cfg, world_size)
+    if broken is not None:
+        raise ConfigError(broken[1])

@@ -20,14 +20,10 @@ of the global batch and a mean loss, so the result equals one process on the who
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import json
-import math
 import os
-import shutil
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,21 +35,23 @@ from torch import Tensor, nn
 
 from hybridpar.api.tp import (
     full_tensor_parallel_state_dict,
-    global_grad_norm,
     parallelize_module,
     tp_sharded_params,
 )
 from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
+from hybridpar.parallel.tensor_plan import TensorPlan
 from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
 from hybridpar.parallel.zero3 import shard_model
 from hybridpar.training.checkpoint import (
-    COMPLETE,
     CheckpointError,
     SafeReader,
     require_complete,
     single_process_quiet,
+    write_checkpoint,
 )
 from hybridpar.training.metrics import atomic_write_text
+from hybridpar.training.optim import warmup_cosine
+from hybridpar.training.step import StepEngine
 
 __all__ = ["EngineConfig", "ModelEngine", "initialize"]
 
@@ -112,13 +110,9 @@ class EngineConfig:
     def lr_factor(self, step: int) -> float:
         """LR multiplier for optimizer step ``step`` (from 1): linear warm-up, then constant or
         cosine down to ``min_lr / lr``."""
-        if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return step / self.warmup_steps
-        if self.decay_steps <= 0 or self.lr == 0:
+        if self.lr == 0:
             return 1.0
-        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
-        low = self.min_lr / self.lr
-        return low + 0.5 * (1 - low) * (1 + math.cos(math.pi * progress))
+        return warmup_cosine(step, 1.0, self.min_lr / self.lr, self.warmup_steps, self.decay_steps)
 
 
 def _units(model: nn.Module, spec: str | list[str]) -> list[nn.Module]:
@@ -162,6 +156,8 @@ class ModelEngine:
         self.optimizer = ZeroOptimizer(decay_groups(model, cfg.weight_decay), topo.dp, stage=cfg.zero_stage,
                                        optimizer_cls=OPTIMIZERS[cfg.optimizer], offload=cfg.offload_optimizer,
                                        bucket_bytes=int(cfg.bucket_mb * 2**20), sharded=sharded, **kwargs)
+        plan = TensorPlan.of_names({name: dim for name, (dim, _) in self.tp_sharded.items()})
+        self.core = StepEngine(topo, self.optimizer, plan, list(model.named_parameters()))
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.global_step = 0  # optimizer steps taken
         self.micro_step = 0  # backward() calls since the last optimizer step
@@ -183,9 +179,7 @@ class ModelEngine:
         if self.micro_step >= ga:
             raise RuntimeError(f"{self.micro_step} backward() calls since the last step() with "
                                f"gradient_accumulation_steps = {ga}: call engine.step()")
-        last = self.micro_step == ga - 1
-        with contextlib.nullcontext() if last else self.optimizer.no_sync():
-            (loss / ga).backward()
+        self.core.backward(lambda: loss / ga, 1.0, last=self.micro_step == ga - 1)
         self.micro_step += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -198,10 +192,8 @@ class ModelEngine:
         the boundary it does nothing and returns False (call it after every backward)."""
         if not self.is_gradient_accumulation_boundary():
             return False
-        norm = self.grad_norm()
-        self.last_grad_norm = float(norm)
-        self.optimizer.clip(norm, self.cfg.grad_clip)
-        self.optimizer.step()
+        self.core.finish()
+        self.last_grad_norm = float(self.core.update(self.cfg.grad_clip))
         self.optimizer.zero_grad()
         self.global_step += 1
         self.micro_step = 0
@@ -210,9 +202,8 @@ class ModelEngine:
 
     def grad_norm(self) -> Tensor:
         """Global L2 norm of the accumulated, dp-averaged gradient (collective)."""
-        zero = self.optimizer
-        return global_grad_norm(zero.named_grads(), self.topo, self.tp_sharded,
-                                [self.topo.dp] if zero.mode != 0 else [])
+        self.core.finish()
+        return self.core.grad_norm()
 
     def _set_lr(self, step: int) -> None:
         factor = self.cfg.lr_factor(step)
@@ -247,29 +238,17 @@ class ModelEngine:
 
     def save(self, path: str | os.PathLike[str], client_state: Mapping[str, Any] | None = None) -> Path:
         """Write model + optimizer (each rank its shards, through ``torch.distributed.checkpoint``)
-        and ``client_state`` (JSON-serialisable) to directory ``path``, atomically: into a
-        temporary sibling renamed once complete. Collective: every rank calls it."""
-        path, topo = Path(path), self.topo
-        tmp = path.with_name(f".tmp-{path.name}")
-        if topo.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        topo.comm.barrier()
-        with single_process_quiet():
-            dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(str(tmp)),
-                     process_group=topo.world.group, no_dist=topo.world_size == 1)
-        topo.comm.barrier()
-        if topo.rank == 0:
-            info = {"global_step": self.global_step, "dp": topo.dp.size, "tp": topo.tp.size,
-                    "zero_stage": self.cfg.zero_stage, "client_state": dict(client_state or {})}
+        and ``client_state`` (JSON-serialisable) to directory ``path``, atomically and durably,
+        with the trainer's writer (:func:`hybridpar.training.checkpoint.write_checkpoint`: a full
+        disk is one clear error and leaves no partial directory). Collective: every rank calls it."""
+        topo = self.topo
+        info = {"global_step": self.global_step, "dp": topo.dp.size, "tp": topo.tp.size,
+                "zero_stage": self.cfg.zero_stage, "client_state": dict(client_state or {})}
+
+        def files(tmp: Path) -> None:
             atomic_write_text(tmp / ENGINE_INFO, json.dumps(info, indent=2) + "\n")
-            atomic_write_text(tmp / COMPLETE, json.dumps({"step": self.global_step, "time": time.time(),
-                                                          "world_size": topo.world_size}) + "\n")
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-        topo.comm.barrier()
-        return path
+
+        return write_checkpoint(Path(path), self._state(), topo, self.global_step, files)
 
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore a checkpoint written by :meth:`save` (any dp size and ZeRO stage; the same

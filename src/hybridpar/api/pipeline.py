@@ -15,19 +15,19 @@ Parameter names are ``layers.<global index>.…`` (or ``stages.<stage>.…``) wh
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from hybridpar.api.tp import global_grad_norm, tp_sharded_params
+from hybridpar.api.tp import tp_sharded_params
 from hybridpar.distributed.mesh import Topology
 from hybridpar.parallel.pipeline import Balance, build_schedule, partition_layers
 from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
+from hybridpar.parallel.tensor_plan import TensorPlan
 from hybridpar.parallel.zero import ZeroOptimizer
-from hybridpar.training.optim import clip_by_total_norm
+from hybridpar.training.step import StepEngine
 
 __all__ = ["PipelineModule"]
 
@@ -96,28 +96,25 @@ class PipelineModule(nn.Module):
             raise ValueError(f"{len(out)} micro-batches given, the schedule runs {self.num_microbatches}")
         return out
 
+    def _core(self, optimizer: ZeroOptimizer | torch.optim.Optimizer | None) -> StepEngine:
+        """The shared step mechanics over this rank's stages and the schedule's runner."""
+        plan = TensorPlan.of_names({name: dim for name, (dim, _) in tp_sharded_params(self).items()})
+        return StepEngine(self.topo, optimizer, plan, list(self.named_parameters()), runner=self.runner)
+
     def forward_backward(self, batches: Batch | Sequence[Batch],
                          optimizer: ZeroOptimizer | None = None) -> Tensor:
         """Forward and backward of every micro-batch; ``.grad`` accumulates the gradient of the
         mean loss. ``batches``: ``num_microbatches`` pairs ``(inputs, targets)`` or one pair split
         along dim 0. With a :class:`ZeroOptimizer` the dp reduction runs once, after the last
         micro-batch. Returns the ``[M]`` losses (on every pp rank)."""
-        mbs = self._split(batches)
-        sync = optimizer.no_sync() if optimizer is not None else contextlib.nullcontext()
-        with sync:
-            self.last_result = self.runner.run(mbs)
-        if optimizer is not None:
-            optimizer.finish_grads()
-        return self.last_result.losses
+        core = self._core(optimizer)
+        losses = core.forward_backward(self._split(batches))
+        self.last_result = core.last_pipeline_step
+        return losses
 
     def grad_norm(self, optimizer: ZeroOptimizer | torch.optim.Optimizer | None = None) -> Tensor:
         """Global gradient L2 norm over every stage (pp), tp shard and ZeRO shard (collective)."""
-        sharded = tp_sharded_params(self)
-        if isinstance(optimizer, ZeroOptimizer):
-            axes = [self.topo.pp] + ([self.topo.dp] if optimizer.mode != 0 else [])
-            return global_grad_norm(optimizer.named_grads(), self.topo, sharded, axes)
-        named = [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None]
-        return global_grad_norm(named, self.topo, sharded, [self.topo.pp])
+        return self._core(optimizer).grad_norm()
 
     def train_step(self, batches: Batch | Sequence[Batch],
                    optimizer: ZeroOptimizer | torch.optim.Optimizer | None = None,
@@ -128,18 +125,16 @@ class PipelineModule(nn.Module):
 
         A plain ``torch.optim`` optimizer does not average over dp: use a :class:`ZeroOptimizer`
         (any stage; stage 0 is plain data parallelism) when the topology has dp > 1."""
-        zero = optimizer if isinstance(optimizer, ZeroOptimizer) else None
+        core = self._core(optimizer)
         if optimizer is not None:
             optimizer.zero_grad()
-        losses = self.forward_backward(batches, zero)
+        losses = core.forward_backward(self._split(batches))
+        self.last_result = core.last_pipeline_step
         if optimizer is not None:
             if max_norm > 0:
-                norm = self.grad_norm(optimizer)
-                if zero is not None:
-                    zero.clip(norm, max_norm)
-                else:
-                    clip_by_total_norm([p for p in self.parameters()], norm, max_norm)
-            optimizer.step()
+                core.update(max_norm)
+            else:
+                optimizer.step()
         return float(losses.mean())
 
     @torch.no_grad()

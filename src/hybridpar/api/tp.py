@@ -31,6 +31,7 @@ from hybridpar.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from hybridpar.parallel.tensor_plan import TensorPlan
 
 __all__ = ["TP_STYLES", "full_tensor_parallel_state_dict", "global_grad_norm", "parallelize_module",
            "tp_sharded_params"]
@@ -140,14 +141,7 @@ def global_grad_norm(named_grads: Iterable[tuple[str, Tensor]], topo: Topology,
     """The L2 norm of the whole model's gradient, the same on every rank: each rank's squares of
     the gradients it holds, summed over ``reduce_over`` (the axes that split parameters between
     ranks, e.g. ZeRO's dp shards and the pipeline stages) and, for the ``tp_sharded`` names, over
-    tp; tp-replicated gradients are counted once. One packed all-reduce per axis."""
-    sharded_names = set(tp_sharded)
-    sq = torch.zeros(2, dtype=torch.float32, device=topo.device)
-    for name, g in named_grads:
-        sq[0 if name in sharded_names else 1] += g.detach().float().pow(2).sum()
-    for axis in reduce_over:
-        if axis.size > 1:
-            topo.comm.all_reduce(sq, axis)
-    if topo.tp.size > 1:
-        sq[0] = topo.comm.all_reduce(sq[0:1].clone(), topo.tp)[0]
-    return sq.sum().sqrt()
+    tp; tp-replicated gradients are counted once (:meth:`TensorPlan.global_grad_norm`, the norm
+    every front door uses)."""
+    plan = TensorPlan.of_names(dict.fromkeys(tp_sharded, 0))  # the split dim does not matter here
+    return plan.global_grad_norm(named_grads, topo.tp, reduce_over, topo.device)

@@ -70,9 +70,18 @@ class TensorPlan:
     #: replicated parameters used inside the tp region on this rank's heads (Qwen3's per-head
     #: q/k norms): their gradients are partial sums over tp even without SP
     partial: tuple[str, ...] = ()
+    #: the keys are whole parameter names (a plan found from a user model's layers), not suffixes
+    exact: bool = False
+
+    @classmethod
+    def of_names(cls, shard_dims: Mapping[str, int]) -> TensorPlan:
+        """A plan for exactly these parameter names (e.g. found by layer type in a user's model)."""
+        return cls(dict(shard_dims), exact=True)
 
     def shard_dim(self, name: str) -> int | None:
         """The dim parameter ``name`` (any prefix) is split along; None if replicated."""
+        if self.exact:
+            return self.shard_dims.get(name)
         return next((d for s, d in self.shard_dims.items() if _matches(name, s)), None)
 
     def is_vocab(self, name: str) -> bool:
@@ -164,6 +173,18 @@ class TensorPlan:
             else:
                 sharded += sq
         return axis.comm.all_reduce(sharded, axis) + replicated
+
+    def global_grad_norm(self, named: Iterable[tuple[str, Tensor]], tp: Axis, reduce_over: Iterable[Axis],
+                         device: torch.device) -> Tensor:
+        """The L2 norm of the whole model's gradient, the same on every rank, from the gradients
+        (or ZeRO rows of them) this rank holds: :meth:`norm_sq` over tp, then summed over
+        ``reduce_over`` (the axes that split parameters between ranks: ZeRO's shards, pipeline
+        stages). Every front door's clipping uses this one norm."""
+        sq = self.norm_sq(named, tp, device)
+        for axis in reduce_over:
+            if axis.size > 1:
+                axis.comm.all_reduce(sq, axis)
+        return sq.sqrt()
 
 
 # ----------------------------------------------------------------------------- region entry

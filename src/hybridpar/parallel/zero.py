@@ -131,6 +131,7 @@ class ZeroOptimizer:
     (pinned on GPU machines). ``bucket_bytes`` sizes the stage-1/2 gradient buckets.
     ``reduce_dtype`` compresses the gradient reduction. ``outer`` says how the parameters are
     themselves tensor-parallel pieces (checkpoints then store pieces of the full tensors).
+    ``hierarchy`` (stage 0): (intra-node, inter-node) axes for a two-level all-reduce.
     ``optim_kwargs`` go to
     ``optimizer_cls`` (lr, betas, ...). On a size-1 dp axis every stage is plain ``optimizer_cls``
     (no hooks, no copies) unless ``offload`` asks for the host copy.
@@ -140,7 +141,7 @@ class ZeroOptimizer:
                  optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, offload: bool = False,
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype | None = None,
                  sharded: ShardedModel | None = None, outer: OuterSplit | None = None,
-                 **optim_kwargs: Any) -> None:
+                 hierarchy: tuple[Axis, Axis] | None = None, **optim_kwargs: Any) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {stage} must be 0, 1, 2 or 3")
         if offload and stage == 0:
@@ -164,7 +165,7 @@ class ZeroOptimizer:
         slot: dict[int, tuple[_Group | None, int, nn.Parameter]] = {}
         if self.mode == 0:
             self._params = [p for _, p in named]
-            self._reducer = GradientReducer(self._params, axis, bucket_bytes)
+            self._reducer = GradientReducer(self._params, axis, bucket_bytes, hierarchy)
             self._synced: set[int] = set()  # GradientReducer cannot take a 2nd pass outside no_sync
             for p in self._params:
                 if axis.size > 1 and p.requires_grad:
@@ -230,6 +231,11 @@ class ZeroOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's groups (set ``group["lr"]`` here)."""
         return self.inner.param_groups
+
+    @property
+    def state(self) -> dict[Any, dict[str, Any]]:
+        """The inner optimizer's per-parameter state (this rank's shard of it)."""
+        return self.inner.state
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -451,6 +457,11 @@ class ZeroOptimizer:
                     st[key] = local
         for pg, saved in zip(self.inner.param_groups, state_dict["param_groups"], strict=True):
             pg.update({k: v for k, v in saved.items() if k != "params"})
+
+    @property
+    def reducer(self) -> GradientReducer | None:
+        """Stage 0's bucketed gradient all-reduce (None for stages 1-3)."""
+        return self._reducer
 
     @property
     def sharded(self) -> ShardedModel | None:

@@ -25,10 +25,11 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-from hybridpar.config import Config, ConfigError, validate
+from hybridpar.config import Config, ConfigError
 from hybridpar.planner.hardware import GB, GPUS, Cluster, GiB, GPUSpec, PlanError, gpu_spec
 from hybridpar.planner.layout import Layout, Workload
 from hybridpar.planner.search import ZERO, Evaluation, complete, factorisations
+from hybridpar.rules import first_broken
 
 # One CPU core running one rank over gloo on the same machine, for when nothing was calibrated:
 # a core with two 256-bit FMA units at ~3 GHz peaks near 100 GFLOP/s fp32 (~60 reached by
@@ -122,11 +123,8 @@ def _runnable(cfg: Config, ev: Evaluation, world: int) -> str | None:
         return ev.rule.split(";")[0]
     if not ev.fits or ev.cost is None:
         return "does not fit in device memory"
-    try:
-        validate(apply_layout(cfg, ev.layout), world_size=world)
-    except ConfigError as e:
-        return str(e).split(";")[0]
-    return None
+    broken = first_broken(apply_layout(cfg, ev.layout), world)
+    return None if broken is None else broken[1].split(";")[0]  # the rule's message, without the fix
 
 
 def pinned_choices(cfg: Config) -> dict[str, object]:

@@ -13,7 +13,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from hybridpar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+from hybridpar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from hybridpar.rules import first_broken
 
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero_stage", "offload_optimizer", "pipeline_schedule",
                "virtual_stages", "sequence_parallel", "recompute", "micro_batch")
@@ -82,25 +83,18 @@ def to_config(model: ModelConfig, layout: Layout, work: Workload) -> Config:
     return Config(model=dataclasses.replace(model), parallel=par, train=train)
 
 
-def model_key(model: ModelConfig) -> int:
-    """A small integer naming ``model``'s current field values (equal shapes, equal keys): the
-    key of cached results. :func:`model_of` turns it back into a config."""
-    values = tuple(getattr(model, f) for f in _MODEL_FIELDS)
-    key = _MODEL_IDS.get(values)
-    if key is None:
-        key = _MODEL_IDS[values] = len(_MODELS)
-        _MODELS.append(values)
-    return key
+ModelKey = tuple  # a model shape's field values, hashable: the key of cached results
 
 
-def model_of(key: int) -> ModelConfig:
-    """A fresh :class:`ModelConfig` with the field values :func:`model_key` numbered ``key``."""
-    return ModelConfig(*_MODELS[key])
+def model_key(model: ModelConfig) -> ModelKey:
+    """``model``'s current field values as a tuple (equal shapes, equal keys): the key of cached
+    results (``ModelConfig`` itself is mutable, so not hashable). :func:`model_of` inverts it."""
+    return dataclasses.astuple(model)
 
 
-_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
-_MODEL_IDS: dict[tuple, int] = {}
-_MODELS: list[tuple] = []
+def model_of(key: ModelKey) -> ModelConfig:
+    """A fresh :class:`ModelConfig` with the field values of ``key``."""
+    return ModelConfig(*key)
 
 
 def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
@@ -117,12 +111,9 @@ def runtime_note(model: ModelConfig, layout: Layout, work: Workload) -> str | No
 
 
 @functools.lru_cache(maxsize=16384)
-def _validate_error(key: int, layout: Layout, work: Workload) -> str | None:
-    try:
-        validate(to_config(model_of(key), layout, work), world_size=layout.world_size)
-    except ConfigError as e:
-        return str(e)
-    return None
+def _validate_error(key: ModelKey, layout: Layout, work: Workload) -> str | None:
+    broken = first_broken(to_config(model_of(key), layout, work), layout.world_size)
+    return None if broken is None else broken[1]
 
 
 def parse_layout(text: str) -> dict[str, object]:

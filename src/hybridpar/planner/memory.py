@@ -54,14 +54,13 @@ from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import ChunkSpec, Partition, partition_layers
 from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order
 from hybridpar.planner.hardware import GiB
-from hybridpar.planner.layout import Layout, Workload, model_key, model_of
+from hybridpar.planner.layout import Layout, ModelKey, Workload, model_key, model_of
 
 CONTEXT_BYTES = 1 * GiB  # CUDA context + library workspaces
 FRAGMENTATION = 0.10  # caching-allocator slack on top of live bytes
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers", "overhead")
 
-ModelKey = int  # a model shape's number (:func:`model_key`)
 
 
 def padded(n: int, multiple: int) -> int:

@@ -24,7 +24,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from hybridpar.config import Config, ConfigError, config_from_dict
 from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, save_tokenizer
@@ -295,18 +293,33 @@ def read_config(path: Path) -> Config:
 _SMALL_FILES = 1 << 20  # room for .metadata, config.json and the tokenizer on top of the tensors
 
 
-def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, cfg: Config, step: int,
+def save(path: Path, model: nn.Module, optimizer: ZeroOptimizer, cfg: Config, step: int,
          topo: Topology, tokenizer: Tokenizer | None = None, extra: dict[str, Any] | None = None) -> Path:
-    """Write a complete checkpoint for ``step`` at ``path`` atomically (all ranks call this).
-    The tokenizer travels with it, so ``generate`` and ``convert`` need no dataset.
-
-    Crash-safe: shards, config and tokenizer are fsynced into ``.tmp-<name>`` before
-    ``complete.json`` (their manifest) is written and fsynced, then the directory is renamed in
-    (an existing ``path`` is moved aside first and deleted after). A checkpoint that does not fit
-    on the disk (estimated before writing, or a write that fails) raises one CheckpointError,
-    leaves no temporary directory and keeps every earlier checkpoint. With
+    """Write a complete checkpoint for ``step`` at ``path`` atomically (all ranks call this):
+    the model and optimizer pieces this rank holds, the run's config and its tokenizer (so
+    ``generate`` and ``convert`` need no dataset). See :func:`write_checkpoint`. With
     ``train.keep_checkpoints = K > 0`` the older complete checkpoints beyond the newest K are
     deleted once this one is complete."""
+    def files(tmp: Path) -> None:
+        _write_durable(tmp / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
+
+    return write_checkpoint(path, _train_state(model, optimizer, extra), topo, step, files,
+                            keep=cfg.train.keep_checkpoints)
+
+
+def write_checkpoint(path: Path, state: dict[str, Any], topo: Topology, step: int,
+                     files: Callable[[Path], None], keep: int = 0) -> Path:
+    """The one atomic sharded checkpoint writer (the trainer's and ``initialize()``'s engine's):
+    every rank writes its pieces of ``state`` with ``torch.distributed.checkpoint``, rank 0 adds
+    the small files (``files(tmp)``) and the manifest. Collective.
+
+    Crash-safe: everything is fsynced into ``.tmp-<name>`` before ``complete.json`` (the
+    manifest) is written and fsynced, then the directory is renamed in (an existing ``path`` is
+    moved aside first and deleted after). A checkpoint that does not fit on the disk (estimated
+    before writing, or a write that fails) raises one CheckpointError, leaves no temporary
+    directory and keeps every earlier checkpoint."""
     path = Path(path)
     root = path.parent
     tmp = path.with_name(f"{TMP}{path.name}")
@@ -321,7 +334,6 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
             os.chmod(tmp, dir_mode())
         except OSError as e:
             failure = f"checkpoint {path} could not be written: {_reason(e)}"
-    state = _train_state(model, optimizer, topo, extra, cfg)
     need = _needed_bytes(state, topo)
     if topo.rank == 0 and failure is None:
         free = _free_bytes(root)
@@ -340,25 +352,23 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
     _agree(topo, error, path, tmp, need)
     if topo.rank == 0:
         try:
-            _publish(tmp, path, cfg, step, topo.world_size, tokenizer)
+            files(tmp)
+            _publish(tmp, path, step, topo.world_size)
         except (OSError, RuntimeError) as e:
             error = e
     _agree(topo, error, path, tmp, need)
-    if topo.rank == 0 and cfg.train.keep_checkpoints > 0:
-        _retain(root, path, cfg.train.keep_checkpoints)
+    if topo.rank == 0 and keep > 0:
+        _retain(root, path, keep)
     topo.comm.barrier()
     return path
 
 
-def _publish(tmp: Path, path: Path, cfg: Config, step: int, world_size: int, tokenizer: Tokenizer | None) -> None:
-    """Rank 0: complete ``tmp`` (config, tokenizer, then the manifest), make it durable and
-    readable as the umask allows, and rename it to ``path``."""
-    _write_durable(tmp / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, tmp)
+def _publish(tmp: Path, path: Path, step: int, world_size: int) -> None:
+    """Rank 0: complete ``tmp`` with the manifest, make it durable and readable as the umask
+    allows, and rename it to ``path``."""
     publish_modes(tmp)
     for f in tmp.iterdir():
-        _fsync_file(f)  # DCP fsynced its shards; the tokenizer writer may not have
+        _fsync_file(f)  # DCP fsynced its shards; the small files' writers may not have
     _write_durable(tmp / COMPLETE, json.dumps({"step": step, "format": FORMAT, "time": time.time(),
                                                "world_size": world_size, "files": _manifest(tmp)}, indent=1) + "\n")
     _fsync_dir(tmp)
@@ -445,14 +455,14 @@ def _tensor_bytes(tree: Any) -> tuple[int, int]:
     return sharded, plain
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, cfg: Config, topo: Topology,
+def load(path: Path, model: nn.Module, optimizer: ZeroOptimizer, cfg: Config, topo: Topology,
          extra: dict[str, Any] | None = None) -> int:
     """Restore model, optimizer, RNG and ``extra`` (filled in place: pass the same structure
     that was saved) from a complete checkpoint; returns its step."""
     path = Path(path)
     info = read_info(require_complete(path))
     check_compatible(read_config(path), cfg, path)
-    state = _train_state(model, optimizer, topo, extra, cfg)
+    state = _train_state(model, optimizer, extra)
     own_names = [list(group["params"]) for group in state["optim"]["param_groups"]]
     try:
         with single_process_quiet():
@@ -463,14 +473,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOp
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures; say which checkpoint and why
         raise _load_error(path, e, "") from None
     _keep_own_group_names(state["optim"], own_names, path)
-    if isinstance(optimizer, ZeroOptimizer):
-        optimizer.load_checkpoint_state(model, state)
-    else:
-        state = _local(state)
-        # A pipeline stage's state names only its own parameters (DCP has checked that the
-        # checkpoint holds every one of them): the other stages' parameters are not missing.
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=False))
+    optimizer.load_checkpoint_state(model, state)
     torch.set_rng_state(state["rng"]["torch_cpu"])
     return int(info["step"])
 
@@ -524,61 +527,13 @@ def single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, topo: Topology,
-                 extra: dict[str, Any] | None, cfg: Config) -> dict[str, Any]:
+def _train_state(model: nn.Module, optimizer: ZeroOptimizer, extra: dict[str, Any] | None) -> dict[str, Any]:
     """What a checkpoint holds, keyed by parameter name: the parameters this rank trains (all
-    of them, or one pipeline stage's) and their optimizer state. Tensor-parallel shards (and their
-    optimizer moments) become DTensors over the tp mesh axis, so DCP stores each shard once as
-    a piece of the full tensor and any other layout can read the pieces it needs."""
-    if isinstance(optimizer, ZeroOptimizer):  # each dp rank holds (and writes) its shards
-        return {**optimizer.checkpoint_state(model), "rng": {"torch_cpu": torch.get_rng_state()},
-                "extra": extra if extra is not None else {}}
-    _ensure_optimizer_state(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    # a pipeline stage holds (and saves) only the parameters its optimizer trains
-    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    keep = {name for name, p in model.named_parameters() if id(p) in trained}
-    model_sd = {k: v for k, v in model_sd.items() if k in keep}
-    if topo.tp.size > 1:
-        mesh = topo.mesh["tp"]
-
-        def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
-            dim = family_of(cfg.model).tp.shard_dim(name)
-            if dim is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
-
-        model_sd = {k: wrap(k, v) for k, v in model_sd.items()}
-        optim_sd["state"] = {k: {n: wrap(k, t) for n, t in st.items()} for k, st in optim_sd["state"].items()}
-    return {"model": model_sd, "optim": optim_sd, "rng": {"torch_cpu": torch.get_rng_state()},
+    of them, or one pipeline stage's), the model's buffers and their optimizer state, as DTensor
+    pieces of the full tensors where tp or ZeRO split them, so DCP stores each piece once and
+    any other layout reads the pieces it needs (every ZeRO stage, 0 included, is one path)."""
+    return {**optimizer.checkpoint_state(model), "rng": {"torch_cpu": torch.get_rng_state()},
             "extra": extra if extra is not None else {}}
-
-
-@torch.no_grad()
-def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's per-parameter state (zeros, by one step at lr 0) if it has none
-    yet, so a fresh run's state dict names every entry for ``dcp.load`` to fill in.
-
-    torch's ``get_state_dict`` would do this itself, but only when no parameter has a ``.grad``,
-    and under data parallelism every ``.grad`` is already a view into the reducer's buckets:
-    it would then skip the step, the template would hold no optimizer state and the load would
-    silently restart Adam's moments. Here the bucket views are set aside and put back."""
-    if optimizer.state:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    grads = [p.grad for p in params]
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for group in optimizer.param_groups:
-            group["lr"] = 0.0
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
 
 
 def _keep_own_group_names(optim_sd: dict[str, Any], own_names: list[list[str]], path: Path) -> None:
@@ -590,17 +545,6 @@ def _keep_own_group_names(optim_sd: dict[str, Any], own_names: list[list[str]], 
         raise CheckpointError(f"checkpoint {path} has {len(saved)} optimizer parameter groups, this run has "
                               f"{len(own_names)}; it was saved by another optimizer setup")
     optim_sd["param_groups"] = [{**group, "params": names} for group, names in zip(saved, own_names, strict=True)]
-
-
-def _local(tree: Any) -> Any:
-    """The same nested state with every DTensor replaced by this rank's local shard."""
-    if isinstance(tree, DTensor):
-        return tree.to_local()
-    if isinstance(tree, dict):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local(v) for v in tree]
-    return tree
 
 
 def require_complete(path: Path) -> Path:

@@ -24,9 +24,8 @@ from hybridpar.models.hf import init_from_hf
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import enable_context_parallel
-from hybridpar.parallel.data import GradientReducer
 from hybridpar.parallel.pipeline import build_schedule, partition_model
-from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
+from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
     build_stage_modules,
     owned_named_parameters,
@@ -35,18 +34,19 @@ from hybridpar.parallel.pipeline.stages import (
 from hybridpar.parallel.recompute import apply_recompute
 from hybridpar.parallel.shard import OuterSplit
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
-from hybridpar.parallel.tensor_plan import reduce_replicated_grads, set_sequence_parallel, sum_over
+from hybridpar.parallel.tensor_plan import set_sequence_parallel
 from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
 from hybridpar.parallel.zero3 import shard_model
 from hybridpar.training.generate import sample
-from hybridpar.training.optim import build_optimizer, clip_by_total_norm
 from hybridpar.training.precision import autocast
+from hybridpar.training.step import StepEngine
 
 Batch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Documents]  # (inputs, targets[, packed documents])
 
 
-class Engine:
-    """This rank's share of the model, its optimizer and gradient reduction for ``topo``."""
+class Engine(StepEngine):
+    """This rank's share of a model family under ``cfg``'s layout, on the shared step mechanics
+    (:class:`~hybridpar.training.step.StepEngine`): built here, trained there."""
 
     def __init__(self, cfg: Config, topo: Topology, device: torch.device) -> None:
         self.cfg, self.topo, self.device = cfg, topo, device
@@ -64,8 +64,7 @@ class Engine:
         # after cp: selective reruns ring attention's core too
         apply_recompute(model, p.recompute, family.blocks(model), family.attention_modules(model))
         self.model = model
-        self.runner: PipelineRunner | None = None
-        self.last_pipeline_step: PipelineStepResult | None = None
+        runner: PipelineRunner | None = None
         if topo.pp.size > 1:
             self.partition = partition_model(m, p.pp, p.virtual_stages)
             self.chunks = build_stage_modules(model, family.make_chunk, topo.pp.rank, p.pp, p.virtual_stages,
@@ -79,51 +78,43 @@ class Engine:
             schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, t.grad_accum // p.dp)
             # what crosses a stage boundary: this rank's share of the sequence (cp, then SP)
             seq = t.seq_len // topo.cp.size // (topo.tp.size if self.sequence_parallel else 1)
-            self.runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits,
-                                         act_shape=(t.micro_batch, seq, m.dim),
-                                         forward_context=lambda: autocast(t.precision, device))
-            self.owned = owned_named_parameters(self.chunks)
+            runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits,
+                                    act_shape=(t.micro_batch, seq, m.dim),
+                                    forward_context=lambda: autocast(t.precision, device))
+            owned = owned_named_parameters(self.chunks)
             train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
         else:
             self.chunks = []
-            self.owned = list(model.named_parameters())
-            train = [q for _, q in self.owned]
-        self.params = [q for q in train if q.requires_grad]
+            owned = list(model.named_parameters())
+            train = [q for _, q in owned]
         bucket = int(p.bucket_mb * 2**20)
-        self.zero: ZeroOptimizer | None = None
-        if p.zero_stage > 0:
-            # Sharded optimizer state (1), + gradients (2), + parameters (3) over dp x cp: the
-            # ranks that hold replicas and average gradients. Under tp the shards are rows of
-            # each rank's tp piece; under pp each stage shards the parameters it trains.
-            outer = OuterSplit(topo.tp, plan.shard_dim) if topo.tp.size > 1 else None
-            # Prefetching the next unit's gather overlaps it with compute on GPUs (separate comm
-            # streams); on CPU the collective runs on the same cores, so it only adds a unit of
-            # peak memory (as FSDP2, which prefetches only with CUDA streams).
-            prefetch = device.type == "cuda"
-            ids = {id(q) for q in train}
-            names = {n for n, q in model.named_parameters() if id(q) in ids}
-            sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer)
-                       if p.zero_stage == 3 else None)
-            named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
-            self.zero = ZeroOptimizer(decay_groups(named, t.weight_decay), topo.dp_cp, stage=p.zero_stage,
-                                      offload=p.offload_optimizer, bucket_bytes=bucket, sharded=sharded,
-                                      outer=outer, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-            self.params = [q for _, q in named if q.requires_grad]
-            self.optimizer: torch.optim.Optimizer | ZeroOptimizer = self.zero
-            self.reducer = None
-        else:
-            self.optimizer = build_optimizer(self.params, t)
-            # replicas of every parameter: dp (other data) and cp (other parts of the same sequences)
-            hierarchy = None
-            if p.hierarchical_dp and topo.dp_cp.size > 1:  # node boundaries from the launcher
-                node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
-                hierarchy = topo.node_split(topo.dp_cp, node)
-            self.reducer = GradientReducer(self.params, topo.dp_cp, bucket, hierarchy)
+        # One data-parallel path: ZeroOptimizer at every stage over dp x cp, the ranks that hold
+        # replicas and average gradients. Stage 0 is plain bucketed data parallelism (optionally
+        # hierarchical), 1-3 shard optimizer state, + gradients, + parameters. Under tp the
+        # shards are rows of each rank's tp piece; under pp each stage shards what it trains.
+        outer = OuterSplit(topo.tp, plan.shard_dim) if topo.tp.size > 1 else None
+        # Prefetching the next unit's gather overlaps it with compute on GPUs (separate comm
+        # streams); on CPU the collective runs on the same cores, so it only adds a unit of
+        # peak memory (as FSDP2, which prefetches only with CUDA streams).
+        prefetch = device.type == "cuda"
+        ids = {id(q) for q in train}
+        names = {n for n, q in model.named_parameters() if id(q) in ids}
+        sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer)
+                   if p.zero_stage == 3 else None)
+        named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
+        hierarchy = None
+        if p.zero_stage == 0 and p.hierarchical_dp and topo.dp_cp.size > 1:  # node boundaries from the launcher
+            node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+            hierarchy = topo.node_split(topo.dp_cp, node)
+        optimizer = ZeroOptimizer(decay_groups(named, t.weight_decay), topo.dp_cp, stage=p.zero_stage,
+                                  offload=p.offload_optimizer, bucket_bytes=bucket, sharded=sharded,
+                                  outer=outer, hierarchy=hierarchy, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        self.params = [q for _, q in named if q.requires_grad]
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
-        self.tp_partial_names = {n for n, q in model.named_parameters()
-                                 if id(q) in ids and plan.needs_tp_sum(n, self.sequence_parallel)}
-        self.tp_partial = [q for n, q in model.named_parameters() if n in self.tp_partial_names]
+        partial = {n for n, q in model.named_parameters() if id(q) in ids and plan.needs_tp_sum(n, self.sequence_parallel)}
+        super().__init__(topo, optimizer, plan, owned, loss=self.loss, runner=runner, tp_partial=partial,
+                         after_pipeline=lambda: sync_tied_embedding_grads(self.chunks, topo))
 
     # ------------------------------------------------------------------ loss
     def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -140,36 +131,7 @@ class Engine:
             logits = self.model(inputs, positions) if docs is None else self.model(inputs, positions, docs=docs)
         return self.loss_from_logits(logits, targets)
 
-    # ------------------------------------------------------------------ step pieces
-    def forward_backward(self, batches: list[Batch], grad_scale: float) -> Tensor:
-        """Forward and backward of all micro-batches of a step; gradients accumulate
-        ``grad_scale * d(sum of micro-batch losses)`` and are then averaged over dp x cp (and
-        completed over tp under SP and between tied pipeline ends). Returns the [M] losses."""
-        if self.runner is not None:
-            with self.no_sync():
-                self.last_pipeline_step = self.runner.run(batches, grad_scale=grad_scale)
-            sync_tied_embedding_grads(self.chunks, self.topo)
-            losses = self.last_pipeline_step.losses
-        else:
-            out = []
-            for i, batch in enumerate(batches):
-                last = i == len(batches) - 1
-                with contextlib.nullcontext() if last else self.no_sync():
-                    loss = self.loss(*batch)
-                    (loss * grad_scale).backward()
-                out.append(loss.detach())
-            losses = torch.stack(out)
-        if self.zero is not None:
-            self.zero.finish_grads()
-        else:
-            self.reducer.finish()
-        if self.tp_partial:  # SP: norms saw only this rank's sequence shard; per-head norms: its heads
-            if self.zero is not None:  # (the sum over tp commutes with ZeRO's average over dp)
-                sum_over(self.topo.tp, [g for n, g in self.zero.named_grads() if n in self.tp_partial_names])
-            else:
-                reduce_replicated_grads(self.tp_partial, self.topo.tp)
-        return losses
-
+    # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> Tensor:
         """Per-micro-batch losses, forward only."""
@@ -181,38 +143,12 @@ class Engine:
         finally:
             self.model.train()
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """Accumulate gradients locally (earlier micro-batches of a step): no communication."""
-        return self.zero.no_sync() if self.zero is not None else self.reducer.no_sync()
-
-    def grad_norm(self) -> Tensor:
-        """Global gradient L2 norm: every parameter counted exactly once over tp, pp and ZeRO
-        shards (dp and cp replicas hold equal, already averaged gradients; a tied embedding's
-        last-stage mirror is left out)."""
-        if self.zero is not None:  # this rank's rows of its tp pieces: sum over tp, ZeRO, pp
-            owned = {n for n, _ in self.owned}
-            sq = self.plan.norm_sq([(n, g) for n, g in self.zero.named_grads() if n in owned], self.topo.tp,
-                                   self.device)
-            if self.zero.mode != 0:
-                self.topo.comm.all_reduce(sq, self.topo.dp_cp)
-        else:
-            sq = self.plan.grad_norm_sq(self.owned, self.topo.tp)
-        self.topo.comm.all_reduce(sq, self.topo.pp)
-        return sq.sqrt()
-
-    def clip(self, total_norm: Tensor, max_norm: float) -> None:
-        """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
-        if self.zero is not None:
-            self.zero.clip(total_norm, max_norm)
-        else:
-            clip_by_total_norm(self.params, total_norm, max_norm)
-
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's weights as one process would hold them (collective: every rank
         calls it; pipeline stages share, tensor and ZeRO-3 shards are gathered)."""
         self._share_pipeline_weights()
-        if self.zero is not None and self.zero.sharded is not None:  # ZeRO rows -> tp pieces -> full
-            pieces = self.zero.sharded.gather_full_state_dict()
+        if self.optimizer.sharded is not None:  # ZeRO rows -> tp pieces -> full
+            pieces = self.optimizer.sharded.gather_full_state_dict()
             return {n: self.plan.gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()}
         return self.plan.gather_full_state_dict(self.model, self.topo.tp, self.cfg.model.vocab_size)
 

@@ -24,16 +24,21 @@ def build_optimizer(model: nn.Module | Iterable[nn.Parameter], cfg: TrainConfig)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over ``warmup_steps`` then cosine decay to ``min_lr`` at ``steps``.
+def warmup_cosine(step: int, peak: float, floor: float, warmup_steps: int, decay_steps: int) -> float:
+    """The one LR schedule of every front door: linear warm-up to ``peak`` over ``warmup_steps``,
+    then cosine decay to ``floor`` over ``decay_steps`` (``<= 0``: constant ``peak``) and
+    ``floor`` after. ``step`` counts from 1 (the first optimizer step uses ``peak / warmup_steps``)."""
+    if warmup_steps > 0 and step <= warmup_steps:
+        return peak * step / warmup_steps
+    if decay_steps <= 0:
+        return peak
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
-    ``step`` counts from 1 (the first optimizer step uses ``lr / warmup_steps``).
-    """
-    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The trainer's LR: warm-up over ``warmup_steps``, cosine to ``min_lr`` at ``steps``."""
+    return warmup_cosine(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, max(1, cfg.steps - cfg.warmup_steps))
 
 
 def grad_norm_sq(params: Iterable[nn.Parameter]) -> torch.Tensor:

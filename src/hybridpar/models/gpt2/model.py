@@ -36,22 +36,19 @@ from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, ModelConfig
 from hybridpar.models.common import Documents
+from hybridpar.rules import model_error
 
 __all__ = ["GPT2", "Attention", "Block", "Documents", "FeedForward", "check_config", "embed", "head",
            "init_tensor"]
 
 
 def check_config(cfg: ModelConfig) -> None:
-    """:class:`ConfigError` (one line) for a shape GPT-2 cannot have: one KV head per query
-    head, head size ``dim / n_heads``, no per-head q/k norms."""
-    if cfg.n_kv_heads != cfg.n_heads:
-        raise ConfigError(f"model.n_kv_heads = {cfg.n_kv_heads} but model.n_heads = {cfg.n_heads}: gpt2 "
-                          f"has one key/value head per query head; set --model.n_kv_heads {cfg.n_heads}")
-    if cfg.kv_channels and cfg.kv_channels * cfg.n_heads != cfg.dim:
-        raise ConfigError(f"model.kv_channels = {cfg.kv_channels}: gpt2's head size is model.dim / "
-                          f"model.n_heads = {cfg.dim // cfg.n_heads}; set --model.kv_channels 0")
-    if cfg.qk_norm:
-        raise ConfigError("model.qk_norm = true: gpt2 has no q/k norms; set --model.qk_norm false")
+    """:class:`ConfigError` (one line) for a shape GPT-2 cannot have (one KV head per query
+    head, head size ``dim / n_heads``, no per-head q/k norms): the ``model-*`` rules of
+    :mod:`hybridpar.rules`, which ``validate`` applies before any process starts."""
+    message = model_error(cfg)
+    if message is not None:
+        raise ConfigError(message)
 
 
 class Attention(nn.Module):

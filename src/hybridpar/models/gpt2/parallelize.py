@@ -41,6 +41,7 @@ from hybridpar.parallel.tensor import (
     padded_size,
 )
 from hybridpar.parallel.tensor_plan import RegionEntry, TensorPlan, enter_tp_region
+from hybridpar.rules import tp_split_error
 
 __all__ = ["PLAN", "PositionShard", "attention_modules", "blocks", "check_tp_shape", "parallelize_gpt2",
            "zero3_units"]
@@ -58,13 +59,11 @@ PLAN = TensorPlan(
 
 
 def check_tp_shape(cfg: ModelConfig, tp: int) -> None:
-    """Raise ``ValueError`` (one line, numbers and fix) if ``cfg`` cannot be split ``tp`` ways."""
-    if cfg.n_heads % tp:
-        raise ValueError(f"model.n_heads = {cfg.n_heads} is not divisible by parallel.tp = {tp}; "
-                         f"use a tp that divides {cfg.n_heads}")
-    if cfg.ffn_hidden % tp:
-        raise ValueError(f"model.ffn_hidden = {cfg.ffn_hidden} is not divisible by parallel.tp = "
-                         f"{tp}; use a tp that divides {cfg.ffn_hidden}")
+    """Raise ``ValueError`` (one line, numbers and fix) if ``cfg`` cannot be split ``tp`` ways:
+    the ``tp-*`` rules of :mod:`hybridpar.rules`, the same ones ``validate`` applies."""
+    message = tp_split_error(cfg, tp)
+    if message is not None:
+        raise ValueError(message)
 
 
 class PositionShard(RegionEntry):

@@ -1,0 +1,356 @@
+"""Every shape and layout rule of a run, stated once, as values.
+
+A :class:`Rule` has a ``name`` (what the planner reports when it rejects a layout) and a check
+that returns ``None`` when the config keeps the rule, or the one-line message (numbers and fix)
+when it breaks it. :func:`hybridpar.config.validate` raises the first broken rule's message;
+the planner (:mod:`hybridpar.planner.layout`) asks :func:`first_broken` for the rule itself
+instead of reading messages; model families check their tensor-parallel split with
+:func:`tp_split_error` (the ``tp-*`` rules), so nothing restates a rule elsewhere.
+
+Rules run in order: a rule may assume the ones before it hold (positive sizes first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridpar.config import Config, ModelConfig
+
+__all__ = ["RULES", "Rule", "first_broken", "model_error", "tp_split_error"]
+
+Check = Callable[["Config", "int | None"], "str | None"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: its name and its check (``None`` = kept, else the message)."""
+
+    name: str
+    check: Check
+
+
+RULES: list[Rule] = []
+
+
+def rule(name: str) -> Callable[[Check], Check]:
+    """Register the decorated check as rule ``name`` (in definition order)."""
+    def register(fn: Check) -> Check:
+        RULES.append(Rule(name, fn))
+        return fn
+    return register
+
+
+def first_broken(cfg: Config, world_size: int | None = None) -> tuple[Rule, str] | None:
+    """The first rule ``cfg`` breaks and its message, or None."""
+    for r in RULES:
+        message = r.check(cfg, world_size)
+        if message is not None:
+            return r, message
+    return None
+
+
+# ----------------------------------------------------------------------------- model shape
+
+
+@rule("model-sizes-positive")
+def _model_sizes(cfg: Config, world: int | None) -> str | None:
+    m = cfg.model
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+        if getattr(m, key) < 1:
+            return f"model.{key} = {getattr(m, key)} must be >= 1"
+    if m.kv_channels < 0:
+        return f"model.kv_channels = {m.kv_channels} must be >= 0 (0 = dim / n_heads)"
+    return None
+
+
+@rule("model-heads-divide-dim")
+def _heads_divide_dim(cfg: Config, world: int | None) -> str | None:
+    m = cfg.model
+    if m.kv_channels == 0 and m.dim % m.n_heads:
+        return (f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; pick a dim that is a "
+                "multiple of n_heads (or set model.kv_channels, the head size)")
+    return None
+
+
+@rule("model-rope-even-head")
+def _rope_even(cfg: Config, world: int | None) -> str | None:
+    m = cfg.model
+    if m.family != "gpt2" and m.head_dim % 2:
+        return f"head dim = {m.head_dim} must be even for RoPE"
+    return None
+
+
+@rule("model-gqa-groups")
+def _gqa(cfg: Config, world: int | None) -> str | None:
+    m = cfg.model
+    if m.n_kv_heads > m.n_heads or m.n_heads % m.n_kv_heads:
+        return (f"model.n_heads = {m.n_heads} must be a multiple of model.n_kv_heads = {m.n_kv_heads} "
+                "(grouped-query attention)")
+    return None
+
+
+@rule("model-gpt2-shape")
+def _gpt2_shape(cfg: Config, world: int | None) -> str | None:
+    m = cfg.model
+    if m.family != "gpt2":
+        return None
+    if m.n_kv_heads != m.n_heads:
+        return (f"model.n_kv_heads = {m.n_kv_heads} but model.n_heads = {m.n_heads}: gpt2 has one key/value "
+                f"head per query head; set --model.n_kv_heads {m.n_heads}")
+    if m.kv_channels and m.kv_channels * m.n_heads != m.dim:
+        return (f"model.kv_channels = {m.kv_channels}: gpt2's head size is model.dim / model.n_heads = "
+                f"{m.dim // m.n_heads}; set --model.kv_channels 0")
+    if m.qk_norm:
+        return "model.qk_norm = true: gpt2 has no q/k norms; set --model.qk_norm false"
+    return None
+
+
+@rule("model-positive-constants")
+def _constants(cfg: Config, world: int | None) -> str | None:
+    m = cfg.model
+    return None if m.rope_theta > 0 and m.norm_eps > 0 else "model.rope_theta and model.norm_eps must be > 0"
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@rule("parallel-sizes-positive")
+def _parallel_sizes(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    for key in ("dp", "tp", "pp", "cp", "virtual_stages"):
+        if getattr(p, key) < 1:
+            return f"parallel.{key} = {getattr(p, key)} must be >= 1"
+    if p.zero_stage not in (0, 1, 2, 3):
+        return f"parallel.zero_stage = {p.zero_stage} must be 0, 1, 2 or 3"
+    if p.bucket_mb <= 0:
+        return f"parallel.bucket_mb = {p.bucket_mb} must be > 0"
+    if p.node_size < 0:
+        return f"parallel.node_size = {p.node_size} must be >= 0 (0 = LOCAL_WORLD_SIZE)"
+    if p.microbatches < 0:
+        return f"parallel.microbatches = {p.microbatches} must be >= 0 (0 = automatic)"
+    return None
+
+
+@rule("hierarchical-dp-without-zero")
+def _hierarchical(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if p.hierarchical_dp and p.zero_stage > 0:
+        return (f"parallel.hierarchical_dp = true with parallel.zero_stage = {p.zero_stage} is not supported yet; "
+                "ZeRO reduce-scatters over dp itself: use zero_stage = 0 or hierarchical_dp = false")
+    return None
+
+
+@rule("train-settings")
+def _train_settings(cfg: Config, world: int | None) -> str | None:
+    t = cfg.train
+    for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
+        if getattr(t, key) < 1:
+            return f"train.{key} = {getattr(t, key)} must be >= 1"
+    for key in ("eval_every", "checkpoint_every", "keep_checkpoints", "warmup_steps", "sample_tokens"):
+        if getattr(t, key) < 0:
+            return f"train.{key} = {getattr(t, key)} must be >= 0"
+    if not (t.lr > 0 and 0 <= t.min_lr <= t.lr):
+        return f"need 0 <= train.min_lr ({t.min_lr}) <= train.lr ({t.lr}) and lr > 0"
+    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
+        return f"train.beta1 = {t.beta1}, beta2 = {t.beta2} must be in [0, 1)"
+    if t.loss_scale_init < 1 or t.loss_scale_window < 1:
+        return (f"train.loss_scale_init = {t.loss_scale_init} must be >= 1 and train.loss_scale_window = "
+                f"{t.loss_scale_window} >= 1")
+    if t.max_skipped_steps < 0:
+        return f"train.max_skipped_steps = {t.max_skipped_steps} must be >= 0"
+    if t.timeout_s <= 0:
+        return f"train.timeout_s = {t.timeout_s} must be > 0 seconds"
+    if t.grad_clip < 0:
+        return f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)"
+    return None
+
+
+@rule("seq-len-fits-model")
+def _seq_len_fits(cfg: Config, world: int | None) -> str | None:
+    t, m = cfg.train, cfg.model
+    if t.seq_len > m.max_seq_len:
+        return (f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; lower seq_len or "
+                "raise max_seq_len")
+    return None
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@rule("dp-divides-batch")
+def _dp_batch(cfg: Config, world: int | None) -> str | None:
+    p, t = cfg.parallel, cfg.train
+    if t.global_batch % (p.dp * t.micro_batch):
+        return (f"train.global_batch = {t.global_batch} is not divisible by parallel.dp * train.micro_batch = "
+                f"{p.dp} * {t.micro_batch} = {p.dp * t.micro_batch}; make global_batch a multiple of "
+                f"{p.dp * t.micro_batch}")
+    return None
+
+
+@rule("tp-whole-kv-heads")
+def _tp_kv_whole(cfg: Config, world: int | None) -> str | None:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.n_kv_heads < tp:
+        return (f"model.n_kv_heads = {m.n_kv_heads} < parallel.tp = {tp}: every tp rank needs a whole KV head "
+                f"(KV-head replication is not supported); use tp <= {m.n_kv_heads}")
+    return None
+
+
+@rule("tp-divides-heads")
+def _tp_heads(cfg: Config, world: int | None) -> str | None:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.n_heads % tp:
+        return f"model.n_heads = {m.n_heads} is not divisible by parallel.tp = {tp}; use a tp that divides {m.n_heads}"
+    return None
+
+
+@rule("tp-divides-kv-heads")
+def _tp_kv(cfg: Config, world: int | None) -> str | None:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.n_kv_heads % tp:
+        return (f"model.n_kv_heads = {m.n_kv_heads} is not divisible by parallel.tp = {tp}; use tp <= "
+                f"{m.n_kv_heads} that divides it")
+    return None
+
+
+@rule("tp-divides-ffn")
+def _tp_ffn(cfg: Config, world: int | None) -> str | None:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.ffn_hidden % tp:
+        return f"model.ffn_hidden = {m.ffn_hidden} is not divisible by parallel.tp = {tp}; use a tp that divides it"
+    return None
+
+
+@rule("pp-layer-per-chunk")
+def _pp_layers(cfg: Config, world: int | None) -> str | None:
+    m, p = cfg.model, cfg.parallel
+    stages = p.pp * p.virtual_stages
+    if m.n_layers < stages:
+        return (f"model.n_layers = {m.n_layers} < parallel.pp * virtual_stages = {p.pp} * {p.virtual_stages} = "
+                f"{stages} pipeline chunks; every chunk needs a layer: lower pp or virtual_stages, or add layers")
+    return None
+
+
+@rule("virtual-stages-need-interleaved")
+def _virtual(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if p.virtual_stages != 1 and p.pipeline_schedule != "interleaved":
+        return f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pipeline_schedule = 'interleaved'"
+    return None
+
+
+@rule("microbatches-match-batch")
+def _microbatches(cfg: Config, world: int | None) -> str | None:
+    p, t = cfg.parallel, cfg.train
+    micro = t.global_batch // (p.dp * t.micro_batch)  # micro-batches per step on each rank
+    if p.microbatches not in (0, micro):
+        return (f"parallel.microbatches = {p.microbatches} but global_batch / (dp * micro_batch) = "
+                f"{t.global_batch} / ({p.dp} * {t.micro_batch}) = {micro}; set train.micro_batch = "
+                f"{t.global_batch // max(1, p.dp * p.microbatches)} or leave parallel.microbatches = 0")
+    return None
+
+
+@rule("interleaved-microbatches-divisible")
+def _interleaved(cfg: Config, world: int | None) -> str | None:
+    p, t = cfg.parallel, cfg.train
+    micro = t.global_batch // (p.dp * t.micro_batch)
+    if p.pipeline_schedule == "interleaved" and p.pp > 1 and micro % p.pp:
+        return (f"interleaved 1F1B needs micro-batches per step divisible by parallel.pp: {micro} % {p.pp} = "
+                f"{micro % p.pp}; use {max(p.pp, micro - micro % p.pp)} or {micro + p.pp - micro % p.pp} "
+                "micro-batches (train.global_batch / (dp * train.micro_batch))")
+    return None
+
+
+@rule("cp-zigzag-seq-len")
+def _cp_seq(cfg: Config, world: int | None) -> str | None:
+    p, t = cfg.parallel, cfg.train
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        return (f"train.seq_len = {t.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} "
+                f"(zigzag causal load balancing); use a multiple of {2 * p.cp}")
+    return None
+
+
+@rule("sp-seq-len")
+def _sp_seq(cfg: Config, world: int | None) -> str | None:
+    p, t = cfg.parallel, cfg.train
+    if p.sequence_parallel and p.tp > 1:
+        split = p.tp * (2 * p.cp if p.cp > 1 else 1)
+        if t.seq_len % split:
+            return (f"train.seq_len = {t.seq_len} is not divisible by {split} (sequence parallelism splits each "
+                    f"sequence{' chunk' if p.cp > 1 else ''} across parallel.tp = {p.tp}); use a multiple of {split}")
+    return None
+
+
+@rule("cp-without-sp")
+def _cp_sp(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if p.cp > 1 and p.sequence_parallel:
+        return f"parallel.cp = {p.cp} with parallel.sequence_parallel = true is not supported yet; turn one of them off"
+    return None
+
+
+@rule("world-size")
+def _world(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if world is not None and world != p.world_size:
+        return (f"world size {world} != dp * tp * pp * cp = {p.dp} * {p.tp} * {p.pp} * {p.cp} = {p.world_size}; "
+                f"launch {p.world_size} processes (--nproc {p.world_size}) or change the layout")
+    return None
+
+
+@rule("offload-needs-zero")
+def _offload(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if p.offload_optimizer and p.zero_stage < 1:
+        return (f"parallel.offload_optimizer = true needs parallel.zero_stage >= 1 (got {p.zero_stage}); "
+                "set zero_stage to 1, 2 or 3 or turn offload off")
+    return None
+
+
+@rule("zero3-without-pp")
+def _zero3_pp(cfg: Config, world: int | None) -> str | None:
+    # ZeRO-3 under pp would re-gather every unit's parameters for each micro-batch's forward and
+    # backward (2M all-gathers per stage per step) while a stage already holds 1/pp of the model:
+    # stages 1 and 2 shard what dominates there (optimizer state, gradients).
+    p = cfg.parallel
+    if p.zero_stage == 3 and p.pp > 1:
+        return (f"parallel.zero_stage = 3 with parallel.pp = {p.pp} is not supported: ZeRO-3 would re-gather "
+                "each stage's parameters for every micro-batch; use zero_stage = 1 or 2 with pp")
+    return None
+
+
+@rule("zero-without-fp16")
+def _zero_fp16(cfg: Config, world: int | None) -> str | None:
+    p, t = cfg.parallel, cfg.train
+    if p.zero_stage > 0 and t.precision == "fp16":
+        return (f"parallel.zero_stage = {p.zero_stage} with train.precision = 'fp16' is not supported yet; use "
+                "bf16 or fp32, or zero_stage = 0")
+    return None
+
+
+# ----------------------------------------------------------------------------- families
+
+
+def _first_of(prefix: str, model: ModelConfig, tp: int = 1) -> str | None:
+    from hybridpar.config import Config, ParallelConfig
+
+    cfg = Config(model=model, parallel=ParallelConfig(tp=tp))
+    for r in RULES:
+        if r.name.startswith(prefix) and (message := r.check(cfg, None)) is not None:
+            return message
+    return None
+
+
+def tp_split_error(model: ModelConfig, tp: int) -> str | None:
+    """The message of the first ``tp-*`` rule that splitting ``model`` ``tp`` ways breaks, or
+    None: what a family's tensor-parallel plan checks before it splits."""
+    return _first_of("tp-", model, tp)
+
+
+def model_error(model: ModelConfig) -> str | None:
+    """The message of the first ``model-*`` rule ``model`` breaks, or None: what a family's
+    model checks when it is built outside a validated run."""
+    return _first_of("model-", model)

@@ -1,0 +1,146 @@
+"""The mechanics of one training step, shared by every front door.
+
+:class:`StepEngine` owns what happens between "here are this step's micro-batches" and "the
+weights moved": forward and backward (through a pipeline schedule when there is one), the data-
+parallel gradient reduction (:class:`~hybridpar.parallel.zero.ZeroOptimizer`, any stage, stage 0
+being plain bucketed data parallelism), completing tensor-parallel partial gradients, the global
+gradient norm (:meth:`~hybridpar.parallel.tensor_plan.TensorPlan.global_grad_norm`), clipping
+and the optimizer step. The CLI trainer (:class:`hybridpar.training.engine.Engine`, which builds
+a model family under a layout), ``hybridpar.initialize`` (:class:`hybridpar.api.engine.ModelEngine`)
+and :class:`hybridpar.api.pipeline.PipelineModule` are front ends over it, so a fix here
+reaches all three. LR schedule: :func:`hybridpar.training.optim.warmup_cosine`; checkpoints:
+:func:`hybridpar.training.checkpoint.write_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hybridpar.distributed.mesh import Topology
+from hybridpar.parallel.data import GradientReducer
+from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
+from hybridpar.parallel.tensor_plan import TensorPlan, sum_over
+from hybridpar.parallel.zero import ZeroOptimizer
+from hybridpar.training.optim import clip_by_total_norm
+
+__all__ = ["StepEngine"]
+
+Loss = Callable[..., Tensor]  # (*micro-batch) -> mean loss of the micro-batch
+
+
+class StepEngine:
+    """Forward/backward, gradient reduction, norm, clipping and the optimizer step of this
+    rank's share of a model (module doc).
+
+    ``owned``: the parameters this rank counts in the global norm, by name (a pipeline stage's;
+    a tied embedding's last-stage mirror left out). ``plan`` says which are split over tp.
+    ``optimizer``: a :class:`ZeroOptimizer` (reduces gradients over its axis), or a plain torch
+    optimizer for a model without data parallelism, or None (forward and backward only).
+    ``loss(*batch)`` computes a micro-batch's
+    loss through the whole model (no ``runner``); with a ``runner`` the pipeline schedule does.
+    ``tp_partial``: names whose gradients are partial sums over tp after backward (replicated
+    parameters under sequence parallelism, per-head norms). ``after_pipeline`` runs after the
+    schedule's backward (e.g. summing a tied embedding's two copies).
+    """
+
+    def __init__(self, topo: Topology, optimizer: ZeroOptimizer | torch.optim.Optimizer | None, plan: TensorPlan,
+                 owned: Sequence[tuple[str, nn.Parameter]], *, loss: Loss | None = None,
+                 runner: PipelineRunner | None = None, tp_partial: frozenset[str] | set[str] = frozenset(),
+                 after_pipeline: Callable[[], None] | None = None) -> None:
+        self.topo, self.optimizer, self.plan = topo, optimizer, plan
+        self.owned = list(owned)
+        self.loss_fn, self.runner, self.after_pipeline = loss, runner, after_pipeline
+        self.tp_partial_names = set(tp_partial)
+        self.last_pipeline_step: PipelineStepResult | None = None
+
+    @property
+    def zero(self) -> ZeroOptimizer | None:
+        return self.optimizer if isinstance(self.optimizer, ZeroOptimizer) else None
+
+    @property
+    def reducer(self) -> GradientReducer | None:
+        """ZeRO stage 0's bucketed all-reduce (None for stages 1-3 or a plain optimizer)."""
+        return self.zero.reducer if self.zero is not None else None
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate gradients locally (earlier micro-batches of a step): no communication."""
+        return self.zero.no_sync() if self.zero is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ forward and backward
+    def forward_backward(self, batches: Sequence[Any], grad_scale: float = 1.0) -> Tensor:
+        """Forward and backward of all micro-batches of a step; gradients accumulate
+        ``grad_scale * d(sum of micro-batch losses)``, then are reduced over data parallelism
+        and completed over tp (:meth:`finish`). Returns the ``[M]`` losses."""
+        if self.runner is not None:
+            with self.no_sync():
+                self.last_pipeline_step = self.runner.run(list(batches), grad_scale=grad_scale)
+            if self.after_pipeline is not None:
+                self.after_pipeline()
+            losses = self.last_pipeline_step.losses
+        else:
+            if self.loss_fn is None:
+                raise RuntimeError("StepEngine.forward_backward without a pipeline needs loss=")
+            out = []
+            for i, batch in enumerate(batches):
+                loss = self.backward(lambda b=batch: self.loss_fn(*b), grad_scale, last=i == len(batches) - 1)
+                out.append(loss.detach())
+            losses = torch.stack(out)
+        self.finish()
+        return losses
+
+    def backward(self, loss: Tensor | Callable[[], Tensor], scale: float, last: bool) -> Tensor:
+        """Backward of one micro-batch's ``scale * loss`` (``loss`` may be a callable, so its
+        forward also runs outside ``no_sync`` hooks' reach); only the ``last`` micro-batch of a
+        step communicates. Returns the unscaled loss."""
+        with contextlib.nullcontext() if last else self.no_sync():
+            value = loss() if callable(loss) else loss
+            (value * scale).backward()
+        return value
+
+    def finish(self) -> None:
+        """After a step's last backward: wait for the gradient reduction and sum the tp-partial
+        gradients over tp (that sum commutes with the data-parallel average)."""
+        if self.zero is None:
+            grads = [(n, p.grad) for n, p in self.owned if p.grad is not None]
+        else:
+            self.zero.finish_grads()
+            grads = self.zero.named_grads() if self.tp_partial_names else []
+        if self.tp_partial_names:
+            sum_over(self.topo.tp, [g for n, g in grads if n in self.tp_partial_names])
+
+    # ------------------------------------------------------------------ the update
+    def grad_norm(self) -> Tensor:
+        """Global gradient L2 norm: every parameter counted exactly once over tp, pp and ZeRO
+        shards (data-parallel replicas hold equal, already averaged gradients)."""
+        owned = {n for n, _ in self.owned}
+        if self.zero is None:
+            named = [(n, p.grad) for n, p in self.owned if p.grad is not None]
+            shards = []
+        else:  # this rank's rows of its tp pieces
+            named = [(n, g) for n, g in self.zero.named_grads() if n in owned]
+            shards = [self.zero.axis] if self.zero.mode != 0 else []
+        device = self.owned[0][1].device if self.owned else self.topo.device
+        return self.plan.global_grad_norm(named, self.topo.tp, [*shards, self.topo.pp], device)
+
+    def clip(self, total_norm: Tensor, max_norm: float) -> None:
+        """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
+        if self.zero is not None:
+            self.zero.clip(total_norm, max_norm)
+        else:
+            clip_by_total_norm([p for _, p in self.owned], total_norm, max_norm)
+
+    def update(self, max_norm: float) -> Tensor:
+        """Clip by the global norm (``max_norm`` 0: no clipping) and step the optimizer; returns
+        the norm before clipping."""
+        if self.optimizer is None:
+            raise RuntimeError("StepEngine.update needs an optimizer")
+        norm = self.grad_norm()
+        self.clip(norm, max_norm)
+        self.optimizer.step()
+        return norm
+
