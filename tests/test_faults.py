@@ -2,7 +2,8 @@
 
 * A rank killed with SIGKILL under ``torchrun --max-restarts 1``: the job restarts, continues from
   the last complete checkpoint (``train.auto_resume``) and ends bit for bit equal to an
-  uninterrupted run of the same layout (weights, optimizer state, per-step losses).
+  uninterrupted run of the same layout (weights, optimizer state, per-step losses). The fault
+  comes from outside the library: ``tests/faults/sitecustomize.py`` on the workers' ``PYTHONPATH``.
 (Two launchers as two nodes: ``tests/test_slurm_example.py``, through the Slurm example.)
 
 Every launcher runs in its own process group, killed on timeout or failure.
@@ -11,6 +12,7 @@ Every launcher runs in its own process group, killed on timeout or failure.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -28,9 +30,21 @@ from hybridpar.cli import main
 from hybridpar.config import load_config
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training.checkpoint import load_model_state, step_dir
-from hybridpar.training.trainer import FAULT_ENV, Trainer, fault_kill_step
+from hybridpar.training.trainer import Trainer
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+FAULTS = Path(__file__).parent / "faults"  # a sitecustomize.py: on PYTHONPATH, it injects the fault
+
+
+def _faults():
+    """``tests/faults/sitecustomize.py`` as a plain module (its start-up hook does not run)."""
+    spec = importlib.util.spec_from_file_location("hybridpar_test_faults", FAULTS / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FAULT_ENV = _faults().FAULT_ENV
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -110,20 +124,34 @@ def _full_checkpoint(path: Path, tmp: Path) -> dict[str, object]:
 # ----------------------------------------------------------------------------- fault injection
 
 
-def test_fault_spec_names_a_step_and_a_rank_and_fires_on_the_first_attempt_only(monkeypatch):
-    monkeypatch.delenv(FAULT_ENV, raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    assert fault_kill_step(1) is None
-    monkeypatch.setenv(FAULT_ENV, "5:1")
-    assert fault_kill_step(1) == 5 and fault_kill_step(0) is None
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert fault_kill_step(1) == 5
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs through
-    assert fault_kill_step(1) is None
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    monkeypatch.setenv(FAULT_ENV, "5")
+def test_fault_spec_names_a_step_and_a_rank_and_fires_on_the_first_attempt_only():
+    kill_spec = _faults().kill_spec
+    assert kill_spec({}) is None
+    assert kill_spec({FAULT_ENV: "5:1"}) == (5, 1)
+    assert kill_spec({FAULT_ENV: "5:1", "TORCHELASTIC_RESTART_COUNT": "0"}) == (5, 1)
+    assert kill_spec({FAULT_ENV: "5:1", "TORCHELASTIC_RESTART_COUNT": "1"}) is None  # the restart runs through
     with pytest.raises(ValueError, match="must be STEP:RANK"):
-        fault_kill_step(1)
+        kill_spec({FAULT_ENV: "5"})
+
+
+def test_injected_fault_kills_the_named_rank_after_the_named_step_returns(monkeypatch):
+    faults, kills = _faults(), []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+
+    class Fake:
+        def __init__(self, rank: int) -> None:
+            self.topo, self.steps = type("T", (), {"rank": rank})(), []
+
+        def train_step(self, step: int) -> int:
+            self.steps.append(step)
+            return step * 10
+
+    faults.kill_after_step(Fake, step=5, rank=1)
+    other, victim = Fake(0), Fake(1)
+    assert [other.train_step(s) for s in range(1, 7)] == [10, 20, 30, 40, 50, 60] and kills == []
+    assert victim.train_step(4) == 40 and kills == []
+    assert victim.train_step(5) == 50 and victim.steps == [4, 5]  # the step ran, then the kill
+    assert kills == [(os.getpid(), signal.SIGKILL)]
 
 
 def test_max_restarts_inside_an_external_launch_is_rejected(tmp_path, capsys, monkeypatch):
@@ -150,7 +178,8 @@ def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_ends_bit_for_bit_e
     dist_run(2, _uninterrupted, str(ref))
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
            "-m", "hybridpar.cli", "train", *FAULT_ARGS, "--train.run_dir", str(run)]
-    text = _run(cmd, tmp_path / "killed.log", **{FAULT_ENV: "5:1"})
+    path = os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH", "")) if p)
+    text = _run(cmd, tmp_path / "killed.log", **{FAULT_ENV: "5:1", "PYTHONPATH": path})
 
     # the launcher saw the first attempt fail: rank 1's SIGKILL (-9) or, when rank 0's end-of-step
     # all-reduce noticed the dead peer first, rank 0's exit 1 (which torchrun reports is a race)

@@ -8,11 +8,7 @@ how gradients and the logged loss are reduced.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,41 +19,27 @@ from hybridpar.data.corpus import WindowSampler
 from hybridpar.data.errors import check_vocab
 from hybridpar.data.mixture import MixtureSampler, open_training_data
 from hybridpar.distributed import device as devices
-from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
+from hybridpar.distributed.lifecycle import StopRequest
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
 from hybridpar.training import checkpoint
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
+from hybridpar.training.loop import (
+    Checkpointing,
+    Evaluation,
+    LastStepTraffic,
+    LossRange,
+    RunReport,
+    StepResult,
+    ThroughputMeter,
+    log_due,
+    step_record,
+)
 from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
 from hybridpar.training.optim import lr_at
 from hybridpar.training.precision import LossScaler
-
-FAULT_ENV = "HYBRIDPAR_FAULT_KILL_AT_STEP"
-
-
-def fault_kill_step(rank: int) -> int | None:
-    """Testing aid for restarts: ``HYBRIDPAR_FAULT_KILL_AT_STEP=STEP:RANK`` makes global rank RANK
-    SIGKILL itself right after optimizer step STEP, before that step is logged or checkpointed,
-    on the job's first attempt only (a ``torchrun --max-restarts`` restart then runs through).
-    Returns STEP for this rank, else None."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        return None
-    try:
-        step, who = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV}={spec!r} must be STEP:RANK, e.g. 5:1") from None
-    return step if who == rank else None
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    lr: float
-    skipped: bool = False  # no optimizer update: fp16 overflow or a skipped non-finite loss
 
 
 class Trainer:
@@ -76,12 +58,11 @@ class Trainer:
         self.train_data, self.val_data = self.data.train, self.data.val
         self.engine = Engine(cfg, topo, self.device)
         self.model, self.optimizer, self.params = self.engine.model, self.engine.optimizer, self.engine.params
-        self.cp, self.reducer = self.engine.cp, self.engine.reducer
+        self.cp, self.reducer = self.engine.cp, self.engine.reducer  # reducer: stage 0 only
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.skipped_nonfinite = 0
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
-        self._kill_at = fault_kill_step(topo.rank)
 
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int,
@@ -178,74 +159,64 @@ class Trainer:
     def fit(self, resume: Path | None = None) -> dict[str, Any]:
         """Run steps up to ``train.steps`` with logging, evaluation, checkpoints, plot and sample,
         continuing after checkpoint ``resume`` if given; returns a summary."""
-        t, m = self.cfg.train, self.cfg.model
+        t = self.cfg.train
         # measured before a resume: the matmul benchmark draws from the RNG the checkpoint restores
         peak, peak_src = devices.peak_flops(self.device, t.precision)
+        start = self._start(resume)
+        log = MetricsLogger(self.run_dir, t.steps, self.is_logger, start_step=start)
+        if resume is not None:
+            log.write(f"resumed from {resume} at step {start}")
+        log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
+        losses, traffic = LossRange(first_step=start + 1), LastStepTraffic(self.topo.comm.counter, t.steps)
+        evaluation = Evaluation(t.eval_every, t.steps, self.evaluate)
+        checkpoints = Checkpointing(t.checkpoint_every, t.steps, self.save_checkpoint, self.run_dir, self.stop,
+                                    self.topo.world, self.device)
+        meter = ThroughputMeter(self.device, t.global_batch * t.seq_len, self.cfg.model.flops_per_token(t.seq_len),
+                                peak, self.topo.world_size)
+        for step in range(start + 1, t.steps + 1):
+            with traffic.measure(step):  # the summary reports the last step's traffic per axis
+                result = self.train_step(step)
+            meter.count_step()
+            losses.observe(step, result.loss)
+            evaluating = evaluation.due(step)
+            if log_due(step, t.log_every, t.steps) or evaluating:
+                record = step_record(step, result, meter.read(), devices.memory_bytes(self.device),
+                                     self.scaler.scale if self.scaler.enabled else None)
+                if evaluating:
+                    record["val_loss"] = evaluation.run()
+                log.step(record)
+                meter.restart()  # evaluating and logging are not training time
+            else:
+                log.step(None)
+            saved = checkpoints.save_if_due(step)
+            if saved:
+                meter.restart_clock()  # saving is not training time
+            checkpoints.stop_if_requested(step, saved, log)  # raises Preempted
+        log.close()
+        return self._finish(log, losses, evaluation.val_loss, traffic.bytes)
+
+    def _start(self, resume: Path | None) -> int:
+        """Load checkpoint ``resume`` if given and prepare the run directory (rank 0: a fresh
+        one, or the metrics cut back to the checkpoint's step); returns the step to continue after."""
         start = 0
         if resume is not None:
             start = self.load_checkpoint(resume)
-            if start >= t.steps:
-                raise checkpoint.CheckpointError(f"checkpoint {resume} is at step {start} >= train.steps = {t.steps}; "
-                                                 "raise --train.steps to train further")
+            if start >= self.cfg.train.steps:
+                raise checkpoint.CheckpointError(f"checkpoint {resume} is at step {start} >= train.steps = "
+                                                 f"{self.cfg.train.steps}; raise --train.steps to train further")
         if self.is_logger:
             if resume is None:
                 self._prepare_run_dir()
             else:
                 self._truncate_metrics(start)
-        log = MetricsLogger(self.run_dir, t.steps, self.is_logger, start_step=start)
-        if resume is not None:
-            log.write(f"resumed from {resume} at step {start}")
-        tokens_per_step = t.global_batch * t.seq_len
-        flops_per_token = m.flops_per_token(t.seq_len)
-        log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
-        first_loss = last_loss = val_loss = float("nan")
-        window_t0, window_steps = time.perf_counter(), 0
-        counter, traffic = self.topo.comm.counter, {}
-        for step in range(start + 1, t.steps + 1):
-            before = counter.wire_bytes_by_axis() if step == t.steps else None
-            result = self.train_step(step)
-            if before is not None:  # the summary reports the last step's traffic per axis
-                traffic = counter.wire_bytes_since(before)
-            if step == self._kill_at:  # fault injection for restart tests (see fault_kill_step)
-                os.kill(os.getpid(), signal.SIGKILL)
-            window_steps += 1
-            last_loss = result.loss
-            if step == start + 1:
-                first_loss = result.loss
-            do_eval = t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps)
-            if step == 1 or step % t.log_every == 0 or step == t.steps or do_eval:
-                devices.synchronize(self.device)
-                elapsed = time.perf_counter() - window_t0
-                tps = tokens_per_step * window_steps / elapsed
-                record: dict[str, Any] = {
-                    "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                    "tokens_per_s": tps,
-                    "mfu": flops_per_token * tps / (peak * self.topo.world_size),
-                    "mem_bytes": devices.memory_bytes(self.device),
-                    "step_time_s": elapsed / window_steps,
-                }
-                if result.skipped:
-                    record["skipped"] = True
-                if self.scaler.enabled:
-                    record["loss_scale"] = self.scaler.scale
-                if do_eval:
-                    val_loss = self.evaluate()
-                    record["val_loss"] = val_loss
-                log.step(record)
-                window_t0, window_steps = time.perf_counter(), 0
-            else:
-                log.step(None)
-            saved = step == t.steps or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
-            if saved:
-                self.save_checkpoint(step)
-                window_t0 = time.perf_counter()  # saving is not training time
-            if step < t.steps and self.stop is not None and (signum := self.stop.agreed(self.topo.world, self.device)):
-                path = checkpoint.step_dir(self.run_dir, step) if saved else self.save_checkpoint(step)
-                log.write(f"stopping after step {step}: {signal_name(signum)} received; checkpoint {path}")
-                log.close()
-                raise Preempted(signum, step, path)
-        log.close()
-        summary = {"first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
+        return start
+
+    def _finish(self, log: MetricsLogger, losses: LossRange, val_loss: float,
+                traffic: dict[str, int]) -> dict[str, Any]:
+        """The end of a run (collective: pipeline timeline, memory per rank, sample); rank 0
+        writes the report. Returns the summary (``summary.json``)."""
+        t, m = self.cfg.train, self.cfg.model
+        summary = {"first_loss": losses.first, "final_loss": losses.last, "val_loss": val_loss,
                    "steps": t.steps, "layout": self.layout_name(), "params": m.num_params()}
         timeline = self.engine.save_timeline(self.run_dir / "pipeline_timeline.png", self.is_logger)
         memory = self._memory_per_rank()
@@ -253,40 +224,16 @@ class Trainer:
             summary["tokens_per_dataset"] = self.data.tokens_drawn(t.steps * t.global_batch, t.seq_len)
         summary["traffic_bytes_per_step"] = traffic
         summary["peak_memory_bytes_per_rank"] = memory
-        text = self.sample_text()
-        if self.is_logger:
-            plot = log.plot()
-            atomic_write_text(self.run_dir / "sample.txt", text)
-            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-            log.write(f"--- sample ---\n{text}\n--------------")
-            log.write(self._summary_text(traffic, memory, timeline))
-            val = f"validation {val_loss:.4f}" if val_loss == val_loss else "no validation (train.eval_every = 0)"
-            log.write(f"loss {first_loss:.4f} (step {start + 1}) -> {last_loss:.4f} (step {t.steps}), "
-                      f"{val}; run dir {self.run_dir} (metrics.jsonl, {plot and plot.name}, "
-                      "tensorboard/, sample.txt, summary.json)")
+        sample = self.sample_text()
+        report = RunReport(self.run_dir, self.is_logger, self.layout_name(), self.topo.world_size,
+                           self.device.type, self.cfg.parallel.pipeline_schedule)
+        report.write(log, summary, sample, losses, timeline)
         return summary
 
     def _memory_per_rank(self) -> list[int]:
         """Every rank's peak memory (allocator peak on GPUs, resident set on CPU); collective."""
         mine = torch.tensor([devices.memory_bytes(self.device)], dtype=torch.float64, device=self.device)
         return [int(v) for v in self.topo.comm.all_gather(mine, self.topo.world).tolist()]
-
-    def _summary_text(self, traffic: dict[str, int], memory: list[int],
-                      timeline: tuple[Path, float] | None) -> str:
-        """The end-of-run lines: layout, traffic per axis, memory per rank, pipeline bubble."""
-        mib = 2**20
-        lines = [f"layout: {self.layout_name()} on {self.topo.world_size} process(es)"]
-        if traffic:
-            lines.append("traffic per step (rank 0, ring-model bytes sent): "
-                         + ", ".join(f"{axis} {b / mib:.2f} MiB" for axis, b in traffic.items()))
-        what = "GPU allocator peak" if self.device.type == "cuda" else "peak resident set"
-        lines.append(f"memory per rank ({what}): " + " ".join(f"r{r} {b / mib:.0f}" for r, b in enumerate(memory))
-                     + " MiB")
-        if timeline is not None:
-            path, bubble = timeline
-            lines.append(f"pipeline: {self.cfg.parallel.pipeline_schedule}, last step's bubble {bubble:.1%}; "
-                         f"timeline {path}")
-        return "\n".join(lines)
 
     def sample_text(self, prompt: str = "def ") -> str:
         """A short continuation of ``prompt`` (every rank calls it; see Engine.sample)."""

@@ -1,0 +1,231 @@
+"""The pieces ``Trainer.fit`` calls once per step, one concern each.
+
+* :class:`ThroughputMeter`: tokens/s, MFU and step time over the steps since the last logged one;
+* :class:`Evaluation`: when validation runs (``train.eval_every``) and its latest loss;
+* :class:`Checkpointing`: when a checkpoint is saved (``train.checkpoint_every``, the last step)
+  and the stop on a signal every rank agreed to (:class:`~hybridpar.distributed.lifecycle.Preempted`);
+* :class:`LastStepTraffic`: the wire bytes per axis of the run's last step;
+* :class:`LossRange`: the first and the last loss of this run (or of this resumed part);
+* :class:`RunReport`: the end-of-run files and lines on rank 0 (``summary.json``,
+  ``sample.txt``, the loss plot, the final log lines).
+
+:func:`log_due` says which steps ``metrics.jsonl`` records, :func:`step_record` what it records
+for one (the keys are a public contract: ``step loss lr grad_norm tokens_per_s mfu mem_bytes
+step_time_s`` and, when they apply, ``skipped loss_scale val_loss``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from hybridpar.distributed import device as devices
+from hybridpar.distributed.comm import CommCounter
+from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
+from hybridpar.distributed.mesh import Axis
+from hybridpar.training import checkpoint
+from hybridpar.training.metrics import MetricsLogger, atomic_write_text
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step returns (``Trainer.train_step``)."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool = False  # no optimizer update: fp16 overflow or a skipped non-finite loss
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Rates over a window of steps (what :meth:`ThroughputMeter.read` returns)."""
+
+    tokens_per_s: float
+    mfu: float  # model FLOPs utilisation: achieved FLOP/s over the peak of every rank together
+    step_time_s: float
+
+
+class ThroughputMeter:
+    """Times a window of steps: the steps since the last :meth:`restart`, on the host clock
+    read after the device has finished its queued work."""
+
+    def __init__(self, device: torch.device, tokens_per_step: int, flops_per_token: float,
+                 peak_flops: float, world_size: int) -> None:
+        self.device = device
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops  # per rank
+        self.world_size = world_size
+        self.restart()
+
+    def restart(self) -> None:
+        """Open a new window with no steps in it."""
+        self._t0, self._steps = time.perf_counter(), 0
+
+    def restart_clock(self) -> None:
+        """Keep the window's steps but not the time so far (e.g. a checkpoint save is not
+        training time)."""
+        self._t0 = time.perf_counter()
+
+    def count_step(self) -> None:
+        self._steps += 1
+
+    def read(self) -> Throughput:
+        """Synchronize the device, then the window's tokens/s, MFU and mean step time."""
+        devices.synchronize(self.device)
+        elapsed = time.perf_counter() - self._t0
+        tps = self.tokens_per_step * self._steps / elapsed
+        return Throughput(tokens_per_s=tps, mfu=self.flops_per_token * tps / (self.peak_flops * self.world_size),
+                          step_time_s=elapsed / self._steps)
+
+
+def log_due(step: int, log_every: int, last_step: int) -> bool:
+    """``metrics.jsonl`` records step 1, every ``train.log_every``-th step and the last one
+    (and, besides, every step that evaluates)."""
+    return step == 1 or step % log_every == 0 or step == last_step
+
+
+def step_record(step: int, result: StepResult, rate: Throughput, mem_bytes: int,
+                loss_scale: float | None) -> dict[str, Any]:
+    """One line of ``metrics.jsonl`` (``val_loss`` is added by the caller when it evaluates);
+    the key order is the file's."""
+    record: dict[str, Any] = {
+        "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+        "tokens_per_s": rate.tokens_per_s, "mfu": rate.mfu, "mem_bytes": mem_bytes, "step_time_s": rate.step_time_s,
+    }
+    if result.skipped:
+        record["skipped"] = True
+    if loss_scale is not None:  # fp16 only
+        record["loss_scale"] = loss_scale
+    return record
+
+
+class Evaluation:
+    """Validation every ``every`` steps and at the last step (never when ``every`` is 0)."""
+
+    def __init__(self, every: int, last_step: int, evaluate: Callable[[], float]) -> None:
+        self.every, self.last_step = every, last_step
+        self._evaluate = evaluate  # collective: every rank calls it at the same step
+        self.val_loss = float("nan")  # the latest result; NaN before the first
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step % self.every == 0 or step == self.last_step)
+
+    def run(self) -> float:
+        self.val_loss = self._evaluate()
+        return self.val_loss
+
+
+class Checkpointing:
+    """Saves every ``every`` steps and at the last step; stops the run early when a signal asked
+    for it and every rank agreed (:meth:`StopRequest.agreed`, collective over ``world``)."""
+
+    def __init__(self, every: int, last_step: int, save: Callable[[int], Path], run_dir: Path,
+                 stop: StopRequest | None, world: Axis, device: torch.device) -> None:
+        self.every, self.last_step = every, last_step
+        self._save = save  # collective: every rank writes its shard
+        self.run_dir = run_dir
+        self.stop, self.world, self.device = stop, world, device
+
+    def due(self, step: int) -> bool:
+        return step == self.last_step or (self.every > 0 and step % self.every == 0)
+
+    def save_if_due(self, step: int) -> bool:
+        """Save step ``step`` if it is due; returns whether it was saved."""
+        if not self.due(step):
+            return False
+        self._save(step)
+        return True
+
+    def stop_if_requested(self, step: int, saved: bool, log: MetricsLogger) -> None:
+        """Before the last step, ask every rank whether a signal arrived; if so, make sure step
+        ``step`` is checkpointed, say so, close ``log`` and raise :class:`Preempted`."""
+        if step < self.last_step and self.stop is not None and (signum := self.stop.agreed(self.world, self.device)):
+            self._preempt(step, saved, signum, log)
+
+    def _preempt(self, step: int, saved: bool, signum: int, log: MetricsLogger) -> NoReturn:
+        path = checkpoint.step_dir(self.run_dir, step) if saved else self._save(step)
+        log.write(f"stopping after step {step}: {signal_name(signum)} received; checkpoint {path}")
+        log.close()
+        raise Preempted(signum, step, path)
+
+
+class LastStepTraffic:
+    """Measures the bytes this rank sends per axis (ring model) during the run's last step."""
+
+    def __init__(self, counter: CommCounter, last_step: int) -> None:
+        self.counter, self.last_step = counter, last_step
+        self.bytes: dict[str, int] = {}  # {axis: bytes}, axes that sent nothing left out
+
+    @contextlib.contextmanager
+    def measure(self, step: int) -> Iterator[None]:
+        """Wrap step ``step``; only the last step is measured."""
+        if step != self.last_step:
+            yield
+            return
+        before = self.counter.wire_bytes_by_axis()
+        yield
+        self.bytes = self.counter.wire_bytes_since(before)
+
+
+class LossRange:
+    """The loss of the first step this call of ``fit`` trained, and of the latest one."""
+
+    def __init__(self, first_step: int) -> None:
+        self.first_step = first_step
+        self.first = self.last = float("nan")
+
+    def observe(self, step: int, loss: float) -> None:
+        if step == self.first_step:
+            self.first = loss
+        self.last = loss
+
+
+class RunReport:
+    """The end of a run as rank 0 reports it: ``summary.json``, ``sample.txt``, the loss plot and
+    the final log lines. Other ranks get a report that writes nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, layout: str, world_size: int, device_type: str,
+                 pipeline_schedule: str) -> None:
+        self.run_dir, self.enabled = run_dir, enabled
+        self.layout, self.world_size = layout, world_size
+        self.device_type, self.pipeline_schedule = device_type, pipeline_schedule
+
+    def write(self, log: MetricsLogger, summary: dict[str, Any], sample: str, losses: LossRange,
+              timeline: tuple[Path, float] | None) -> None:
+        """Write the files and lines (``log`` is closed; it still draws the plot and prints)."""
+        if not self.enabled:
+            return
+        plot = log.plot()
+        atomic_write_text(self.run_dir / "sample.txt", sample)
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        log.write(f"--- sample ---\n{sample}\n--------------")
+        log.write(self.details(summary["traffic_bytes_per_step"], summary["peak_memory_bytes_per_rank"], timeline))
+        val_loss = summary["val_loss"]
+        val = f"validation {val_loss:.4f}" if val_loss == val_loss else "no validation (train.eval_every = 0)"
+        log.write(f"loss {losses.first:.4f} (step {losses.first_step}) -> {losses.last:.4f} "
+                  f"(step {summary['steps']}), {val}; run dir {self.run_dir} (metrics.jsonl, {plot and plot.name}, "
+                  "tensorboard/, sample.txt, summary.json)")
+
+    def details(self, traffic: dict[str, int], memory: list[int], timeline: tuple[Path, float] | None) -> str:
+        """The end-of-run lines: layout, traffic per axis, memory per rank, pipeline bubble."""
+        mib = 2**20
+        lines = [f"layout: {self.layout} on {self.world_size} process(es)"]
+        if traffic:
+            lines.append("traffic per step (rank 0, ring-model bytes sent): "
+                         + ", ".join(f"{axis} {b / mib:.2f} MiB" for axis, b in traffic.items()))
+        what = "GPU allocator peak" if self.device_type == "cuda" else "peak resident set"
+        lines.append(f"memory per rank ({what}): " + " ".join(f"r{r} {b / mib:.0f}" for r, b in enumerate(memory))
+                     + " MiB")
+        if timeline is not None:
+            path, bubble = timeline
+            lines.append(f"pipeline: {self.pipeline_schedule}, last step's bubble {bubble:.1%}; timeline {path}")
+        return "\n".join(lines)
