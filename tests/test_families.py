@@ -266,9 +266,6 @@ def test_imported_model_trains_like_one_process(name, layout, dist_run, tmp_path
             assert moved > 20 * WEIGHT_ATOL, f"{k} moved only {moved:.2e} in {STEPS} steps"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a checkpoint of a train.init_from run has model.preset = 'hf:<dir>' "
-                   "in its config.json, which config._apply reads as a preset name (model_preset raises): "
-                   "convert and --resume refuse the checkpoint")
 def test_init_from_run_resumes_and_converts_back(tmp_path, tmp_path_factory):
     """A run started from a Qwen3 directory: its checkpoint resumes, and converts to a directory
     transformers loads (Qwen3ForCausalLM, head_dim kept) with the checkpoint's logits."""
@@ -301,9 +298,7 @@ def one_line_error(excinfo) -> str:
     return msg
 
 
-@pytest.mark.parametrize("use_sliding_window", [None, pytest.param(False, marks=pytest.mark.xfail(
-    strict=True, reason="BUG: MistralForCausalLM has no use_sliding_window switch: it applies sliding_window "
-    "whenever it is set, but check_full_attention (models/qwen2/__init__.py) accepts use_sliding_window = false"))])
+@pytest.mark.parametrize("use_sliding_window", [None, False])  # Mistral has no such switch: refused either way
 def test_mistral_sliding_window_narrower_than_context_is_refused(tmp_path, use_sliding_window, capsys):
     hf_config("mistral", sliding_window=16).save_pretrained(tmp_path)
     if use_sliding_window is not None:  # what the old message advised

@@ -254,7 +254,15 @@ def _apply(cfg: Config, section: str, values: dict[str, Any], from_cli: bool = F
     names = {f.name for f in dataclasses.fields(target)}
     if section == "model" and "preset" in values:  # a preset replaces the shape, then keys refine it
         preset = _coerce("model.preset", values["preset"], str)
-        target = model_preset(preset)
+        if preset.startswith("hf:"):  # the label of a model read from a Hugging Face directory
+            missing = sorted(names - set(values))
+            if missing:  # a label, not a shape: only a full config (a checkpoint's) may name it
+                raise ConfigError(f"model.preset = {preset!r} labels a model read from a Hugging Face directory "
+                                  f"and has no shape (model.{missing[0]} is not given); start from the "
+                                  "directory with --train.init_from DIR")
+            target = ModelConfig(preset=preset)
+        else:
+            target = model_preset(preset)
         cfg.model = target
     for key, value in values.items():
         if key not in names:

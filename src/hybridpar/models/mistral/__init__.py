@@ -21,7 +21,7 @@ class MistralHF(LlamaHF):
     model_type, architecture = "mistral", "MistralForCausalLM"
 
     def config_from_hf(self, c: Mapping[str, Any], where: str, name: str) -> ModelConfig:
-        check_full_attention(c, where, "mistral")
+        check_full_attention(c, where, "mistral", switch=False)  # no use_sliding_window in Mistral
         return llama_config_from_hf(c, where, name, family=self.model_type)
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:

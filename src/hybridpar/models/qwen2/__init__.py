@@ -16,16 +16,21 @@ from hybridpar.models.llama.hf import LlamaHF, llama_config_from_hf, llama_hf_co
 __all__ = ["FAMILY", "Qwen2HF"]
 
 
-def check_full_attention(c: Mapping[str, Any], where: str, family: str) -> None:
-    """Refuse a sliding window narrower than the context: attention here is full causal."""
+def check_full_attention(c: Mapping[str, Any], where: str, family: str, switch: bool = True) -> None:
+    """Refuse a sliding window narrower than the context: attention here is full causal.
+
+    ``switch``: the family has transformers' ``use_sliding_window`` flag (Qwen2, Qwen3; absent =
+    false, as in transformers). Mistral has none: transformers applies ``sliding_window``
+    whenever it is set, whatever ``use_sliding_window`` says."""
     window = c.get("sliding_window")
-    if not c.get("use_sliding_window", True) or window is None:
+    if window is None or (switch and not c.get("use_sliding_window", False)):
         return
     if window < c.get("max_position_embeddings", 0):
+        fix = "set sliding_window to null or use_sliding_window to false" if switch else "set sliding_window to null"
         raise bad_value(where, "sliding_window", window,
                         f"{family} layers here attend to the whole causal context; a window of {window} < "
                         f"max_position_embeddings = {c.get('max_position_embeddings')} would change the "
-                        "attention (set sliding_window to null or use_sliding_window to false)")
+                        f"attention ({fix})")
 
 
 class Qwen2HF(LlamaHF):
