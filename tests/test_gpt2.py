@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from hybridpar.config import ConfigError, load_config
+from hybridpar.config import ConfigError, ModelConfig, load_config
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.common import Documents
 from hybridpar.models.gpt2 import GPT2, PLAN, to_hf_config_dict
@@ -212,9 +212,11 @@ def test_unsupported_config_is_one_line(tmp_path, key, value, needle):
 
 
 def test_gqa_shape_is_refused():
-    cfg = load_config(None, ["--model.family", "gpt2", "--model.n_heads", "8", "--model.n_kv_heads", "4"]).model
+    """Before any process starts (validate's rule table), and when the model is built directly."""
     with pytest.raises(ConfigError, match="set --model.n_kv_heads 8"):
-        GPT2(cfg)
+        load_config(None, ["--model.family", "gpt2", "--model.n_heads", "8", "--model.n_kv_heads", "4"])
+    with pytest.raises(ConfigError, match="set --model.n_kv_heads 8"):
+        GPT2(ModelConfig(family="gpt2", n_heads=8, n_kv_heads=4))
 
 
 # ----------------------------------------------------------------------------- parallel import
