@@ -1,14 +1,22 @@
-"""Pieces several families share: RoPE tables (Llama-like families) and the metadata of packed
-documents (every family: ``train.document_mask``)."""
+"""Pieces several families share: RoPE tables (Llama-like families), the metadata of packed
+documents (every family: ``train.document_mask``), and the decoder naming conventions the
+parallelisms rely on (which modules are attention, blocks, ZeRO-3 units)."""
 
 from __future__ import annotations
 
+import hashlib
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["Documents", "apply_rope", "precompute_rope", "rotate_half", "segment_positions"]
+from hybridpar.config import ModelConfig
+from hybridpar.rules import tp_split_error
+
+__all__ = ["Documents", "apply_rope", "attention_modules", "blocks", "check_tp_shape", "init_tensor", "name_seed", "precompute_rope",
+           "rotate_half", "segment_positions", "zero3_units"]
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -95,3 +103,64 @@ def segment_positions(segments: Tensor) -> Tensor:
     start[..., 1:] = segments[..., 1:] != segments[..., :-1]
     first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=-1).values
     return idx - first
+
+
+# ----------------------------------------------------------------------------- decoder conventions
+# Every family names its parts alike (``tok_embeddings``, ``layers[i].attention``, ``norm``,
+# ``output`` or None when tied), so what the parallelisms need of a model is stated once here.
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed from (seed, parameter name): sha256, not ``hash()`` (salted per
+    process), so a parameter's initial value depends on nothing but its name and the seed."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_tensor(name: str, shape: Sequence[int], seed: int, cfg: ModelConfig) -> Tensor:
+    """The full fp32 CPU initial value of parameter ``name`` (our naming), a pure function.
+
+    GPT-2's scheme, which the Llama-like families use too: norm weights ones, biases zeros,
+    every other weight normal(0, 0.02), the residual output projections (``wo``, ``w2``) with
+    std ``0.02 / sqrt(2 * n_layers)`` so the residual stream's variance does not grow with
+    depth. Each parameter has its own generator, so the values never depend on creation order,
+    layer count or layout (any sharded layout builds the full tensor and keeps its slice).
+    """
+    shape = tuple(int(s) for s in shape)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    std = 0.02
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        std /= math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules (context parallelism and selective recompute replace their core)."""
+    return [block.attention for block in model.layers]
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers (full recompute reruns each)."""
+    return list(model.layers)
+
+
+def zero3_units(model: nn.Module) -> list[nn.Module]:
+    """ZeRO-3 units: the token embedding (unless the head reuses its weight, which then stays in
+    the root with the head and the final norm) and every block."""
+    units: list[nn.Module] = []
+    if getattr(model, "output", None) is not None:
+        units.append(model.tok_embeddings)
+    units.extend(model.layers)
+    return units
+
+
+def check_tp_shape(cfg: ModelConfig, tp: int) -> None:
+    """Raise ``ValueError`` (one line, numbers and fix) if ``cfg`` cannot be split ``tp`` ways:
+    the ``tp-*`` rules of :mod:`hybridpar.rules`, the same ones ``validate`` applies."""
+    message = tp_split_error(cfg, tp)
+    if message is not None:
+        raise ValueError(message)

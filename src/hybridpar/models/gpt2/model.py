@@ -26,16 +26,12 @@ Initial weights depend only on (seed, parameter name) through :func:`init_tensor
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, ModelConfig
-from hybridpar.models.common import Documents
+from hybridpar.models.common import Documents, init_tensor
 from hybridpar.rules import model_error
 
 __all__ = ["GPT2", "Attention", "Block", "Documents", "FeedForward", "check_config", "embed", "head",
@@ -165,29 +161,3 @@ class GPT2(nn.Module):
         """Fill every parameter from :func:`init_tensor`, on its own device and dtype."""
         for name, p in self.named_parameters():
             p.copy_(init_tensor(name, p.shape, seed, self.cfg))
-
-
-def _name_seed(seed: int, name: str) -> int:
-    """A stable 63-bit seed from (seed, name): sha256, not ``hash()``, which is salted per process."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_tensor(name: str, shape: Sequence[int], seed: int, cfg: ModelConfig) -> Tensor:
-    """The full fp32 CPU initial value of parameter ``name`` (our naming), a pure function.
-
-    GPT-2's scheme (as Hugging Face's ``GPT2PreTrainedModel``): LayerNorm weights ones, every
-    bias zeros, the embeddings and weights normal(0, 0.02), the residual output projections
-    (``wo``, ``w2``) with std ``0.02 / sqrt(2 * n_layers)``. Each parameter has its own
-    generator, so the values never depend on creation order, layer count or layout.
-    """
-    shape = tuple(int(s) for s in shape)
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    std = 0.02
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-        std /= math.sqrt(2 * cfg.n_layers)
-    gen = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)

@@ -30,8 +30,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import Axis
+from hybridpar.models.common import attention_modules, blocks, check_tp_shape, zero3_units
 from hybridpar.models.gpt2.model import GPT2
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
@@ -41,7 +41,6 @@ from hybridpar.parallel.tensor import (
     padded_size,
 )
 from hybridpar.parallel.tensor_plan import RegionEntry, TensorPlan, enter_tp_region
-from hybridpar.rules import tp_split_error
 
 __all__ = ["PLAN", "PositionShard", "attention_modules", "blocks", "check_tp_shape", "parallelize_gpt2",
            "zero3_units"]
@@ -56,14 +55,6 @@ PLAN = TensorPlan(
     },
     vocab_params=("tok_embeddings.weight", "output.weight"),
 )
-
-
-def check_tp_shape(cfg: ModelConfig, tp: int) -> None:
-    """Raise ``ValueError`` (one line, numbers and fix) if ``cfg`` cannot be split ``tp`` ways:
-    the ``tp-*`` rules of :mod:`hybridpar.rules`, the same ones ``validate`` applies."""
-    message = tp_split_error(cfg, tp)
-    if message is not None:
-        raise ValueError(message)
 
 
 class PositionShard(RegionEntry):
@@ -124,23 +115,3 @@ def parallelize_gpt2(model: GPT2, axis: Axis, sequence_parallel: bool = False) -
         full = pad_dim(model.output.weight.detach(), 0, padded_size(cfg.vocab_size, tp))
         model.output = ColumnParallelLinear.from_full(full, axis, sync_input=False, sequence_parallel=sp)
     return model
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention modules (context parallelism and selective recompute replace their core)."""
-    return [block.attention for block in model.layers]
-
-
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers (full recompute reruns each)."""
-    return list(model.layers)
-
-
-def zero3_units(model: nn.Module) -> list[nn.Module]:
-    """ZeRO-3 units: every block, and the token embedding when the head does not reuse its
-    weight; the tied embedding, the position table and the final norm stay in the root."""
-    units: list[nn.Module] = []
-    if getattr(model, "output", None) is not None:
-        units.append(model.tok_embeddings)
-    units.extend(model.layers)
-    return units

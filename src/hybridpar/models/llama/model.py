@@ -16,10 +16,6 @@ sharded layout can build the full tensor and keep its slice, and get the same mo
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -28,6 +24,7 @@ from hybridpar.config import ModelConfig
 from hybridpar.models.common import (
     Documents,
     apply_rope,
+    init_tensor,
     precompute_rope,
     rotate_half,
     segment_positions,
@@ -192,30 +189,3 @@ class Llama(nn.Module):
             p.copy_(init_tensor(name, p.shape, seed, self.cfg))
 
 
-# ----------------------------------------------------------------------------- init
-
-
-def _name_seed(seed: int, name: str) -> int:
-    """A stable 63-bit seed from (seed, name): sha256, not ``hash()``, which is salted per process."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_tensor(name: str, shape: Sequence[int], seed: int, cfg: ModelConfig) -> Tensor:
-    """The full fp32 CPU initial value of parameter ``name`` (our naming), a pure function.
-
-    Norm weights are ones, biases zeros; every other weight is normal(0, 0.02), with the residual output
-    projections (``wo``, ``w2``) scaled by ``1/sqrt(2 * n_layers)`` (GPT-2 style) so the
-    residual stream's variance does not grow with depth. Each parameter has its own generator,
-    so the values never depend on creation order, layer count or layout.
-    """
-    shape = tuple(int(s) for s in shape)
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    std = 0.02
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-        std /= math.sqrt(2 * cfg.n_layers)
-    gen = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import Axis
+from hybridpar.models.common import attention_modules, blocks, check_tp_shape, zero3_units
 from hybridpar.models.llama.model import Llama
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
@@ -35,7 +35,6 @@ from hybridpar.parallel.tensor import (
     padded_size,
 )
 from hybridpar.parallel.tensor_plan import TensorPlan, enter_tp_region
-from hybridpar.rules import tp_split_error
 
 __all__ = ["PLAN", "attention_modules", "blocks", "check_tp_shape", "parallelize_llama", "zero3_units"]
 
@@ -50,14 +49,6 @@ PLAN = TensorPlan(
     vocab_params=("tok_embeddings.weight", "output.weight"),
     partial=("attention.q_norm.weight", "attention.k_norm.weight"),
 )
-
-
-def check_tp_shape(cfg: ModelConfig, tp: int) -> None:
-    """Raise ``ValueError`` (one line, numbers and fix) if ``cfg`` cannot be split ``tp`` ways:
-    the ``tp-*`` rules of :mod:`hybridpar.rules`, the same ones ``validate`` applies."""
-    message = tp_split_error(cfg, tp)
-    if message is not None:
-        raise ValueError(message)
 
 
 def _column(layer: nn.Linear, axis: Axis, sp: bool) -> ColumnParallelLinear:
@@ -94,23 +85,3 @@ def parallelize_llama(model: Llama, axis: Axis, sequence_parallel: bool = False)
         full = pad_dim(model.output.weight.detach(), 0, padded_size(cfg.vocab_size, tp))
         model.output = ColumnParallelLinear.from_full(full, axis, sync_input=False, sequence_parallel=sp)
     return model
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention modules (context parallelism and selective recompute replace their core)."""
-    return [block.attention for block in model.layers]
-
-
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers (full recompute reruns each)."""
-    return list(model.layers)
-
-
-def zero3_units(model: nn.Module) -> list[nn.Module]:
-    """ZeRO-3 units: the embedding (unless the head reuses its weight, which then stays in the
-    root with the head) and every block."""
-    units: list[nn.Module] = []
-    if getattr(model, "output", None) is not None:
-        units.append(model.tok_embeddings)
-    units.extend(model.layers)
-    return units
