@@ -114,8 +114,11 @@ def model_preset(name: str) -> ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """The layout: world size = dp * tp * pp * cp, mesh axes ordered (pp, dp, cp, tp)."""
+class LayoutChoice:
+    """What a layout chooses, stated once: the mesh axes (world size = dp * tp * pp * cp, mesh
+    axes ordered (pp, dp, cp, tp)) and how each is used. :class:`ParallelConfig` adds a run's
+    communication settings, the planner's candidates (:class:`hybridpar.planner.layout.Layout`)
+    the micro-batch size."""
 
     dp: int = 1
     tp: int = 1
@@ -124,18 +127,24 @@ class ParallelConfig:
     zero_stage: int = 0
     offload_optimizer: bool = False
     pipeline_schedule: Schedule = "1f1b"
-    microbatches: int = 0  # 0: global batch / (dp * micro batch)
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Recompute = "none"
-    bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
-    hierarchical_dp: bool = False  # dp gradients: reduce-scatter in node, all-reduce across, all-gather
-    node_size: int = 0  # ranks per node for hierarchical_dp; 0 = the launcher's LOCAL_WORLD_SIZE
-    auto: bool = False  # train: the planner picks dp/tp/pp/cp, ZeRO stage, schedule, micro-batch for the world size
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class ParallelConfig(LayoutChoice):
+    """The ``[parallel]`` section: the layout plus how its traffic is carried."""
+
+    microbatches: int = 0  # 0: global batch / (dp * micro batch)
+    bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
+    hierarchical_dp: bool = False  # dp gradients: reduce-scatter in node, all-reduce across, all-gather
+    node_size: int = 0  # ranks per node for hierarchical_dp; 0 = the launcher's LOCAL_WORLD_SIZE
+    auto: bool = False  # train: the planner picks dp/tp/pp/cp, ZeRO stage, schedule, micro-batch for the world size
 
 
 @dataclass

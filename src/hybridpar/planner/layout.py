@@ -13,32 +13,26 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from hybridpar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from hybridpar.config import (
+    Config,
+    ConfigError,
+    LayoutChoice,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from hybridpar.rules import first_broken
 
-LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero_stage", "offload_optimizer", "pipeline_schedule",
-               "virtual_stages", "sequence_parallel", "recompute", "micro_batch")
+LAYOUT_KEYS = (*(f.name for f in dataclasses.fields(LayoutChoice)), "micro_batch")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One candidate: ``parallel.*`` names (see :class:`ParallelConfig`) plus ``micro_batch``."""
+@dataclass(unsafe_hash=True)
+class Layout(LayoutChoice):
+    """One candidate: the layout fields of :class:`~hybridpar.config.LayoutChoice` (the same
+    ones ``[parallel]`` has) plus ``micro_batch``. Hashable, as cache keys; never mutated (the
+    planner derives new candidates with ``dataclasses.replace``)."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    zero_stage: int = 0
-    offload_optimizer: bool = False
-    pipeline_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-    recompute: str = "none"
     micro_batch: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per step on each pipeline (``parallel.microbatches``)."""
