@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybridpar.config import ParallelConfig
+from hybridpar.config import LayoutChoice
 from hybridpar.distributed.comm import Comm
 from hybridpar.distributed.device import resolve_device_type
 
@@ -43,7 +43,7 @@ class ParallelDims:
                 raise ValueError(f"ParallelDims.{name} = {size!r} must be an integer >= 1")
 
     @classmethod
-    def from_config(cls, p: ParallelConfig) -> ParallelDims:
+    def from_config(cls, p: LayoutChoice) -> ParallelDims:
         return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
 
     @property
