@@ -113,8 +113,9 @@ class Engine(StepEngine):
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
         partial = {n for n, q in model.named_parameters() if id(q) in ids and plan.needs_tp_sum(n, self.sequence_parallel)}
-        super().__init__(topo, optimizer, plan, owned, loss=self.loss, runner=runner, tp_partial=partial,
-                         after_pipeline=lambda: sync_tied_embedding_grads(self.chunks, topo))
+        # the loss is looked up per call, so a subclass or a test may replace self.loss
+        super().__init__(topo, optimizer, plan, owned, loss=lambda *batch: self.loss(*batch), runner=runner,
+                         tp_partial=partial, after_pipeline=lambda: sync_tied_embedding_grads(self.chunks, topo))
 
     # ------------------------------------------------------------------ loss
     def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
