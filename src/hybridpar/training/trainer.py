@@ -109,9 +109,7 @@ class Trainer:
         if not torch.isfinite(loss):
             self._on_nonfinite(step, float(loss))
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
-        norm = self.engine.grad_norm()
-        self.engine.clip(norm, t.grad_clip)
-        self.optimizer.step()
+        norm = self.engine.update(t.grad_clip)  # global norm, clip, optimizer step
         return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr)
 
     def _on_nonfinite(self, step: int, loss: float) -> None:
