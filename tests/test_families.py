@@ -266,6 +266,29 @@ def test_imported_model_trains_like_one_process(name, layout, dist_run, tmp_path
             assert moved > 20 * WEIGHT_ATOL, f"{k} moved only {moved:.2e} in {STEPS} steps"
 
 
+@pytest.mark.parametrize("layout", ["cp2", "pp2"])
+@pytest.mark.parametrize("name", NAMES)
+def test_import_matches_transformers_at_cp2_and_pp2(name, layout, dist_run, tmp_path_factory):
+    """The imported model's own logits under ring attention (cp2) and across two pipeline stages
+    (pp2), plain and with packed documents, equal transformers' (each document run on its own).
+    The tp layouts' logits are checked in test_imported_model_trains_like_one_process. The worker
+    is test_gpt2's: it knows no family (Engine + --train.init_from)."""
+    import test_gpt2 as g
+
+    path = tmp_path_factory.mktemp(f"{name}-{layout}")
+    hf = make_hf(name, path)
+    x = g.tokens()
+    with torch.no_grad():
+        expected = {"plain": hf(input_ids=x).logits, "docs": g.hf_document_logits(hf, x, g.SEGMENTS)}
+    checked = 0
+    for rank, r in enumerate(dist_run(2, g._hf_logits, str(path), g.HF_LAYOUTS[layout])):
+        for kind in ("plain", "docs"):
+            if r[kind] is not None:  # pp: only the last stage holds logits
+                assert rel_err(r[kind], expected[kind]) <= 1e-5, (rank, kind)
+                checked += 1
+    assert checked >= 2
+
+
 def test_init_from_run_resumes_and_converts_back(tmp_path, tmp_path_factory):
     """A run started from a Qwen3 directory: its checkpoint resumes, and converts to a directory
     transformers loads (Qwen3ForCausalLM, head_dim kept) with the checkpoint's logits."""
