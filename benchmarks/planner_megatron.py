@@ -19,7 +19,7 @@ import statistics
 
 from hybridpar.config import ModelConfig
 from hybridpar.planner.hardware import Cluster, gpu_spec
-from hybridpar.planner.layout import Workload
+from hybridpar.planner.layout import BlockStyle, Workload
 from hybridpar.planner.search import complete
 
 # (params B, heads, hidden, layers, tp, pp, GPUs, batch, published TFLOP/s per GPU)
@@ -40,7 +40,7 @@ SEQ, VOCAB = 2048, 51200
 
 def gpt(heads: int, hidden: int, layers: int) -> ModelConfig:
     """GPT's shape as a Llama config: MHA, SwiGLU of width 8h/3 rounded up to a multiple of 128
-    (about GPT's 4h GELU parameters; ``style="gpt"`` times the MLP as 4h GELU)."""
+    (about GPT's 4h GELU parameters; ``BlockStyle.MEGATRON`` times the MLP as 4h GELU)."""
     ffn = -(-8 * hidden // 3 // 128) * 128
     return ModelConfig(preset="gpt", dim=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
                        ffn_hidden=ffn, vocab_size=VOCAB, max_seq_len=SEQ, tie_embeddings=True)
@@ -54,7 +54,7 @@ def main() -> None:
                   "recompute": "full", "sequence_parallel": False}
         # the schedules Megatron-LM had in 2021 (no zero-bubble): the faster of the two
         options = [complete(gpt(heads, hidden, layers), {**layout, "pipeline_schedule": s},
-                            Workload(batch, SEQ, "fp16"), cluster, style="gpt")[0]
+                            Workload(batch, SEQ, "fp16", style=BlockStyle.MEGATRON), cluster)[0]
                    for s in (["1f1b", "interleaved"] if pp > 1 else ["1f1b"])]
         fitting = [e for e in options if e.fits and e.cost is not None]
         best = min(fitting, key=lambda e: e.cost.step_time_s) if fitting else options[0]

@@ -9,7 +9,7 @@ import torch
 
 from hybridpar.config import Config, ModelConfig, ParallelConfig, TrainConfig, model_preset
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
-from hybridpar.planner.layout import Layout, Workload, parse_layout
+from hybridpar.planner.layout import BlockStyle, Layout, Workload, parse_layout
 from hybridpar.planner.memory import (
     korthikanti_layer_bytes,
     layer_activation_bytes,
@@ -44,7 +44,9 @@ def test_korthikanti_formulas(t, sp, rec):
         assert expected == sbh * (34 + 5 * a * s / h)
     assert korthikanti_layer_bytes(s, b, h, a, t, sp, rec) == pytest.approx(expected)
     gpt = ModelConfig(dim=h, n_layers=2, n_heads=a, n_kv_heads=a, ffn_hidden=8 * h // 3, vocab_size=100)
-    assert layer_activation_bytes(gpt, s, b, t, sp, rec, style="gpt") == pytest.approx(expected)
+    layout = Layout(tp=t, sequence_parallel=sp, recompute=rec, micro_batch=b)
+    work = Workload(b, s, "fp16", style=BlockStyle.MEGATRON)
+    assert layer_activation_bytes(gpt, layout, work) == pytest.approx(expected)
 
 
 def _bytes(tensors) -> int:

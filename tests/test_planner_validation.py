@@ -391,7 +391,7 @@ def _every_zero_stage(model, fixed, work, cluster, sp):
         fits = []
         for z in S.ZERO:
             ev = S._memory_only(model, Layout(**fixed, sequence_parallel=sp, recompute=rec, zero_stage=z),
-                                work, cluster, "llama")
+                                work, cluster)
             if ev.rule is not None:
                 return [], ev
             fits += [ev] if ev.fits else []
@@ -418,7 +418,7 @@ def test_pruned_search_equals_exhaustive():
             axes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
             sp = tp > 1 and cp == 1
             for fixed in S._candidates(model, axes, work, cluster):
-                got, want = S._fitting_options(model, axes, fixed, work, cluster, "llama"), \
+                got, want = S._fitting_options(model, axes, fixed, work, cluster), \
                     _every_zero_stage(model, fixed, work, cluster, sp)
                 assert [e.layout for e in got[0]] == [e.layout for e in want[0]]
                 assert (got[1].layout, got[1].rule) == (want[1].layout, want[1].rule)
@@ -453,7 +453,7 @@ def _equal_times(fast_zero3: bool):
     slower), to see what decides ties."""
     from hybridpar.planner.cost import CostReport
 
-    def cost(model, layout, work, cluster, style="llama", bound_only=False):
+    def cost(model, layout, work, cluster, *, bound_only=False):
         t = 1.0 + 0.01 * layout.pp + (0.5 if layout.zero_stage == 3 and not fast_zero3 else 0.0)
         return CostReport(step_time_s=t, mfu=0.5, tflops_per_gpu=1.0, hw_tflops_per_gpu=1.0, tokens_per_s=1.0)
 

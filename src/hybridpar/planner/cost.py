@@ -9,8 +9,10 @@ shards and small micro-batches lose efficiency by shape, not by a fitted factor.
 cores, norms, activations and the cross-entropy are memory-bound element-wise passes. Backward
 GEMMs are the input- and weight-gradient GEMMs, priced by their own shapes (ZB-H1 runs them as
 B and W; in this runtime W re-traverses the whole backward, so it costs a backward again). The
-Llama style is this runtime's eager block (separate q/k/v/o and w1/w3/w2 GEMMs, unfused
-element-wise ops, :func:`eager_elementwise_elements`); the GPT style is Megatron-LM's fused one.
+block is the workload's ``style`` (:class:`~hybridpar.planner.layout.BlockStyle`):
+``BlockStyle.EAGER`` is this runtime's eager block (separate q/k/v/o and w1/w3/w2 GEMMs, unfused
+element-wise ops, :func:`eager_elementwise_elements`); ``BlockStyle.MEGATRON`` is Megatron-LM's
+fused GPT block.
 
 With a calibrated profile (``hybridpar calibrate``; :class:`hybridpar.planner.hardware.Calibration`)
 the measured rates replace peak x efficiency: GEMM FLOP/s interpolated on the measured shape grid,
@@ -46,7 +48,7 @@ from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import partition_model
 from hybridpar.planner import pipesim
 from hybridpar.planner.hardware import Cluster, GPUSpec
-from hybridpar.planner.layout import Layout, Workload, model_key
+from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
 from hybridpar.planner.memory import padded, rank_numel
 
 TILE = 128  # GEMM tile edge used for quantisation (cuBLAS/CUTLASS bf16 tiles are 128-256 wide)
@@ -127,15 +129,16 @@ class LayerTime:
     tp_comm: float
 
 
-def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
-               style: str = "llama") -> LayerTime:
-    """One decoder layer's compute and tp communication for one micro-batch (see module doc)."""
+def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster) -> LayerTime:
+    """Compute and tp communication of one decoder layer (the block ``work.style`` names) for
+    one micro-batch (see module doc)."""
     g, ab, t, L = cluster.rank_gpu, work.act_bytes, layout.tp, layout
+    megatron = work.style is BlockStyle.MEGATRON
     s = work.seq_len // L.cp
     tok = L.micro_batch * s
     h, a = model.dim, model.n_heads
     q, kv = h, model.n_kv_heads * model.head_dim
-    if style == "gpt":  # 4h GELU MLP of the same parameter count as the preset's SwiGLU; fused QKV
+    if megatron:  # 4h GELU MLP of the same parameter count as the preset's SwiGLU; fused QKV
         f_inner = 3 * model.ffn_hidden / 2
         gemms = [(tok, (q + 2 * kv) / t, h), (tok, h, q / t), (tok, f_inner / t, h), (tok, h, f_inner / t)]
     else:  # this runtime's Llama block: separate q, k, v, o and w1, w3, w2 projections
@@ -146,7 +149,7 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     bwd_in, bwd_w = (sum(x) for x in zip(*(gemm_backward_time(m, n, k, g, ab) for m, n, k in gemms), strict=True))
     # attention core over the full (cp-gathered) keys
     s_kv = work.seq_len
-    if style == "gpt":  # unfused: batched QK^T and AV GEMMs + scale-mask-softmax + dropout
+    if megatron:  # unfused: batched QK^T and AV GEMMs + scale-mask-softmax + dropout
         heads = L.micro_batch * a / t
         core = heads * 2 * gemm_time(s, s_kv, h / a, g, ab)
         core += heads * s * s_kv * 9 / g.hbm_bw  # softmax in/out, mask, dropout in/out (bytes)
@@ -160,7 +163,7 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
             core = attn_flops / (peak_flops(g, ab) * FLASH_EFFICIENCY)
             core_b = 2.5 * core
     sp = t if L.sequence_parallel else 1
-    if style == "gpt":  # Megatron-LM's fused kernels: one pass per norm, bias-GELU, dropout-add
+    if megatron:  # Megatron-LM's fused kernels: one pass per norm, bias-GELU, dropout-add
         elem = tok * ab * (14 * h / sp + 6 * (q + kv) / t + 4 * f_inner / t) / g.hbm_bw
         elem_b = 2 * elem
     else:  # this runtime's eager block: every op reads its inputs and writes its output
@@ -185,7 +188,7 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     w_time = bwd_w
     # full recompute reruns the block's forward; in this runtime it stops after the last tensor
     # backward needs (torch's checkpoint), skipping the MLP's down projection and exit collective
-    skip_gemm, skip_comm = (gemm_time(*gemms[-1], g, ab), exit_comm) if style == "llama" else (0.0, 0.0)
+    skip_gemm, skip_comm = (0.0, 0.0) if megatron else (gemm_time(*gemms[-1], g, ab), exit_comm)
     tp_comm = 4 * ar
     if L.recompute == "full":
         b_time += f - skip_gemm - skip_comm
@@ -249,8 +252,8 @@ def recompute_flops(model: ModelConfig, layout: Layout, work: Workload) -> float
     return attn if layout.recompute == "selective" else 0.0
 
 
-def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
-              style: str = "llama", bound_only: bool = False) -> CostReport:
+def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
+              bound_only: bool = False) -> CostReport:
     """Predicted time of one optimizer step and its terms (see the module docstring).
     ``bound_only``: skip the schedule simulation and take :func:`pipeline_lower_bound` as the
     makespan: a lower bound of the step time (the search prunes with it)."""
@@ -258,8 +261,8 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     m = L.microbatches(work.global_batch)
     s = work.seq_len // L.cp
     tok = L.micro_batch * s
-    lt = layer_time(model, L, work, cluster, style)
-    if L.pipeline_schedule == "zb-h1" and pp > 1 and style == "llama":
+    lt = layer_time(model, L, work, cluster)
+    if L.pipeline_schedule == "zb-h1" and pp > 1 and work.style is BlockStyle.EAGER:
         # this runtime's W re-traverses the chunk's graph for the weight gradients (no saved
         # intermediate gradients, parallel/pipeline/runtime.py): about a whole backward again,
         # its tp collectives included (traffic.py counts them twice too)

@@ -1,5 +1,6 @@
 """What the planner evaluates: a layout (the ``parallel.*`` settings plus ``micro_batch``) and a
-workload (batch, sequence, precision), and the bridge to :func:`hybridpar.config.validate`.
+workload (batch, sequence, precision, block style), and the bridge to
+:func:`hybridpar.config.validate`.
 
 The planner owns no layout rules: :func:`layout_rule_error` builds a real :class:`Config` and
 asks ``validate``. Combinations the runtime refuses (such as ZeRO-3 with pipelining) are still
@@ -10,6 +11,7 @@ layout cannot run in this version.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from dataclasses import dataclass
 
@@ -46,17 +48,37 @@ class Layout(LayoutChoice):
         return dataclasses.asdict(self)
 
 
+class BlockStyle(enum.StrEnum):
+    """Which implementation of the decoder block the cost and memory models price. The values
+    are the names the planner's former ``style`` argument took, so JSON writes the same."""
+
+    EAGER = "llama"
+    """This runtime's eager Llama block (:class:`hybridpar.models.llama.Block`): separate q/k/v/o
+    and w1/w3/w2 GEMMs, fused causal attention, unfused element-wise ops, activations as
+    autograd saves them."""
+    MEGATRON = "gpt"
+    """Megatron-LM's fused GPT block: fused QKV, a 4h GELU MLP, unfused attention (scores,
+    softmax, dropout), fused element-wise kernels, activations per Korthikanti et al. 2022."""
+
+
 @dataclass(frozen=True)
 class Workload:
     """Per-step work. ``half_params``: with bf16/fp16, parameters and gradients are stored in
     half precision and the optimizer keeps fp32 master weights (Megatron-LM, DeepSpeed); False
-    is this runtime's autocast (fp32 parameters and gradients, half-precision matmuls)."""
+    is this runtime's autocast (fp32 parameters and gradients, half-precision matmuls).
+    ``style``: the block implementation being planned (:class:`BlockStyle`; its value, such as
+    ``"gpt"``, is accepted too)."""
 
     global_batch: int
     seq_len: int
     precision: str = "bf16"
     half_params: bool = True
     bucket_mb: float = 25.0
+    style: BlockStyle = BlockStyle.EAGER
+
+    def __post_init__(self) -> None:
+        # "gpt" -> BlockStyle.MEGATRON (a ValueError naming the value for anything else)
+        object.__setattr__(self, "style", BlockStyle(self.style))
 
     @property
     def act_bytes(self) -> int:
@@ -138,7 +160,8 @@ def parse_layout(text: str) -> dict[str, object]:
 
 def from_config(cfg: Config) -> tuple[Layout, Workload]:
     """The planner's view of a trainer config: its layout and workload (the inverse of
-    :func:`to_config`; the runtime keeps fp32 parameters, so ``half_params`` is False)."""
+    :func:`to_config`; the runtime keeps fp32 parameters, so ``half_params`` is False, and runs
+    the eager block, the default ``style``)."""
     p, t = cfg.parallel, cfg.train
     fields = {k: getattr(p, k) for k in LAYOUT_KEYS if k != "micro_batch"}
     layout = Layout(**fields, micro_batch=t.micro_batch)  # type: ignore[arg-type]

@@ -12,15 +12,18 @@ gradients, stage 3 also the parameters; each parameter is split along dim 0 into
 row blocks (:mod:`hybridpar.parallel.shard`), so the worst rank holds the rounded-up block.
 Offload moves the optimizer state to host memory (reported as ``cpu_gib``).
 
-Activations (``style="gpt"``) follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
-in Large Transformer Models", Table 2): GPT blocks store ``sbh(34 + 5as/h)`` bytes; with tensor
-parallelism ``sbh(10 + 24/t + 5as/(ht))``; plus sequence parallelism ``sbh(34/t + 5as/(ht))``;
-selective recompute drops the ``5as/(ht)`` score term; full recompute keeps ``2sbh`` (``/t`` with
-SP) per layer plus one layer's working set.
+Activations depend on the workload's block style (``Workload.style``, a
+:class:`~hybridpar.planner.layout.BlockStyle`). ``BlockStyle.MEGATRON`` (Megatron-LM's GPT block)
+follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+Table 2): GPT blocks store ``sbh(34 + 5as/h)`` bytes; with tensor parallelism
+``sbh(10 + 24/t + 5as/(ht))``; plus sequence parallelism ``sbh(34/t + 5as/(ht))``; selective
+recompute drops the ``5as/(ht)`` score term; full recompute keeps ``2sbh`` (``/t`` with SP) per
+layer plus one layer's working set.
 
-``style="llama"`` is this library's block tensor by tensor, as autograd saves it (checked against
-the runtime's saved tensors, ``tests/test_planner_validation.py``). With ``r`` the residual-stream
-bytes (the parameter dtype: 4, or 2 with half parameters) and ``a`` the matmul bytes, per token:
+``BlockStyle.EAGER`` (the default) is this library's block tensor by tensor, as autograd saves it
+(checked against the runtime's saved tensors, ``tests/test_planner_validation.py``). With ``r``
+the residual-stream bytes (the parameter dtype: 4, or 2 with half parameters) and ``a`` the
+matmul bytes, per token:
 
 * each RMSNorm keeps its fp32 input (``4h``; the residual itself when ``r = 4``), its normalised
   output (``r h``), ``rsqrt`` (4 bytes) and, for the column-parallel layers it feeds, their input:
@@ -54,7 +57,7 @@ from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import ChunkSpec, Partition, partition_layers
 from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order
 from hybridpar.planner.hardware import GiB
-from hybridpar.planner.layout import Layout, ModelKey, Workload, model_key, model_of
+from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
 
 CONTEXT_BYTES = 1 * GiB  # CUDA context + library workspaces
 FRAGMENTATION = 0.10  # caching-allocator slack on top of live bytes
@@ -193,14 +196,18 @@ def llama_layer_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, reco
     return s * b * (norm(3) + norm(2) + attn + 4 * a * f / t)
 
 
-def layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, recompute: str,
-                           style: str = "llama", act_bytes: int = 2,
-                           residual_bytes: int | None = None, cp: int = 1) -> float:
-    """Stored bytes of one layer for one micro-batch (``s`` tokens per rank per sequence):
-    :func:`gpt_layer_bytes` or :func:`llama_layer_bytes`."""
-    if style == "gpt":
-        return gpt_layer_bytes(model, s, b, t, sp, recompute, act_bytes)
-    return llama_layer_bytes(model, s, b, t, sp, recompute, act_bytes, residual_bytes, cp)
+def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
+                           recompute: str | None = None) -> float:
+    """Stored bytes of one layer for one micro-batch of ``layout`` (``seq_len / cp`` tokens per
+    rank per sequence, sequence parallelism when on and tp > 1), with ``layout.recompute`` or
+    the ``recompute`` given: :func:`gpt_layer_bytes` for ``BlockStyle.MEGATRON``, else
+    :func:`llama_layer_bytes`, with ``work``'s activation and parameter bytes."""
+    t, cp = layout.tp, layout.cp
+    s, b, sp = work.seq_len // cp, layout.micro_batch, layout.sequence_parallel and t > 1
+    rec = layout.recompute if recompute is None else recompute
+    if work.style is BlockStyle.MEGATRON:
+        return gpt_layer_bytes(model, s, b, t, sp, rec, work.act_bytes)
+    return llama_layer_bytes(model, s, b, t, sp, rec, work.act_bytes, work.param_bytes, cp)
 
 
 @dataclass(frozen=True)
@@ -214,8 +221,7 @@ class ChunkBytes:
     grad: float = 0.0
 
 
-def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: ChunkSpec,
-                style: str = "llama") -> ChunkBytes:
+def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: ChunkSpec) -> ChunkBytes:
     """Activation bytes of one micro-batch of ``chunk`` under ``layout`` (module docstring)."""
     t, cp, L = layout.tp, layout.cp, layout
     sp = L.sequence_parallel and t > 1
@@ -224,8 +230,9 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     tok, a, r = s * b, work.act_bytes, work.param_bytes
     vocab = padded(model.vocab_size, t) // t
     n = len(chunk.layers)
-    per_layer = layer_activation_bytes(model, s, b, t, sp, L.recompute, style, a, r, cp)
-    if style == "gpt":  # Korthikanti 4.3: embedding output; final norm and head input, fp32 logits
+    per_layer = layer_activation_bytes(model, L, work)
+    if work.style is BlockStyle.MEGATRON:
+        # Korthikanti 4.3: embedding output; final norm and head input, fp32 logits
         body = n * per_layer + (tok * h * a / shard if chunk.embedding else 0.0)
         head = 2 * tok * h * a / shard + tok * vocab * (a + 4) if chunk.head else 0.0
         return ChunkBytes(body, head)
@@ -329,12 +336,12 @@ class MemoryReport:
         return out
 
 
-def rank_activations(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int,
-                     style: str = "llama") -> tuple[float, float, int]:
+def rank_activations(model: ModelConfig, layout: Layout, work: Workload,
+                     pp_rank: int) -> tuple[float, float, int]:
     """``(activations, logits, chunks in flight)`` of pipeline rank ``pp_rank`` at its peak:
     the heaviest :func:`live_chunk_counts` vector weighted by :func:`chunk_bytes`. (The ZeRO
     stage and offload change none of it: cached without them.)"""
-    return _rank_activations(model_key(model), _activation_fields(layout), work, pp_rank, style)
+    return _rank_activations(model_key(model), _activation_fields(layout), work, pp_rank)
 
 
 def _activation_fields(L: Layout) -> tuple:
@@ -344,15 +351,15 @@ def _activation_fields(L: Layout) -> tuple:
 
 
 @functools.lru_cache(maxsize=65536)
-def _rank_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int,
-                      style: str) -> tuple[float, float, int]:
+def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
+                      pp_rank: int) -> tuple[float, float, int]:
     dp, tp, pp, cp, sched, v, sp, rec, mb = fields
     model = model_of(key)
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v,
                sequence_parallel=sp, recompute=rec, micro_batch=mb)
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
     chunks = layer_partition(model.n_layers, pp, v if pp > 1 else 1).for_rank(pp_rank)
-    sizes = [chunk_bytes(model, L, work, c, style) for c in chunks]
+    sizes = [chunk_bytes(model, L, work, c) for c in chunks]
     v = len(chunks)
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
     best = (-1.0, 0.0, 0.0, 0)
@@ -366,11 +373,9 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int
         # The layer being recomputed holds its full activations (but shares its stored input)
         # until its backward ends. The first recomputation on a rank with the loss follows that
         # micro-batch's head backward, which has freed the head's tensors by then.
-        sp = L.sequence_parallel and L.tp > 1
-        s, b, a, r = work.seq_len // L.cp, L.micro_batch, work.act_bytes, work.param_bytes
-        transient = (layer_activation_bytes(model, s, b, L.tp, sp, "none", style, a, r, L.cp)
-                     - layer_activation_bytes(model, s, b, L.tp, sp, "full", style, a, r, L.cp))
-        freed = max((cb.head for cb in sizes), default=0.0) if style == "llama" else 0.0
+        transient = (layer_activation_bytes(model, L, work, "none")
+                     - layer_activation_bytes(model, L, work, "full"))
+        freed = max((cb.head for cb in sizes), default=0.0) if work.style is BlockStyle.EAGER else 0.0
         acts = max(acts, acts - freed + transient)
     return acts, logits, in_flight
 
@@ -395,16 +400,15 @@ def comm_buffer_bytes(model: ModelConfig, layout: Layout, work: Workload) -> flo
     return comm
 
 
-def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int,
-                style: str = "llama") -> MemoryReport:
+def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int) -> MemoryReport:
     """Memory of pipeline rank ``pp_rank`` (see the module docstring for every term)."""
-    return _rank_memory(model, model_key(model), layout, work, pp_rank, style,
+    return _rank_memory(model, model_key(model), layout, work, pp_rank,
                         comm_buffer_bytes(model, layout, work))
 
 
 def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, pp_rank: int,
-                 style: str, comm: float) -> MemoryReport:
-    st, (acts, logits, in_flight) = _rank_parts(key, L, work, pp_rank, style)
+                 comm: float) -> MemoryReport:
+    st, (acts, logits, in_flight) = _rank_parts(key, L, work, pp_rank)
     live = st.params + st.grads + st.optimizer + acts + logits + comm
     overhead = CONTEXT_BYTES + FRAGMENTATION * live
     comps = {"params": float(st.params), "grads": float(st.grads), "optimizer": float(st.optimizer),
@@ -412,12 +416,12 @@ def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, p
     return MemoryReport(comps, pp_rank, float(st.cpu_optimizer), in_flight)
 
 
-def _rank_parts(key: ModelKey, L: Layout, work: Workload, pp_rank: int,
-                style: str) -> tuple[ModelStates, tuple[float, float, int]]:
+def _rank_parts(key: ModelKey, L: Layout, work: Workload,
+                pp_rank: int) -> tuple[ModelStates, tuple[float, float, int]]:
     full = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank)
     shard = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank, L.dp)
     st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer)
-    return st, _rank_activations(key, _activation_fields(L), work, pp_rank, style)
+    return st, _rank_activations(key, _activation_fields(L), work, pp_rank)
 
 
 def _total(st: ModelStates, acts: float, logits: float, comm: float) -> float:
@@ -453,16 +457,16 @@ def candidate_ranks(n_layers: int, pp: int, virtual_stages: int, kind: str,
     return tuple(sorted(out))
 
 
-def plan_memory(model: ModelConfig, layout: Layout, work: Workload, style: str = "llama") -> MemoryReport:
+def plan_memory(model: ModelConfig, layout: Layout, work: Workload) -> MemoryReport:
     """The pipeline rank with the largest total (the one that OOMs first), not the average."""
     ranks = (0,) if layout.pp == 1 else candidate_ranks(
         model.n_layers, layout.pp, layout.virtual_stages, layout.pipeline_schedule, layout.microbatches(work.global_batch))
     key, comm = model_key(model), comm_buffer_bytes(model, layout, work)
     if len(ranks) == 1:
-        return _rank_memory(model, key, layout, work, ranks[0], style, comm)
+        return _rank_memory(model, key, layout, work, ranks[0], comm)
     totals = []
     for r in ranks:
-        st, (acts, logits, _) = _rank_parts(key, layout, work, r, style)
+        st, (acts, logits, _) = _rank_parts(key, layout, work, r)
         totals.append(_total(st, acts, logits, comm))
     worst = ranks[totals.index(max(totals))]  # the first of equals, as max over reports
-    return _rank_memory(model, key, layout, work, worst, style, comm)
+    return _rank_memory(model, key, layout, work, worst, comm)

@@ -77,19 +77,19 @@ class Evaluation:
         return out
 
 
-def evaluate(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
-             style: str = "llama", with_cost: bool = True) -> Evaluation:
+def evaluate(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
+             with_cost: bool = True) -> Evaluation:
     """Rules, then memory, then (if it fits, or ``with_cost``) predicted cost."""
-    ev = _memory_only(model, layout, work, cluster, style)
+    ev = _memory_only(model, layout, work, cluster)
     if ev.rule is not None:
         return ev
     if with_cost or ev.fits:
-        ev.cost = step_cost(model, layout, work, cluster, style)
+        ev.cost = step_cost(model, layout, work, cluster)
     ev.note = runtime_note(model, layout, work)
     return ev
 
 
-def _memory_only(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, style: str,
+def _memory_only(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
                  rule: str | None | bool = False) -> Evaluation:
     """Rules and memory, no cost and no runtime note (``rule``: the rule this shape breaks, or
     None, when already checked; False to check it here)."""
@@ -100,15 +100,15 @@ def _memory_only(model: ModelConfig, layout: Layout, work: Workload, cluster: Cl
     if layout.world_size != cluster.world_size:
         ev.rule = (f"dp * tp * pp * cp = {layout.world_size} but the cluster has {cluster.world_size} GPUs")
         return ev
-    ev.memory = plan_memory(model, layout, work, style)
+    ev.memory = plan_memory(model, layout, work)
     return ev
 
 
-def _finish(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Cluster, style: str) -> Evaluation:
+def _finish(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Cluster) -> Evaluation:
     """Attach the predicted cost (unless computed) and the runtime note to a chosen evaluation."""
     if ev.rule is None:
         if ev.cost is None:
-            ev.cost = step_cost(model, ev.layout, work, cluster, style)
+            ev.cost = step_cost(model, ev.layout, work, cluster)
         ev.note = runtime_note(model, ev.layout, work)
     return ev
 
@@ -166,12 +166,12 @@ def _candidates(model: ModelConfig, partial: dict[str, object], work: Workload,
     return out
 
 
-def complete(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
-             style: str = "llama") -> tuple[Evaluation, list[Evaluation]]:
+def complete(model: ModelConfig, partial: dict[str, object], work: Workload,
+             cluster: Cluster) -> tuple[Evaluation, list[Evaluation]]:
     """The best layout agreeing with ``partial`` (``parallel.*`` names + micro_batch); missing
     axes default to 1 except dp, which takes up the rest of the world. Returns the best and
     every evaluation tried (for explanations), each with its predicted cost."""
-    tried = [_cheapest_fit(model, partial, fixed, work, cluster, style)
+    tried = [_cheapest_fit(model, partial, fixed, work, cluster)
              for fixed in _candidates(model, partial, work, cluster)]
     fitting = [e for e in tried if e.fits and e.cost is not None]
     if fitting:
@@ -181,7 +181,7 @@ def complete(model: ModelConfig, partial: dict[str, object], work: Workload, clu
 
 
 def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict[str, object],
-                     work: Workload, cluster: Cluster, style: str) -> tuple[list[Evaluation], Evaluation]:
+                     work: Workload, cluster: Cluster) -> tuple[list[Evaluation], Evaluation]:
     """For fixed axes, micro-batch and schedule (SP on when allowed): the evaluations (memory
     only) of every ZeRO stage that fits at the first recompute level where one does, and the
     smallest evaluation overall (or the one that breaks a rule: the rule is the same for all)."""
@@ -202,12 +202,12 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
             # ZeRO 0, 1, 2 hold ever less (equal amounts at dp = 1): if the least of them does
             # not fit, neither do the others, and it is also the smallest of them
             z = 0 if int(fixed["dp"]) == 1 else 2  # type: ignore[call-overload]
-            done[z] = _memory_only(model, layouts[(rec, z)], work, cluster, style, rule)
+            done[z] = _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)
             if done[z].rule is None and not done[z].fits:
                 order = [z, 3]
         fits = []
         for z in order:
-            ev = done[z] if z in done else _memory_only(model, layouts[(rec, z)], work, cluster, style, rule)
+            ev = done[z] if z in done else _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)
             if ev.rule is not None:
                 return [], ev
             if ev.fits:
@@ -221,32 +221,32 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
 
 
 def _cheapest_fit(model: ModelConfig, partial: dict[str, object], fixed: dict[str, object],
-                  work: Workload, cluster: Cluster, style: str) -> Evaluation:
+                  work: Workload, cluster: Cluster) -> Evaluation:
     """Given the axes, micro-batch and schedule: among the ZeRO stages that fit at the cheapest
     recompute level, the fastest (less memory on a tie); if none fits, the smallest one."""
-    fits, smallest = _fitting_options(model, partial, fixed, work, cluster, style)
+    fits, smallest = _fitting_options(model, partial, fixed, work, cluster)
     if not fits:
-        return _finish(smallest, model, work, cluster, style)
+        return _finish(smallest, model, work, cluster)
     for ev in fits:
-        ev.cost = step_cost(model, ev.layout, work, cluster, style)
-    return _finish(min(fits, key=rank_key), model, work, cluster, style)
+        ev.cost = step_cost(model, ev.layout, work, cluster)
+    return _finish(min(fits, key=rank_key), model, work, cluster)
 
 
 Option = tuple[float, int, Evaluation]  # (lower bound of the step time, order tried, evaluation)
 
 
-def _options(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
-             style: str) -> tuple[list[Option], list[Evaluation]]:
+def _options(model: ModelConfig, partial: dict[str, object], work: Workload,
+             cluster: Cluster) -> tuple[list[Option], list[Evaluation]]:
     """Every fitting option of :func:`complete` with its step-time lower bound (no simulation),
     and, per candidate where nothing fits, its smallest (or rule-breaking) evaluation."""
     options: list[Option] = []
     misses: list[Evaluation] = []
     for fixed in _candidates(model, partial, work, cluster):
-        fits, smallest = _fitting_options(model, partial, fixed, work, cluster, style)
+        fits, smallest = _fitting_options(model, partial, fixed, work, cluster)
         if not fits:
             misses.append(smallest)
         for ev in fits:
-            bound = step_cost(model, ev.layout, work, cluster, style, bound_only=True).step_time_s
+            bound = step_cost(model, ev.layout, work, cluster, bound_only=True).step_time_s
             options.append((bound, len(options), ev))
     return options, misses
 
@@ -255,23 +255,23 @@ def _closest_miss(misses: list[Evaluation]) -> Evaluation:
     return min(misses, key=lambda e: (e.rule is not None, e.shortfall_gib))
 
 
-def best_for_axes(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
-                  style: str = "llama") -> Evaluation:
+def best_for_axes(model: ModelConfig, partial: dict[str, object], work: Workload,
+                  cluster: Cluster) -> Evaluation:
     """``complete(...)[0]`` without the explanations, pruned: every fitting option gets the
     closed-form lower bound of its step time first, and the schedule is simulated only while a
     bound could still reach (or tie) the best step time found, in increasing bound order."""
-    options, misses = _options(model, partial, work, cluster, style)
+    options, misses = _options(model, partial, work, cluster)
     if not options:
-        return _finish(_closest_miss(misses), model, work, cluster, style)
+        return _finish(_closest_miss(misses), model, work, cluster)
     best: tuple[tuple[float, float], int, Evaluation] | None = None
     for bound, order, ev in sorted(options, key=lambda o: (o[0], o[1])):
         if best is not None and bound > best[2].cost.step_time_s * (1 + PRUNE_MARGIN):  # type: ignore[union-attr]
             break
-        ev.cost = step_cost(model, ev.layout, work, cluster, style)
+        ev.cost = step_cost(model, ev.layout, work, cluster)
         if best is None or (rank_key(ev), order) < (best[0], best[1]):
             best = (rank_key(ev), order, ev)
     assert best is not None
-    return _finish(best[2], model, work, cluster, style)
+    return _finish(best[2], model, work, cluster)
 
 
 @dataclass
@@ -295,7 +295,7 @@ class SearchResult:
         return len(self.ranked) + len(self.unranked)
 
 
-def search(model: ModelConfig, work: Workload, cluster: Cluster, style: str = "llama",
+def search(model: ModelConfig, work: Workload, cluster: Cluster, *,
            runnable_only: bool = False, top: int | None = None) -> SearchResult:
     """Every factorisation of the cluster, completed and ranked (fastest first, then smallest).
     ``top``: only the ``top`` best need completing (with their costs); the other fitting
@@ -314,7 +314,7 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, style: str = "l
             result.rejected_rules.setdefault(rule.split(";")[0], []).append(probe)
             continue
         if top is None or runnable_only:
-            best = best_for_axes(model, axes, work, cluster, style)
+            best = best_for_axes(model, axes, work, cluster)
             if best.rule is not None:
                 result.rejected_rules.setdefault(best.rule.split(";")[0], []).append(best.layout)
             elif best.fits and not (runnable_only and best.note):
@@ -322,7 +322,7 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, style: str = "l
             elif not best.fits:
                 result.too_big.append(best)
             continue
-        options, misses = _options(model, axes, work, cluster, style)
+        options, misses = _options(model, axes, work, cluster)
         if options:
             found.append((options, misses))
             continue
@@ -334,19 +334,18 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, style: str = "l
     if top is None or runnable_only:
         result.ranked.sort(key=rank_key)
         return result
-    _top_ranked(result, found, top, model, work, cluster, style)
+    _top_ranked(result, found, top, model, work, cluster)
     return result
 
 
-def with_cost(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Cluster,
-              style: str = "llama") -> Evaluation:
+def with_cost(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Cluster) -> Evaluation:
     """``ev`` with its predicted cost and runtime note (for entries :func:`search` with ``top``
     left without: ``unranked`` and ``too_big``)."""
-    return _finish(ev, model, work, cluster, style)
+    return _finish(ev, model, work, cluster)
 
 
 def _top_ranked(result: SearchResult, found: list[tuple[list[Option], list[Evaluation]]], top: int,
-                model: ModelConfig, work: Workload, cluster: Cluster, style: str) -> None:
+                model: ModelConfig, work: Workload, cluster: Cluster) -> None:
     """Branch and bound over every factorisation's options at once, in increasing bound order:
     stop when a bound exceeds the ``top``-th best step time among the factorisations' bests so
     far (those only improve, so nothing left could enter the top). Fills ``result.ranked`` with
@@ -359,11 +358,11 @@ def _top_ranked(result: SearchResult, found: list[tuple[list[Option], list[Evalu
         times = sorted(b[2].cost.step_time_s for b in best.values())  # type: ignore[union-attr]
         if len(times) >= top and bound > times[top - 1] * (1 + PRUNE_MARGIN):
             break
-        ev.cost = step_cost(model, ev.layout, work, cluster, style)
+        ev.cost = step_cost(model, ev.layout, work, cluster)
         if i not in best or (rank_key(ev), order) < best[i][:2]:
             best[i] = (rank_key(ev), order, ev)
     order_of = sorted(best, key=lambda i: (best[i][0], i))[:top]
-    result.ranked = [_finish(best[i][2], model, work, cluster, style) for i in order_of]
+    result.ranked = [_finish(best[i][2], model, work, cluster) for i in order_of]
     chosen = set(order_of)
     result.unranked = [min(opts, key=lambda o: (o[0], o[1]))[2] for i, (opts, _) in enumerate(found)
                        if i not in chosen]
