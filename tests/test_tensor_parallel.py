@@ -103,7 +103,7 @@ def test_bad_shapes_are_rejected_with_the_numbers():
     with pytest.raises(ValueError, match=r"n_kv_heads = 2 < parallel.tp = 4.*use tp <= 2"):
         check_tp_shape(model_cfg(2), 4)
     with pytest.raises(ValueError, match=r"n_heads = 4 is not divisible by parallel.tp = 3"):
-        check_tp_shape(model_cfg(2), 3)
+        check_tp_shape(ModelConfig(dim=64, n_heads=4, n_kv_heads=4, ffn_hidden=96), 3)
     with pytest.raises(ValueError, match=r"n_kv_heads = 6 is not divisible by parallel.tp = 4"):
         check_tp_shape(ModelConfig(dim=64, n_heads=8, n_kv_heads=6, ffn_hidden=96), 4)
     with pytest.raises(ValueError, match=r"ffn_hidden = 90 is not divisible by parallel.tp = 4"):

@@ -190,20 +190,20 @@ def _dp_batch(cfg: Config, world: int | None) -> str | None:
     return None
 
 
-@rule("tp-divides-heads")
-def _tp_heads(cfg: Config, world: int | None) -> str | None:
-    m, tp = cfg.model, cfg.parallel.tp
-    if m.n_heads % tp:
-        return f"model.n_heads = {m.n_heads} is not divisible by parallel.tp = {tp}; use a tp that divides {m.n_heads}"
-    return None
-
-
 @rule("tp-whole-kv-heads")
 def _tp_kv_whole(cfg: Config, world: int | None) -> str | None:
     m, tp = cfg.model, cfg.parallel.tp
     if m.n_kv_heads < tp:
         return (f"model.n_kv_heads = {m.n_kv_heads} < parallel.tp = {tp}: every tp rank needs a whole KV head "
                 f"(KV-head replication is not supported); use tp <= {m.n_kv_heads}")
+    return None
+
+
+@rule("tp-divides-heads")
+def _tp_heads(cfg: Config, world: int | None) -> str | None:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.n_heads % tp:
+        return f"model.n_heads = {m.n_heads} is not divisible by parallel.tp = {tp}; use a tp that divides {m.n_heads}"
     return None
 
 

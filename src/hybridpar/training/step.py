@@ -72,10 +72,11 @@ class StepEngine:
         return self.zero.no_sync() if self.zero is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ forward and backward
-    def forward_backward(self, batches: Sequence[Any], grad_scale: float = 1.0) -> Tensor:
+    def forward_backward(self, batches: Sequence[Any], grad_scale: float | None = None) -> Tensor:
         """Forward and backward of all micro-batches of a step; gradients accumulate
-        ``grad_scale * d(sum of micro-batch losses)``, then are reduced over data parallelism
-        and completed over tp (:meth:`finish`). Returns the ``[M]`` losses."""
+        ``grad_scale * d(sum of micro-batch losses)`` (default ``1 / M``: the gradient of the
+        mean loss), then are reduced over data parallelism and completed over tp
+        (:meth:`finish`). Returns the ``[M]`` losses."""
         if self.runner is not None:
             with self.no_sync():
                 self.last_pipeline_step = self.runner.run(list(batches), grad_scale=grad_scale)
@@ -85,9 +86,10 @@ class StepEngine:
         else:
             if self.loss_fn is None:
                 raise RuntimeError("StepEngine.forward_backward without a pipeline needs loss=")
+            scale = 1.0 / len(batches) if grad_scale is None else grad_scale
             out = []
             for i, batch in enumerate(batches):
-                loss = self.backward(lambda b=batch: self.loss_fn(*b), grad_scale, last=i == len(batches) - 1)
+                loss = self.backward(lambda b=batch: self.loss_fn(*b), scale, last=i == len(batches) - 1)
                 out.append(loss.detach())
             losses = torch.stack(out)
         self.finish()
