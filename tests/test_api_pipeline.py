@@ -114,3 +114,20 @@ def test_arguments_are_checked():
             pipe.train_step([batch(0)] * 3)
         with pytest.raises(RuntimeError, match="train_step"):
             pipe(torch.zeros(1))
+
+
+def test_gradient_is_that_of_the_mean_loss():
+    """forward_backward leaves in ``.grad`` the gradient of the mean micro-batch loss, as one
+    process computes it (the optimizer tests above cannot see a wrong scale: Adam after clipping
+    is scale-invariant)."""
+    model = nn.Sequential(*make_layers())
+    x, y = batch(0)
+    mbs = list(zip(x.chunk(M), y.chunk(M), strict=True))
+    torch.stack([F.mse_loss(model(xm), ym) for xm, ym in mbs]).mean().backward()
+    with ParallelDims().build() as topo:
+        pipe = hybridpar.PipelineModule(layers=make_layers(), topo=topo, num_microbatches=M, loss_fn=F.mse_loss,
+                                        activation_shape=(GLOBAL // M, HID))
+        pipe.forward_backward(mbs)
+        ref = {f"layers.{k}": p.grad for k, p in model.named_parameters()}
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-7, msg=name)
