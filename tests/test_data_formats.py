@@ -280,19 +280,72 @@ def test_prepare_jsonl_with_the_hf_tokenizer_and_train(tmp_path, model_dir, caps
     assert "<s>" not in capsys.readouterr().out  # decoded with the tokenizer, special tokens skipped
 
 
-def test_large_json_lines_are_checked_on_all_cores_naming_the_same_line(tmp_path, monkeypatch, docs):
-    """The pre-pass over big JSON Lines inputs runs in a process pool over line-aligned byte ranges:
-    the same record count, and a bad line reported with its line number in the whole file."""
+def test_records_are_checked_while_writing_and_a_bad_one_leaves_nothing(tmp_path, monkeypatch, model_dir, docs):
+    """Each record is parsed once, checked as it is written into the hidden temporary directory: a
+    bad line after many batches were written is the same one-line error naming the line in the
+    whole file, and neither the output nor the temporary directory is left behind."""
+    import hybridpar.data.prepare as prepare
     import hybridpar.data.readers as readers
 
+    monkeypatch.setattr(prepare, "BATCH_DOCS", 8)  # many batches written before the bad line
     src = _write("jsonl", tmp_path, docs * 5)
-    monkeypatch.setattr(readers, "PARALLEL_SCAN_BYTES", 1)
-    monkeypatch.setattr(readers, "_RANGE_BYTES", src.stat().st_size // 4)
-    source = readers.open_source(src)
-    assert len(source.ranges(4)) == 4
-    assert readers.scan_all([source], True, workers=2) == [5 * N_DOCS]
+    record, calls = readers.JsonlSource._record, []
+    monkeypatch.setattr(readers.JsonlSource, "_record", lambda self, n, line: calls.append(n) or record(self, n, line))
+    prepare_dataset([src], tmp_path / "ok", tokenizer=model_dir)
+    assert calls == [1, *range(1, 5 * N_DOCS + 1)]  # every line once, the first one also by the up-front check
     lines = src.read_text().splitlines(keepends=True)
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(lines[:170]) + '{"text": 1}\n' + "".join(lines[170:]))
     with pytest.raises(DataError, match=r"bad.jsonl:171: field 'text' on line 171 is a JSON int, not a string"):
-        readers.scan_all([readers.open_source(bad)], True, workers=2)
+        prepare_dataset([src, bad], tmp_path / "out", tokenizer=model_dir)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize("shard_tokens", [1 << 20, 37])
+def test_the_validation_cut_skips_empty_records_and_splits_shards(tmp_path, monkeypatch, model_dir, docs, shard_tokens):
+    """Documents stream into one token stream that is cut at the end: val starts at the first
+    document of record ``first_val`` (empty records have none), a shard holding the cut is
+    truncated, and the result does not depend on the batch or shard size."""
+    import hybridpar.data.prepare as prepare
+
+    monkeypatch.setattr(prepare, "BATCH_DOCS", 3)
+    texts: list[str | None] = list(docs[:20])
+    for i in (4, 17, 18):  # 20 records, first_val = 18: records 17 and 18 are empty
+        texts[i] = None if i % 2 else ""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    meta = prepare_dataset([src], tmp_path / "ds", tokenizer=model_dir, val_fraction=0.1, shard_tokens=shard_tokens)
+    tok = HFTokenizer.from_path(model_dir)
+    kept = [t for t in texts if t]
+    train, train_docs = _expected(tok, kept[:16])
+    val, val_docs = _expected(tok, kept[16:])
+    data = load_dataset(tmp_path / "ds")
+    assert meta["documents"] == 20 and meta["splits"]["train"]["documents"]["count"] == 16
+    np.testing.assert_array_equal(data.train, train)
+    np.testing.assert_array_equal(data.val, val)
+    np.testing.assert_array_equal(data.train_docs, train_docs)
+    np.testing.assert_array_equal(data.val_docs, val_docs)
+    assert all(s["tokens"] <= shard_tokens for e in meta["splits"].values() for s in e["shards"])
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir() if not p.name.startswith(("train-0", "val-0"))) == \
+        ["meta.json", "tokenizer.json", "tokenizer_config.json", "train-docs.bin", "val-docs.bin"]
+
+
+def test_a_long_text_file_is_encoded_in_pieces_across_batches(tmp_path, monkeypatch, model_dir, docs):
+    """A plain-text document over PIECE_CHARS is encoded in pieces cut after a newline, spread over
+    several batches: one document, framed once, with the tokens of the whole text."""
+    import hybridpar.data.prepare as prepare
+    import hybridpar.data.readers as readers
+
+    monkeypatch.setattr(readers, "PIECE_CHARS", 60)
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 150)
+    monkeypatch.setattr(prepare, "BATCH_TOKENS", 30)
+    text = "\n".join(docs)
+    (tmp_path / "long.txt").write_text(text)
+    (tmp_path / "short.txt").write_text(docs[0])
+    prepare_dataset([tmp_path / "long.txt", tmp_path / "short.txt"], tmp_path / "ds", tokenizer=model_dir,
+                    val_fraction=0.5)
+    tok = HFTokenizer.from_path(model_dir)
+    data = load_dataset(tmp_path / "ds")
+    np.testing.assert_array_equal(data.train, _expected(tok, [text])[0])
+    np.testing.assert_array_equal(data.val, _expected(tok, [docs[0]])[0])
+    assert list(data.train_docs) == [0] and list(data.val_docs) == [0]

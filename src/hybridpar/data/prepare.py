@@ -12,12 +12,16 @@ with it); a Hugging Face tokenizer frames it as ``[BOS] text [EOS]`` (see
 :mod:`hybridpar.data.hf_tokenizer`). ``meta.json`` records the framing, the tokenizer (its files
 are copied into the dataset) and, per split, the start offset of every document.
 
-Order of work: options, tokenizer and every input are checked (each file read once, records
-counted) before anything is written, so bad input is a one-line error and no directory. Then
-documents stream: a reader thread parses batches of about 1 MiB of text, the tokenizer encodes
-each batch on all cores (``tokenizers``' own thread pool, the GIL released), and tokens are
-appended to shards that are closed as they fill. Memory is bounded by the batch size, whatever
-the corpus size; plain-text files over 4 MiB are encoded in pieces cut after a newline.
+Order of work: options, the tokenizer and what is cheap to check of every input (suffix, header
+or schema, first record) are checked before anything is written. Then documents stream into a
+hidden temporary directory, each file parsed once and each record checked as it is read: a reader
+thread parses batches of text (64 KiB per core), two encoder threads each hand a batch to the
+tokenizer, which encodes it on all cores (``tokenizers``' own thread pool, the GIL released), and
+the tokens are appended to one stream of shards closed as they fill. At the end the stream is cut
+into the train and val splits (the val tail copied, the shard holding the cut truncated). A bad
+record, found half-way, removes the temporary directory: bad input is still a one-line error and
+no directory. Memory is bounded by the batches in flight, whatever the corpus size; plain-text
+files over 4 MiB are encoded in pieces cut after a newline.
 
 Atomicity: everything is written into a temporary sibling directory, ``meta.json`` last, and the
 directory is renamed to ``--out`` only when complete. An interrupted run leaves at most a hidden
@@ -29,7 +33,9 @@ temporary directory's private 0700, so a dataset can be shared.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
+import contextlib
+import hashlib
+import os
 import queue
 import shutil
 import sys
@@ -43,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from hybridpar.data.dataset import (
+    DOCS_DTYPE,
     FORMAT,
     FORMAT_VERSION,
     META_FILE,
@@ -53,13 +60,22 @@ from hybridpar.data.dataset import (
 )
 from hybridpar.data.errors import DataError, DatasetExistsError
 from hybridpar.data.hf_tokenizer import HFTokenizer
-from hybridpar.data.readers import Source, TextSource, expand_inputs, open_source, scan_all
+from hybridpar.data.readers import (
+    Batch,
+    Source,
+    TextSource,
+    expand_inputs,
+    open_source,
+    read_batches,
+)
 from hybridpar.data.tokenizer import (
     BYTE_VOCAB,
     DEFAULT_BPE_VOCAB,
+    SEPARATOR,
     TOKENIZER_FILE,
     BPETokenizer,
     ByteTokenizer,
+    Framing,
     Tokenizer,
     token_dtype,
 )
@@ -67,13 +83,19 @@ from hybridpar.fsutil import publish_modes
 
 __all__ = ["SEPARATOR", "cmd_prepare", "expand_inputs", "prepare_dataset"]
 
-SEPARATOR = b"\n\n"
 DEFAULT_VAL_FRACTION = 0.05
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard
 _PROGRESS_MIN_BYTES = 32 << 20
-BATCH_CHARS = 1 << 20  # text per encode_batch call: enough for every core, small enough to bound memory
+_CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+# Tokens per encode_batch call: enough documents for every core (the tokenizer spreads a batch's
+# documents over its threads), yet few, since the encoder's transient memory goes with the tokens
+# in flight (about 100 bytes each, two batches at a time): 8 Ki per core, at least 16 Ki. The
+# text per batch follows from the characters per token seen so far; BATCH_CHARS is the start
+# (and stays the size for the byte tokenizer, whose memory is just its output).
+BATCH_TOKENS = max(2, _CORES) << 13
+BATCH_CHARS = 4 * BATCH_TOKENS
+ENCODERS = 2
 BATCH_DOCS = 4096
-PIECE_CHARS = 4 << 20  # plain-text documents longer than this are encoded in pieces
 
 
 def _tokenizer_kind(tokenizer: str | Path) -> str:
@@ -133,94 +155,52 @@ def _install(tmp: Path, out: Path, force: bool) -> None:
 
 
 def _version() -> str:
+    import importlib.metadata  # here: it takes a noticeable part of the import time
+
     try:
         return importlib.metadata.version("hybridpar")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
 
-def _progress(total_docs: int, total_bytes: int, enabled: bool) -> Any:
+class _NoProgress:
+    """What ``_progress`` returns when no bar is shown (tqdm is then not even imported)."""
+
+    n = 0
+
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total_bytes: int, enabled: bool) -> Any:
+    """A bar over the input bytes (documents, tokens and tokens/s beside it), for inputs large
+    enough to take a while."""
+    if not enabled or total_bytes < _PROGRESS_MIN_BYTES:
+        return _NoProgress()
     from tqdm import tqdm
 
-    return tqdm(total=total_docs, unit="doc", unit_scale=True, desc="hybridpar prepare", file=sys.stderr,
-                disable=not enabled or total_bytes < _PROGRESS_MIN_BYTES)
-
-
-class _Framing:
-    """How documents become token arrays: optional BOS / EOS ids, or a separator text appended."""
-
-    def __init__(self, tok: Tokenizer) -> None:
-        self.tok = tok
-        self.bytes = isinstance(tok, ByteTokenizer)
-        self.bos = tok.bos_id if isinstance(tok, HFTokenizer) and tok.add_bos else None
-        self.eos = tok.eos_id if isinstance(tok, HFTokenizer) and tok.add_eos else None
-        self.separator = SEPARATOR.decode() if self.bos is None and self.eos is None else ""
-
-    def meta(self) -> dict[str, Any]:
-        return {"bos_id": self.bos, "eos_id": self.eos, "separator": self.separator}
-
-    def encode(self, items: list[tuple[int, Any, bool, bool]], dtype: np.dtype) -> list[np.ndarray]:
-        """Token arrays of (index, text, first piece, last piece) items."""
-        if self.bytes:
-            sep = self.separator.encode()
-            return [np.frombuffer((t if isinstance(t, bytes) else t.encode("utf-8")) + (sep if last else b""),
-                                  dtype=np.uint8).astype(dtype) for _, t, _, last in items]
-        texts = [t + self.separator if last else t for _, t, _, last in items]
-        out = []
-        for (_, _, first, last), ids in zip(items, self.tok.encode_batch(texts), strict=True):  # type: ignore[attr-defined]
-            head = int(first and self.bos is not None)
-            tail = int(last and self.eos is not None)
-            arr = np.empty(head + len(ids) + tail, dtype=dtype)
-            if head:
-                arr[0] = self.bos
-            arr[head : head + len(ids)] = ids
-            if tail:
-                arr[-1] = self.eos
-            out.append(arr)
-        return out
-
-
-def _pieces(text: Any) -> Iterator[Any]:
-    """A long plain-text document in pieces of about PIECE_CHARS, cut after a newline that is not
-    followed by more whitespace (so pre-tokenizers that split at whitespace see the same words)."""
-    n, pos = len(text), 0
-    nl = b"\n" if isinstance(text, bytes) else "\n"
-    while n - pos > PIECE_CHARS:
-        cut = text.find(nl, pos + PIECE_CHARS)
-        while cut != -1 and cut + 1 < n and text[cut + 1 : cut + 2].isspace():
-            cut = text.find(nl, cut + 1)
-        if cut == -1 or cut + 1 >= n:
-            break
-        yield text[pos : cut + 1]
-        pos = cut + 1
-    yield text[pos:]
-
-
-def _batches(sources: list[Source], needs_text: bool) -> Iterator[list[tuple[int, Any, bool, bool]]]:
-    """(global record index, text, first piece, last piece) in batches of about BATCH_CHARS."""
-    batch: list[tuple[int, Any, bool, bool]] = []
-    size, index = 0, 0
-    for src in sources:
-        for doc in src.documents(needs_text):
-            if doc is not None:
-                pieces = list(_pieces(doc)) if isinstance(src, TextSource) and len(doc) > PIECE_CHARS else [doc]
-                for k, piece in enumerate(pieces):
-                    batch.append((index, piece, k == 0, k == len(pieces) - 1))
-                    size += len(piece)
-                    if size >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
-                        yield batch
-                        batch, size = [], 0
-            index += 1
-    if batch:
-        yield batch
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="hybridpar prepare",
+                file=sys.stderr)
 
 
 _END = object()
 
 
-def _prefetch(items: Iterator[Any], depth: int = 4) -> Iterator[Any]:
-    """``items`` produced by a reader thread, ``depth`` ahead (parsing overlaps encoding, which
-    releases the GIL); an exception in the thread is raised here."""
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _prefetch(items: Iterator[Any], depth: int, name: str) -> Iterator[Any]:
+    """``items`` produced by a thread, ``depth`` ahead, so that stages overlap (parsing holds the
+    GIL, encoding releases it while it runs on all cores); an exception in the thread is raised
+    here. Closing this generator stops the thread, and the thread closes ``items``."""
     q: queue.Queue = queue.Queue(depth)
     stop = threading.Event()
 
@@ -241,8 +221,12 @@ def _prefetch(items: Iterator[Any], depth: int = 4) -> Iterator[Any]:
             put(_END)
         except BaseException as e:  # handed to the consumer
             put(_Failure(e))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
 
-    thread = threading.Thread(target=run, name="hybridpar-prepare-reader", daemon=True)
+    thread = threading.Thread(target=run, name=f"hybridpar-prepare-{name}", daemon=True)
     thread.start()
     try:
         while True:
@@ -257,9 +241,52 @@ def _prefetch(items: Iterator[Any], depth: int = 4) -> Iterator[Any]:
         thread.join(timeout=10)
 
 
-class _Failure:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+def _encode_one(framing: Framing, batch: Batch, dtype: np.dtype) -> tuple[Batch, np.ndarray, list[int]]:
+    tokens, starts = framing.encode(batch.texts, batch.flags, dtype)
+    batch.texts = []  # not needed any more: free it while the batch waits to be written
+    return batch, tokens, starts
+
+
+def _encoded(batches: Iterator[Batch], framing: Framing, dtype: np.dtype,
+             workers: int = ENCODERS) -> Iterator[tuple[Batch, np.ndarray, list[int]]]:
+    """Encoded batches, in order. ``workers`` threads each encode a batch at the same time: the
+    tokenizer's thread pool then takes work from the next batch while the last documents of one
+    finish, and framing (which holds the GIL) overlaps encoding (which does not)."""
+    import collections
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="hybridpar-prepare-encoder")
+    pending: collections.deque = collections.deque()
+    try:
+        for batch in batches:
+            pending.append(pool.submit(_encode_one, framing, batch, dtype))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()  # stops the reader thread when we stop early
+
+
+class _BatchChars:
+    """Characters of text per batch for about ``tokens`` tokens each (None: a fixed size), from
+    the characters per token seen so far, within 1/4 to 16 characters per token."""
+
+    def __init__(self, tokens: int | None, first: int) -> None:
+        self.tokens, self.chars, self._chars, self._tokens = tokens, first, 0, 0
+
+    def __call__(self) -> int:
+        return self.chars
+
+    def observe(self, chars: int, tokens: int) -> None:
+        self._chars += chars
+        self._tokens += tokens
+        if self.tokens and self._tokens:
+            per_token = min(max(self._chars / self._tokens, 0.25), 16.0)
+            self.chars = max(1, int(self.tokens * per_token))
 
 
 def _resolve_tokenizer(tokenizer: str | Path, kind: str, bos: bool | None, eos: bool | None) -> HFTokenizer | None:
@@ -303,21 +330,14 @@ def prepare_dataset(
         if isinstance(src, TextSource):
             src.tokenizer_name = kind
     sizes = [src.size() for src in sources]
-    counts = scan_all(sources, needs_text)  # every record checked before anything is written
-    n_docs = sum(counts)
-    if n_docs == 0:
-        shown = ", ".join(repr(str(p)) for p in files[:3]) + (", ..." if len(files) > 3 else "")
-        if all(isinstance(s, TextSource) for s in sources):
-            raise DataError(f"all {len(files)} input files are empty ({shown}); pass files that contain text")
-        raise DataError(f"empty corpus: the {len(files)} inputs ({shown}) hold no documents; pass inputs that "
-                        "contain text")
-    n_val = min(max(1, int(n_docs * val_fraction)), n_docs - 1) if n_docs > 1 else 0
-    first_val = n_docs - n_val
+    for src in sources:  # headers, schemas, first records: cheap; each record is checked as it is read
+        src.check(needs_text)
 
     tok: Tokenizer
     if kind == "bpe":
         if progress:
-            print(f"hybridpar prepare: training a BPE tokenizer (vocab {vocab}) on {n_docs} documents", file=sys.stderr)
+            print(f"hybridpar prepare: training a BPE tokenizer (vocab {vocab}) on {len(sources)} inputs",
+                  file=sys.stderr)
 
         def texts() -> Iterator[str]:
             for src in sources:
@@ -333,32 +353,48 @@ def prepare_dataset(
         tok = ByteTokenizer()
     vocab = tok.vocab_size
     dtype = token_dtype(vocab)
-    framing = _Framing(tok)
+    framing = Framing(tok)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    names = ("train", "val") if n_val else ("all",)
-    writers = {s: ShardWriter(tmp, s, dtype, shard_tokens if n_val else 1 << 62) for s in names}
+    whole = ShardWriter(tmp, "all", dtype, shard_tokens)
+    empties: Any = None
     try:
-        bar = _progress(n_docs, sum(sizes), progress)
-        tokens, t0 = 0, time.perf_counter()
-        for batch in _prefetch(_batches(sources, needs_text)):
-            arrays = framing.encode(batch, dtype)
-            done = 0
-            for (index, _, first, last), arr in zip(batch, arrays, strict=True):
-                split = "all" if not n_val else ("val" if index >= first_val else "train")
-                if first:
-                    writers[split].add_documents([writers[split].total])
-                writers[split].write(arr)
-                tokens += len(arr)
-                done += int(last)
-            bar.update(done)
-            bar.set_postfix(tokens=tokens, tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.3g}", refresh=False)
+        counts = [0] * len(sources)
+        bar = _progress(sum(sizes), progress)
+        tokens = records = 0
+        t0 = time.perf_counter()
+        batch_chars = _BatchChars(None if framing.bytes else BATCH_TOKENS, BATCH_CHARS)
+        batches = read_batches(sources, sizes, needs_text, counts, batch_chars, BATCH_DOCS)
+        stream = _encoded(_prefetch(batches, 4, "reader"), framing, dtype)
+        with contextlib.closing(stream):
+            for batch, array, starts in stream:
+                if starts:
+                    whole.add_documents(np.asarray(starts, dtype=np.int64) + whole.total)
+                whole.write(array)
+                if batch.empty:
+                    if empties is None:
+                        empties = open(tmp / _EMPTY_FILE, "wb")  # noqa: SIM115 (closed below / on error)
+                    np.asarray(batch.empty, dtype="<i8").tofile(empties)
+                tokens += len(array)
+                records = batch.records
+                batch_chars.observe(batch.chars, len(array))
+                bar.update(batch.done - bar.n)
+                bar.set_postfix(docs=records, tokens=tokens,
+                                tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.3g}", refresh=False)
         bar.close()
-        if not n_val:
-            splits = _split_single(tmp, writers["all"], dtype, shard_tokens, val_fraction, files)
-        else:
-            splits = {s: w.close() for s, w in writers.items()}
+        if empties is not None:
+            empties.close()
+        n_docs = sum(counts)
+        if n_docs == 0:
+            shown = ", ".join(repr(str(p)) for p in files[:3]) + (", ..." if len(files) > 3 else "")
+            if all(isinstance(s, TextSource) for s in sources):
+                raise DataError(f"all {len(files)} input files are empty ({shown}); pass files that contain text")
+            raise DataError(f"empty corpus: the {len(files)} inputs ({shown}) hold no documents; pass inputs that "
+                            "contain text")
+        n_val = min(max(1, int(n_docs * val_fraction)), n_docs - 1) if n_docs > 1 else 0
+        first_val = n_docs - n_val
+        splits = _split(tmp, whole.close(), dtype, shard_tokens, val_fraction, first_val if n_val else None, files)
         if not splits["train"]["tokens"]:
             raise DataError(f"empty corpus: the inputs' {n_docs} records hold no text; pass inputs that contain text")
         tok_info: dict[str, Any] = {"kind": tok.kind, "vocab_size": vocab}
@@ -380,34 +416,96 @@ def prepare_dataset(
         publish_modes(tmp)  # mkdtemp made it 0700: give it the modes a plain mkdir/open would
         _install(tmp, out, force)
     except BaseException:
-        for w in writers.values():
-            w.abort()
+        whole.abort()
+        if empties is not None:
+            empties.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta
 
 
-def _split_single(tmp: Path, whole: ShardWriter, dtype: np.dtype, shard_tokens: int, val_fraction: float,
-                  files: list[Path]) -> dict[str, Any]:
-    """One document: its last ``val_fraction`` of tokens (at least one) is the validation split."""
-    entry = whole.close()
-    n = entry["tokens"]
-    cut = n - max(1, int(n * val_fraction))
-    if cut < 1:
-        raise DataError(f"input {str(files[0])!r} gives only {n} tokens; a single input needs at least 2 (one "
-                        "train, one validation); pass more text")
-    writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
-    path = tmp / entry["shards"][0]["file"]
-    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
-    step = 1 << 24
-    for split, lo, hi in (("train", 0, cut), ("val", cut, n)):
-        writers[split].add_documents([0])
-        for pos in range(lo, hi, step):
-            writers[split].write(np.asarray(tokens[pos : min(pos + step, hi)]))
-    del tokens
-    path.unlink()
-    (tmp / whole.docs_file).unlink(missing_ok=True)
-    return {s: w.close() for s, w in writers.items()}
+_EMPTY_FILE = "empty-records.tmp"  # global indices of empty records, while writing (removed by _split)
+_COPY = 1 << 19  # tokens or document offsets per copy in _split (a few MiB): bounded memory
+
+
+def _split(tmp: Path, whole: dict[str, Any], dtype: np.dtype, shard_tokens: int, val_fraction: float,
+           first_val: int | None, files: list[Path]) -> dict[str, Any]:
+    """Cut the token stream written as ``all-*`` into the train and val splits.
+
+    ``first_val``: the first validation record; val starts at the first document of a record at or
+    after it (empty records have none). None (a single record): the last ``val_fraction`` of its
+    tokens (at least one) is the validation split, and both splits hold that one document.
+    Train keeps the shards before the cut (renamed, the one holding the cut truncated and hashed
+    again); the tail, normally ``val_fraction`` of the tokens, is copied into val shards."""
+    val = ShardWriter(tmp, "val", dtype, shard_tokens)
+    try:
+        return _cut(tmp, whole, val, dtype, val_fraction, first_val, files)
+    except BaseException:
+        val.abort()
+        raise
+
+
+def _cut(tmp: Path, whole: dict[str, Any], val: ShardWriter, dtype: np.dtype, val_fraction: float,
+         first_val: int | None, files: list[Path]) -> dict[str, Any]:
+    n, itemsize = int(whole["tokens"]), dtype.itemsize
+    docs_path = tmp / whole["documents"]["file"]
+    n_docs = int(whole["documents"]["count"])
+    if first_val is None:
+        cut = n - max(1, int(n * val_fraction))
+        if cut < 1:
+            raise DataError(f"input {str(files[0])!r} gives only {n} tokens; a single input needs at least 2 (one "
+                            "train, one validation); pass more text")
+        n_train_docs = n_docs
+        val.add_documents([0])
+    else:
+        empty_path = tmp / _EMPTY_FILE
+        n_train_docs = first_val
+        if empty_path.is_file() and empty_path.stat().st_size:
+            empty = np.memmap(empty_path, dtype="<i8", mode="r")
+            n_train_docs -= int(np.searchsorted(empty, first_val))
+            del empty
+        cut = int(np.fromfile(docs_path, dtype=DOCS_DTYPE, count=1, offset=n_train_docs * DOCS_DTYPE.itemsize)[0]) \
+            if n_train_docs < n_docs else n
+        for lo in range(n_train_docs, n_docs, _COPY):
+            hi = min(lo + _COPY, n_docs)
+            val.add_documents(np.fromfile(docs_path, dtype=DOCS_DTYPE, count=hi - lo, offset=lo * DOCS_DTYPE.itemsize) - cut)
+        empty_path.unlink(missing_ok=True)
+    train_shards, pos = [], 0
+    for shard in whole["shards"]:
+        lo, hi, path = pos, pos + int(shard["tokens"]), tmp / shard["file"]
+        pos = hi
+        for a in range(max(cut, lo), hi, _COPY):  # the part after the cut: validation
+            b = min(a + _COPY, hi)
+            val.write(np.fromfile(path, dtype=dtype, count=b - a, offset=(a - lo) * itemsize))
+        if lo >= cut:
+            path.unlink()
+            continue
+        name = shard["file"].replace("all-", "train-", 1)
+        entry = dict(shard, file=name)
+        if hi > cut:
+            entry.update(tokens=cut - lo, sha256=_truncate(path, (cut - lo) * itemsize))
+        path.rename(tmp / name)
+        train_shards.append(entry)
+    docs_file = "train-docs.bin"
+    docs_sha = _truncate(docs_path, n_train_docs * DOCS_DTYPE.itemsize)
+    docs_path.rename(tmp / docs_file)
+    train = {"tokens": cut, "shards": train_shards,
+             "documents": {"file": docs_file, "count": n_train_docs, "dtype": "int64", "sha256": docs_sha}}
+    return {"train": train, "val": val.close()}
+
+
+def _truncate(path: Path, size: int) -> str:
+    """Cut ``path`` to ``size`` bytes (durably) and return the sha256 of what is left, read in
+    1 MiB pieces into one buffer (a shard can be large; peak memory should not grow with it)."""
+    h, buf = hashlib.sha256(), bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "r+b", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size != size:
+            f.truncate(size)
+            os.fsync(f.fileno())
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def _sources_meta(sources: list[Source], sizes: list[int], counts: list[int], first_val: int,

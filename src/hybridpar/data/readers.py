@@ -1,6 +1,8 @@
-"""Input formats of ``hybridpar prepare``: each input is a :class:`Source` that first ``scan``s
-(validates everything and counts its records, before any output exists) and then yields its
-``documents`` in order, streaming, so memory stays bounded whatever the file size.
+"""Input formats of ``hybridpar prepare``: each input is a :class:`Source` whose ``check`` looks at
+what is cheap to look at up front (its header, schema or first record) and whose ``documents``
+then yields every record's text in order, streaming, validating each record as it is read (so a
+file is parsed once, and memory stays bounded whatever its size). ``prepare`` writes into a hidden
+temporary directory that is removed when a record fails, so bad input never leaves a directory.
 
 =====================  ===================================================================
 plain text             ``.txt``, ``.md`` (and suffixes passed as ``text_suffixes``): one file
@@ -21,6 +23,10 @@ whole file into memory). A record whose text is empty or null yields ``None`` (n
 Anything else is an error naming the file and these formats, never tokenized as bytes: an
 unknown suffix, binary content in a text file (NUL bytes, or the magic number of a compressed or
 columnar file), a compressed file whose name does not say so.
+
+``read_batches`` groups the documents of all sources into the batches ``prepare`` encodes. Its
+progress: ``Source.done`` counts the input bytes consumed where a reader knows it cheaply
+(uncompressed JSON Lines, line by line); the other formats count whole files.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,14 +145,16 @@ def open_source(path: Path, text_field: str = "text", text_suffixes: Sequence[st
 
 
 class Source:
-    """One input. ``scan(needs_text)`` validates it and returns its record count (empty records
-    included); ``documents(needs_text)`` yields each record's text in order: ``str`` (or, for a
-    plain-text file when the tokenizer takes bytes, ``bytes``), ``None`` for an empty record."""
+    """One input. ``check(needs_text)`` raises for what is wrong with it as a whole (not its
+    format, no such column) without reading it through; ``documents(needs_text)`` yields each
+    record's text in order, raising for a bad record: ``str`` (or, for a plain-text file when the
+    tokenizer takes bytes, ``bytes``), ``None`` for an empty record."""
 
     kind = "?"
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.done = 0  # input bytes consumed by documents(), where the reader knows it (else 0)
 
     @property
     def name(self) -> str:
@@ -160,7 +168,7 @@ class Source:
         except OSError as e:
             raise DataError(f"cannot read input {self.name!r}: {e.strerror or e}; fix it or leave it out of --input") from None
 
-    def scan(self, needs_text: bool) -> int:
+    def check(self, needs_text: bool) -> None:
         raise NotImplementedError
 
     def documents(self, needs_text: bool) -> Iterator[Doc]:
@@ -200,18 +208,17 @@ class TextSource(Source):
             raise self._error(f"is {what}, not text; hybridpar prepare reads {FORMATS}; give it the suffix of its "
                               "format (e.g. .jsonl.gz) or leave it out of --input")
 
-    def scan(self, needs_text: bool) -> int:
-        data = _read_bytes(self.path)
-        if not data:
-            return 0
-        self._binary(data)
-        if needs_text:
-            utf8_text(data, self.name, self.tokenizer_name)
-        return 1
+    def check(self, needs_text: bool) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                self._binary(f.read(_SNIFF))
+        except OSError:
+            _read_bytes(self.path)  # raises the one-line error
 
     def documents(self, needs_text: bool) -> Iterator[Doc]:
         data = _read_bytes(self.path)
         if data:
+            self._binary(data)
             yield utf8_text(data, self.name, self.tokenizer_name) if needs_text else data
 
 
@@ -238,8 +245,18 @@ class JsonlSource(Source):
         self.field, self.comp = text_field, comp
 
     def _lines(self) -> Iterator[tuple[int, bytes]]:
-        with _input_stream(self.path, self.comp) as raw:
-            f = io.BufferedReader(raw, 1 << 20)
+        """(line number, line) pairs; an uncompressed file is read with ``open`` (no pyarrow
+        needed), a compressed one through pyarrow's decompressing stream."""
+        self.done = 0
+        if self.comp:
+            stream = io.BufferedReader(_input_stream(self.path, self.comp), 1 << 20)
+        else:
+            try:
+                stream = open(self.path, "rb", buffering=1 << 20)  # noqa: SIM115 (closed by the with below)
+            except OSError as e:
+                raise DataError(f"cannot read input {self.name!r}: {e.strerror or e}; fix it or leave it out of "
+                                "--input") from None
+        with stream as f:
             n = 0
             try:
                 if not self.comp:
@@ -249,6 +266,8 @@ class JsonlSource(Source):
                                           f"{self.path.name}.gz) or leave it out of --input")
                 for n, line in enumerate(f, 1):  # noqa: B007 (n names the failing line below)
                     yield n, line
+                    if not self.comp:
+                        self.done += len(line)
             except OSError as e:
                 raise self._error(f"cannot be read or decompressed after line {n} ({_arrow_error(e)}); fix it or "
                                   "leave it out of --input") from None
@@ -260,7 +279,7 @@ class JsonlSource(Source):
         except UnicodeDecodeError as e:
             raise DataError(f"{self.name}:{n}: line {n} is not UTF-8 text (invalid byte at offset {e.start} of the "
                             "line); convert the file to UTF-8 or leave it out of --input") from None
-        if not s.strip():
+        if not s or s.isspace():  # what strip() would empty, without copying the line
             return False
         try:
             obj = json.loads(s)
@@ -289,110 +308,18 @@ class JsonlSource(Source):
                                 "unpaired surrogate escape); fix the line or leave the file out of --input") from None
         return text or None
 
-    def scan(self, needs_text: bool) -> int:
-        count = 0
+    def check(self, needs_text: bool) -> None:
+        """The first line (the file opens, decompresses, is not binary; its record is valid)."""
         for n, line in self._lines():
-            if self._record(n, line) is not False:
-                count += 1
-        return count
-
-    def ranges(self, parts: int) -> list[tuple[int, int]]:
-        """Byte ranges that start and end at line boundaries (one range when compressed)."""
-        size = self.size()
-        if self.comp or parts < 2:
-            return [(0, size)]
-        bounds = [0]
-        with open(self.path, "rb") as f:
-            for k in range(1, parts):
-                f.seek(max(k * size // parts, bounds[-1]))
-                f.readline()
-                if f.tell() < size and f.tell() > bounds[-1]:
-                    bounds.append(f.tell())
-        return list(zip(bounds, [*bounds[1:], size], strict=True))
-
-    def scan_range(self, start: int, end: int, first_line: int = 1) -> tuple[int, int]:
-        """(records, lines) of an uncompressed byte range (or, with the whole-file range, any file);
-        raises for a bad record with its line number counted from ``first_line``."""
-        if self.comp:  # one range, the whole file, from line 1
-            count = lines = 0
-            for lines, line in self._lines():  # noqa: B007 (lines counts them)
-                count += self._record(lines, line) is not False
-            return count, lines
-        count, n = 0, first_line - 1
-        with open(self.path, "rb") as f:
-            f.seek(start)
-            if start == 0:
-                what = _magic(f.read(8))
-                if what is not None:
-                    raise self._error(f"is {what}, not JSON Lines text; name it by its format (e.g. "
-                                      f"{self.path.name}.gz) or leave it out of --input")
-                f.seek(0)
-            pos = start
-            while pos < end:
-                line = f.readline()
-                if not line:
-                    break
-                pos += len(line)
-                n += 1
-                count += self._record(n, line) is not False
-        return count, n - first_line + 1
+            self._record(n, line)
+            break
 
     def documents(self, needs_text: bool) -> Iterator[Doc]:
+        record = self._record
         for n, line in self._lines():
-            rec = self._record(n, line)
+            rec = record(n, line)
             if rec is not False:
                 yield rec  # type: ignore[misc]
-
-
-PARALLEL_SCAN_BYTES = 16 << 20  # JSON Lines inputs at least this large are checked by a process pool
-_RANGE_BYTES = 4 << 20
-
-
-def _scan_task(source: JsonlSource, start: int, end: int) -> tuple[int, int, bool]:
-    """In a worker: (records, lines, failed) of one range; the parent re-reads a failed range to
-    raise its error with the right line number."""
-    try:
-        count, lines = source.scan_range(start, end)
-        return count, lines, False
-    except DataError:
-        return 0, 0, True
-
-
-def scan_all(sources: Sequence[Source], needs_text: bool, workers: int | None = None) -> list[int]:
-    """Every source's ``scan`` (record counts), in order. JSON Lines parsing is the one costly check:
-    when the uncompressed ones are large it runs on all cores, over line-aligned byte ranges, in a
-    pool of forked processes (they only read files and parse JSON; fork needs no ``__main__``
-    guard in the caller's script), while the other sources are scanned here; errors are raised
-    in input order, naming the same line as a sequential scan."""
-    import multiprocessing
-
-    jsonl = [i for i, s in enumerate(sources) if isinstance(s, JsonlSource) and not s.comp]
-    workers = workers or os.cpu_count() or 1
-    total = sum(sources[i].size() for i in jsonl)
-    if workers < 2 or total < PARALLEL_SCAN_BYTES or "fork" not in multiprocessing.get_all_start_methods():
-        return [s.scan(needs_text) for s in sources]
-    from concurrent.futures import ProcessPoolExecutor
-
-    counts: list[int] = [0] * len(sources)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = {i: [(a, b, pool.submit(_scan_task, sources[i], a, b))
-                       for a, b in sources[i].ranges(max(1, sources[i].size() // _RANGE_BYTES))]  # type: ignore[attr-defined]
-                   for i in jsonl}
-        for i, src in enumerate(sources):
-            if i not in futures:
-                counts[i] = src.scan(needs_text)
-                continue
-            line = 1
-            for a, b, fut in futures[i]:
-                n, lines, failed = fut.result()
-                if failed:
-                    for _, _, f in (x for j in futures for x in futures[j]):
-                        f.cancel()
-                    src.scan_range(a, b, line)  # type: ignore[attr-defined]  # raises with the global line number
-                    raise DataError(f"input {src.name!r} failed a check in a worker but not when read again; re-run")
-                counts[i] += n
-                line += lines
-    return counts
 
 
 def _check_column(source: Source, schema: Any, field: str) -> None:
@@ -428,13 +355,12 @@ class ParquetSource(Source):
             raise self._error(f"is not a readable Parquet file ({_arrow_error(e)}); fix it or leave it out "
                               "of --input") from None
 
-    def scan(self, needs_text: bool) -> int:
-        pf = self._open()
-        _check_column(self, pf.schema_arrow, self.field)
-        return int(pf.metadata.num_rows)
+    def check(self, needs_text: bool) -> None:
+        _check_column(self, self._open().schema_arrow, self.field)
 
     def documents(self, needs_text: bool) -> Iterator[Doc]:
         pf = self._open()
+        _check_column(self, pf.schema_arrow, self.field)
         try:
             for batch in pf.iter_batches(batch_size=1024, columns=[self.field]):
                 yield from _batch_texts(batch, self.field)
@@ -480,8 +406,12 @@ class CsvSource(Source):
         except Exception as e:  # parse and conversion errors surface while reading
             raise self._wrap(e) from None
 
-    def scan(self, needs_text: bool) -> int:
-        return sum(b.num_rows for b in self._batches())
+    def check(self, needs_text: bool) -> None:
+        try:
+            self._reader(True).close()
+        except DataError:
+            _check_column(self, self._reader(False).schema, self.field)  # names the columns present
+            raise
 
     def documents(self, needs_text: bool) -> Iterator[Doc]:
         for batch in self._batches():
@@ -537,8 +467,9 @@ class ArrowSource(Source):
                 raise DataError(f"input {str(path)!r} cannot be read ({_arrow_error(e)}); fix it or leave it out of "
                                 "--input") from None
 
-    def scan(self, needs_text: bool) -> int:
-        return sum(b.num_rows for b in self._batches())
+    def check(self, needs_text: bool) -> None:
+        for path in self.files():
+            _check_column(self, self._open(path).schema, self.field)
 
     def documents(self, needs_text: bool) -> Iterator[Doc]:
         for batch in self._batches():
@@ -552,3 +483,78 @@ class _FileBatches:
     def __iter__(self) -> Iterator[Any]:
         for i in range(self.f.num_record_batches):
             yield self.f.get_batch(i)
+
+
+# ----------------------------------------------------------------------------- batches of documents
+
+PIECE_CHARS = 4 << 20  # plain-text documents longer than this are encoded in pieces
+FIRST, LAST = 1, 2  # flags of a text in a batch: it starts / ends its document (a whole one is both)
+
+
+class Batch:
+    """Texts for one ``encode_batch`` call (documents, or pieces of a long plain-text one) with
+    their FIRST / LAST flags, and the stream's position after them: records read (empty ones
+    included), the global indices of this batch's empty records, input bytes consumed."""
+
+    __slots__ = ("chars", "done", "empty", "flags", "records", "texts")
+
+    def __init__(self, texts: list[Any], flags: bytearray, chars: int, records: int, empty: list[int],
+                 done: int) -> None:
+        self.texts, self.flags, self.chars = texts, flags, chars
+        self.records, self.empty, self.done = records, empty, done
+
+
+def pieces(text: Any) -> Iterator[Any]:
+    """A long plain-text document in pieces of about PIECE_CHARS, cut after a newline that is not
+    followed by more whitespace (so pre-tokenizers that split at whitespace see the same words)."""
+    n, pos = len(text), 0
+    nl = b"\n" if isinstance(text, bytes) else "\n"
+    while n - pos > PIECE_CHARS:
+        cut = text.find(nl, pos + PIECE_CHARS)
+        while cut != -1 and cut + 1 < n and text[cut + 1 : cut + 2].isspace():
+            cut = text.find(nl, cut + 1)
+        if cut == -1 or cut + 1 >= n:
+            break
+        yield text[pos : cut + 1]
+        pos = cut + 1
+    yield text[pos:]
+
+
+def read_batches(sources: Sequence[Source], sizes: Sequence[int], needs_text: bool, counts: list[int],
+                 batch_chars: Callable[[], int], batch_docs: int) -> Iterator[Batch]:
+    """Every source's documents in batches of about ``batch_chars()`` characters (asked again for
+    each batch; at most ``batch_docs`` texts); each record is validated as it is read, and a
+    plain-text document over PIECE_CHARS is cut into pieces. ``counts[i]`` gets source i's record
+    count once it is read through."""
+    texts: list[Any] = []
+    flags = bytearray()
+    empty: list[int] = []
+    size = records = base = 0
+    limit = batch_chars()
+    for i, src in enumerate(sources):
+        first_record = records
+        long_text = isinstance(src, TextSource)
+        for doc in src.documents(needs_text):
+            if doc is None:
+                empty.append(records)
+            elif long_text and len(doc) > PIECE_CHARS:
+                parts = list(pieces(doc))
+                for k, piece in enumerate(parts):
+                    texts.append(piece)
+                    flags.append((FIRST if k == 0 else 0) | (LAST if k == len(parts) - 1 else 0))
+                    size += len(piece)
+                    if size >= limit and k < len(parts) - 1:
+                        yield Batch(texts, flags, size, records, empty, base + src.done)
+                        texts, flags, empty, size, limit = [], bytearray(), [], 0, batch_chars()
+            else:
+                texts.append(doc)
+                flags.append(FIRST | LAST)
+                size += len(doc)
+            records += 1
+            if size >= limit or len(texts) >= batch_docs:
+                yield Batch(texts, flags, size, records, empty, base + src.done)
+                texts, flags, empty, size, limit = [], bytearray(), [], 0, batch_chars()
+        counts[i] = records - first_record
+        base += sizes[i]
+    if texts or empty:
+        yield Batch(texts, flags, size, records, empty, base)

@@ -14,6 +14,7 @@ silently changed; convert it or use the byte tokenizer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,12 +23,13 @@ import numpy as np
 
 from hybridpar.data.errors import DataError, DataNotFoundError
 from hybridpar.data.hf_tokenizer import HFTokenizer
-from hybridpar.data.readers import utf8_text
+from hybridpar.data.readers import FIRST, LAST, utf8_text
 
 BYTE_VOCAB = 256
 TOKENIZER_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 DEFAULT_BPE_VOCAB = 8192
+SEPARATOR = b"\n\n"  # ends each document when the tokenizer has no BOS / EOS to frame it
 
 
 class Tokenizer(Protocol):
@@ -134,6 +136,65 @@ class BPETokenizer:
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size})"
+
+
+class Framing:
+    """How documents become tokens: ``[BOS] text [EOS]`` with a Hugging Face tokenizer's ids
+    (as its flags say), else the text followed by :data:`SEPARATOR` (a blank line)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.bytes = isinstance(tok, ByteTokenizer)
+        self.bos = tok.bos_id if isinstance(tok, HFTokenizer) and tok.add_bos else None
+        self.eos = tok.eos_id if isinstance(tok, HFTokenizer) and tok.add_eos else None
+        self.separator = SEPARATOR.decode() if self.bos is None and self.eos is None else ""
+
+    def meta(self) -> dict[str, Any]:
+        return {"bos_id": self.bos, "eos_id": self.eos, "separator": self.separator}
+
+    def encode(self, texts: list[Any], flags: bytearray, dtype: np.dtype) -> tuple[np.ndarray, list[int]]:
+        """Tokens of ``texts`` (documents, or pieces of one, with their FIRST / LAST ``flags``) as
+        one array, and the offsets in it where documents start. One array per batch, not one per
+        document: the per-document work is a few list appends."""
+        starts: list[int] = []
+        pos = 0
+        if self.bytes:
+            sep = SEPARATOR
+            chunks: list[bytes] = []
+            for text, flag in zip(texts, flags, strict=True):
+                data = text if isinstance(text, bytes) else text.encode("utf-8")
+                if flag & FIRST:
+                    starts.append(pos)
+                chunks.append(data)
+                pos += len(data)
+                if flag & LAST:
+                    chunks.append(sep)
+                    pos += len(sep)
+            return np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(dtype), starts
+        if self.separator:
+            texts = [t + self.separator if f & LAST else t for t, f in zip(texts, flags, strict=True)]
+        ids = self.tok.encode_batch(texts)  # type: ignore[attr-defined]
+        bos, eos = self.bos, self.eos
+        if bos is None and eos is None:
+            for flag, part in zip(flags, ids, strict=True):
+                if flag & FIRST:
+                    starts.append(pos)
+                pos += len(part)
+            parts = ids
+        else:
+            parts, head, tail = [], [bos], [eos]
+            for flag, part in zip(flags, ids, strict=True):
+                if flag & FIRST:
+                    starts.append(pos)
+                    if bos is not None:
+                        parts.append(head)
+                        pos += 1
+                parts.append(part)
+                pos += len(part)
+                if flag & LAST and eos is not None:
+                    parts.append(tail)
+                    pos += 1
+        return np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype, count=pos), starts
 
 
 def _byte_symbols() -> list[str]:
