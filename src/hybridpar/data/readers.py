@@ -47,6 +47,7 @@ FORMATS = ("text (.txt, .md), JSON Lines (.jsonl, .json, also .gz / .zst), Parqu
            "CSV (.csv, also .gz / .zst), Arrow (.arrow, or a directory written by datasets' save_to_disk)")
 ARROW_DIR_MARKERS = ("state.json", "dataset_info.json")
 DATASET_DICT_FILE = "dataset_dict.json"
+_ARROW_FILE_MAGIC = b"ARROW1"  # the IPC file format starts with it; the stream format does not
 _SNIFF = 1 << 16
 _MAGIC = {b"\x1f\x8b": "gzip-compressed", b"\x28\xb5\x2f\xfd": "zstd-compressed", b"PK\x03\x04": "a zip archive",
           b"BZh": "bzip2-compressed", b"\xfd7zXZ\x00": "xz-compressed", b"PAR1": "a Parquet file",
@@ -349,8 +350,8 @@ class ParquetSource(Source):
     def _open(self) -> Any:
         import pyarrow.parquet as pq
 
-        try:
-            return pq.ParquetFile(str(self.path))
+        try:  # read through a 1 MiB buffer, not pre-buffered: pyarrow's memory would grow with the file
+            return pq.ParquetFile(str(self.path), pre_buffer=False, buffer_size=1 << 20)
         except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
             raise self._error(f"is not a readable Parquet file ({_arrow_error(e)}); fix it or leave it out "
                               "of --input") from None
@@ -420,7 +421,7 @@ class CsvSource(Source):
 
 class ArrowSource(Source):
     """Arrow IPC: the stream files of a ``save_to_disk`` directory (in ``state.json``'s order), or
-    one ``.arrow`` file (stream or file format), memory-mapped."""
+    one ``.arrow`` file (stream or file format), read one record batch at a time."""
 
     kind = "arrow"
 
@@ -443,19 +444,17 @@ class ArrowSource(Source):
     def _open(self, path: Path) -> Any:
         import pyarrow as pa
 
-        try:
-            source = pa.memory_map(str(path))
+        try:  # read, not memory-mapped: the pages of a mapped file would count as ours, growing with it
+            source = pa.OSFile(str(path))
+            file_format = source.read(len(_ARROW_FILE_MAGIC)) == _ARROW_FILE_MAGIC
+            source.seek(0)
         except OSError as e:
             raise DataError(f"cannot read input {str(path)!r}: {_arrow_error(e)}; fix it or leave it out of --input") from None
-        try:
-            return pa.ipc.open_stream(source)
-        except pa.ArrowInvalid:
-            try:
-                f = pa.ipc.open_file(source)
-            except pa.ArrowInvalid as e:
-                raise DataError(f"input {str(path)!r} is not an Arrow IPC file ({_arrow_error(e)}); hybridpar prepare "
-                                f"reads {FORMATS}") from None
-            return _FileBatches(f)
+        try:  # by its magic: the stream reader would take the file format's header for a (huge) length
+            return _FileBatches(pa.ipc.open_file(source)) if file_format else pa.ipc.open_stream(source)
+        except pa.ArrowInvalid as e:
+            raise DataError(f"input {str(path)!r} is not an Arrow IPC file ({_arrow_error(e)}); hybridpar prepare "
+                            f"reads {FORMATS}") from None
 
     def _batches(self) -> Iterator[Any]:
         for path in self.files():
