@@ -182,10 +182,10 @@ def test_check_catches_fifo_mismatch():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (("interleaved", 4, 2, 6), "divisible by pp: 6 % 4 = 2; use 4 or 8 micro-batches"),
-    (("interleaved", 4, 2, 2), "divisible by pp: 2 % 4 = 2; use 4 micro-batches"),
-    (("1f1b", 4, 2, 8), "virtual_stages = 2 needs the 'interleaved' schedule"),
-    (("interleaved", 1, 2, 4), "needs pp >= 2"),
+    (("interleaved", 4, 2, 6), "divisible by parallel.pp: 6 % 4 = 2; use 4 or 8 micro-batches"),
+    (("interleaved", 4, 2, 2), "divisible by parallel.pp: 2 % 4 = 2; use 4 micro-batches"),
+    (("1f1b", 4, 2, 8), "virtual_stages = 2 needs parallel.pipeline_schedule = 'interleaved', not '1f1b'"),
+    (("interleaved", 1, 2, 4), "needs parallel.pp >= 2"),
     (("gpipe", 2, 1, 0), "microbatches >= 1"),
     (("pipedream", 2, 1, 4), "unknown pipeline schedule"),
 ])
@@ -229,7 +229,7 @@ def test_partition_by_cost_is_optimal():
 
 
 def test_partition_needs_a_layer_per_chunk():
-    with pytest.raises(ScheduleError, match=r"model.n_layers = 4 < pp \* virtual_stages = 4 \* 2 = 8"):
+    with pytest.raises(ScheduleError, match=r"model.n_layers = 4 < parallel.pp \* virtual_stages = 4 \* 2 = 8"):
         partition_layers(4, 4, 2)
 
 
@@ -244,4 +244,4 @@ def test_timeline_command(tmp_path, capsys):
     assert main(["timeline", "--schedule", "interleaved", "--virtual-stages", "2", "--out", str(out)]) == 0
     assert "bubble fraction: 0.1579" in capsys.readouterr().out
     assert main(["timeline", "--schedule", "interleaved", "--microbatches", "6", "--out", str(out)]) == 2
-    assert "divisible by pp" in capsys.readouterr().err
+    assert "divisible by parallel.pp" in capsys.readouterr().err

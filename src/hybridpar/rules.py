@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hybridpar.config import Config, ModelConfig
 
-__all__ = ["RULES", "Rule", "first_broken", "model_error", "tp_split_error"]
+__all__ = ["RULES", "Rule", "first_broken", "model_error", "partition_error", "schedule_error", "tp_split_error"]
 
 Check = Callable[["Config", "int | None"], "str | None"]
 
@@ -238,7 +238,17 @@ def _pp_layers(cfg: Config, world: int | None) -> str | None:
 def _virtual(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel
     if p.virtual_stages != 1 and p.pipeline_schedule != "interleaved":
-        return f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pipeline_schedule = 'interleaved'"
+        return (f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pipeline_schedule = 'interleaved', "
+                f"not {p.pipeline_schedule!r} (virtual stages are that schedule's); or set virtual_stages = 1")
+    return None
+
+
+@rule("interleaved-needs-pp")
+def _interleaved_pp(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if p.pipeline_schedule == "interleaved" and p.virtual_stages > 1 and p.pp < 2:
+        return (f"parallel.pipeline_schedule = 'interleaved' with parallel.virtual_stages = {p.virtual_stages} "
+                f"needs parallel.pp >= 2 (got {p.pp}); set virtual_stages = 1 without pipelining")
     return None
 
 
@@ -256,11 +266,13 @@ def _microbatches(cfg: Config, world: int | None) -> str | None:
 @rule("interleaved-microbatches-divisible")
 def _interleaved(cfg: Config, world: int | None) -> str | None:
     p, t = cfg.parallel, cfg.train
-    micro = t.global_batch // (p.dp * t.micro_batch)
-    if p.pipeline_schedule == "interleaved" and p.pp > 1 and micro % p.pp:
+    micro = t.global_batch // (p.dp * t.micro_batch)  # micro-batches per step on each pipeline
+    rem = micro % p.pp
+    if p.pipeline_schedule == "interleaved" and rem:
+        down, up = micro - rem, micro - rem + p.pp
+        fix = f"{down} or {up}" if down >= p.pp else f"{up}"
         return (f"interleaved 1F1B needs micro-batches per step divisible by parallel.pp: {micro} % {p.pp} = "
-                f"{micro % p.pp}; use {max(p.pp, micro - micro % p.pp)} or {micro + p.pp - micro % p.pp} "
-                "micro-batches (train.global_batch / (dp * train.micro_batch))")
+                f"{rem}; use {fix} micro-batches (train.global_batch / (dp * train.micro_batch))")
     return None
 
 
@@ -337,9 +349,32 @@ def _zero_fp16(cfg: Config, world: int | None) -> str | None:
 def _first_of(prefix: str, model: ModelConfig, tp: int = 1) -> str | None:
     from hybridpar.config import Config, ParallelConfig
 
-    cfg = Config(model=model, parallel=ParallelConfig(tp=tp))
+    return _first_named((prefix,), Config(model=model, parallel=ParallelConfig(tp=tp)))
+
+
+def schedule_error(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> str | None:
+    """The message of the first pipeline-schedule rule (``virtual-*``, ``interleaved-*``) that
+    ``microbatches`` micro-batches on ``pp`` ranks x ``virtual_stages`` break, or None: what
+    :func:`hybridpar.parallel.pipeline.build_schedule` checks."""
+    from hybridpar.config import Config, ParallelConfig, TrainConfig
+
+    cfg = Config(parallel=ParallelConfig(pp=pp, virtual_stages=virtual_stages, pipeline_schedule=schedule),
+                 train=TrainConfig(global_batch=microbatches, micro_batch=1))
+    return _first_named(("virtual-", "interleaved-"), cfg)
+
+
+def partition_error(n_layers: int, pp: int, virtual_stages: int) -> str | None:
+    """The message of the layer-per-chunk rule for ``n_layers`` on ``pp * virtual_stages``
+    chunks, or None: what the pipeline partitioner checks."""
+    from hybridpar.config import Config, ModelConfig, ParallelConfig
+
+    cfg = Config(model=ModelConfig(n_layers=n_layers), parallel=ParallelConfig(pp=pp, virtual_stages=virtual_stages))
+    return _first_named(("pp-layer-per-chunk",), cfg)
+
+
+def _first_named(prefixes: tuple[str, ...], cfg: Config) -> str | None:
     for r in RULES:
-        if r.name.startswith(prefix) and (message := r.check(cfg, None)) is not None:
+        if r.name.startswith(prefixes) and (message := r.check(cfg, None)) is not None:
             return message
     return None
 

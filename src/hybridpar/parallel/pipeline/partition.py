@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.schedules import ScheduleError
+from hybridpar.rules import partition_error
 
 
 class Balance(enum.Enum):
@@ -130,10 +131,9 @@ def partition_layers(n_layers: int, pp: int, virtual_stages: int = 1,
     ``PARAMS`` / ``COST`` balance ``layer_weights`` (one per layer) plus the embedding and head
     weights carried by the first and last chunk."""
     k = pp * virtual_stages
-    if n_layers < k:
-        raise ScheduleError(
-            f"model.n_layers = {n_layers} < pp * virtual_stages = {pp} * {virtual_stages} = {k} "
-            f"pipeline chunks; every chunk needs a layer: lower pp or virtual_stages, or add layers")
+    message = partition_error(n_layers, pp, virtual_stages)  # the run's rule, stated once
+    if message is not None:
+        raise ScheduleError(message)
     if balance is Balance.LAYERS:
         base, extra = divmod(n_layers, k)
         sizes = [base + (1 if i < extra else 0) for i in range(k)]
@@ -157,16 +157,15 @@ def partition_layers(n_layers: int, pp: int, virtual_stages: int = 1,
 
 
 def layer_params(cfg: ModelConfig) -> int:
-    """Parameters of one decoder layer of :class:`hybridpar.models.llama.Llama`."""
-    kv_dim = cfg.n_kv_heads * cfg.head_dim
-    return 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim + 3 * cfg.dim * cfg.ffn_hidden + 2 * cfg.dim
+    """Parameters of one decoder layer of ``cfg``'s family (:meth:`ModelConfig.layer_params`)."""
+    return cfg.layer_params()
 
 
 def partition_model(cfg: ModelConfig, pp: int, virtual_stages: int = 1,
                     balance: Balance = Balance.LAYERS,
                     layer_costs: Sequence[float] | None = None,
                     embedding_cost: float = 0.0, head_cost: float = 0.0) -> Partition:
-    """Partition a Llama: by layer count, by parameters (embedding ``vocab * dim`` on the first
+    """Partition a decoder: by layer count, by parameters (embedding ``vocab * dim`` on the first
     chunk; norm + head ``dim + vocab * dim`` on the last, tied or not, since the last stage holds
     its own copy of a tied weight) or by the given costs."""
     if balance is Balance.PARAMS:

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridpar.errors import UserError
+from hybridpar.rules import schedule_error
 
 PREFETCH = 1  # receives are posted this many compute actions before their consumer
 
@@ -184,18 +185,9 @@ def check_schedule_args(kind: Schedule, pp: int, virtual_stages: int, microbatch
     if pp < 1 or virtual_stages < 1 or microbatches < 1:
         raise ScheduleError(f"pipeline needs pp >= 1, virtual_stages >= 1, microbatches >= 1; got "
                             f"pp = {pp}, virtual_stages = {virtual_stages}, microbatches = {microbatches}")
-    if virtual_stages > 1 and kind is not Schedule.INTERLEAVED:
-        raise ScheduleError(f"virtual_stages = {virtual_stages} needs the 'interleaved' schedule, not "
-                            f"{kind.value!r}; set virtual_stages = 1 or pipeline_schedule = 'interleaved'")
-    if kind is Schedule.INTERLEAVED:
-        if virtual_stages > 1 and pp < 2:
-            raise ScheduleError(f"interleaved with virtual_stages = {virtual_stages} needs pp >= 2")
-        rem = microbatches % pp
-        if rem:
-            down, up = microbatches - rem, microbatches - rem + pp
-            fix = f"{down} or {up}" if down >= pp else f"{up}"
-            raise ScheduleError(f"interleaved 1F1B needs microbatches divisible by pp: {microbatches} % "
-                                f"{pp} = {rem}; use {fix} micro-batches")
+    message = schedule_error(kind.value, pp, virtual_stages, microbatches)  # the run's rules, stated once
+    if message is not None:
+        raise ScheduleError(message)
 
 
 def schedule_warnings(kind: Schedule, pp: int, virtual_stages: int, microbatches: int) -> list[str]:
