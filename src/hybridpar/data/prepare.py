@@ -15,7 +15,7 @@ are copied into the dataset) and, per split, the start offset of every document.
 Order of work: options, the tokenizer and what is cheap to check of every input (suffix, header
 or schema, first record) are checked before anything is written. Then documents stream into a
 hidden temporary directory, each file parsed once and each record checked as it is read: a reader
-thread parses batches of text (64 KiB per core), two encoder threads each hand a batch to the
+thread parses batches of text (about 8 Ki tokens per core), two encoder threads each hand one to the
 tokenizer, which encodes it on all cores (``tokenizers``' own thread pool, the GIL released), and
 the tokens are appended to one stream of shards closed as they fill. At the end the stream is cut
 into the train and val splits (the val tail copied, the shard holding the cut truncated). A bad
