@@ -8,14 +8,18 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.config import ModelConfig
+from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.tensor import ColumnParallelLinear
 from hybridpar.rules import tp_split_error
 
-__all__ = ["Documents", "apply_rope", "attention_modules", "blocks", "check_tp_shape", "init_tensor", "name_seed", "precompute_rope",
+__all__ = ["DecoderChunk", "Documents", "column_parallel", "apply_rope", "attention_modules", "blocks", "check_tp_shape", "init_tensor", "name_seed", "precompute_rope",
            "rotate_half", "segment_positions", "zero3_units"]
 
 
@@ -164,3 +168,45 @@ def check_tp_shape(cfg: ModelConfig, tp: int) -> None:
     message = tp_split_error(cfg, tp)
     if message is not None:
         raise ValueError(message)
+
+
+class DecoderChunk(nn.Module):
+    """A pipeline stage's part of a decoder that follows the naming conventions above: the token
+    embedding (first chunk, and the last one when the head reuses it), a contiguous run of
+    ``layers``, and ``norm`` + head (last chunk), all shared with the model (same parameters,
+    same names). A family's chunk adds its forward (and what else its first chunk embeds).
+
+    The chunk protocol of :mod:`hybridpar.parallel.pipeline.stages`: ``spec``, ``tied``,
+    :meth:`embedding_weight`, and ``sequence_shards`` / ``positions``, which the engine sets."""
+
+    def __init__(self, model: nn.Module, spec: Any) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tied = model.output is None
+        self.tok_embeddings = model.tok_embeddings if spec.embedding or (spec.head and self.tied) else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in spec.layers})
+        self.norm = model.norm if spec.head else None
+        self.output = model.output if spec.head else None
+        # Hidden states arriving from the previous stage are split along the sequence in this
+        # many parts (tensor parallelism with sequence parallelism).
+        self.sequence_shards = 1
+        # Original token positions of this rank's tokens when they are not 0..T-1 (context
+        # parallelism's zigzag shards); None means arange.
+        self.positions: Tensor | None = None
+
+    def embedding_weight(self) -> Tensor:
+        """The (tied) embedding weight this chunk uses, read now (ZeRO-3 swaps parameters)."""
+        return self.tok_embeddings.weight
+
+    def head(self, x: Tensor) -> Tensor:
+        """Logits of the last chunk: the final norm, then the head (or the tied embedding)."""
+        x = self.norm(x)
+        return F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+
+
+def column_parallel(layer: nn.Linear, axis: Axis, sequence_parallel: bool) -> nn.Module:
+    """``layer`` as this rank's :class:`~hybridpar.parallel.tensor.ColumnParallelLinear` shard
+    (bias split with its rows), taking its input already inside the tp region."""
+    bias = None if layer.bias is None else layer.bias.detach()
+    return ColumnParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sync_input=False,
+                                          sequence_parallel=sequence_parallel)

@@ -31,7 +31,13 @@ from typing import Any
 from torch import Tensor, nn
 
 from hybridpar.distributed.mesh import Axis
-from hybridpar.models.common import attention_modules, blocks, check_tp_shape, zero3_units
+from hybridpar.models.common import (
+    attention_modules,
+    blocks,
+    check_tp_shape,
+    column_parallel,
+    zero3_units,
+)
 from hybridpar.models.gpt2.model import GPT2
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
@@ -75,12 +81,6 @@ class PositionShard(RegionEntry):
         return output.narrow(dim, self.axis.rank * per, per)
 
 
-def _column(layer: nn.Linear, axis: Axis, sp: bool) -> ColumnParallelLinear:
-    bias = None if layer.bias is None else layer.bias.detach()
-    return ColumnParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sync_input=False,
-                                          sequence_parallel=sp)
-
-
 def _row(layer: nn.Linear, axis: Axis, sp: bool) -> RowParallelLinear:
     bias = None if layer.bias is None else layer.bias.detach()
     return RowParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sequence_parallel=sp)
@@ -99,10 +99,11 @@ def parallelize_gpt2(model: GPT2, axis: Axis, sequence_parallel: bool = False) -
     check_tp_shape(cfg, tp)
     for block in model.layers:
         attn, ffn = block.attention, block.feed_forward
-        attn.wq, attn.wk, attn.wv = _column(attn.wq, axis, sp), _column(attn.wk, axis, sp), _column(attn.wv, axis, sp)
+        attn.wq, attn.wk, attn.wv = (column_parallel(attn.wq, axis, sp), column_parallel(attn.wk, axis, sp),
+                                     column_parallel(attn.wv, axis, sp))
         attn.wo = _row(attn.wo, axis, sp)
         attn.n_heads = attn.n_heads // tp
-        ffn.w1, ffn.w2 = _column(ffn.w1, axis, sp), _row(ffn.w2, axis, sp)
+        ffn.w1, ffn.w2 = column_parallel(ffn.w1, axis, sp), _row(ffn.w2, axis, sp)
         enter_tp_region(block.attention_norm, axis, sp)
         enter_tp_region(block.ffn_norm, axis, sp)
     model.tok_embeddings = VocabParallelEmbedding.from_full(model.tok_embeddings.weight.detach(),

@@ -10,33 +10,24 @@ later chunks get hidden states that already carry them, so ``sequence_shards`` i
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from hybridpar.models.gpt2.model import GPT2, Documents, embed, head
+from hybridpar.models.common import DecoderChunk
+from hybridpar.models.gpt2.model import GPT2, Documents, embed
 from hybridpar.parallel.pipeline.partition import ChunkSpec
 
 __all__ = ["GPT2Chunk"]
 
 
-class GPT2Chunk(nn.Module):
-    """Embeddings (first chunk only), a contiguous run of layers, and norm + head (last chunk
-    only) of a :class:`GPT2`, sharing its parameters."""
+class GPT2Chunk(DecoderChunk):
+    """Embeddings (first chunk only: tokens and learned positions), a contiguous run of layers,
+    and norm + head (last chunk only) of a :class:`GPT2`, sharing its parameters. Hidden states
+    from the previous stage already hold their positions; ``positions`` is read by the first
+    chunk only."""
 
     def __init__(self, model: GPT2, spec: ChunkSpec) -> None:
-        super().__init__()
-        self.spec = spec
-        self.tied = model.output is None
-        self.tok_embeddings = model.tok_embeddings if spec.embedding or (spec.head and self.tied) else None
+        super().__init__(model, spec)
         self.pos_embeddings = model.pos_embeddings if spec.embedding else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in spec.layers})
-        self.norm = model.norm if spec.head else None
-        self.output = model.output if spec.head else None
-        # Part of the chunk protocol, set by the engine. Hidden states from the previous stage
-        # already hold their positions: sequence_shards is not needed here.
-        self.sequence_shards = 1
-        # Original token positions of this rank's tokens when they are not 0..T-1 (context
-        # parallelism's zigzag shards); None means arange. Read by the first chunk only.
-        self.positions: Tensor | None = None
 
     def forward(self, x: Tensor, positions: Tensor | None = None, docs: Documents | None = None) -> Tensor:
         """Tokens ``[B, T]`` (first chunk) or hidden ``[B, T, dim]`` -> hidden, or logits
@@ -51,8 +42,5 @@ class GPT2Chunk(nn.Module):
             x = layer(x) if docs is None else layer(x, docs)
         if not self.spec.head:
             return x
-        return head(self.norm, self.output, self.tok_embeddings, x)
+        return self.head(x)
 
-    def embedding_weight(self) -> Tensor:
-        """The (tied) embedding weight this chunk uses, read now (ZeRO-3 swaps parameters)."""
-        return self.tok_embeddings.weight

@@ -22,10 +22,14 @@ embedding and the final norm add two more activation-sized collectives (4L + 2 i
 
 from __future__ import annotations
 
-from torch import nn
-
 from hybridpar.distributed.mesh import Axis
-from hybridpar.models.common import attention_modules, blocks, check_tp_shape, zero3_units
+from hybridpar.models.common import (
+    attention_modules,
+    blocks,
+    check_tp_shape,
+    column_parallel,
+    zero3_units,
+)
 from hybridpar.models.llama.model import Llama
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
@@ -51,12 +55,6 @@ PLAN = TensorPlan(
 )
 
 
-def _column(layer: nn.Linear, axis: Axis, sp: bool) -> ColumnParallelLinear:
-    bias = None if layer.bias is None else layer.bias.detach()
-    return ColumnParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sync_input=False,
-                                          sequence_parallel=sp)
-
-
 def parallelize_llama(model: Llama, axis: Axis, sequence_parallel: bool = False) -> Llama:
     """Turn the full (initialised) ``model`` into this rank's tensor-parallel shard, in place.
 
@@ -70,11 +68,11 @@ def parallelize_llama(model: Llama, axis: Axis, sequence_parallel: bool = False)
     check_tp_shape(cfg, tp)
     for block in model.layers:
         attn, ffn = block.attention, block.feed_forward
-        attn.wq, attn.wk, attn.wv = (_column(attn.wq, axis, sp), _column(attn.wk, axis, sp),
-                                     _column(attn.wv, axis, sp))
+        attn.wq, attn.wk, attn.wv = (column_parallel(attn.wq, axis, sp), column_parallel(attn.wk, axis, sp),
+                                     column_parallel(attn.wv, axis, sp))
         attn.wo = RowParallelLinear.from_full(attn.wo.weight.detach(), axis, sequence_parallel=sp)
         attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
-        ffn.w1, ffn.w3 = _column(ffn.w1, axis, sp), _column(ffn.w3, axis, sp)
+        ffn.w1, ffn.w3 = column_parallel(ffn.w1, axis, sp), column_parallel(ffn.w3, axis, sp)
         ffn.w2 = RowParallelLinear.from_full(ffn.w2.weight.detach(), axis, sequence_parallel=sp)
         enter_tp_region(block.attention_norm, axis, sp)
         enter_tp_region(block.ffn_norm, axis, sp)

@@ -9,9 +9,9 @@ embeddings) is :mod:`hybridpar.parallel.pipeline.stages`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
+from hybridpar.models.common import DecoderChunk
 from hybridpar.models.llama.model import Documents, Llama, precompute_rope
 from hybridpar.parallel.pipeline.partition import ChunkSpec
 
@@ -19,26 +19,14 @@ __all__ = ["LlamaChunk"]
 
 
 
-class LlamaChunk(nn.Module):
+class LlamaChunk(DecoderChunk):
     """Embedding (first chunk only), a contiguous run of decoder layers, and norm + head (last
-    chunk only) of a :class:`Llama`, sharing its parameters."""
+    chunk only) of a :class:`Llama`, sharing its parameters; RoPE from the positions."""
 
     def __init__(self, model: Llama, spec: ChunkSpec) -> None:
-        super().__init__()
-        self.spec = spec
+        super().__init__(model, spec)
         self.head_dim = model.cfg.head_dim
         self.rope_theta = model.cfg.rope_theta
-        self.tied = model.output is None
-        self.tok_embeddings = model.tok_embeddings if spec.embedding or (spec.head and self.tied) else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in spec.layers})
-        self.norm = model.norm if spec.head else None
-        self.output = model.output if spec.head else None
-        # Hidden states arriving from the previous stage are split along the sequence in this
-        # many parts (tensor parallelism with sequence parallelism): RoPE needs full positions.
-        self.sequence_shards = 1
-        # Original token positions of this rank's tokens when they are not 0..T-1 (context
-        # parallelism's zigzag shards); None means arange.
-        self.positions: Tensor | None = None
 
     def forward(self, x: Tensor, positions: Tensor | None = None, docs: Documents | None = None) -> Tensor:
         """Tokens ``[B, T]`` (first chunk) or hidden ``[B, T, dim]`` -> hidden, or logits
@@ -58,7 +46,7 @@ class LlamaChunk(nn.Module):
             x = layer(x, cos, sin)
         if not self.spec.head:
             return x
-        return self._head(x)
+        return self.head(x)
 
     def _forward_documents(self, x: Tensor, docs: Documents) -> Tensor:
         if self.spec.embedding:
@@ -66,15 +54,4 @@ class LlamaChunk(nn.Module):
         cos, sin = docs.rope(self.head_dim, self.rope_theta)
         for layer in self.layers.values():
             x = layer(x, cos, sin, docs)
-        return self._head(x) if self.spec.head else x
-
-    def embedding_weight(self) -> Tensor:
-        """The (tied) embedding weight this chunk uses, read now (ZeRO-3 swaps parameters)."""
-        return self.tok_embeddings.weight
-
-    def _head(self, x: Tensor) -> Tensor:
-        x = self.norm(x)
-        if self.output is None:
-            return F.linear(x, self.tok_embeddings.weight)
-        return self.output(x)
-
+        return self.head(x) if self.spec.head else x
