@@ -114,26 +114,33 @@ def model_preset(name: str) -> ModelConfig:
 
 
 @dataclass
-class LayoutChoice:
-    """What a layout chooses, stated once: the mesh axes (world size = dp * tp * pp * cp, mesh
-    axes ordered (pp, dp, cp, tp)) and how each is used. :class:`ParallelConfig` adds a run's
-    communication settings, the planner's candidates (:class:`hybridpar.planner.layout.Layout`)
-    the micro-batch size."""
+class MeshAxes:
+    """The sizes of the four mesh axes, stated once (world size = dp * tp * pp * cp; the mesh
+    orders them (pp, dp, cp, tp)). The runtime's :class:`hybridpar.distributed.mesh.ParallelDims`
+    is these plus the topology it builds; :class:`LayoutChoice` adds how each axis is used."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class LayoutChoice(MeshAxes):
+    """What a layout chooses, stated once: the mesh axes and how each is used.
+    :class:`ParallelConfig` adds a run's communication settings, the planner's candidates
+    (:class:`hybridpar.planner.layout.Layout`) the micro-batch size."""
+
     zero_stage: int = 0
     offload_optimizer: bool = False
     pipeline_schedule: Schedule = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Recompute = "none"
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
 
 
 @dataclass

@@ -20,21 +20,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybridpar.config import LayoutChoice
+from hybridpar.config import MeshAxes
 from hybridpar.distributed.comm import Comm
 from hybridpar.distributed.device import resolve_device_type
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """Sizes of the four mesh axes; world size = dp * tp * pp * cp."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
+@dataclass(unsafe_hash=True)
+class ParallelDims(MeshAxes):
+    """The mesh axes' sizes (:class:`~hybridpar.config.MeshAxes`, the fields every layout type
+    shares) and the topology they build. Hashable; treat it as a value (never mutated here)."""
 
     def __post_init__(self) -> None:
         for name in AXES:
@@ -43,12 +39,9 @@ class ParallelDims:
                 raise ValueError(f"ParallelDims.{name} = {size!r} must be an integer >= 1")
 
     @classmethod
-    def from_config(cls, p: LayoutChoice) -> ParallelDims:
+    def from_config(cls, p: MeshAxes) -> ParallelDims:
+        """The axes of any layout: a run's ``[parallel]``, a planner candidate."""
         return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def shape(self) -> tuple[int, ...]:
