@@ -52,8 +52,14 @@ SPECS = {
                                 sliding_window=4096),
                 dict(dim=32, ffn_hidden=96, vocab_size=260, head_dim=8, tie_embeddings=False, norm_eps=1e-5,
                      rope_theta=10000.0, qkv_bias=False, qk_norm=False)),
+    # Llama's import is covered by test_hf/test_llama; here only its parallel logits (below)
+    "llama": ("Llama", dict(hidden_size=32, intermediate_size=64, vocab_size=256, rms_norm_eps=1e-5),
+              dict(dim=32, ffn_hidden=64, vocab_size=256, head_dim=8, tie_embeddings=False, norm_eps=1e-5,
+                   rope_theta=10000.0, qkv_bias=False, qk_norm=False)),
 }
-NAMES = list(SPECS)
+NAMES = ["qwen2", "qwen3", "mistral"]
+PARALLEL_IMPORTS = [(name, layout) for name in NAMES for layout in ("cp2", "pp2")] + [
+    ("llama", layout) for layout in ("tp2", "tp2-sp", "cp2", "pp2")]
 
 
 def hf_lib():
@@ -266,13 +272,13 @@ def test_imported_model_trains_like_one_process(name, layout, dist_run, tmp_path
             assert moved > 20 * WEIGHT_ATOL, f"{k} moved only {moved:.2e} in {STEPS} steps"
 
 
-@pytest.mark.parametrize("layout", ["cp2", "pp2"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("name", "layout"), PARALLEL_IMPORTS)
 def test_import_matches_transformers_at_cp2_and_pp2(name, layout, dist_run, tmp_path_factory):
     """The imported model's own logits under ring attention (cp2) and across two pipeline stages
-    (pp2), plain and with packed documents, equal transformers' (each document run on its own).
-    The tp layouts' logits are checked in test_imported_model_trains_like_one_process. The worker
-    is test_gpt2's: it knows no family (Engine + --train.init_from)."""
+    (pp2), plain and with packed documents, equal transformers' (each document run on its own);
+    Llama's at tp2 and tp2+SP too (the others' tp logits are checked in
+    test_imported_model_trains_like_one_process). The worker is test_gpt2's: it knows no family
+    (Engine + --train.init_from)."""
     import test_gpt2 as g
 
     path = tmp_path_factory.mktemp(f"{name}-{layout}")
