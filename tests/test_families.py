@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+import test_layouts as layouts
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -173,23 +174,18 @@ def test_export_reloads_in_transformers(name, tmp_path, tmp_path_factory):
 
 # ----------------------------------------------------------------------------- layouts
 
-STEPS = 3
-LR = 3e-3
-WEIGHT_ATOL = 0.01 * LR * STEPS  # test_layouts' rule (see its docstring)
+# test_layouts' steps, learning rate, weight tolerance rule (see its docstring) and layouts, plus
+# the few this matrix adds.
+STEPS, LR, WEIGHT_ATOL = layouts.STEPS, layouts.LR, layouts.WEIGHT_ATOL
 TRAIN = ["--train.seq_len", "32", "--train.global_batch", "8", "--train.micro_batch", "2",
          "--train.warmup_steps", "2", "--train.eval_batches", "1", "--train.sample_tokens", "16",
          "--train.lr", str(LR)]
 
 LAYOUTS = {
-    "tp2": ["--parallel.tp", "2"],
-    "tp2-sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
-    "pp2": ["--parallel.pp", "2"],
-    "cp2": ["--parallel.cp", "2"],
-    "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],
+    **{name: layouts.LAYOUTS[name] for name in ("tp2", "tp2-sp", "pp2", "cp2", "dp2-zero3", "dp2-tp2-pp2")},
     "dp2-tp2-zero1": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"],
     "dp2-tp2-sp-zero3": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
                          "--parallel.zero_stage", "3"],
-    "dp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
     "tp2-pp2-cp2": ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.cp", "2"],
 }
 # Every family under the six kinds (2 ranks each) and one 3D layout; Qwen3's per-head norms,

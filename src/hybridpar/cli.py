@@ -132,8 +132,9 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 
 def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
-    """Every check that needs no process group: layout for this world size, the checkpoint to
-    resume, the shape of ``train.init_from``. Returns the checkpoint path to resume from."""
+    """Every check that needs no process group: layout for this world size, the data, the
+    checkpoint to resume. (``train.init_from``'s model already comes from its ``config.json``:
+    ``load_config`` read it.) Returns the checkpoint path to resume from."""
     validate(cfg, world_size=world_size)
     from hybridpar.distributed.device import local_world_size, resolve_device_type
 
@@ -156,10 +157,6 @@ def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
             metas.append((part.path, meta))
     if len(metas) > 1:
         check_one_tokenizer(metas)
-    if cfg.train.init_from and resume is None:
-        from hybridpar.models.hf import check_same_shape, model_config_from_hf
-
-        check_same_shape(model_config_from_hf(cfg.train.init_from), cfg.model, cfg.train.init_from)
     if resume is None:
         return None
     from hybridpar.training.checkpoint import resolve_resume

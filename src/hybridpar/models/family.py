@@ -10,7 +10,8 @@ these modules and callables handed in. See ``docs/guide.md`` ("Adding a model fa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import json
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +71,6 @@ class HFMapping:
 
 def bad_value(where: str, key: str, value: Any, why: str) -> HFError:
     """The one-line error for a ``config.json`` value a family cannot represent."""
-    import json
-
     return HFError(f"{where}: {key} = {json.dumps(value)} is not supported ({why})")
 
 
@@ -80,10 +79,8 @@ class Family:
     """One model family: its math, its parallel plan and its Hugging Face mapping."""
 
     name: str
-    build: Callable[[ModelConfig], nn.Module]
-    init_tensor: Callable[[str, Sequence[int], int, ModelConfig], Tensor]
+    build: Callable[[ModelConfig], nn.Module]  # the model, with init_weights(seed)
     tp: TensorPlan
-    check_tp: Callable[[ModelConfig, int], None]  # ValueError naming the numbers and the fix
     parallelize: Callable[[nn.Module, Axis, bool], nn.Module]  # (model, tp axis, sequence_parallel)
     attention_modules: Callable[[nn.Module], list[nn.Module]]  # each has core(q, k, v, docs=None)
     blocks: Callable[[nn.Module], list[nn.Module]]  # decoder layers: full recompute

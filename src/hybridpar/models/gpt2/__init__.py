@@ -16,7 +16,6 @@ from hybridpar.models.gpt2.parallelize import (
     PLAN,
     attention_modules,
     blocks,
-    check_tp_shape,
     parallelize_gpt2,
     zero3_units,
 )
@@ -25,6 +24,5 @@ from hybridpar.models.gpt2.pipeline import GPT2Chunk
 __all__ = ["FAMILY", "GPT2", "GPT2HF", "Attention", "Block", "FeedForward", "GPT2Chunk", "gpt2_config_from_hf",
            "init_tensor", "parallelize_gpt2", "to_hf_config_dict"]
 
-FAMILY = Family(name="gpt2", build=GPT2, init_tensor=init_tensor, tp=PLAN, check_tp=check_tp_shape,
-                parallelize=parallelize_gpt2, attention_modules=attention_modules, blocks=blocks,
+FAMILY = Family(name="gpt2", build=GPT2, tp=PLAN, parallelize=parallelize_gpt2, attention_modules=attention_modules, blocks=blocks,
                 zero3_units=zero3_units, make_chunk=GPT2Chunk, hf=GPT2HF())

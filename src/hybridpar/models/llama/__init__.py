@@ -23,7 +23,6 @@ from hybridpar.models.llama.parallelize import (
     PLAN,
     attention_modules,
     blocks,
-    check_tp_shape,
     parallelize_llama,
     zero3_units,
 )
@@ -37,8 +36,7 @@ __all__ = ["FAMILY", "Attention", "Block", "Documents", "FeedForward", "Llama", 
 def llama_family(name: str, hf: LlamaHF) -> Family:
     """A family with Llama's math and plan and ``hf``'s Hugging Face mapping (the Llama-like
     families Qwen2, Qwen3 and Mistral differ from Llama only there and in their config features)."""
-    return Family(name=name, build=Llama, init_tensor=init_tensor, tp=PLAN, check_tp=check_tp_shape,
-                  parallelize=parallelize_llama, attention_modules=attention_modules, blocks=blocks,
+    return Family(name=name, build=Llama, tp=PLAN, parallelize=parallelize_llama, attention_modules=attention_modules, blocks=blocks,
                   zero3_units=zero3_units, make_chunk=LlamaChunk, hf=hf)
 
 
