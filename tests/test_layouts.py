@@ -72,6 +72,8 @@ LAYOUTS = {
     "dp2-tp2-zero3": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.zero_stage", "3"],
     "dp2-cp2-zero2": ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.zero_stage", "2"],
     "dp2-pp2-zero1": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "1"],
+    "dp2-pp2-zb-zero2": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1",
+                         "--parallel.zero_stage", "2"],
     "dp2-tp2-pp2-zero2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "2"],
     # activation recomputation reruns forwards (their collectives included) inside backward
     "recompute-full": ["--parallel.recompute", "full"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_pipeline_wsplit import deferred_bytes
 
 from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import ParallelDims
@@ -64,6 +65,7 @@ def _pipeline_step(rank: int, world: int, kind: str, v: int, m: int, n_layers: i
         grads = {name: p.grad.clone() for c in chunks for name, p in c.named_parameters()}
         owned = [name for name, _ in owned_named_parameters(chunks)]
         return {"losses": result.losses, "eval_losses": eval_losses, "owned": owned, "grads": grads, "peak": result.peak_activations,
+                "deferred_bytes": result.peak_deferred_bytes,
                 "promise": sched.promised_in_flight(topo.pp.rank), "p2p_bytes": p2p_bytes,
                 "timeline_rows": [len(row) for row in timeline.ranks],
                 "order": [iv.action for iv in result.intervals],
@@ -101,6 +103,12 @@ def test_pipeline_step_matches_single_process(dist_run, world, kind, v):
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
     assert [r["peak"] for r in results] == [r["promise"] for r in results]
+    # ZB-H1 keeps from B to W only the deferred linears' inputs and output gradients (formula in
+    # test_pipeline_wsplit); the other schedules keep nothing past B
+    cfg, per_chunk = _cfg(n_layers, False), n_layers // (world * v)
+    assert [r["deferred_bytes"] for r in results] == [
+        deferred_bytes(cfg, per_chunk, rank == world - 1, MB * SEQ) if kind == "zb-h1" else 0
+        for rank in range(world)]
     # The runtime ran the schedule's compute actions in order, and every p2p byte was counted:
     # each of the S-1 boundaries moves one activation and one gradient per micro-batch.
     assert all(r["order"] == r["computes"] for r in results)

@@ -6,8 +6,9 @@ and tensors saved by several nodes share one) and releases it through a ``weakre
 on the packed handle when autograd frees it; parameters (and views of them) are not activations
 and are skipped. The handle holds a detached alias: holding the tensor itself would tie a saved
 output to its own grad_fn (a reference cycle autograd cannot see, which outlives a partial
-backward such as ZB-H1's weight pass). The pipeline runner's own per-(micro-batch, chunk)
-records (received input, held output, ZB-H1's output gradient) are counted the same way. The
+backward). The pipeline runner's own per-(micro-batch, chunk) records (received input, held
+output) and ZB-H1's deferred linears (the output gradient B hands to W; what their
+weight-gradient nodes save goes through the same pack hook) are counted the same way. The
 peak of the live bytes over one ``Engine.forward_backward`` is compared with
 :func:`rank_activations` (activations + logits) for every pipeline rank. Communication: one
 ``Trainer.train_step`` after a warm-up step, the comm counter's payload bytes per axis against
@@ -103,6 +104,8 @@ ACT_LAYOUTS: dict[str, list[str]] = {
     "pp2-interleaved": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "interleaved",
                         "--parallel.virtual_stages", "2"],
     "pp2-zb": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1"],
+    "pp2-zb-tp2-sp-bf16": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1", "--parallel.tp", "2",
+                           "--parallel.sequence_parallel", "true", "--train.precision", "bf16"],
     "pp4-1f1b": ["--parallel.pp", "4"],
     "pp2-tp2-sp": ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "single-recompute-full": ["--parallel.recompute", "full"],
@@ -120,8 +123,8 @@ def _act_config(name: str):
 
 
 def _metered(saved_cls: type, meter: SavedBytesMeter) -> type:
-    """The pipeline runner's per-(micro-batch, chunk) record class, its tensors (received input,
-    held output, ZB-H1's output gradient) counted by ``meter`` while the record lives."""
+    """A record class of the pipeline runtime (the runner's per-(micro-batch, chunk) record, or
+    ZB-H1's deferred linear), its tensors counted by ``meter`` while the record lives."""
 
     class Metered(saved_cls):  # type: ignore[misc, valid-type]
         def __setattr__(self, key: str, value: object) -> None:
@@ -164,15 +167,18 @@ def _measure_activations(rank: int, world: int, names: list[str]) -> dict[str, t
     """Per layout: (this rank's pipeline rank, its peak saved bytes over one forward_backward)."""
     from hybridpar.parallel import recompute
     from hybridpar.parallel.context import zigzag_shard
-    from hybridpar.parallel.pipeline import runtime
+    from hybridpar.parallel.pipeline import runtime, wsplit
     from hybridpar.training.engine import Engine
 
     out = {}
-    original, original_recompute = runtime._Saved, recompute._recomputed
+    original, original_recompute, original_linear = runtime._Saved, recompute._recomputed, wsplit._Linear
+    original_hooks = wsplit._pack, wsplit._unpack
     for name in names:
         cfg = _act_config(name)
         meter = SavedBytesMeter()
         runtime._Saved = _metered(original, meter)
+        wsplit._Linear = _metered(original_linear, meter)
+        wsplit._pack, wsplit._unpack = meter.pack, meter.unpack  # what deferred linears' nodes save
         recompute._recomputed = _metered_recompute(meter)
         try:
             with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
@@ -189,7 +195,8 @@ def _measure_activations(rank: int, world: int, names: list[str]) -> dict[str, t
                     engine.forward_backward(batches, 1.0 / len(batches))
                 out[name] = (topo.pp.rank, meter.peak)
         finally:
-            runtime._Saved, recompute._recomputed = original, original_recompute
+            runtime._Saved, recompute._recomputed, wsplit._Linear = original, original_recompute, original_linear
+            wsplit._pack, wsplit._unpack = original_hooks
     return out
 
 
@@ -358,10 +365,10 @@ def test_live_chunk_counts_cap_and_worst_rank():
             c = a.stage // pp
             if a.kind is ActionKind.F:
                 counts[c] += 1
-            elif a.kind is ActionKind.B:
-                counts[v + c if split else c] += 1 if split else -1
-            else:
+            elif a.kind is ActionKind.B:  # activations freed; split: deferred kept until W
                 counts[c] -= 1
+                counts[v + c] += 1 if split else 0
+            else:
                 counts[v + c] -= 1
             seen.add(tuple(counts))
         return pareto_max(seen)

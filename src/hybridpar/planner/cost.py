@@ -8,7 +8,7 @@ tile quantisation (a dimension uses ``x / ceil(x/128)*128`` of its tiles): thin 
 shards and small micro-batches lose efficiency by shape, not by a fitted factor. Attention
 cores, norms, activations and the cross-entropy are memory-bound element-wise passes. Backward
 GEMMs are the input- and weight-gradient GEMMs, priced by their own shapes (ZB-H1 runs them as
-B and W; in this runtime W re-traverses the whole backward, so it costs a backward again). The
+B and W: W runs only the linears' weight-gradient GEMMs, :mod:`hybridpar.parallel.pipeline.wsplit`). The
 block is the workload's ``style`` (:class:`~hybridpar.planner.layout.BlockStyle`):
 ``BlockStyle.EAGER`` is this runtime's eager block (separate q/k/v/o and w1/w3/w2 GEMMs, unfused
 element-wise ops, :func:`eager_elementwise_elements`); ``BlockStyle.MEGATRON`` is Megatron-LM's
@@ -262,11 +262,6 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     s = work.seq_len // L.cp
     tok = L.micro_batch * s
     lt = layer_time(model, L, work, cluster)
-    if L.pipeline_schedule == "zb-h1" and pp > 1 and work.style is BlockStyle.EAGER:
-        # this runtime's W re-traverses the chunk's graph for the weight gradients (no saved
-        # intermediate gradients, parallel/pipeline/runtime.py): about a whole backward again,
-        # its tp collectives included (traffic.py counts them twice too)
-        lt = LayerTime(lt.f, lt.b, lt.b + lt.w, lt.tp_comm * 1.5)
     vocab = padded(model.vocab_size, t) / t
     head_f = gemm_time(tok, vocab, model.dim, g, ab) + 3 * tok * vocab * (ab + 4) / g.hbm_bw
     emb_f = cluster.collective_time("all_reduce", tok * model.dim * ab, t, 1)  # vocab-parallel embedding

@@ -40,8 +40,8 @@ forward, and autograd keeps them), on non-last pipeline chunks the output the ru
 the backward, and on the last the final norm and the fp32 softmax of the loss (``4 V/t``; the
 logits themselves are not kept). How many (micro-batch, chunk) sets a rank holds at once comes
 from the schedule's own compute order (:func:`live_chunk_counts`): the interleaving factor, GPipe
-keeping every micro-batch (and its softmax) on the last stage, ZB-H1 holding output gradients from
-B to W.
+keeping every micro-batch (and its softmax) on the last stage, ZB-H1 freeing a chunk's activations
+at B but keeping, until W, what its deferred weight gradients need (:func:`deferred_layer_bytes`).
 
 Allowance (stated, not fitted): 1 GiB for the CUDA context, cuBLAS and NCCL workspaces, plus 10%
 of everything else for caching-allocator fragmentation.
@@ -210,15 +210,29 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
     return llama_layer_bytes(model, s, b, t, sp, rec, work.act_bytes, work.param_bytes, cp)
 
 
+def deferred_layer_bytes(model: ModelConfig, t: int, act_bytes: int, residual_bytes: int) -> tuple[float, float]:
+    """``(inputs, grads)``: bytes per token one Llama layer keeps from ZB-H1's B to its W
+    (:mod:`hybridpar.parallel.pipeline.wsplit`): each linear's saved input (the normed input
+    shared by q/k/v, and by w1/w3, one cast copy per linear under autocast; the attention output
+    ``wo`` reads; the SwiGLU product ``w2`` reads) and each linear's output gradient (q, k, v,
+    w1, w3 sharded over tp; ``wo`` and ``w2`` full-width partial sums, full-length under SP)."""
+    a, h, f = act_bytes, model.dim, model.ffn_hidden
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    autocast = a != residual_bytes
+    inputs = (3 if autocast else 1) * a * h + a * q / t + (2 if autocast else 1) * a * h + a * f / t
+    grads = a * (q + 2 * kv + 2 * f) / t + 2 * a * h
+    return inputs, grads
+
+
 @dataclass(frozen=True)
 class ChunkBytes:
-    """What one micro-batch of one pipeline chunk keeps: ``body`` from its forward to its last
-    backward action (layers, ids, RoPE tables, weight casts, the held output), ``head`` (last
-    chunk: final norm and loss), ``grad`` (the output gradient ZB-H1 keeps from B to W)."""
+    """What one micro-batch of one pipeline chunk keeps: ``body`` from its forward to its
+    (input-gradient) backward B (layers, ids, RoPE tables, weight casts, the held output),
+    ``head`` (last chunk: final norm and loss), ``deferred`` (what ZB-H1 keeps from B to W)."""
 
     body: float
     head: float = 0.0
-    grad: float = 0.0
+    deferred: float = 0.0
 
 
 def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: ChunkSpec) -> ChunkBytes:
@@ -235,7 +249,7 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
         # Korthikanti 4.3: embedding output; final norm and head input, fp32 logits
         body = n * per_layer + (tok * h * a / shard if chunk.embedding else 0.0)
         head = 2 * tok * h * a / shard + tok * vocab * (a + 4) if chunk.head else 0.0
-        return ChunkBytes(body, head)
+        return ChunkBytes(body, head, body + head)  # not modelled in detail: all of it until W
     autocast = a != r
     body = n * per_layer + (2 * s * model.head_dim * 4 if n else 0)  # RoPE cos and sin
     if autocast:  # half copies of the layers' matmul weights
@@ -258,7 +272,16 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
             head += tok * (4 * vocab + 10) + 8
         if autocast:
             head += a * vocab * h  # the head weight's cast
-    return ChunkBytes(body, head, 0.0 if chunk.head else held)
+    inputs, grads = deferred_layer_bytes(model, t, a, r)
+    deferred = n * tok * (inputs + grads)
+    if autocast:  # the half weight copies the deferred linears' weight-gradient nodes keep
+        q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+        deferred += n * a * (2 * h * q + 2 * h * kv + 3 * h * model.ffn_hidden) / t
+    if chunk.head and not model.tie_embeddings:  # the head's input and the logits' gradient
+        deferred += tok * a * (h + vocab) + (a * vocab * h if autocast else 0)
+    if L.recompute == "full" and L.pipeline_schedule == "zb-h1":
+        body += n * tok * inputs  # the deferred linears' inputs are saved at F, not recomputed
+    return ChunkBytes(body, head, deferred)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -267,7 +290,7 @@ def live_chunk_counts(kind: str, pp: int, virtual_stages: int, microbatches: int
     """What rank ``rank`` of a ``pp``-stage pipeline holds at its peaks: the Pareto-maximal
     vectors ``(alive_0, .., alive_{V-1}, held_0, .., held_{V-1})`` over the schedule's compute
     order, where ``alive_c`` counts micro-batches of local chunk ``c`` between their F and their
-    last backward action, and ``held_c`` output gradients kept from B to W (ZB-H1).
+    first backward action, and ``held_c`` those between B and W (ZB-H1: deferred weight gradients).
 
     GPipe and 1F1B have closed forms (``M`` and ``min(pp - rank, M)``); the others walk
     :func:`compute_order`, capped at ``2 pp`` micro-batches (ZB-H1) or ``4 pp`` (interleaved):
@@ -290,13 +313,12 @@ def live_chunk_counts(kind: str, pp: int, virtual_stages: int, microbatches: int
         c = act.stage // pp
         if act.kind is ActionKind.F:
             counts[c] += 1
-        elif act.kind is ActionKind.B and split:
-            counts[v + c] += 1
         elif act.kind is ActionKind.B:
             counts[c] -= 1
-            continue
+            if not split:
+                continue
+            counts[v + c] += 1
         else:
-            counts[c] -= 1
             counts[v + c] -= 1
             continue
         seen.add(tuple(counts))  # peaks follow an increase
@@ -364,7 +386,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
     best = (-1.0, 0.0, 0.0, 0)
     for vec in vectors:
-        body = sum(n * cb.body + g * cb.grad for n, g, cb in zip(vec[:v], vec[v:], sizes, strict=True))
+        body = sum(n * cb.body + g * cb.deferred for n, g, cb in zip(vec[:v], vec[v:], sizes, strict=True))
         head = sum(n * cb.head for n, cb in zip(vec[:v], sizes, strict=True))
         if body + head > best[0]:
             best = (body + head, body, head, sum(vec[:v]))

@@ -16,9 +16,8 @@ backward (f) and, per row-parallel layer (2 per layer), one forward (g); with SP
 layer; the vocab-parallel embedding one more g, the loss two all-reduces of 1 and 2 fp32 per
 token. Ring attention sends and receives, per layer, ``cp - 1`` K/V blocks forward, ``cp - 1``
 backward and ``cp - 1`` fp32 dK/dV blocks. Pipeline ranks send and receive one ``d/t_SP`` fp32
-hidden state per stage boundary and micro-batch each way, then broadcast the ``M`` losses. Under
-ZB-H1, W recomputes the backward of stages after the first for their weight gradients, so
-their backward collectives (tp, cp) run twice. Activation recomputation reruns forward
+hidden state per stage boundary and micro-batch each way, then broadcast the ``M`` losses. ZB-H1's
+W runs only the linears' weight-gradient GEMMs, no collective. Activation recomputation reruns forward
 collectives in each backward traversal: a block's tp and cp ones (full), ring attention's
 (selective).
 Gradients cross dp x cp once per step: bucketed all-reduces (ZeRO-0), a reduce-scatter per
@@ -156,31 +155,28 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     kv = 2 * b * s * model.n_kv_heads * model.head_dim // t  # one stacked K/V block
     for c in chunks:
         n_c, norms_c = len(c.layers), 2 * len(c.layers) + c.head
-        # ZB-H1's W re-runs a chunk's backward for the weight gradients (B took the input gradient
-        # with the graph retained): the backward collectives run twice, except on the first stage
-        back = 2 if L.pipeline_schedule == "zb-h1" and L.pp > 1 and c.stage > 0 else 1
         # tensor parallelism, per micro-batch: norm entries (f / SP all-gather forward), row-parallel
         # exits (g / SP reduce-scatter), the embedding's exit, the vocab-parallel loss
         if sp:
             add("all_gather", "tp", t, norms_c * d // t * r, m)  # norm entries, forward
-            add("reduce_scatter", "tp", t, norms_c * d * r, m * back)  # their backward
+            add("reduce_scatter", "tp", t, norms_c * d * r, m)  # their backward
             add("reduce_scatter", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits
-            add("all_gather", "tp", t, (2 * n_c * d * a + c.embedding * d * r) // t, m * back)
+            add("all_gather", "tp", t, (2 * n_c * d * a + c.embedding * d * r) // t, m)
         else:
             add("all_reduce", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits, forward
-            add("all_reduce", "tp", t, norms_c * d * r, m * back)  # norm entries, backward
+            add("all_reduce", "tp", t, norms_c * d * r, m)  # norm entries, backward
         if c.head:
             add("all_reduce", "tp", t, 3 * b * s * 4, m)  # max, then (sum of exp, target logit)
         # ring attention: K/V blocks forward; K/V blocks and fp32 dK/dV blocks backward
         for op in ("send", "recv"):
             add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, m)
-            add(op, "cp", L.cp, n_c * (L.cp - 1) * (kv * a + kv * 4), m * back)
+            add(op, "cp", L.cp, n_c * (L.cp - 1) * (kv * a + kv * 4), m)
         # recomputation reruns, in every backward traversal, the forward collectives of each
         # block (full: SP's gathers, ring attention, the attention exit) or of its attention
         # core (selective: ring attention). torch's checkpoint stops a block's recomputation once
         # the last tensor backward needs is saved (the MLP's down projection input), so the MLP
         # exit's collective is not rerun.
-        rerun = m * back if L.recompute != "none" else 0
+        rerun = m if L.recompute != "none" else 0
         if L.recompute == "full" and sp:
             add("all_gather", "tp", t, 2 * n_c * d // t * r, rerun)
             add("reduce_scatter", "tp", t, n_c * d * a, rerun)

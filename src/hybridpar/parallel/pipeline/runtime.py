@@ -11,13 +11,13 @@ Gradient semantics equal the non-pipelined loop: the last stage scales each micr
 by ``1 / M`` before backward, so after :meth:`PipelineRunner.run` every parameter's ``.grad``
 holds (plus whatever it held before) the gradient of the mean loss over the M micro-batches.
 
-ZB-H1 (``schedule.split_backward``): B computes the input gradient with
-``torch.autograd.grad(out, [input], grad, retain_graph=True)`` and sends it upstream at once; W
-later computes the weight gradients with ``torch.autograd.backward(out, grad, inputs=params)``,
-which accumulates them into ``.grad`` and runs the parameters' post-accumulate-grad hooks (the
-gradient reducer and ZeRO rely on those). Correct, but W re-traverses the chunk's graph (no
-saved intermediate gradients), so on real models it costs about a full backward; the schedule's benefit shows when
-W's work is separable (the benchmark's sleep stages) - a known limitation.
+ZB-H1 (``schedule.split_backward``): B and W are split per linear layer (:mod:`.wsplit`): B is
+the chunk's backward with every linear layer's weight gradient left out (input gradients, and the
+weight gradients of everything else, e.g. norms and embeddings); it keeps each deferred linear's
+input and output gradient and frees the rest of the chunk's graph. W computes the deferred weight
+gradients from those alone, accumulating into ``.grad`` and firing each parameter's
+post-accumulate-grad hooks once (the gradient reducer and ZeRO rely on those). The gradients equal
+the unsplit backward's bit for bit (the argument is in :mod:`.wsplit`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from hybridpar.parallel.pipeline.schedules import (
     produced_message,
 )
 from hybridpar.parallel.pipeline.simulate import Interval, Timeline
+from hybridpar.parallel.pipeline.wsplit import Deferred, WeightGradSplit
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 _KINDS = list(ActionKind)
@@ -53,8 +54,8 @@ class _Saved:
     """What one (micro-batch, stage) keeps between its F and its last backward action."""
 
     inp: Tensor | None  # the received input (a leaf requiring grad), None on the first stage
-    out: Tensor  # hidden output, or the scaled loss on the last stage
-    grad: Tensor | None = None  # output gradient, kept from B to W when backward is split
+    out: Tensor | None  # hidden output, or the scaled loss on the last stage (None after a split B)
+    deferred: Deferred | None = None  # the deferred linears, kept from F to W when backward is split
 
 
 @dataclass
@@ -70,6 +71,7 @@ class _Step:
     losses: dict[int, Tensor] = field(default_factory=dict)
     intervals: list[Interval] = field(default_factory=list)
     peak: int = 0
+    peak_deferred_bytes: int = 0
 
 
 @dataclass
@@ -79,6 +81,9 @@ class PipelineStepResult:
     losses: Tensor  # [M] unscaled per-micro-batch losses, identical on every pp rank
     peak_activations: int  # most (micro-batch, chunk) activations this rank stored at once
     intervals: tuple[Interval, ...]  # this rank's compute actions, seconds from the step start
+    # split backward: most bytes one (micro-batch, chunk) kept from its B to its W (each deferred
+    # linear's input and output gradient, distinct storages); 0 for the other schedules
+    peak_deferred_bytes: int = 0
 
     @property
     def loss(self) -> float:
@@ -105,9 +110,9 @@ class PipelineRunner:
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.forward_context = forward_context or contextlib.nullcontext
         self.chunks = {s: chunks[v] for v, s in enumerate(schedule.stages_of(self.rank))}
-        self.params = {s: [p for p in c.parameters() if p.requires_grad] for s, c in self.chunks.items()}
         self.last_stage = schedule.num_stages - 1
         self._scale = 1.0 / schedule.microbatches
+        self.split = WeightGradSplit(list(chunks)) if schedule.split_backward else None
 
     # ------------------------------------------------------------------ entry point
     def run(self, microbatches: Sequence[tuple[Tensor, Tensor]],
@@ -149,7 +154,8 @@ class PipelineRunner:
         if step.saved or step.recvs:
             raise RuntimeError(f"pipeline rank {self.rank} ended with {len(step.saved)} stored "
                                f"activations and {len(step.recvs)} unconsumed receives")
-        return PipelineStepResult(self._gather_losses(step), step.peak, tuple(step.intervals))
+        return PipelineStepResult(self._gather_losses(step), step.peak, tuple(step.intervals),
+                                  step.peak_deferred_bytes)
 
     # ------------------------------------------------------------------ communication
     def _peer(self, stage: int) -> int:
@@ -203,7 +209,9 @@ class PipelineRunner:
             inp = x if x.is_floating_point() and x.requires_grad else None
         else:
             x = inp = received.requires_grad_(step.store)
-        with self.forward_context():
+        deferred = Deferred() if self.split is not None and step.store else None
+        with self.forward_context(), (self.split.forward(deferred) if deferred is not None
+                                      else contextlib.nullcontext()):
             out = self.chunks[s](x) if not extra else self.chunks[s](x, docs=extra[0])
             if s == self.last_stage:
                 loss = self.loss_fn(out, targets.to(self.topo.device))
@@ -216,31 +224,30 @@ class PipelineRunner:
                                     f"was built for act_shape={self.act_shape} act_dtype={self.act_dtype}")
             step.outbox[produced_message(a, self.schedule.num_stages)] = out.detach()
         if step.store:
-            step.saved[(m, s)] = _Saved(inp, out)
+            step.saved[(m, s)] = _Saved(inp, out, deferred)
             step.peak = max(step.peak, len(step.saved))
 
     def _backward(self, a: Action, grad: Tensor | None, step: _Step) -> None:
         m, s = a.microbatch, a.stage
         saved = step.saved[(m, s)]
-        input_grad = None
-        if self.schedule.split_backward:
-            if saved.inp is not None:
-                (input_grad,) = torch.autograd.grad(saved.out, [saved.inp], grad, retain_graph=True)
-            saved.grad = grad
+        if self.split is not None:  # deferred linears leave their weight gradients to W
+            with self.split.backward():
+                torch.autograd.backward(saved.out, grad)
+            saved.out = None  # the chunk's graph is freed; only the deferred linears' inputs stay
+            step.peak_deferred_bytes = max(step.peak_deferred_bytes, saved.deferred.held_bytes())
         else:
             torch.autograd.backward(saved.out, grad)
-            input_grad = saved.inp.grad if saved.inp is not None else None
             del step.saved[(m, s)]
+        input_grad = saved.inp.grad if saved.inp is not None else None
+        saved.inp = None
         if s > 0:
             if input_grad is None:  # the chunk ignored its input: send a zero gradient
                 input_grad = torch.zeros(self.act_shape, dtype=self.act_dtype, device=self.topo.device)
             step.outbox[produced_message(a, self.schedule.num_stages)] = input_grad
 
     def _weight_grad(self, a: Action, step: _Step) -> None:
-        saved = step.saved.pop((a.microbatch, a.stage))
-        params = self.params[a.stage]
-        if params:  # accumulates into .grad and fires post-accumulate-grad hooks (DP / ZeRO count on them)
-            torch.autograd.backward(saved.out, saved.grad, inputs=params)
+        # accumulates into .grad and fires post-accumulate-grad hooks (DP / ZeRO count on them)
+        step.saved.pop((a.microbatch, a.stage)).deferred.weight_grads()
 
     # ------------------------------------------------------------------ results
     def _gather_losses(self, step: _Step) -> Tensor:

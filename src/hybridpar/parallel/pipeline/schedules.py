@@ -206,8 +206,10 @@ def promised_in_flight(kind: Schedule, pp: int, virtual_stages: int, microbatche
 
     GPipe: M. 1F1B: ``min(pp - rank, M)``. Interleaved (counted in chunks, each 1/V of a
     stage): ``min(V*M, 2*(pp - rank - 1) + (V - 1)*pp + 1)``, or ``V*M`` when M == pp (all
-    forwards first, as Megatron does). ZB-H1 holds activations from F until W, and rank r defers
-    its W by r micro-batches: ``min(pp, M)`` on every rank (the peak of 1F1B's first stage).
+    forwards first, as Megatron does). ZB-H1 keeps a record from F until W (the chunk's
+    activations until B, then only what the deferred weight gradients need, :mod:`.wsplit`), and
+    rank r defers its W by r micro-batches: ``min(pp, M)`` on every rank (the peak of 1F1B's
+    first stage).
     """
     m, v = microbatches, virtual_stages
     if kind is Schedule.GPIPE:
