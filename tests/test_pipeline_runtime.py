@@ -53,7 +53,7 @@ def _pipeline_step(rank: int, world: int, kind: str, v: int, m: int, n_layers: i
     model = _model(n_layers, tie)
     with ParallelDims(pp=world).build() as topo:
         sched = build_schedule(kind, world, v, m)
-        chunks = build_stage_modules(model, LlamaChunk, topo.pp.rank, world, v)
+        chunks = build_stage_modules(model, LlamaChunk, topo.pp.rank, world, v, v_shape=sched.v_shape)
         runner = PipelineRunner(chunks, topo, sched, _loss, act_shape=(MB, SEQ, DIM))
         batches = _batches(m, model.cfg.vocab_size)
         eval_losses = runner.evaluate(batches[:3])  # forward only, any micro-batch count
@@ -82,8 +82,8 @@ def _reference(m: int, n_layers: int, tie: bool) -> tuple[torch.Tensor, dict[str
     return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
 
 
-CASES = [(world, kind, 2 if kind == "interleaved" else 1)
-         for world in (2, 4) for kind in ("gpipe", "1f1b", "interleaved", "zb-h1")]
+CASES = [(world, kind, 2 if kind in ("interleaved", "zbv") else 1)
+         for world in (2, 4) for kind in ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")]
 
 
 @pytest.mark.parametrize("world, kind, v", CASES, ids=[f"pp{w}-{k}" for w, k, _ in CASES])
@@ -107,26 +107,29 @@ def test_pipeline_step_matches_single_process(dist_run, world, kind, v):
     # test_pipeline_wsplit); the other schedules keep nothing past B
     cfg, per_chunk = _cfg(n_layers, False), n_layers // (world * v)
     assert [r["deferred_bytes"] for r in results] == [
-        deferred_bytes(cfg, per_chunk, rank == world - 1, MB * SEQ) if kind == "zb-h1" else 0
-        for rank in range(world)]
+        deferred_bytes(cfg, per_chunk, rank == world - 1 if kind == "zb-h1" else rank == 0, MB * SEQ)
+        if kind in ("zb-h1", "zbv") else 0 for rank in range(world)]
     # The runtime ran the schedule's compute actions in order, and every p2p byte was counted:
     # each of the S-1 boundaries moves one activation and one gradient per micro-batch.
     assert all(r["order"] == r["computes"] for r in results)
+    # (ZBV's turn from stage pp - 1 to pp stays on one rank: one boundary fewer on the wire.)
     act_bytes = MB * SEQ * DIM * 4
-    assert sum(r["p2p_bytes"] for r in results) == 2 * m * (world * v - 1) * act_bytes
-    per_rank = (3 if kind == "zb-h1" else 2) * m * v
+    boundaries = world * v - 1 - (kind == "zbv")
+    assert sum(r["p2p_bytes"] for r in results) == 2 * m * boundaries * act_bytes
+    per_rank = (3 if kind in ("zb-h1", "zbv") else 2) * m * v
     assert results[0]["timeline_rows"] == [per_rank] * world
 
 
-@pytest.mark.parametrize("world, kind", [(2, "1f1b"), (4, "zb-h1")])
+@pytest.mark.parametrize("world, kind", [(2, "1f1b"), (4, "zb-h1"), (2, "zbv")])
 def test_tied_embeddings_across_first_and_last_stage(dist_run, world, kind):
     """The head on the last rank uses its own copy of the embedding weight; after
-    sync_tied_embedding_grads both copies hold the single-process gradient."""
+    sync_tied_embedding_grads both copies hold the single-process gradient. (ZBV puts the first
+    and the last stage on rank 0: one weight, used by two chunks.)"""
     m, n_layers = world, 4
-    results = dist_run(world, _pipeline_step, kind, 1, m, n_layers, True)
+    results = dist_run(world, _pipeline_step, kind, 2 if kind == "zbv" else 1, m, n_layers, True)
     ref_losses, ref_grads = _reference(m, n_layers, True)
     torch.testing.assert_close(results[0]["losses"], ref_losses, rtol=1e-5, atol=1e-7)
-    first, last = results[0]["grads"], results[-1]["grads"]
+    first, last = results[0]["grads"], results[0 if kind == "zbv" else -1]["grads"]
     torch.testing.assert_close(first["tok_embeddings.weight"], ref_grads["tok_embeddings.weight"],
                                rtol=1e-5, atol=1e-7)
     assert torch.equal(first["tok_embeddings.weight"], last["tok_embeddings.weight"])

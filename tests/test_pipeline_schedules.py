@@ -31,7 +31,7 @@ from hybridpar.parallel.pipeline import (
     textbook_bubble,
 )
 from hybridpar.parallel.pipeline.partition import layer_params
-from hybridpar.parallel.pipeline.schedules import build_forward_schedule
+from hybridpar.parallel.pipeline.schedules import build_forward_schedule, needed_message
 
 
 @st.composite
@@ -42,6 +42,8 @@ def layouts(draw, kinds=tuple(Schedule)):
     if kind is Schedule.INTERLEAVED:
         v = draw(st.integers(1, 4)) if pp > 1 else 1
         m = pp * draw(st.integers(1, 4))
+    elif kind is Schedule.ZBV:
+        v, m = 2, draw(st.integers(1, 20))
     else:
         v, m = 1, draw(st.integers(1, 20))
     return kind, pp, v, m
@@ -74,13 +76,16 @@ def test_deadlock_free_and_dependencies_hold(layout, c):
     when = {(iv.action.kind, iv.action.microbatch, iv.action.stage): iv
             for row in timeline.ranks for iv in row}
     eps = 1e-9
+    def hop(a: ActionKind, mb: int, s: int) -> float:  # a hand-over between stages of one rank is free
+        return 0.0 if sched.is_local(needed_message(Action(a, mb, s), sched.num_stages)) else c.p2p
+
     for (kind, mb, s), iv in when.items():
         if kind is ActionKind.F and s > 0:
-            assert iv.start >= when[(ActionKind.F, mb, s - 1)].end + c.p2p - eps
+            assert iv.start >= when[(ActionKind.F, mb, s - 1)].end + hop(kind, mb, s) - eps
         if kind is ActionKind.B:
             assert iv.start >= when[(ActionKind.F, mb, s)].end - eps
             if s < sched.num_stages - 1:
-                assert iv.start >= when[(ActionKind.B, mb, s + 1)].end + c.p2p - eps
+                assert iv.start >= when[(ActionKind.B, mb, s + 1)].end + hop(kind, mb, s) - eps
         if kind is ActionKind.W:
             assert iv.start >= when[(ActionKind.B, mb, s)].end - eps
     for row in timeline.ranks:  # one action at a time per rank
@@ -91,7 +96,7 @@ def test_deadlock_free_and_dependencies_hold(layout, c):
 @given(layouts())
 def test_in_flight_equals_promise(layout):
     """Peak stored activations per rank equal the promise: GPipe M, 1F1B pp - rank, interleaved
-    per Megatron's warm-up formula, ZB-H1 min(pp, M)."""
+    per Megatron's warm-up formula, ZB-H1 min(pp, M), ZBV min(2pp, 2M, M + 1 + rank) chunks."""
     sched = build_schedule(*layout)
     kind, pp, v, m = layout
     got = [max_in_flight(sched.ranks[r]) for r in range(pp)]
@@ -100,6 +105,8 @@ def test_in_flight_equals_promise(layout):
         assert got == [m] * pp
     if kind is Schedule.ONE_F_ONE_B:
         assert got == [min(pp - r, m) for r in range(pp)]
+    if kind is Schedule.ZBV:
+        assert got == [min(2 * pp, 2 * m, m + 1 + r) for r in range(pp)]
 
 
 @settings(max_examples=150, deadline=None)
@@ -107,7 +114,7 @@ def test_in_flight_equals_promise(layout):
 def test_unit_cost_bubbles_match_textbook(layout, t_f, t_b):
     """Equal stage costs, free p2p: GPipe and 1F1B idle (pp-1)/(M+pp-1) of the time whatever the
     F:B ratio; interleaved (pp-1)/(V*M+pp-1), i.e. 1/V of the bubble time; ZB-H1 with
-    F = B = W idles (pp-1)(F+B-W) per rank instead of (pp-1)(F+B+W)."""
+    F = B = W idles (pp-1)(F+B-W) per rank instead of (pp-1)(F+B+W); ZBV half of ZB-H1's."""
     sched = build_schedule(*layout)
     if sched.split_backward:
         t_b = 2 * t_f  # the ZB-H1 formula is stated for F = B = W (full backward 2F)
@@ -117,23 +124,25 @@ def test_unit_cost_bubbles_match_textbook(layout, t_f, t_b):
     busy = sched.microbatches * (t_f + t_b)
     bubble_time = timeline.makespan - busy
     p, v, m = sched.pp, sched.virtual_stages, sched.microbatches
-    if sched.kind is not Schedule.ZB_H1:
+    if not sched.split_backward:
         assert bubble_time == pytest.approx((p - 1) * (t_f + t_b) / v, abs=1e-9)
-    elif m >= p:
+    elif sched.kind is Schedule.ZB_H1 and m >= p:
         assert bubble_time == pytest.approx((p - 1) * t_f, abs=1e-9)
+    elif sched.kind is Schedule.ZBV and m >= 2 * p - 1:
+        assert bubble_time == pytest.approx((p - 1) * t_f / 2, abs=1e-9)
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 3), st.integers(1, 12))
-def test_forward_only_schedule(pp, v, m):
-    """Evaluation lists: F and activation transfers only, any M, deadlock-free, no stalls once
-    M >= pp."""
-    v = 1 if pp == 1 else v
-    sched = build_forward_schedule(pp, v, m)
+@given(st.integers(1, 6), st.integers(1, 3), st.integers(1, 12), st.booleans())
+def test_forward_only_schedule(pp, v, m, v_shape):
+    """Evaluation lists (also in ZBV's V placement): F and activation transfers only, any M,
+    deadlock-free, no stalls once M >= pp."""
+    v = 2 if v_shape else 1 if pp == 1 else v
+    sched = build_forward_schedule(pp, v, m, v_shape)
     check_schedule(sched)
     assert all(a.kind in (ActionKind.F, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
                for acts in sched.ranks for a in acts)
-    if m >= pp:
+    if m >= pp and not v_shape:
         assert simulate(sched, Costs(1, 0, 0)).makespan == pytest.approx(v * m + pp - 1)
     else:
         simulate(sched)
@@ -145,6 +154,23 @@ def test_zero_bubble_halves_1f1b_bubble(pp, m):
     zb = simulate(build_schedule("zb-h1", pp, 1, m), Costs(1, 1, 1))
     assert zb.makespan - 3 * m <= 0.5 * (one.makespan - 3 * m)
     assert zb.bubble_fraction < 0.5 * one.bubble_fraction
+    zbv = simulate(build_schedule("zbv", pp, 2, m), Costs(1, 1, 1).per_chunk(2))
+    assert zbv.makespan <= zb.makespan
+    if m >= 2 * pp - 1:  # ZBV's steady state: half of ZB-H1's bubble
+        assert zbv.makespan - 3 * m <= 0.5 * (zb.makespan - 3 * m)
+
+
+def test_zbv_places_chunks_as_a_v():
+    """Rank r holds stages r and 2pp - 1 - r; the turn (pp - 1 -> pp) is handed over locally, so
+    only 2pp - 2 boundaries have sends; the partition places chunks the same way."""
+    pp = 4
+    sched = build_schedule("zbv", pp, 2, 8)
+    assert [sched.stages_of(r) for r in range(pp)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert sched.is_local(Action(ActionKind.SEND_ACT, 0, 3).message())
+    sends = [a for acts in sched.ranks for a in acts if a.kind is ActionKind.SEND_ACT]
+    assert len(sends) == 8 * (2 * pp - 2)
+    part = partition_layers(16, pp, 2, v_shape=True)
+    assert [[c.stage for c in part.for_rank(r)] for r in range(pp)] == [sched.stages_of(r) for r in range(pp)]
 
 
 def test_known_lists():
@@ -184,8 +210,9 @@ def test_check_catches_fifo_mismatch():
 @pytest.mark.parametrize("args, needle", [
     (("interleaved", 4, 2, 6), "divisible by parallel.pp: 6 % 4 = 2; use 4 or 8 micro-batches"),
     (("interleaved", 4, 2, 2), "divisible by parallel.pp: 2 % 4 = 2; use 4 micro-batches"),
-    (("1f1b", 4, 2, 8), "virtual_stages = 2 needs parallel.pipeline_schedule = 'interleaved', not '1f1b'"),
+    (("1f1b", 4, 2, 8), "virtual_stages = 2 needs parallel.pipeline_schedule = 'interleaved' "),
     (("interleaved", 1, 2, 4), "needs parallel.pp >= 2"),
+    (("zbv", 2, 1, 4), r"'zbv' needs parallel.virtual_stages = 2 \(two chunks per rank placed as a V\), got 1"),
     (("gpipe", 2, 1, 0), "microbatches >= 1"),
     (("pipedream", 2, 1, 4), "unknown pipeline schedule"),
 ])

@@ -237,9 +237,18 @@ def _pp_layers(cfg: Config, world: int | None) -> str | None:
 @rule("virtual-stages-need-interleaved")
 def _virtual(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel
-    if p.virtual_stages != 1 and p.pipeline_schedule != "interleaved":
-        return (f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pipeline_schedule = 'interleaved', "
-                f"not {p.pipeline_schedule!r} (virtual stages are that schedule's); or set virtual_stages = 1")
+    if p.virtual_stages != 1 and p.pipeline_schedule not in ("interleaved", "zbv"):
+        return (f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pipeline_schedule = 'interleaved' "
+                f"(or 'zbv' with 2), not {p.pipeline_schedule!r}; or set virtual_stages = 1")
+    return None
+
+
+@rule("virtual-stages-zbv")
+def _zbv(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if p.pipeline_schedule == "zbv" and p.virtual_stages != 2:
+        return (f"parallel.pipeline_schedule = 'zbv' needs parallel.virtual_stages = 2 (two chunks per rank "
+                f"placed as a V), got {p.virtual_stages}; set virtual_stages = 2")
     return None
 
 

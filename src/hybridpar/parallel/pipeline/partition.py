@@ -1,7 +1,8 @@
 """Split a decoder's layers into ``pp * V`` contiguous chunks (pipeline stages).
 
 Chunk ``s`` (model order) runs on pipeline rank ``s % pp`` as its local chunk ``s // pp``, the
-layout of :mod:`.schedules`. The first chunk also holds the token embedding, the last one the
+layout of :mod:`.schedules` (with ``v_shape``, ZBV's: rank ``r`` holds chunks ``r`` and
+``2pp - 1 - r``). The first chunk also holds the token embedding, the last one the
 final norm and output head. Three balancing rules (:class:`Balance`):
 
 * ``LAYERS``: equal layer counts (the remainder goes one each to the first chunks);
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridpar.config import ModelConfig
-from hybridpar.parallel.pipeline.schedules import ScheduleError
+from hybridpar.parallel.pipeline.schedules import ScheduleError, rank_stages, stage_rank
 from hybridpar.rules import partition_error
 
 
@@ -48,10 +49,11 @@ class Partition:
     virtual_stages: int
     balance: Balance
     chunks: tuple[ChunkSpec, ...]  # in stage (model) order
+    v_shape: bool = False  # ZBV's placement
 
     def for_rank(self, rank: int) -> list[ChunkSpec]:
         """The chunks rank ``rank`` holds, in local-chunk order."""
-        return [c for c in self.chunks if c.rank == rank]
+        return sorted((c for c in self.chunks if c.rank == rank), key=lambda c: c.chunk)
 
     @property
     def imbalance(self) -> float:
@@ -126,10 +128,11 @@ def _min_max_split(weights: Sequence[float], k: int, first: float, last: float) 
 def partition_layers(n_layers: int, pp: int, virtual_stages: int = 1,
                      balance: Balance = Balance.LAYERS,
                      layer_weights: Sequence[float] | None = None,
-                     embedding_weight: float = 0.0, head_weight: float = 0.0) -> Partition:
+                     embedding_weight: float = 0.0, head_weight: float = 0.0,
+                     v_shape: bool = False) -> Partition:
     """Split ``n_layers`` into ``pp * virtual_stages`` chunks. ``LAYERS`` ignores the weights;
     ``PARAMS`` / ``COST`` balance ``layer_weights`` (one per layer) plus the embedding and head
-    weights carried by the first and last chunk."""
+    weights carried by the first and last chunk. ``v_shape``: ZBV's placement of the chunks."""
     k = pp * virtual_stages
     message = partition_error(n_layers, pp, virtual_stages)  # the run's rule, stated once
     if message is not None:
@@ -151,9 +154,11 @@ def partition_layers(n_layers: int, pp: int, virtual_stages: int = 1,
             w += (embedding_weight if s == 0 else 0.0) + (head_weight if s == k - 1 else 0.0)
         else:
             w = weights[s]
-        chunks.append(ChunkSpec(s, s % pp, s // pp, layers, s == 0, s == k - 1, w))
+        rank = stage_rank(s, pp, v_shape)
+        local = rank_stages(rank, pp, virtual_stages, v_shape).index(s)
+        chunks.append(ChunkSpec(s, rank, local, layers, s == 0, s == k - 1, w))
         start += size
-    return Partition(pp, virtual_stages, balance, tuple(chunks))
+    return Partition(pp, virtual_stages, balance, tuple(chunks), v_shape)
 
 
 def layer_params(cfg: ModelConfig) -> int:
@@ -164,13 +169,13 @@ def layer_params(cfg: ModelConfig) -> int:
 def partition_model(cfg: ModelConfig, pp: int, virtual_stages: int = 1,
                     balance: Balance = Balance.LAYERS,
                     layer_costs: Sequence[float] | None = None,
-                    embedding_cost: float = 0.0, head_cost: float = 0.0) -> Partition:
+                    embedding_cost: float = 0.0, head_cost: float = 0.0, v_shape: bool = False) -> Partition:
     """Partition a decoder: by layer count, by parameters (embedding ``vocab * dim`` on the first
     chunk; norm + head ``dim + vocab * dim`` on the last, tied or not, since the last stage holds
-    its own copy of a tied weight) or by the given costs."""
+    its own copy of a tied weight) or by the given costs. ``v_shape``: ZBV's placement."""
     if balance is Balance.PARAMS:
         emb = cfg.vocab_size * cfg.dim
         return partition_layers(cfg.n_layers, pp, virtual_stages, balance,
-                                [float(layer_params(cfg))] * cfg.n_layers, emb, emb + cfg.dim)
+                                [float(layer_params(cfg))] * cfg.n_layers, emb, emb + cfg.dim, v_shape)
     return partition_layers(cfg.n_layers, pp, virtual_stages, balance, layer_costs,
-                            embedding_cost, head_cost)
+                            embedding_cost, head_cost, v_shape)

@@ -67,6 +67,7 @@ class _Step:
     saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
     recvs: dict[Message, tuple[Tensor, Pending]] = field(default_factory=dict)
     outbox: dict[Message, Tensor] = field(default_factory=dict)
+    local: dict[Message, Tensor] = field(default_factory=dict)  # between two stages of this rank
     sends: list[tuple[Pending, list[Tensor]]] = field(default_factory=list)
     losses: dict[int, Tensor] = field(default_factory=dict)
     intervals: list[Interval] = field(default_factory=list)
@@ -91,7 +92,8 @@ class PipelineStepResult:
 
 
 class PipelineRunner:
-    """Runs ``schedule`` on this pp rank with ``chunks[v]`` = global stage ``v * pp + rank``.
+    """Runs ``schedule`` on this pp rank with ``chunks[v]`` = global stage ``schedule.stages_of(rank)[v]``
+    (``v * pp + rank``; ZBV: ``rank`` and ``2pp - 1 - rank``).
 
     ``loss_fn(output_of_last_stage, targets) -> scalar mean loss``. Inter-stage activations all
     have shape ``act_shape`` and dtype ``act_dtype`` (receive buffers are allocated from them).
@@ -110,6 +112,12 @@ class PipelineRunner:
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.forward_context = forward_context or contextlib.nullcontext
         self.chunks = {s: chunks[v] for v, s in enumerate(schedule.stages_of(self.rank))}
+        for s, chunk in self.chunks.items():  # a family chunk knows its stage: it must be this one
+            spec = getattr(chunk, "spec", None)
+            if spec is not None and getattr(spec, "stage", s) != s:
+                raise ScheduleError(f"pipeline rank {self.rank} got the chunk of stage {spec.stage} where "
+                                    f"{schedule.kind.value} runs stage {s} (build the partition with "
+                                    f"v_shape={schedule.v_shape})")
         self.last_stage = schedule.num_stages - 1
         self._scale = 1.0 / schedule.microbatches
         self.split = WeightGradSplit(list(chunks)) if schedule.split_backward else None
@@ -128,7 +136,8 @@ class PipelineRunner:
     def evaluate(self, microbatches: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
         """Forward only, any number of micro-batches (no activations stored, no gradients): the
         per-micro-batch losses, on every pp rank."""
-        sched = build_forward_schedule(self.schedule.pp, self.schedule.virtual_stages, len(microbatches))
+        sched = build_forward_schedule(self.schedule.pp, self.schedule.virtual_stages, len(microbatches),
+                                       self.schedule.v_shape)
         return self._execute(sched, microbatches).losses
 
     def _execute(self, schedule: PipelineSchedule, microbatches: Sequence[tuple[Tensor, Tensor]]
@@ -151,9 +160,9 @@ class PipelineRunner:
             i = j
         for pending, _ in step.sends:
             pending.wait()
-        if step.saved or step.recvs:
+        if step.saved or step.recvs or step.local:
             raise RuntimeError(f"pipeline rank {self.rank} ended with {len(step.saved)} stored "
-                               f"activations and {len(step.recvs)} unconsumed receives")
+                               f"activations and {len(step.recvs) + len(step.local)} unconsumed inputs")
         return PipelineStepResult(self._gather_losses(step), step.peak, tuple(step.intervals),
                                   step.peak_deferred_bytes)
 
@@ -185,6 +194,8 @@ class PipelineRunner:
         msg = needed_message(a, self.schedule.num_stages)
         if msg is None:
             return None
+        if self.schedule.is_local(msg):
+            return step.local.pop(msg)
         buf, pending = step.recvs.pop(msg)
         pending.wait()
         return buf
@@ -222,7 +233,7 @@ class PipelineRunner:
             if out.shape != self.act_shape or out.dtype != self.act_dtype:
                 raise ScheduleError(f"stage {s} produced {tuple(out.shape)} {out.dtype}; the runner "
                                     f"was built for act_shape={self.act_shape} act_dtype={self.act_dtype}")
-            step.outbox[produced_message(a, self.schedule.num_stages)] = out.detach()
+            self._produce(a, out.detach(), step)
         if step.store:
             step.saved[(m, s)] = _Saved(inp, out, deferred)
             step.peak = max(step.peak, len(step.saved))
@@ -243,7 +254,11 @@ class PipelineRunner:
         if s > 0:
             if input_grad is None:  # the chunk ignored its input: send a zero gradient
                 input_grad = torch.zeros(self.act_shape, dtype=self.act_dtype, device=self.topo.device)
-            step.outbox[produced_message(a, self.schedule.num_stages)] = input_grad
+            self._produce(a, input_grad, step)
+
+    def _produce(self, a: Action, value: Tensor, step: _Step) -> None:
+        msg = produced_message(a, self.schedule.num_stages)
+        (step.local if self.schedule.is_local(msg) else step.outbox)[msg] = value
 
     def _weight_grad(self, a: Action, step: _Step) -> None:
         # accumulates into .grad and fires post-accumulate-grad hooks (DP / ZeRO count on them)

@@ -2,14 +2,17 @@
 
 The model is cut into ``S = pp * V`` chunks ("stages", numbered 0..S-1 in model order). With
 ``V`` virtual stages per rank (interleaved 1F1B), rank ``r`` holds stages ``r, r + pp, r + 2pp,
-...`` (Megatron's layout): stage ``s`` lives on rank ``s % pp`` as local chunk ``s // pp``.
+...`` (Megatron's layout): stage ``s`` lives on rank ``s % pp`` as local chunk ``s // pp``. The
+V-shaped schedule (ZBV) places its two chunks per rank as a V: rank ``r`` holds stages ``r`` and
+``2pp - 1 - r``, so the first and the last stage share rank 0 and the hand-off from stage
+``pp - 1`` to ``pp`` (and back) stays on rank ``pp - 1`` (a local message: no send or receive).
 
 Every :class:`Action` is tagged with a micro-batch and the stage it runs on (always a stage of
 the rank that executes it):
 
 * ``F``: forward; ``B``: backward. In GPipe / 1F1B / interleaved, B is the full backward. In
-  ZB-H1 (``schedule.split_backward``) B computes only the input gradient and ``W`` the weight
-  gradient later, filling pipeline bubbles.
+  ZB-H1 and ZBV (``schedule.split_backward``) B computes only the input gradient and ``W`` the
+  weight gradient later, filling pipeline bubbles.
 * ``SEND_ACT`` sends the output of stage ``s`` to stage ``s + 1``; ``RECV_ACT`` receives the
   input of stage ``s`` from ``s - 1``; ``SEND_GRAD`` sends the input gradient of ``s`` to
   ``s - 1``; ``RECV_GRAD`` receives the output gradient of ``s`` from ``s + 1``.
@@ -48,6 +51,7 @@ class Schedule(enum.Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
+    ZBV = "zbv"
 
     @classmethod
     def parse(cls, name: str | Schedule) -> Schedule:
@@ -150,6 +154,7 @@ class PipelineSchedule:
     microbatches: int
     ranks: tuple[tuple[Action, ...], ...]
     forward_only: bool = False  # only F and activation transfers (evaluation)
+    v_shape: bool = False  # ZBV's placement: rank r holds stages r and 2pp - 1 - r
 
     @property
     def num_stages(self) -> int:
@@ -158,14 +163,18 @@ class PipelineSchedule:
     @property
     def split_backward(self) -> bool:
         """True when B computes only input gradients and W the weight gradients."""
-        return self.kind is Schedule.ZB_H1
+        return self.kind in (Schedule.ZB_H1, Schedule.ZBV)
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pp
+        return stage_rank(stage, self.pp, self.v_shape)
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages rank ``rank`` holds, in local-chunk order."""
-        return [v * self.pp + rank for v in range(self.virtual_stages)]
+        return rank_stages(rank, self.pp, self.virtual_stages, self.v_shape)
+
+    def is_local(self, msg: Message) -> bool:
+        """Whether ``msg`` goes between two stages of one rank (handed over, not sent)."""
+        return self.rank_of(msg.src) == self.rank_of(msg.dst)
 
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.kind.is_compute]
@@ -175,6 +184,21 @@ class PipelineSchedule:
             return 0
         return promised_in_flight(self.kind, self.pp, self.virtual_stages, self.microbatches, rank)
 
+
+
+def stage_rank(stage: int, pp: int, v_shape: bool = False) -> int:
+    """The rank stage ``stage`` lives on: ``stage % pp``, or as a V (``2pp - 1 - stage`` past the
+    turn)."""
+    if v_shape and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
+def rank_stages(rank: int, pp: int, virtual_stages: int, v_shape: bool = False) -> list[int]:
+    """The stages rank ``rank`` holds, in local-chunk order (model order)."""
+    if v_shape:
+        return [rank, 2 * pp - 1 - rank]
+    return [v * pp + rank for v in range(virtual_stages)]
 
 
 # ----------------------------------------------------------------------------- argument rules
@@ -206,7 +230,10 @@ def promised_in_flight(kind: Schedule, pp: int, virtual_stages: int, microbatche
 
     GPipe: M. 1F1B: ``min(pp - rank, M)``. Interleaved (counted in chunks, each 1/V of a
     stage): ``min(V*M, 2*(pp - rank - 1) + (V - 1)*pp + 1)``, or ``V*M`` when M == pp (all
-    forwards first, as Megatron does). ZB-H1 keeps a record from F until W (the chunk's
+    forwards first, as Megatron does). ZBV (in chunks, each half a stage):
+    ``min(2pp, 2M, M + 1 + rank)``: ``2pp`` on every rank once ``M >= 2pp - 1``, as much as
+    1F1B's first stage holds.
+    ZB-H1 keeps a record from F until W (the chunk's
     activations until B, then only what the deferred weight gradients need, :mod:`.wsplit`), and
     rank r defers its W by r micro-batches: ``min(pp, M)`` on every rank (the peak of 1F1B's
     first stage).
@@ -218,6 +245,8 @@ def promised_in_flight(kind: Schedule, pp: int, virtual_stages: int, microbatche
         return min(pp - rank, m)
     if kind is Schedule.ZB_H1:
         return min(pp, m)
+    if kind is Schedule.ZBV:
+        return min(2 * pp, 2 * m, m + 1 + rank)
     if m == pp:
         return v * m
     return min(v * m, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
@@ -316,25 +345,71 @@ def _zb_h1(pp: int, m: int, rank: int) -> list[Action]:
     return out
 
 
+def _zbv(pp: int, m: int, rank: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6; the order torch's
+    ScheduleZBVZeroBubble also uses): rank r runs chunk 0 = stage r and chunk 1 = stage
+    2pp - 1 - r. Warm-up: ``2(pp - r) - 1`` forwards of chunk 0, then ``r`` pairs (chunk 1,
+    chunk 0), then ``pp - r`` rounds of chunk 1's F, B, W; steady state: F, B, W of chunk 0 then
+    of chunk 1; cool-down: the remaining Bs with the Ws deferred into the drain. The order is
+    built for ``max(M, 2pp - 1)`` micro-batches and the ones past M are dropped."""
+    n = max(2 * pp - 1, m)
+    c0, c1 = rank, 2 * pp - 1 - rank
+    out: list[Action] = []
+    f0 = f1 = b0 = b1 = 0
+
+    def w(mb: int, stage: int) -> Action:
+        return Action(ActionKind.W, mb, stage)
+
+    for _ in range(2 * (pp - rank) - 1):
+        out.append(_f(f0, c0))
+        f0 += 1
+    for _ in range(rank):
+        out += [_f(f1, c1), _f(f0, c0)]
+        f1, f0 = f1 + 1, f0 + 1
+    for _ in range(pp - rank):
+        out += [_f(f1, c1), _b(b1, c1), w(b1, c1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            out.append(_f(f0, c0))
+            f0 += 1
+        out += [_b(b0, c0), w(b0, c0), _f(f1, c1), _b(b1, c1), w(b1, c1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        out += [_b(b0, c0), _b(b1, c1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(pp - rank):
+        out += [_b(b0, c0), w(w0, c0)]
+        b0, w0 = b0 + 1, w0 + 1
+    out += [w(i, c1) for i in range(w1, b1)] + [w(i, c0) for i in range(w0, b0)]
+    return [a for a in out if a.microbatch < m]
+
+
 # ----------------------------------------------------------------------------- communication
 
 
-def _insert_comms(compute: list[list[Action]], pp: int, num_stages: int) -> tuple[tuple[Action, ...], ...]:
+def _insert_comms(compute: list[list[Action]], pp: int, num_stages: int,
+                  v_shape: bool = False) -> tuple[tuple[Action, ...], ...]:
     """Add send/recv actions to per-rank compute orders (see the module docstring): each send
     right after its producer; each receive ``PREFETCH`` computes before its consumer, moved
-    earlier where needed so receives from one peer are posted in that peer's send order."""
+    earlier where needed so receives from one peer are posted in that peer's send order.
+    Messages between two stages of one rank get neither."""
+    def remote(msg: Message | None) -> bool:
+        return msg is not None and stage_rank(msg.src, pp, v_shape) != stage_rank(msg.dst, pp, v_shape)
+
     sends: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src rank, dst rank) -> FIFO
     for r, acts in enumerate(compute):
         for a in acts:
             msg = produced_message(a, num_stages)
-            if msg is not None:
-                sends[(r, msg.dst % pp)].append(msg)
+            if remote(msg):
+                sends[(r, stage_rank(msg.dst, pp, v_shape))].append(msg)
     out = []
     for r, acts in enumerate(compute):
         consumer = {}
         for i, a in enumerate(acts):
             msg = needed_message(a, num_stages)
-            if msg is not None:
+            if remote(msg):
                 consumer[msg] = i
         slots: list[list[Message]] = [[] for _ in acts]
         for src in range(pp):
@@ -351,7 +426,7 @@ def _insert_comms(compute: list[list[Action]], pp: int, num_stages: int) -> tupl
                 seq.append(Action(kind, msg.microbatch, msg.dst))
             seq.append(a)
             msg = produced_message(a, num_stages)
-            if msg is not None:
+            if remote(msg):
                 kind = ActionKind.SEND_ACT if msg.payload is Payload.ACT else ActionKind.SEND_GRAD
                 seq.append(Action(kind, a.microbatch, a.stage))
         out.append(tuple(seq))
@@ -371,9 +446,12 @@ def build_schedule(kind: Schedule | str, pp: int, virtual_stages: int = 1,
         compute = [_one_f_one_b(pp, m, r) for r in range(pp)]
     elif kind is Schedule.INTERLEAVED:
         compute = [_interleaved(pp, v, m, r) for r in range(pp)]
+    elif kind is Schedule.ZBV:
+        compute = [_zbv(pp, m, r) for r in range(pp)]
     else:
         compute = [_zb_h1(pp, m, r) for r in range(pp)]
-    return PipelineSchedule(kind, pp, v, m, _insert_comms(compute, pp, pp * v))
+    v_shape = kind is Schedule.ZBV
+    return PipelineSchedule(kind, pp, v, m, _insert_comms(compute, pp, pp * v, v_shape), v_shape=v_shape)
 
 
 def compute_order(kind: Schedule | str, pp: int, virtual_stages: int, microbatches: int,
@@ -388,17 +466,23 @@ def compute_order(kind: Schedule | str, pp: int, virtual_stages: int, microbatch
         return _one_f_one_b(pp, microbatches, rank)
     if kind is Schedule.INTERLEAVED:
         return _interleaved(pp, virtual_stages, microbatches, rank)
+    if kind is Schedule.ZBV:
+        return _zbv(pp, microbatches, rank)
     return _zb_h1(pp, microbatches, rank)
 
 
-def build_forward_schedule(pp: int, virtual_stages: int, microbatches: int) -> PipelineSchedule:
+def build_forward_schedule(pp: int, virtual_stages: int, microbatches: int,
+                           v_shape: bool = False) -> PipelineSchedule:
     """Forward-only lists for evaluation, for any number of micro-batches: each rank runs all
     micro-batches through its first chunk, then its second, ... (a topological order: the input
-    of chunk v on rank 0 comes from chunk v-1 of the last rank, finished earlier)."""
-    if pp < 1 or virtual_stages < 1 or microbatches < 1 or (virtual_stages > 1 and pp < 2):
+    of chunk v on rank 0 comes from chunk v-1 of the last rank, finished earlier; under
+    ``v_shape``, that of chunk 1 on rank r from chunk 1 of rank r + 1, or from its own chunk 0 on
+    the last rank)."""
+    if pp < 1 or virtual_stages < 1 or microbatches < 1 or (virtual_stages > 1 and pp < 2 and not v_shape):
         raise ScheduleError(f"forward schedule needs pp, virtual_stages, microbatches >= 1 (pp >= 2 "
                             f"with virtual stages); got {pp}, {virtual_stages}, {microbatches}")
-    compute = [[_f(m, v * pp + r) for v in range(virtual_stages) for m in range(microbatches)]
+    compute = [[_f(m, s) for s in rank_stages(r, pp, virtual_stages, v_shape) for m in range(microbatches)]
                for r in range(pp)]
     return PipelineSchedule(Schedule.GPIPE, pp, virtual_stages, microbatches,
-                            _insert_comms(compute, pp, pp * virtual_stages), forward_only=True)
+                            _insert_comms(compute, pp, pp * virtual_stages, v_shape), forward_only=True,
+                            v_shape=v_shape)

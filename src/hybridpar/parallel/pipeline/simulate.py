@@ -149,6 +149,9 @@ def simulate(sched: PipelineSchedule, costs: Costs | None = None) -> Timeline:
                         start = max(start, max(sent[need], posted[need]) + costs.p2p)
                     clock[r] = start + costs.of(a, split)
                     rows[r].append(Interval(a, start, clock[r]))
+                    made = produced_message(a, n)
+                    if made is not None and sched.is_local(made):  # handed over on this rank
+                        sent[made] = posted[made] = clock[r] - costs.p2p
                 pc[r] += 1
                 moved = True
         if all(pc[r] == len(acts) for r, acts in enumerate(lists)):
@@ -166,8 +169,12 @@ def textbook_bubble(sched: PipelineSchedule) -> float:
     ``(pp - 1) / (V*M + pp - 1)`` (V = 1 for GPipe and 1F1B), independent of the F:B ratio.
     ZB-H1 with F = B = W = 1: the makespan is ``3M + pp - 1`` once M >= pp (a third of 1F1B's
     idle time: ``(pp - 1)(F + B - W)`` instead of ``(pp - 1)(F + B + W)``) and
-    ``2(M + pp - 1) + 1`` below that (the F and B chains through all stages, then one W)."""
+    ``2(M + pp - 1) + 1`` below that (the F and B chains through all stages, then one W). ZBV
+    with F = B = W = 1 per stage (1/2 per chunk): ``3M + max((pp - 1) / 2, 2(pp - 1) - (M - 1))``,
+    half of ZB-H1's idle time once M is large enough (about ``2pp - 2``)."""
     p, v, m = sched.pp, sched.virtual_stages, sched.microbatches
+    if sched.v_shape:
+        return 1.0 - 3 * m / (3 * m + max((p - 1) / 2, 2 * (p - 1) - (m - 1)))
     if sched.split_backward:
         return 1.0 - 3 * m / max(3 * m + p - 1, 2 * (m + p - 1) + 1)
     return (p - 1) / (v * m + p - 1)
@@ -176,7 +183,8 @@ def textbook_bubble(sched: PipelineSchedule) -> float:
 def check_schedule(sched: PipelineSchedule) -> None:
     """Structural checks (raise :class:`ScheduleError`): every (micro-batch, stage) has exactly one
     F and one B (and one W iff split) on its own rank in the order F < B < W; every receive comes
-    before its consumer and every send after its producer; sends and receives between each pair
+    before its consumer and every send after its producer (a local message, between two stages of
+    one rank, has neither: its consumer comes after its producer); sends and receives between each pair
     of ranks match one to one, in the same order. Deadlock freedom is
     :func:`simulate`'s job."""
     n, kinds = sched.num_stages, [ActionKind.F] if sched.forward_only else [ActionKind.F, ActionKind.B]
@@ -208,12 +216,15 @@ def check_schedule(sched: PipelineSchedule) -> None:
             if a.kind is ActionKind.W and not sched.split_backward:
                 raise ScheduleError(f"rank {r} has {a} in a schedule without split backward")
             need = needed_message(a, n) if a.kind.is_compute else None
-            if need is not None:
+            if need is not None and sched.is_local(need):
+                if pos.get((a.kind, a.microbatch, need.src), i) >= i:  # F after F, B after B upstream
+                    raise ScheduleError(f"rank {r}: {a} at {i} runs before its local producer")
+            elif need is not None:
                 recv = ActionKind.RECV_ACT if need.payload is Payload.ACT else ActionKind.RECV_GRAD
                 if pos.get((recv, a.microbatch, a.stage), i) >= i:
                     raise ScheduleError(f"rank {r}: {a} at {i} has no earlier {recv.value}")
             made = produced_message(a, n) if a.kind.is_compute else None
-            if made is not None:
+            if made is not None and not sched.is_local(made):
                 send = ActionKind.SEND_ACT if made.payload is Payload.ACT else ActionKind.SEND_GRAD
                 if pos.get((send, a.microbatch, a.stage), -1) <= i:
                     raise ScheduleError(f"rank {r}: {a} at {i} has no later {send.value}")

@@ -45,11 +45,13 @@ MakeChunk = Callable[[nn.Module, ChunkSpec], nn.Module]
 
 
 def build_stage_modules(model: nn.Module, make_chunk: MakeChunk, pp_rank: int, pp: int,
-                        virtual_stages: int = 1, partition: Partition | None = None) -> list[nn.Module]:
+                        virtual_stages: int = 1, partition: Partition | None = None,
+                        v_shape: bool = False) -> list[nn.Module]:
     """The chunks pipeline rank ``pp_rank`` runs, in local-chunk order (chunk v is global stage
-    ``v * pp + pp_rank``). ``partition`` defaults to equal layer counts."""
+    ``v * pp + pp_rank``; with ``v_shape``, ZBV's stages ``pp_rank`` and ``2pp - 1 - pp_rank``).
+    ``partition`` defaults to equal layer counts."""
     if partition is None:
-        partition = partition_model(model.cfg, pp, virtual_stages)
+        partition = partition_model(model.cfg, pp, virtual_stages, v_shape=v_shape)
     if (partition.pp, partition.virtual_stages) != (pp, virtual_stages):
         raise ValueError(f"partition is for pp={partition.pp} V={partition.virtual_stages}, "
                          f"not pp={pp} V={virtual_stages}")
