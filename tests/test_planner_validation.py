@@ -104,6 +104,7 @@ ACT_LAYOUTS: dict[str, list[str]] = {
     "pp2-interleaved": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "interleaved",
                         "--parallel.virtual_stages", "2"],
     "pp2-zb": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1"],
+    "pp2-zbv": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zbv", "--parallel.virtual_stages", "2"],
     "pp2-zb-tp2-sp-bf16": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1", "--parallel.tp", "2",
                            "--parallel.sequence_parallel", "true", "--train.precision", "bf16"],
     "pp4-1f1b": ["--parallel.pp", "4"],
@@ -207,7 +208,7 @@ def _measure_activations(rank: int, world: int, names: list[str]) -> dict[str, t
 # benchmarks/planner_validation.py checks all of them.
 COMM_LAYOUTS = ["dp2", "tp2-sp", "cp2", "pp2-interleaved", "dp2-zero3", "dp4-hierarchical", "cp2-tp2",
                 "dp2-tp2-sp-zero1", "dp2-cp2-zero2", "dp2-tp2-pp2-zero2", "dp2-tp2-pp2-interleaved-sp",
-                "dp2-tp2-pp2-cp2-zb", "dp2-tp2-sp-recompute-full", "cp2-recompute-selective", "pp2-zb-recompute-full"]
+                "dp2-tp2-pp2-cp2-zb", "dp2-pp2-zbv-tp2", "dp2-tp2-sp-recompute-full", "cp2-recompute-selective", "pp2-zb-recompute-full"]
 
 
 def _count_step(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int, dict[str, int]]]:
@@ -317,9 +318,9 @@ def test_compiled_makespan_equals_simulator():
 
     rng = random.Random(1)
     for _ in range(120):
-        kind = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"])
+        kind = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
         pp = rng.choice([2, 3, 4, 8])
-        v = rng.choice([2, 3]) if kind == "interleaved" else 1
+        v = rng.choice([2, 3]) if kind == "interleaved" else 2 if kind == "zbv" else 1
         m = pp * rng.choice([1, 2, 3]) if kind == "interleaved" else rng.choice([1, 2, 3, 5, 8, 16])
         f, b, w, p2p = rng.uniform(0.5, 2), rng.uniform(0.5, 3), rng.uniform(0.2, 2), rng.choice([0.0, 0.3])
         scale = rng.choice([(), tuple(round(rng.uniform(0.8, 1.5), 6) for _ in range(pp * v))])
@@ -335,9 +336,9 @@ def test_lower_bound_never_exceeds_makespan():
 
     rng, ratios = random.Random(0), []
     for _ in range(300):
-        kind = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"])
+        kind = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
         pp = rng.choice([2, 3, 4, 8])
-        v = rng.choice([2, 3]) if kind == "interleaved" else 1
+        v = rng.choice([2, 3]) if kind == "interleaved" else 2 if kind == "zbv" else 1
         m = pp * rng.choice([1, 2, 3, 5]) if kind == "interleaved" else rng.choice([1, 2, 3, 4, 8, 16, 40])
         lt = LayerTime(rng.uniform(0.5, 2), rng.uniform(0.5, 3), rng.uniform(0.2, 2), 0.0)
         p2p = rng.choice([0.0, rng.uniform(0, 0.5)])
@@ -353,7 +354,7 @@ def test_live_chunk_counts_cap_and_worst_rank():
     """Peak vectors read off a capped schedule equal the full schedule's; the memory model's
     candidate ranks find the same worst rank as checking every rank."""
     from hybridpar.config import model_preset
-    from hybridpar.parallel.pipeline.schedules import ActionKind, compute_order
+    from hybridpar.parallel.pipeline.schedules import ActionKind, compute_order, rank_stages
     from hybridpar.planner.layout import Layout, Workload
     from hybridpar.planner.memory import live_chunk_counts, pareto_max, plan_memory, rank_memory
 
@@ -361,8 +362,9 @@ def test_live_chunk_counts_cap_and_worst_rank():
         acts = compute_order(kind, pp, v, m, r)
         split = any(a.kind is ActionKind.W for a in acts)
         counts, seen = [0] * (2 * v), set()
+        local = rank_stages(r, pp, v, kind == "zbv")
         for a in acts:
-            c = a.stage // pp
+            c = local.index(a.stage)
             if a.kind is ActionKind.F:
                 counts[c] += 1
             elif a.kind is ActionKind.B:  # activations freed; split: deferred kept until W
@@ -373,7 +375,7 @@ def test_live_chunk_counts_cap_and_worst_rank():
             seen.add(tuple(counts))
         return pareto_max(seen)
 
-    for kind, vs in (("zb-h1", [1]), ("interleaved", [2, 3]), ("1f1b", [1]), ("gpipe", [1])):
+    for kind, vs in (("zb-h1", [1]), ("zbv", [2]), ("interleaved", [2, 3]), ("1f1b", [1]), ("gpipe", [1])):
         for pp in (2, 3, 4):
             for v in vs:
                 for m in range(1, 10 * pp + 1):
@@ -381,7 +383,8 @@ def test_live_chunk_counts_cap_and_worst_rank():
                         for r in range(pp):
                             assert live_chunk_counts(kind, pp, v, m, r) == full(kind, pp, v, m, r)
     model, work = model_preset("llama3-8b"), Workload(512, 2048)
-    for pp, kind, v in [(2, "1f1b", 1), (4, "gpipe", 1), (3, "zb-h1", 1), (4, "interleaved", 2), (8, "zb-h1", 1)]:
+    for pp, kind, v in [(2, "1f1b", 1), (4, "gpipe", 1), (3, "zb-h1", 1), (4, "interleaved", 2), (8, "zb-h1", 1),
+                        (4, "zbv", 2)]:
         layout = Layout(dp=4, tp=4, pp=pp, pipeline_schedule=kind, virtual_stages=v, sequence_parallel=True)
         worst = max((rank_memory(model, layout, work, r) for r in range(pp)), key=lambda rep: rep.total)
         got = plan_memory(model, layout, work)

@@ -46,10 +46,11 @@ from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import partition_model
+from hybridpar.parallel.pipeline.schedules import rank_stages
 from hybridpar.planner import pipesim
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
-from hybridpar.planner.memory import padded, rank_numel
+from hybridpar.planner.memory import padded, rank_numel, v_shaped
 
 TILE = 128  # GEMM tile edge used for quantisation (cuBLAS/CUTLASS bf16 tiles are 128-256 wide)
 FLASH_EFFICIENCY = 0.7  # FlashAttention-2 forward reaches ~70% of A100 peak (Dao 2023, fig. 4)
@@ -226,7 +227,7 @@ def pipeline_makespan(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p: fl
     if m <= cap:
         return _makespan(kind, pp, v, m, lt.f, lt.b, lt.w, p2p, scale)
     base = _makespan(kind, pp, v, cap, lt.f, lt.b, lt.w, p2p, scale)
-    per_rank = [sum(scale[c * pp + r] for c in range(v)) / v for r in range(pp)]
+    per_rank = [sum(scale[s] for s in rank_stages(r, pp, v, v_shaped(kind))) / v for r in range(pp)]
     return base + (m - cap) * max(per_rank) * (lt.f + lt.b + lt.w)
 
 
@@ -265,7 +266,8 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     vocab = padded(model.vocab_size, t) / t
     head_f = gemm_time(tok, vocab, model.dim, g, ab) + 3 * tok * vocab * (ab + 4) / g.hbm_bw
     emb_f = cluster.collective_time("all_reduce", tok * model.dim * ab, t, 1)  # vocab-parallel embedding
-    part = partition_model(model, pp, v)
+    vs = pp > 1 and v_shaped(L.pipeline_schedule)
+    part = partition_model(model, pp, v, v_shape=vs)
     stage_cost = []
     for c in part.chunks:
         cost = len(c.layers) * (lt.f + lt.b + lt.w)
@@ -284,12 +286,12 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
         span = (pipeline_lower_bound if bound_only else pipeline_makespan)(kind, pp, v, m, stage_lt, p2p, scale)
     else:
         span = m * (stage_lt.f + stage_lt.b + stage_lt.w) * scale[0]
-    busy = m * max(sum(scale[c * pp + r] for c in range(v)) / v for r in range(pp)) * (
+    busy = m * max(sum(scale[s] for s in rank_stages(r, pp, v, vs)) / v for r in range(pp)) * (
         stage_lt.f + stage_lt.b + stage_lt.w)
     # data parallel gradient reduction over dp x cp (stride tp)
     key = model_key(model)  # the pipeline rank with the most parameters, its count cached
-    worst = max(range(pp), key=lambda r: rank_numel(key, t, pp, v, r))
-    grad_bytes = rank_numel(key, t, pp, v, worst) * work.param_bytes
+    worst = max(range(pp), key=lambda r: rank_numel(key, t, pp, v, r, 1, vs))
+    grad_bytes = rank_numel(key, t, pp, v, worst, 1, vs) * work.param_bytes
     n = L.dp * L.cp
     dp_bw, dp_lat, _ = cluster.axis_bandwidth(n, t)
     # gradients are all-reduced in buckets of bucket_mb; the last bucket fills when backward ends
@@ -312,7 +314,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
         dp_comm = units * cluster.collective_time("reduce_scatter", grad_bytes / units, n, t) + exposed_z3
     floor = last_bucket if L.zero_stage < 3 else 0.0
     dp_exposed = (exposed_z3 + max(floor, dp_comm - exposed_z3 - hide * last_backward)) if pp == 1 else dp_comm
-    shard = rank_numel(key, t, pp, v, worst, n if L.zero_stage >= 1 else 1)
+    shard = rank_numel(key, t, pp, v, worst, n if L.zero_stage >= 1 else 1, vs)
     opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
     if L.offload_optimizer:
         opt = shard * 2 * work.param_bytes / g.host_bw + shard * 28 / 100e9  # + host Adam at ~100 GB/s DRAM

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import ChunkSpec, Partition, partition_layers
-from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order
+from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order, rank_stages
 from hybridpar.planner.hardware import GiB
 from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
 
@@ -71,28 +71,35 @@ def padded(n: int, multiple: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def layer_partition(n_layers: int, pp: int, virtual_stages: int) -> Partition:
-    """The runtime's partition (equal layer counts, :func:`partition_model`'s default), cached."""
-    return partition_layers(n_layers, pp, virtual_stages)
+def layer_partition(n_layers: int, pp: int, virtual_stages: int, v_shape: bool = False) -> Partition:
+    """The runtime's partition (equal layer counts, :func:`partition_model`'s default; ``v_shape``:
+    ZBV's placement), cached."""
+    return partition_layers(n_layers, pp, virtual_stages, v_shape=v_shape)
+
+
+def v_shaped(schedule: str) -> bool:
+    """Whether ``schedule`` places its chunks as a V (ZBV)."""
+    return schedule == Schedule.ZBV.value
 
 
 def rank_param_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int,
-                      pp_rank: int) -> list[tuple[int, ...]]:
+                      pp_rank: int, v_shape: bool = False) -> list[tuple[int, ...]]:
     """Shapes of the parameters pipeline rank ``pp_rank`` holds under tensor parallelism ``tp``:
     the runtime's Megatron split (vocabulary padded to a multiple of tp), partition by layer
-    count, and a tied embedding's mirror on the last stage when pp > 1."""
+    count, and a tied embedding's mirror on the last stage when it is on another rank than the
+    first (pp > 1, not V-shaped)."""
     h, hd = model.dim, model.head_dim
     q, kv, f = model.n_heads * hd // tp, model.n_kv_heads * hd // tp, model.ffn_hidden // tp
     vocab = padded(model.vocab_size, tp) // tp
     layer = [(h,), (q, h), (kv, h), (kv, h), (h, q), (h,), (f, h), (f, h), (h, f)]
     shapes: list[tuple[int, ...]] = []
-    for chunk in layer_partition(model.n_layers, pp, virtual_stages).for_rank(pp_rank):
+    for chunk in layer_partition(model.n_layers, pp, virtual_stages, v_shape).for_rank(pp_rank):
         if chunk.embedding:
             shapes.append((vocab, h))
         shapes += layer * len(chunk.layers)
         if chunk.head:
             shapes.append((h,))
-            if not model.tie_embeddings or pp > 1:
+            if not model.tie_embeddings or (pp > 1 and not v_shape):
                 shapes.append((vocab, h))
     return shapes
 
@@ -110,10 +117,10 @@ def numel(shapes: list[tuple[int, ...]], shards: int = 1) -> int:
 
 @functools.lru_cache(maxsize=16384)
 def rank_numel(key: ModelKey, tp: int, pp: int, virtual_stages: int, pp_rank: int,
-               shards: int = 1) -> int:
+               shards: int = 1, v_shape: bool = False) -> int:
     """``numel(rank_param_shapes(...), shards)`` for the model with :func:`model_key` ``key``."""
     model = model_of(key)
-    return numel(rank_param_shapes(model, tp, pp, virtual_stages, pp_rank), shards)
+    return numel(rank_param_shapes(model, tp, pp, virtual_stages, pp_rank, v_shape), shards)
 
 
 @dataclass(frozen=True)
@@ -307,10 +314,11 @@ def live_chunk_counts(kind: str, pp: int, virtual_stages: int, microbatches: int
     cap = min(m, (4 if kind_ is Schedule.INTERLEAVED else 2) * pp)
     actions = compute_order(kind_, pp, v, cap, rank)
     split = any(a.kind is ActionKind.W for a in actions)
+    local = rank_stages(rank, pp, v, kind_ is Schedule.ZBV)
     counts = [0] * (2 * v)
     seen: set[tuple[int, ...]] = set()
     for act in actions:
-        c = act.stage // pp
+        c = local.index(act.stage)
         if act.kind is ActionKind.F:
             counts[c] += 1
         elif act.kind is ActionKind.B:
@@ -380,7 +388,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v,
                sequence_parallel=sp, recompute=rec, micro_batch=mb)
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
-    chunks = layer_partition(model.n_layers, pp, v if pp > 1 else 1).for_rank(pp_rank)
+    chunks = layer_partition(model.n_layers, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
     sizes = [chunk_bytes(model, L, work, c) for c in chunks]
     v = len(chunks)
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
@@ -440,8 +448,8 @@ def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, p
 
 def _rank_parts(key: ModelKey, L: Layout, work: Workload,
                 pp_rank: int) -> tuple[ModelStates, tuple[float, float, int]]:
-    full = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank)
-    shard = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank, L.dp)
+    full = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank, 1, v_shaped(L.pipeline_schedule))
+    shard = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank, L.dp, v_shaped(L.pipeline_schedule))
     st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer)
     return st, _rank_activations(key, _activation_fields(L), work, pp_rank)
 
@@ -461,7 +469,7 @@ def candidate_ranks(n_layers: int, pp: int, virtual_stages: int, kind: str,
     whose peak vectors (:func:`live_chunk_counts`) another rank's covers holds no more of
     anything, and is dropped (of ranks covering each other, the first is kept, as ``max``
     keeps the first of equal totals)."""
-    part = layer_partition(n_layers, pp, virtual_stages)
+    part = layer_partition(n_layers, pp, virtual_stages, v_shaped(kind))
     groups: dict[tuple, list[tuple[int, tuple[tuple[int, ...], ...]]]] = {}
     for r in range(pp):
         sig = tuple((len(c.layers), c.embedding, c.head) for c in part.for_rank(r))

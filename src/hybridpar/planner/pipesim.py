@@ -19,6 +19,7 @@ from hybridpar.parallel.pipeline.schedules import (
     Schedule,
     build_schedule,
     compute_order,
+    rank_stages,
 )
 
 _F, _B, _W, _SEND, _RECV = range(5)
@@ -46,7 +47,10 @@ def compile_schedule(kind: str, pp: int, virtual_stages: int, microbatches: int)
     n = sched.num_stages
 
     def mid(mb: int, dst: int, grad: int) -> int:
-        return (mb * n + dst) * 2 + grad
+        # a hand-over between two stages of one rank (ZBV's turn) waits for nothing: its producer
+        # ran earlier on the same rank (check_schedule), as simulate's max(clock, ready) finds
+        src = dst - 1 if not grad else dst + 1
+        return -1 if sched.rank_of(src) == sched.rank_of(dst) else (mb * n + dst) * 2 + grad
 
     ops = []
     for acts in sched.ranks:
@@ -123,11 +127,12 @@ def deferred_weights(kind: str, pp: int, virtual_stages: int, microbatches: int,
     the tail is the same for any ``M >= 2 pp``, so longer runs are read off ``2 pp``)."""
     out = [0] * virtual_stages
     m = min(microbatches, 2 * pp)
+    stages = rank_stages(rank, pp, virtual_stages, Schedule.parse(kind) is Schedule.ZBV)
     for a in reversed(compute_order(kind, pp, virtual_stages, m, rank)):
         if a.kind is ActionKind.B:
             break
         if a.kind is ActionKind.W:
-            out[a.stage // pp] += 1
+            out[stages.index(a.stage)] += 1
     return tuple(out)
 
 
@@ -139,14 +144,16 @@ def lower_bound(kind: str, pp: int, v: int, m: int, f: float, b: float, w: float
     first chunk, followed only by deferred Ws) still has to travel back through the backwards of
     stages ``r-1..0``. Extrapolating a simulation of fewer micro-batches at the bottleneck rate
     never goes below it either."""
-    split = Schedule.parse(kind) is Schedule.ZB_H1
+    split = Schedule.parse(kind) in (Schedule.ZB_H1, Schedule.ZBV)
+    v_shape = Schedule.parse(kind) is Schedule.ZBV
     back = b if split else b + w
     unit = (f + b + w) / v
     best = head = tail = 0.0
     for r in range(pp):
-        busy = m * unit * sum(scale[c * pp + r] for c in range(v))
-        after = sum(n * w / v * scale[c * pp + r]
-                    for c, n in enumerate(deferred_weights(kind, pp, v, m, r))) if split else 0.0
+        mine = rank_stages(r, pp, v, v_shape)
+        busy = m * unit * sum(scale[s] for s in mine)
+        after = sum(n * w / v * scale[s]
+                    for s, n in zip(mine, deferred_weights(kind, pp, v, m, r), strict=True)) if split else 0.0
         best = max(best, head + busy, head + busy + tail - after)
         head += f / v * scale[r] + p2p
         tail += back / v * scale[r] + p2p

@@ -38,8 +38,9 @@ from collections.abc import Callable, Iterable
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.data import cut_buckets
+from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.planner.layout import Layout, Workload
-from hybridpar.planner.memory import layer_partition, padded
+from hybridpar.planner.memory import layer_partition, padded, v_shaped
 
 Shape = tuple[int, ...]
 Named = list[tuple[str, Shape]]
@@ -80,7 +81,8 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> Named:
         return model_params(model, layout.tp)
     vocab = padded(model.vocab_size, layout.tp) // layout.tp
     out: Named = []
-    for c in layer_partition(model.n_layers, layout.pp, layout.virtual_stages).for_rank(pp_rank):
+    for c in layer_partition(model.n_layers, layout.pp, layout.virtual_stages,
+                             v_shaped(layout.pipeline_schedule)).for_rank(pp_rank):
         tied_here = c.head and model.tie_embeddings
         if (c.embedding or tied_here) and all(n != "tok_embeddings.weight" for n, _ in out):
             out.append(("tok_embeddings.weight", (vocab, model.dim)))
@@ -151,7 +153,7 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
     m = L.microbatches(work.global_batch)
     d = b * s * h  # one full-length hidden state of a micro-batch on this rank
-    chunks = layer_partition(model.n_layers, L.pp, L.virtual_stages).for_rank(pp_rank)
+    chunks = layer_partition(model.n_layers, L.pp, L.virtual_stages, v_shaped(L.pipeline_schedule)).for_rank(pp_rank)
     kv = 2 * b * s * model.n_kv_heads * model.head_dim // t  # one stacked K/V block
     for c in chunks:
         n_c, norms_c = len(c.layers), 2 * len(c.layers) + c.head
@@ -187,12 +189,17 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     # pipeline: hidden states forward, their gradients backward, the losses, tied-embedding grads
     if L.pp > 1:
         msg = d // (t if sp else 1) * 4  # the runner's fp32 act_shape
-        last = L.pp * L.virtual_stages - 1
-        sends = sum((c.stage < last) + (c.stage > 0) for c in chunks)
+        last, vs = L.pp * L.virtual_stages - 1, v_shaped(L.pipeline_schedule)
+
+        def remote(a: int, b: int) -> bool:  # ZBV's turn (pp - 1 -> pp) stays on one rank
+            return stage_rank(a, L.pp, vs) != stage_rank(b, L.pp, vs)
+
+        sends = sum((c.stage < last and remote(c.stage, c.stage + 1)) + (c.stage > 0 and remote(c.stage, c.stage - 1))
+                    for c in chunks)
         add("send", "pp", L.pp, sends * msg, m)
         add("recv", "pp", L.pp, sends * msg, m)
         add("broadcast", "pp", L.pp, 4 * m)
-        if model.tie_embeddings and pp_rank in (0, L.pp - 1):
+        if model.tie_embeddings and pp_rank in (0, L.pp - 1) and not vs:  # ZBV: both ends on rank 0
             tied = padded(model.vocab_size, t) // t * h * r
             add("send", "pp", L.pp, tied)
             add("recv", "pp", L.pp, tied)

@@ -128,6 +128,7 @@ def simulate(sched: PipelineSchedule, costs: Costs | None = None) -> Timeline:
     clock = [0.0] * sched.pp
     sent: dict[Message, float] = {}
     posted: dict[Message, float] = {}
+    ready: dict[Message, float] = {}  # local messages: when their producer ended
     rows: list[list[Interval]] = [[] for _ in range(sched.pp)]
     while True:
         moved = False
@@ -141,7 +142,11 @@ def simulate(sched: PipelineSchedule, costs: Costs | None = None) -> Timeline:
                 else:
                     start = clock[r]
                     need = needed_message(a, n)
-                    if need is not None:
+                    if need is not None and sched.is_local(need):  # handed over on this rank
+                        if need not in ready:
+                            break
+                        start = max(start, ready[need])
+                    elif need is not None:
                         if need not in sent:
                             break
                         if need not in posted:
@@ -150,8 +155,8 @@ def simulate(sched: PipelineSchedule, costs: Costs | None = None) -> Timeline:
                     clock[r] = start + costs.of(a, split)
                     rows[r].append(Interval(a, start, clock[r]))
                     made = produced_message(a, n)
-                    if made is not None and sched.is_local(made):  # handed over on this rank
-                        sent[made] = posted[made] = clock[r] - costs.p2p
+                    if made is not None and sched.is_local(made):
+                        ready[made] = clock[r]
                 pc[r] += 1
                 moved = True
         if all(pc[r] == len(acts) for r, acts in enumerate(lists)):
