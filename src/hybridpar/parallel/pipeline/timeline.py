@@ -91,11 +91,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 8)")
     p.add_argument("--schedule", choices=[s.value for s in Schedule], default=None,
                    help="default 1f1b")
-    p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (interleaved)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (interleaved; zbv has 2)")
     p.add_argument("--t-f", type=float, default=1.0, help="forward time of one stage")
     p.add_argument("--t-b", type=float, default=2.0, help="full backward time of one stage")
     p.add_argument("--t-w", type=float, default=None,
-                   help="the weight-gradient part of --t-b (zb-h1 splits it off; default t_b / 2)")
+                   help="the weight-gradient part of --t-b (zb-h1 and zbv split it off; default t_b / 2)")
     p.add_argument("--t-p2p", type=float, default=0.0, help="time of one activation transfer")
     p.add_argument("--out", default="timeline.png", help="PNG to write")
     return p
@@ -123,7 +123,7 @@ def cmd_timeline(argv: list[str]) -> int:
         if given is not None:
             values[key] = given
     kind = Schedule.parse(str(values["schedule"]))
-    v = int(values["virtual_stages"]) if kind is Schedule.INTERLEAVED else 1
+    v = int(values["virtual_stages"]) if kind is Schedule.INTERLEAVED else 2 if kind is Schedule.ZBV else 1
     if kind is Schedule.INTERLEAVED and args.virtual_stages is None and not args.config:
         v = 2
     pp, m = int(values["pp"]), int(values["microbatches"])
