@@ -165,3 +165,17 @@ def test_single_stage_runs_in_process():
     assert result.peak_activations == 1
     with pytest.raises(ScheduleError, match=r"schedule has 3 micro-batches, run\(\) got 2"):
         runner.run(_batches(2, model.cfg.vocab_size))
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
+def test_uneven_layer_counts_match_single_process(dist_run, kind):
+    """5 layers on pp = 2 (2 or 4 chunks): chunks of different sizes, every schedule, the same
+    losses and gradients as one process."""
+    v = 2 if kind in ("interleaved", "zbv") else 1
+    results = dist_run(2, _pipeline_step, kind, v, 4, 5, False)
+    ref_losses, ref_grads = _reference(4, 5, False)
+    torch.testing.assert_close(results[0]["losses"], ref_losses, rtol=1e-5, atol=1e-7)
+    grads = {name: g for r in results for name, g in r["grads"].items()}
+    assert set(grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)

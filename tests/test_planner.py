@@ -151,3 +151,18 @@ def test_plan_cli_json_and_layout(capsys):
         "dp": 2, "micro_batch": 4, "sequence_parallel": True}
     assert main(["plan", "--model", "nope", "--gpus", "8", "--global-batch", "8", "--seq-len", "128"]) == 2
     assert "llama3-8b" in capsys.readouterr().err
+
+
+def test_interleaving_with_uneven_stages_405b(capsys):
+    """Llama 3 405B's 126 layers do not divide into pp = 16 x V chunks; the search still tries the
+    interleaved schedule (the partition is uneven and its imbalance priced), and on Llama 3's own
+    layout (tp 8, pp 16, dp 128) it beats 1F1B by a smaller bubble."""
+    from hybridpar.cli import main
+    from hybridpar.planner.search import schedules
+
+    model = model_preset("llama3-405b")
+    assert model.n_layers % 32 and ("interleaved", 2) in schedules(model, 16, 128)
+    rc = main(["plan", "--model", "llama3-405b", "--gpu", "H100-SXM", "--gpus", "16384", "--global-batch",
+               "2048", "--seq-len", "8192", "--json", "--layout", "dp=128,tp=8,pp=16,cp=1"])
+    lay = json.loads(capsys.readouterr().out)["layout"]
+    assert rc == 0 and lay["fits"] and lay["pipeline_schedule"] == "interleaved" and lay["virtual_stages"] > 1

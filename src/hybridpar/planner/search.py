@@ -132,12 +132,13 @@ def factorisations(world: int) -> Iterable[tuple[int, int, int, int]]:
 
 
 def schedules(model: ModelConfig, pp: int, microbatches: int) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) to try: 1F1B, ZB-H1, interleaved with V = 2 and 4."""
+    """(schedule, virtual stages) to try: 1F1B, ZB-H1, interleaved with V = 2 and 4 (wherever every
+    chunk gets a layer: the partition need not be even, its imbalance is priced)."""
     if pp == 1:
         return [("1f1b", 1)]
     out = [("1f1b", 1), ("zb-h1", 1)]
     for v in (2, 4):
-        if model.n_layers % (pp * v) == 0 and microbatches % pp == 0:
+        if model.n_layers >= pp * v and microbatches % pp == 0:
             out.append(("interleaved", v))
     return out
 
