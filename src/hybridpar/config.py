@@ -152,6 +152,13 @@ class ParallelConfig(LayoutChoice):
     hierarchical_dp: bool = False  # dp gradients: reduce-scatter in node, all-reduce across, all-gather
     node_size: int = 0  # ranks per node for hierarchical_dp; 0 = the launcher's LOCAL_WORLD_SIZE
     auto: bool = False  # train: the planner picks dp/tp/pp/cp, ZeRO stage, schedule, micro-batch for the world size
+    stage_layers: str = ""  # pipeline: layers per stage in model order by hand, e.g. "4,8,8,6"; "" = even split
+
+    def layer_counts(self) -> list[int] | None:
+        """``stage_layers`` as integers (None when unset); ValueError when it is not a list of ints."""
+        if not self.stage_layers.strip():
+            return None
+        return [int(x) for x in self.stage_layers.split(",")]
 
 
 @dataclass

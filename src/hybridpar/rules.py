@@ -234,6 +234,24 @@ def _pp_layers(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("pp-stage-layers")
+def _stage_layers(cfg: Config, world: int | None) -> str | None:
+    m, p = cfg.model, cfg.parallel
+    try:
+        counts = p.layer_counts()
+    except ValueError:
+        return (f"parallel.stage_layers = {p.stage_layers!r} is not a comma-separated list of layer counts; "
+                f"write one integer per pipeline stage in model order, e.g. '4,8,8,6'")
+    stages = p.pp * p.virtual_stages
+    if counts is None:
+        return None
+    if len(counts) != stages or min(counts) < 1 or sum(counts) != m.n_layers:
+        return (f"parallel.stage_layers = {p.stage_layers!r} gives {len(counts)} stages summing to {sum(counts)} "
+                f"layers; it needs pp * virtual_stages = {stages} counts, each >= 1, summing to "
+                f"model.n_layers = {m.n_layers}")
+    return None
+
+
 @rule("virtual-stages-need-interleaved")
 def _virtual(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel

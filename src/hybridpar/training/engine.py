@@ -66,7 +66,8 @@ class Engine(StepEngine):
         self.model = model
         runner: PipelineRunner | None = None
         if topo.pp.size > 1:
-            self.partition = partition_model(m, p.pp, p.virtual_stages, v_shape=p.pipeline_schedule == "zbv")
+            self.partition = partition_model(m, p.pp, p.virtual_stages, v_shape=p.pipeline_schedule == "zbv",
+                                             layer_counts=p.layer_counts())
             self.chunks = build_stage_modules(model, family.make_chunk, topo.pp.rank, p.pp, p.virtual_stages,
                                               self.partition)
             for chunk in self.chunks:

@@ -129,15 +129,22 @@ def partition_layers(n_layers: int, pp: int, virtual_stages: int = 1,
                      balance: Balance = Balance.LAYERS,
                      layer_weights: Sequence[float] | None = None,
                      embedding_weight: float = 0.0, head_weight: float = 0.0,
-                     v_shape: bool = False) -> Partition:
-    """Split ``n_layers`` into ``pp * virtual_stages`` chunks. ``LAYERS`` ignores the weights;
+                     v_shape: bool = False, layer_counts: Sequence[int] | None = None) -> Partition:
+    """Split ``n_layers`` into ``pp * virtual_stages`` chunks. ``LAYERS`` ignores the weights
+    (``layer_counts``, when given, are the chunks' sizes by hand: ``parallel.stage_layers``);
     ``PARAMS`` / ``COST`` balance ``layer_weights`` (one per layer) plus the embedding and head
     weights carried by the first and last chunk. ``v_shape``: ZBV's placement of the chunks."""
     k = pp * virtual_stages
     message = partition_error(n_layers, pp, virtual_stages)  # the run's rule, stated once
     if message is not None:
         raise ScheduleError(message)
-    if balance is Balance.LAYERS:
+    if layer_counts is not None:
+        if len(layer_counts) != k or min(layer_counts) < 1 or sum(layer_counts) != n_layers:
+            raise ScheduleError(f"layer counts {list(layer_counts)} do not split {n_layers} layers into {k} "
+                                f"stages of at least one layer each")
+        sizes, balance = list(layer_counts), Balance.LAYERS
+        weights = [float(s) for s in sizes]
+    elif balance is Balance.LAYERS:
         base, extra = divmod(n_layers, k)
         sizes = [base + (1 if i < extra else 0) for i in range(k)]
         weights = [float(s) for s in sizes]
@@ -169,13 +176,15 @@ def layer_params(cfg: ModelConfig) -> int:
 def partition_model(cfg: ModelConfig, pp: int, virtual_stages: int = 1,
                     balance: Balance = Balance.LAYERS,
                     layer_costs: Sequence[float] | None = None,
-                    embedding_cost: float = 0.0, head_cost: float = 0.0, v_shape: bool = False) -> Partition:
+                    embedding_cost: float = 0.0, head_cost: float = 0.0, v_shape: bool = False,
+                    layer_counts: Sequence[int] | None = None) -> Partition:
     """Partition a decoder: by layer count, by parameters (embedding ``vocab * dim`` on the first
     chunk; norm + head ``dim + vocab * dim`` on the last, tied or not, since the last stage holds
-    its own copy of a tied weight) or by the given costs. ``v_shape``: ZBV's placement."""
+    its own copy of a tied weight) or by the given costs. ``v_shape``: ZBV's placement;
+    ``layer_counts``: the stages' sizes by hand."""
     if balance is Balance.PARAMS:
         emb = cfg.vocab_size * cfg.dim
         return partition_layers(cfg.n_layers, pp, virtual_stages, balance,
                                 [float(layer_params(cfg))] * cfg.n_layers, emb, emb + cfg.dim, v_shape)
     return partition_layers(cfg.n_layers, pp, virtual_stages, balance, layer_costs,
-                            embedding_cost, head_cost, v_shape)
+                            embedding_cost, head_cost, v_shape, layer_counts)
