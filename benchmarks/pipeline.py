@@ -102,31 +102,24 @@ class _SleepInput(torch.autograd.Function):
         return grad, None, None
 
 
-class _SleepWeight(torch.autograd.Function):
-    """Identity on the weight path: its backward (the weight gradient) sleeps t_w. Only a
-    backward that asks for the weight's gradient runs it, so B and W split cleanly."""
-
-    @staticmethod
-    def forward(ctx, w, t_w: float):  # noqa: ANN001
-        ctx.t_w = t_w
-        return w.clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001
-        exact_sleep(ctx.t_w)
-        return grad, None
-
-
-class SleepStage(nn.Module):
-    """One pipeline chunk: ``out = sleep_input(x) + sleep_weight(w)``."""
+class SleepStage(nn.Linear):
+    """One pipeline chunk: ``out = sleep_input(x) + x W^T`` with ``W`` zero. A linear layer, so
+    the zero-bubble schedules split it as they split any (hybridpar per linear layer, torch per
+    autograd node): a hook on ``W`` sleeps ``t_w`` whenever W's gradient is computed, which only
+    a backward that asks for the weight's gradient does, so B and W split cleanly."""
 
     def __init__(self, t_f: float, t_b: float, t_w: float) -> None:
-        super().__init__()
+        super().__init__(WIDTH, WIDTH, bias=False)
         self.t_f, self.t_b, self.t_w = t_f, t_b, t_w
-        self.w = nn.Parameter(torch.zeros(1))
+        nn.init.zeros_(self.weight)
+        self.weight.register_hook(self._weight_grad)
+
+    def _weight_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        exact_sleep(self.t_w)
+        return grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepInput.apply(x, self.t_f, self.t_b) + _SleepWeight.apply(self.w, self.t_w)
+        return _SleepInput.apply(x, self.t_f, self.t_b) + F.linear(x, self.weight)
 
 
 class MatmulStage(nn.Module):
