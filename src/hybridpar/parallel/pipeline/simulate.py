@@ -3,7 +3,8 @@
 The simulator executes exactly the semantics the runtime implements (see
 :mod:`.schedules`): a send is posted when its rank reaches it and never blocks; a receive is
 posted when its rank reaches it; its data is ready ``p2p`` after both the send and the receive are
-posted; a compute action starts when its rank is free and its received input is ready. If no rank
+posted (a local message, between two stages of one rank as in ZBV, is ready when its producer
+ends); a compute action starts when its rank is free and its received input is ready. If no rank
 can move while some are unfinished, the lists deadlock and :class:`DeadlockError` names what each
 blocked rank waits for, so the same function is the deadlock check of the tests.
 

@@ -66,8 +66,8 @@ def deferrable_params(chunk: nn.Module) -> set[nn.Parameter]:
 
 @dataclass
 class _Linear:
-    """One deferred linear: its inner graph's output edge, input leaf, parameters and (after B)
-    output gradient."""
+    """One deferred linear: its inner graph's output edge and input edge, its parameters, the
+    storages its inner nodes saved and (after B) its output gradient."""
 
     edge: GradientEdge
     source: GradientEdge | None  # where x' enters the inner graph (B asks for its gradient)
