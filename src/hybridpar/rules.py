@@ -322,6 +322,18 @@ def _offload(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("dp-compression")
+def _compression(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if p.grad_compression in ("bf16", "fp16") and p.zero_stage < 1:
+        return (f"parallel.grad_compression = {p.grad_compression!r} needs parallel.zero_stage >= 1 (got "
+                f"{p.zero_stage}); set zero_stage to 1, 2 or 3, or use grad_compression = 'int8' (any stage)")
+    if p.grad_compression != "none" and p.hierarchical_dp:
+        return (f"parallel.grad_compression = {p.grad_compression!r} with parallel.hierarchical_dp = true is not "
+                "supported; turn one of them off")
+    return None
+
+
 @rule("zero3-without-pp")
 def _zero3_pp(cfg: Config, world: int | None) -> str | None:
     # ZeRO-3 under pp would re-gather every unit's parameters for each micro-batch's forward and

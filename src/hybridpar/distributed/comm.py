@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -44,6 +44,7 @@ class Op(enum.StrEnum):
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
     BROADCAST = "broadcast"
     SEND = "send"
     RECV = "recv"
@@ -53,7 +54,8 @@ class Op(enum.StrEnum):
 def wire_bytes(op: Op | str, nbytes: int, group_size: int) -> int:
     """Bytes one rank sends for ``op`` with payload ``nbytes`` in a group of ``group_size``,
     under ring algorithms: all-reduce 2(n-1)/n B, all-gather (n-1) B (B = local shard),
-    reduce-scatter (n-1)/n B (B = full input), broadcast/send B, recv and barrier 0.
+    reduce-scatter (n-1)/n B (B = full input), all-to-all (n-1)/n B (B = full input: the
+    block for itself stays), broadcast/send B, recv and barrier 0.
 
     (Gloo implements reduce-scatter as all-reduce + slice, so on CPU it really moves twice
     this; the model counts what the algorithm needs, which is what NCCL sends.)
@@ -65,7 +67,7 @@ def wire_bytes(op: Op | str, nbytes: int, group_size: int) -> int:
         return 2 * (n - 1) * nbytes // n
     if op is Op.ALL_GATHER:
         return (n - 1) * nbytes
-    if op is Op.REDUCE_SCATTER:
+    if op in (Op.REDUCE_SCATTER, Op.ALL_TO_ALL):
         return (n - 1) * nbytes // n
     if op in (Op.BROADCAST, Op.SEND):
         return nbytes
@@ -289,15 +291,8 @@ class Comm:
         if out.numel() != axis.size * shard.numel():
             raise ValueError(f"all_gather_into: out has {out.numel()} elements, need "
                              f"{axis.size} x {shard.numel()}")
-        if axis.size == 1:
-            out.view(-1).copy_(shard.reshape(-1))
-            return Pending()
-        rec = self._record(Op.ALL_GATHER, axis, _nbytes(shard))
-        work = _all_gather_flat(out.view(-1), shard.contiguous().view(-1), group=axis.group, async_op=True)
-        pending = Pending([work], [rec])
-        if not async_op:
-            pending.wait()
-        return pending
+        return self._flat(Op.ALL_GATHER, out, shard, axis, async_op,
+                          lambda o, i: _all_gather_flat(o, i, group=axis.group, async_op=True))
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, axis: Axis, *,
                             async_op: bool = False) -> Pending:
@@ -309,13 +304,32 @@ class Comm:
         if t.numel() != axis.size * out.numel():
             raise ValueError(f"reduce_scatter_into: input has {t.numel()} elements, need "
                              f"{axis.size} x {out.numel()}")
+        return self._flat(Op.REDUCE_SCATTER, out, t, axis, async_op,
+                          lambda o, i: _reduce_scatter_flat(o, i, op=dist.ReduceOp.SUM, group=axis.group,
+                                                            async_op=True))
+
+    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor, axis: Axis, *,
+                        async_op: bool = False) -> Pending:
+        """Flat all-to-all into a caller-owned buffer: ``t`` and ``out`` (same numel, a multiple
+        of ``axis.size``, contiguous) are ``axis.size`` equal blocks; block ``j`` of ``t`` goes
+        to local rank ``j``, and block ``i`` of ``out`` comes from local rank ``i``. With
+        ``async_op`` the caller ``wait()``s before reading ``out``. A size-1 axis copies and
+        records nothing."""
+        if out.numel() != t.numel() or t.numel() % axis.size:
+            raise ValueError(f"all_to_all_into: input {t.numel()} and output {out.numel()} elements must be "
+                             f"equal and divisible by {axis.name} size {axis.size}")
+        return self._flat(Op.ALL_TO_ALL, out, t, axis, async_op,
+                          lambda o, i: dist.all_to_all_single(o, i, group=axis.group, async_op=True))
+
+    def _flat(self, op: Op, out: torch.Tensor, t: torch.Tensor, axis: Axis, async_op: bool,
+              launch: Callable[[torch.Tensor, torch.Tensor], dist.Work]) -> Pending:
+        """The ``*_into`` collectives: on a size-1 axis ``t`` is copied to ``out`` and nothing is
+        recorded; else ``launch(flat out, flat t)`` is counted with ``t`` as the payload."""
         if axis.size == 1:
             out.view(-1).copy_(t.reshape(-1))
             return Pending()
-        rec = self._record(Op.REDUCE_SCATTER, axis, _nbytes(t))
-        work = _reduce_scatter_flat(out.view(-1), t.contiguous().view(-1), op=dist.ReduceOp.SUM,
-                                    group=axis.group, async_op=True)
-        pending = Pending([work], [rec])
+        rec = self._record(op, axis, _nbytes(t))
+        pending = Pending([launch(out.view(-1), t.contiguous().view(-1))], [rec])
         if not async_op:
             pending.wait()
         return pending

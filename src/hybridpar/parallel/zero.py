@@ -117,7 +117,9 @@ class ZeroOptimizer:
     sharded first (``sharded=shard_model(model, axis, units)``) and takes its (sharded)
     parameters. ``offload`` keeps master weights, optimizer state and the update on the host
     (pinned on GPU machines). ``bucket_bytes`` sizes the stage-0/1/2 gradient buckets.
-    ``reduce_dtype`` compresses the gradient reduction. ``outer`` says how the parameters are
+    ``reduce_dtype`` compresses the gradient reduction: ``torch.int8`` (any stage; block-wise
+    int8 with error feedback, :mod:`hybridpar.distributed.compression`) or bf16/fp16 (stages
+    1-3). ``outer`` says how the parameters are
     themselves tensor-parallel pieces (checkpoints then store pieces of the full tensors).
     ``hierarchy`` (stage 0): (intra-node, inter-node) axes for a two-level all-reduce.
     ``optim_kwargs`` go to
@@ -137,8 +139,9 @@ class ZeroOptimizer:
             raise ValueError(f"ZeRO stage {stage} must be 0, 1, 2 or 3")
         if offload and stage == 0:
             raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 has no sharded optimizer)")
-        if reduce_dtype is not None and (stage == 0 or reduce_dtype not in LOW_PRECISION):
-            raise ValueError(f"gradient compression reduce_dtype={reduce_dtype} needs stage 1-3 and bf16 or fp16")
+        if reduce_dtype is not None and reduce_dtype != torch.int8 and (stage == 0 or reduce_dtype not in LOW_PRECISION):
+            raise ValueError(f"gradient compression reduce_dtype={reduce_dtype} needs torch.int8 (any stage), "
+                             "or bf16 / fp16 with stage 1-3")
         if (stage == 3) != (sharded is not None):
             raise ValueError("ZeRO stage 3 needs sharded=shard_model(model, axis, units); other stages take none")
         self.axis, self.stage, self.offload = axis, stage, offload
@@ -148,7 +151,7 @@ class ZeroOptimizer:
         self.mode = stage if axis.size > 1 else (1 if offload else 0)
         self._stage: ZeroStage
         if self.mode == 0:
-            self._stage = Replicated(named, axis, bucket_bytes, hierarchy, outer)
+            self._stage = Replicated(named, axis, bucket_bytes, hierarchy, outer, int8=reduce_dtype == torch.int8)
         elif self.mode == 3:
             assert sharded is not None
             self._stage = ShardedParams(named, axis, sharded, reduce_dtype, offload)
@@ -251,13 +254,15 @@ class ZeroOptimizer:
         """Bytes this rank keeps alive, counted from the live tensors (each storage once):
         ``params`` (model parameters as held now), ``grads``, ``optim`` (per-element optimizer
         state, fp32 masters, host gradient copies; 0-d step counters are left out) and
-        ``optim_offloaded`` (the same, when it lives on the host)."""
+        ``optim_offloaded`` (the same, when it lives on the host) and ``residuals`` (int8
+        compression's error feedback: fp32, the size of the padded gradient buckets)."""
         seen: set[int] = set()
         held_params, held_grads = self._stage.held()
         out = {"params": storage_bytes(held_params, seen), "grads": storage_bytes(held_grads, seen)}
         state = [t for s in self.inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         optim = storage_bytes(state + self._stage.optim_extras(), seen)
         out["optim"], out["optim_offloaded"] = (0, optim) if self.offload else (optim, 0)
+        out["residuals"] = storage_bytes(self._stage.residuals(), seen)
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -328,11 +333,36 @@ class ZeroOptimizer:
         for pg, saved in zip(self.inner.param_groups, state_dict["param_groups"], strict=True):
             pg.update({k: v for k, v in saved.items() if k != "params"})
 
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """int8 compression's error-feedback state of this rank (live tensors; empty without
+        int8). Keyed by global rank and the dp axis's size, since every rank's residuals are its
+        own and mean nothing under another layout: a checkpoint restores them only at the same
+        one (:func:`hybridpar.training.checkpoint.load`); elsewhere they restart from zero."""
+        tensors = self._stage.residuals()
+        where = f"{self.axis.name}{self.axis.size}-rank{self.axis.global_rank(self.axis.rank)}"
+        return {f"{where}-{i}": t for i, t in enumerate(tensors)}
+
+    def reset_residuals(self) -> None:
+        """Forget the error feedback (after a skipped step: its gradients were not finite)."""
+        for t in self._stage.residuals():
+            t.zero_()
+
+    def scale_residuals(self, factor: float) -> None:
+        """Multiply the error feedback by ``factor`` (the fp16 loss scale changed by it: the
+        residuals are in the scaled gradients' units)."""
+        for t in self._stage.residuals():
+            t.mul_(factor)
+
     def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
         """``{"model": ..., "optim": ...}`` for ``dcp.save`` / as the template for ``dcp.load``:
         the parameters this optimizer trains (one pipeline stage's, under pp) and the model's
-        buffers, as DTensor pieces of the full tensors where tp or ZeRO-3 split them."""
-        return {"model": self._stage.model_state(model), "optim": self.state_dict()}
+        buffers, as DTensor pieces of the full tensors where tp or ZeRO-3 split them; with int8
+        compression also ``"residuals"`` (:meth:`residuals`)."""
+        out = {"model": self._stage.model_state(model), "optim": self.state_dict()}
+        residuals = self.residuals()
+        if residuals:
+            out["residuals"] = residuals
+        return out
 
     @torch.no_grad()
     def load_checkpoint_state(self, model: nn.Module, state: dict[str, Any]) -> None:

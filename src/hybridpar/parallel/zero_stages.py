@@ -114,6 +114,10 @@ class ZeroStage(abc.ABC):
         self.groups: list[ShardGroup] = []
         self.hooks: list[RemovableHandle] = []
 
+    def residuals(self) -> list[torch.Tensor]:
+        """int8 gradient compression's error-feedback state, in a fixed order (none without it)."""
+        return [t for g in self.groups for t in g.grads.residuals()]
+
     @property
     @abc.abstractmethod
     def state_axis(self) -> Axis | None:
@@ -210,10 +214,10 @@ class Replicated(ZeroStage):
     optimizer steps, copied back after each step. On a size-1 axis no hooks are installed."""
 
     def __init__(self, named: list[NamedParam], axis: Axis, bucket_bytes: int,
-                 hierarchy: tuple[Axis, Axis] | None, outer: OuterSplit | None) -> None:
+                 hierarchy: tuple[Axis, Axis] | None, outer: OuterSplit | None, int8: bool = False) -> None:
         super().__init__(named, axis)
         self.params = [p for _, p in named]
-        self.reducer = GradientReducer(self.params, axis, bucket_bytes, hierarchy)
+        self.reducer = GradientReducer(self.params, axis, bucket_bytes, hierarchy, int8)
         self.masters: dict[int, nn.Parameter] = {}
         self._synced: set[int] = set()  # GradientReducer cannot take a 2nd pass outside no_sync
         self._finished = False  # GradientReducer.finish divides by N: only once per step
@@ -264,6 +268,9 @@ class Replicated(ZeroStage):
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    def residuals(self) -> list[torch.Tensor]:
+        return self.reducer.residuals()
 
     def sum_over_dp(self, total: torch.Tensor) -> None:
         """Nothing to do: every rank already holds the whole averaged gradient."""
@@ -443,7 +450,7 @@ class ShardedParams(_Grouped):
         self.sharded = sharded
         for u in sharded.units:
             if reduce_dtype is not None:  # compression may be asked here or in shard_model()
-                u.grads.reduce_dtype = reduce_dtype
+                u.grads.compress(reduce_dtype)
             self._add(ShardGroup(u.layout, list(u.shards), u.grads, None, self._needs_master(u.dtype), offload),
                       list(u.shards))
 

@@ -41,6 +41,9 @@ from hybridpar.training.generate import sample
 from hybridpar.training.precision import autocast
 from hybridpar.training.step import StepEngine
 
+# parallel.grad_compression -> ZeroOptimizer's reduce_dtype
+_REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+
 Batch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Documents]  # (inputs, targets[, packed documents])
 
 
@@ -108,6 +111,7 @@ class Engine(StepEngine):
             hierarchy = topo.node_split(topo.dp_cp, node)
         optimizer = ZeroOptimizer(decay_groups(named, t.weight_decay), topo.dp_cp, stage=p.zero_stage,
                                   offload=p.offload_optimizer, bucket_bytes=bucket, sharded=sharded,
+                                  reduce_dtype=_REDUCE_DTYPES[p.grad_compression],
                                   outer=outer, hierarchy=hierarchy, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         self.params = [q for _, q in named if q.requires_grad]
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
