@@ -346,15 +346,6 @@ def _zero3_pp(cfg: Config, world: int | None) -> str | None:
     return None
 
 
-@rule("zero-without-fp16")
-def _zero_fp16(cfg: Config, world: int | None) -> str | None:
-    p, t = cfg.parallel, cfg.train
-    if p.zero_stage > 0 and t.precision == "fp16":
-        return (f"parallel.zero_stage = {p.zero_stage} with train.precision = 'fp16' is not supported yet; use "
-                "bf16 or fp32, or zero_stage = 0")
-    return None
-
-
 # ----------------------------------------------------------------------------- families
 
 

@@ -51,6 +51,12 @@ on the tiny test Llama over 3 steps at dp 2 and 4: per-step losses within 9e-5 (
 per tensor. Adam normalizes every element, so entries whose reduced gradient nearly cancels
 across ranks can change direction. It breaks the "layout never changes the result" promise by
 that much; use it only where dp bandwidth is the bottleneck.
+
+``reduce_dtype=torch.int8`` (any stage) sends int8 blocks with one fp32 scale per 256 values and
+error feedback (:mod:`hybridpar.distributed.compression`): 3.94x fewer gradient bytes than fp32.
+Stages 1-3 replace the reduce-scatter by one all-to-all of the int8 blocks (summed in fp32 by
+the receiver); stage 0 adds an int8 all-gather of the summed blocks. The residuals are state:
+:meth:`ZeroOptimizer.residuals`, saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -213,6 +219,12 @@ class ZeroOptimizer:
         """Wait until every gradient reduction of this step is done (starting any that hooks did
         not, e.g. for unused parameters). Call after the last backward; idempotent."""
         self._stage.finish()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The reduced gradient tensors this rank holds after :meth:`finish_grads` (whole under
+        stage 0, this rank's rows under 1-3): scaling them in place (clipping, fp16 unscaling)
+        scales what :meth:`step` applies."""
+        return self._stage.grad_views()
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared L2 norm of the full averaged gradient, in fp32, identical on every rank:

@@ -116,6 +116,13 @@ class StepEngine:
             sum_over(self.topo.tp, [g for n, g in grads if n in self.tp_partial_names])
 
     # ------------------------------------------------------------------ the update
+    def gradients(self) -> list[Tensor]:
+        """The reduced gradient tensors this rank holds, after :meth:`finish`: whole ones, or
+        its ZeRO shard of them (in place scaling reaches what the optimizer steps)."""
+        if self.zero is not None:
+            return self.zero.grad_tensors()
+        return [p.grad for _, p in self.owned if p.grad is not None]
+
     def grad_norm(self) -> Tensor:
         """Global gradient L2 norm: every parameter counted exactly once over tp, pp and ZeRO
         shards (data-parallel replicas hold equal, already averaged gradients)."""

@@ -102,9 +102,20 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=False)
         batches = self.micro_batches(step, t.global_batch, self.train_data)
-        loss = self.engine.forward_backward(batches, self.scaler.scale / len(batches)).mean().float()
+        # fp16: each rank scales its micro-batches as one process scales all M x replicas of them,
+        # so the same values overflow fp16 under every layout; the dp average is then 1/replicas
+        # of the scaled sum, which unscaling undoes (fp32/bf16: the plain 1/M mean, no rescaling)
+        replicas = self.topo.dp_cp.size if self.scaler.enabled else 1
+        loss = self.engine.forward_backward(batches, self.scaler.scale / (len(batches) * replicas)).mean().float()
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
-        if not self.scaler.unscale_or_skip(self.params, self.topo.world):
+        scale = self.scaler.scale
+        clean = self.scaler.unscale_or_skip(self.engine.gradients(), self.topo.world, replicas)
+        if self.scaler.scale != scale and self.engine.zero is not None:  # int8 error feedback: scaled units
+            if clean:
+                self.engine.zero.scale_residuals(self.scaler.scale / scale)
+            else:
+                self.engine.zero.reset_residuals()  # computed from non-finite gradients
+        if not clean:
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         if not torch.isfinite(loss):
             self._on_nonfinite(step, float(loss))
