@@ -359,3 +359,32 @@ def test_resume_restores_the_residuals_exactly(dist_run, tmp_path, layout):
     forgot = dist_run(2, _trainer_worker, str(tmp_path / "b"), layout, 2, True)
     assert forgot[0]["losses"] == whole[0]["losses"][2:]  # step 3's loss is before its update
     assert any(not torch.equal(v, whole[0]["state"][k]) for k, v in forgot[0]["state"].items())
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+def test_planner_prices_int8_bytes_time_and_residuals():
+    """The planner's int8 layout: the data-parallel payload at 1 + 4/256 bytes per gradient
+    element (its traffic is checked against the counter in test_planner_validation), the
+    quantisation pass in the step time, and the residuals in the gradients' memory."""
+    import dataclasses
+
+    from hybridpar.config import model_preset
+    from hybridpar.planner.cost import step_cost
+    from hybridpar.planner.hardware import Cluster, gpu_spec
+    from hybridpar.planner.layout import Layout, Workload
+    from hybridpar.planner.memory import int8_residual_bytes, rank_memory, rank_numel
+
+    model = model_preset("llama3-8b")
+    work = Workload(global_batch=512, seq_len=4096, precision="fp32")  # fp32 gradients: int8 is 3.94x less
+    cluster = Cluster.of(gpu_spec("H100-SXM"), 64)
+    for stage in (0, 1, 3):
+        plain = Layout(dp=8, tp=8, zero_stage=stage, micro_batch=1)
+        packed = dataclasses.replace(plain, grad_compression="int8")
+        a, b = step_cost(model, plain, work, cluster), step_cost(model, packed, work, cluster)
+        assert b.terms["dp_comm"] < a.terms["dp_comm"] * (0.3 if stage == 0 else 0.7)  # bytes / 3.94 (half of them at 1-3)
+        full = rank_numel(tuple(dataclasses.astuple(model)), 8, 1, 1, 0)
+        assert b.terms["quantize"] == pytest.approx(full * 21 / cluster.rank_gpu.hbm_bw)  # 21 B of memory traffic
+        ma, mb = rank_memory(model, plain, work, 0), rank_memory(model, packed, work, 0)
+        assert mb.components["grads"] - ma.components["grads"] == int8_residual_bytes(full, 8, stage)

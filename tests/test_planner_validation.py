@@ -105,6 +105,7 @@ ACT_LAYOUTS: dict[str, list[str]] = {
     "pp2-zb": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1"],
     "pp4-1f1b": ["--parallel.pp", "4"],
     "pp2-tp2-sp": ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    "cp2-tp2-sp": ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "single-recompute-full": ["--parallel.recompute", "full"],
     "single-recompute-selective": ["--parallel.recompute", "selective"],
     "tp2-sp-recompute-full": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
@@ -200,19 +201,32 @@ def _measure_activations(rank: int, world: int, names: list[str]) -> dict[str, t
 # benchmarks/planner_validation.py checks all of them.
 COMM_LAYOUTS = ["dp2", "tp2-sp", "cp2", "pp2-interleaved", "dp2-zero3", "dp4-hierarchical", "cp2-tp2",
                 "dp2-tp2-sp-zero1", "dp2-cp2-zero2", "dp2-tp2-pp2-zero2", "dp2-tp2-pp2-interleaved-sp",
-                "dp2-tp2-pp2-cp2-zb", "dp2-tp2-sp-recompute-full", "cp2-recompute-selective", "pp2-zb-recompute-full"]
+                "dp2-tp2-pp2-cp2-zb", "dp2-tp2-sp-recompute-full", "cp2-recompute-selective", "pp2-zb-recompute-full",
+                "pp2-cp2-tp2-sp", "dp2-int8", "dp2-cp2-zero2-int8", "dp2-tp2-zero3-int8", "dp2-zero1-bf16"]
+# Gradient compression changes the result, so these are not in the invariance matrix; their traffic is.
+COMPRESSED = {"dp2-int8": ["--parallel.dp", "2", "--parallel.grad_compression", "int8"],
+              "dp2-cp2-zero2-int8": ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.zero_stage", "2",
+                                     "--parallel.grad_compression", "int8"],
+              "dp2-tp2-zero3-int8": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.zero_stage", "3",
+                                     "--parallel.grad_compression", "int8"],
+              "dp2-zero1-bf16": ["--parallel.dp", "2", "--parallel.zero_stage", "1",
+                                 "--parallel.grad_compression", "bf16"]}
+
+
+def _comm_config(tmp: str, name: str):
+    from test_layouts import LAYOUTS, config
+
+    return config(tmp, COMPRESSED[name] if name in COMPRESSED else LAYOUTS[name])
 
 
 def _count_step(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int, dict[str, int]]]:
     """Per layout: (pipeline rank, dp x cp rank, payload bytes per axis of one train step after a
     warm-up step)."""
-    from test_layouts import LAYOUTS, config
-
     from hybridpar.training.trainer import Trainer
 
     out = {}
     for name in names:
-        cfg = config(tmp, LAYOUTS[name])
+        cfg = _comm_config(tmp, name)
         with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
             trainer = Trainer(cfg, topo)
             trainer.train_step(1)
@@ -238,9 +252,7 @@ class Runs:
         self.done: dict[int, list[tuple[dict, dict]]] = {}
 
     def comm_world(self, name: str) -> int:
-        from test_layouts import LAYOUTS, config
-
-        return config(self.tmp, LAYOUTS[name]).parallel.world_size
+        return _comm_config(self.tmp, name).parallel.world_size
 
     def __call__(self, world: int) -> list[tuple[dict, dict]]:
         if world not in self.done:
@@ -263,9 +275,7 @@ class Runs:
 
     def comm(self, name: str) -> list[tuple[int, dict[str, int], dict[str, int]]]:
         """``(pipeline rank, counted, predicted)`` payload bytes per axis of every rank."""
-        from test_layouts import LAYOUTS, config
-
-        cfg = config(self.tmp, LAYOUTS[name])
+        cfg = _comm_config(self.tmp, name)
         layout, work = from_config(cfg)
         node = cfg.parallel.node_size if cfg.parallel.hierarchical_dp else 0
         rows = []

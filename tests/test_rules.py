@@ -31,7 +31,8 @@ def test_rule_names_are_unique_and_named_by_area():
     (["--parallel.tp", "3"], "tp-divides-heads"),
     (["--parallel.tp", "8"], "tp-whole-kv-heads"),
     (["--parallel.pp", "16"], "pp-layer-per-chunk"),
-    (["--parallel.cp", "2", "--parallel.sequence_parallel", "true", "--parallel.tp", "2"], "cp-without-sp"),
+    (["--parallel.cp", "2", "--parallel.sequence_parallel", "true", "--parallel.tp", "2", "--train.seq_len", "132"],
+     "sp-seq-len"),
     (["--parallel.zero_stage", "3", "--parallel.pp", "2"], "zero3-without-pp"),
     (["--model.family", "gpt2"], "model-gpt2-shape"),
 ])

@@ -142,6 +142,9 @@ class LayoutChoice(MeshAxes):
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Recompute = "none"
+    # data-parallel gradient payload: int8 (block-wise, error feedback; any ZeRO stage) or
+    # bf16/fp16 (ZeRO stages 1-3); see hybridpar.distributed.compression
+    grad_compression: GradCompression = "none"
 
 
 @dataclass
@@ -152,9 +155,6 @@ class ParallelConfig(LayoutChoice):
     bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
     hierarchical_dp: bool = False  # dp gradients: reduce-scatter in node, all-reduce across, all-gather
     node_size: int = 0  # ranks per node for hierarchical_dp; 0 = the launcher's LOCAL_WORLD_SIZE
-    # data-parallel gradient payload: int8 (block-wise, error feedback; any ZeRO stage) or
-    # bf16/fp16 (ZeRO stages 1-3); see hybridpar.distributed.compression
-    grad_compression: GradCompression = "none"
     auto: bool = False  # train: the planner picks dp/tp/pp/cp, ZeRO stage, schedule, micro-batch for the world size
 
 

@@ -296,14 +296,6 @@ def _sp_seq(cfg: Config, world: int | None) -> str | None:
     return None
 
 
-@rule("cp-without-sp")
-def _cp_sp(cfg: Config, world: int | None) -> str | None:
-    p = cfg.parallel
-    if p.cp > 1 and p.sequence_parallel:
-        return f"parallel.cp = {p.cp} with parallel.sequence_parallel = true is not supported yet; turn one of them off"
-    return None
-
-
 @rule("world-size")
 def _world(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel

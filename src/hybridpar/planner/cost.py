@@ -294,8 +294,19 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     # data parallel gradient reduction over dp x cp (stride tp)
     key = model_key(model)  # the pipeline rank with the most parameters, its count cached
     worst = max(range(pp), key=lambda r: rank_numel(key, t, pp, v, r))
-    grad_bytes = rank_numel(key, t, pp, v, worst) * work.param_bytes
+    grad_numel = rank_numel(key, t, pp, v, worst)
+    param_total = grad_bytes = reduced = grad_numel * work.param_bytes
     n = L.dp * L.cp
+    quantize = 0.0
+    if L.grad_compression == "int8":  # 1 + 4/256 bytes per element; every rank quantises its
+        # gradient (read it and the residual, write int8 and the residual), dequantises n blocks
+        reduced = grad_numel * (1 + 4 / 256)
+        quantize = grad_numel * (4 + 4 + 1 + 4 + 2 * 4) / g.hbm_bw
+    elif L.grad_compression in ("bf16", "fp16"):
+        reduced = grad_numel * 2
+    if reduced != param_total:  # all-reduce-equivalent bytes: ZeRO-0 compresses both halves,
+        # ZeRO-1/2 the reduce-scatter half (the parameter all-gather keeps the parameter dtype)
+        grad_bytes = reduced if L.zero_stage == 0 else (reduced + param_total) / 2
     dp_bw, dp_lat, _ = cluster.axis_bandwidth(n, t)
     # gradients are all-reduced in buckets of bucket_mb; the last bucket fills when backward ends
     buckets = max(1, math.ceil(grad_bytes / (work.bucket_mb * 2**20)))
@@ -310,24 +321,24 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
         # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
         # collective would run on the same cores), so on a CPU profile nothing hides them.
         units = model.n_layers + (1 if model.tie_embeddings else 2)
-        gather = units * cluster.collective_time("all_gather", grad_bytes / units / n, n, t)
+        gather = units * cluster.collective_time("all_gather", param_total / units / n, n, t)
         cal = g.calibration
         hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
         exposed_z3 = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
-        dp_comm = units * cluster.collective_time("reduce_scatter", grad_bytes / units, n, t) + exposed_z3
+        dp_comm = units * cluster.collective_time("reduce_scatter", reduced / units, n, t) + exposed_z3
     floor = last_bucket if L.zero_stage < 3 else 0.0
     dp_exposed = (exposed_z3 + max(floor, dp_comm - exposed_z3 - hide * last_backward)) if pp == 1 else dp_comm
     shard = rank_numel(key, t, pp, v, worst, n if L.zero_stage >= 1 else 1)
     opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
     if L.offload_optimizer:
         opt = shard * 2 * work.param_bytes / g.host_bw + shard * 28 / 100e9  # + host Adam at ~100 GB/s DRAM
-    step = span + dp_exposed + opt
+    step = span + dp_exposed + opt + quantize
     flops = model_flops(model, work)
     hw = flops + recompute_flops(model, L, work)
     world = L.world_size
     terms = {"pipeline_makespan": span, "compute_busy": busy, "bubble": max(0.0, span - busy),
              "tp_comm": m * lt.tp_comm * per_stage_layers * v, "pp_p2p_per_message": p2p,
-             "dp_comm": dp_comm, "dp_exposed": dp_exposed, "optimizer": opt,
+             "dp_comm": dp_comm, "dp_exposed": dp_exposed, "optimizer": opt, "quantize": quantize,
              "layer_fwd": lt.f, "layer_bwd": lt.b + lt.w}
     return CostReport(step_time_s=step, mfu=flops / (step * world * cluster.gpu.bf16_flops),
                       tflops_per_gpu=flops / (step * world) / 1e12,

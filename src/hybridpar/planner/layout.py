@@ -115,9 +115,11 @@ def model_of(key: ModelKey) -> ModelConfig:
 
 def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
     """The layout rule ``validate`` says this layout breaks (None if it breaks none), judging
-    only shapes and divisibility: ZeRO, offload and recompute are switched off for this check."""
-    if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none":
-        layout = dataclasses.replace(layout, zero_stage=0, offload_optimizer=False, recompute="none")
+    only shapes and divisibility: ZeRO, offload, recompute and compression are switched off for
+    this check."""
+    if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none" or layout.grad_compression != "none":
+        layout = dataclasses.replace(layout, zero_stage=0, offload_optimizer=False, recompute="none",
+                                     grad_compression="none")
     return _validate_error(model_key(model), layout, work)
 
 

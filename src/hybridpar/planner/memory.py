@@ -10,7 +10,8 @@ runs they equal its live tensor bytes. Bytes per parameter (P = parameters on th
 ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over dp, stage 2 also the
 gradients, stage 3 also the parameters; each parameter is split along dim 0 into ``ceil(rows/N)``
 row blocks (:mod:`hybridpar.parallel.shard`), so the worst rank holds the rounded-up block.
-Offload moves the optimizer state to host memory (reported as ``cpu_gib``).
+Offload moves the optimizer state to host memory (reported as ``cpu_gib``). int8 gradient
+compression adds its fp32 error-feedback residuals (4 bytes per gradient element) to ``grads``.
 
 Activations depend on the workload's block style (``Workload.style``, a
 :class:`~hybridpar.planner.layout.BlockStyle`). ``BlockStyle.MEGATRON`` (Megatron-LM's GPT block)
@@ -49,6 +50,7 @@ of everything else for caching-allocator fragmentation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -421,7 +423,17 @@ def _rank_parts(key: ModelKey, L: Layout, work: Workload,
     full = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank)
     shard = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank, L.dp)
     st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer)
+    if L.grad_compression == "int8" and L.dp * L.cp > 1:  # error feedback: fp32, gradient-sized
+        st = dataclasses.replace(st, grads=st.grads + int8_residual_bytes(full, L.dp * L.cp, L.zero_stage))
     return st, _rank_activations(key, _activation_fields(L), work, pp_rank)
+
+
+def int8_residual_bytes(full: int, n: int, zero_stage: int) -> int:
+    """int8 gradient compression's error-feedback state on a rank holding ``full`` parameter
+    elements over ``n`` data-parallel ranks: 4 bytes per gradient element (the quantised
+    input), plus 4 per element of this rank's summed block at stage 0 (re-quantised for the
+    all-gather); block padding left out. Counted with the gradients."""
+    return 4 * full + (4 * -(-full // n) if zero_stage == 0 else 0)
 
 
 def _total(st: ModelStates, acts: float, logits: float, comm: float) -> float:

@@ -186,13 +186,15 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
     only) of every ZeRO stage that fits at the first recompute level where one does, and the
     smallest evaluation overall (or the one that breaks a rule: the rule is the same for all)."""
     tp, cp = int(fixed["tp"]), int(fixed["cp"])  # type: ignore[call-overload]
-    sp_default = tp > 1 and cp == 1 and work.seq_len % tp == 0
+    sp_default = tp > 1 and work.seq_len % (tp * (2 * cp if cp > 1 else 1)) == 0  # the sp-seq-len rule
     sp = bool(partial.get("sequence_parallel", sp_default))
     recs = [partial["recompute"]] if "recompute" in partial else list(RECOMPUTE)
     zeros = [partial["zero_stage"]] if "zero_stage" in partial else list(ZERO)
     offload = bool(partial.get("offload_optimizer", False))
+    compression = str(partial.get("grad_compression", "none"))
     layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
-                                offload_optimizer=offload) for rec in recs for z in zeros}
+                                offload_optimizer=offload, grad_compression=compression)  # type: ignore[arg-type]
+               for rec in recs for z in zeros}
     rule = layout_rule_error(model, next(iter(layouts.values())), work)  # the same for all of them
     smallest: Evaluation | None = None
     for rec in recs:

@@ -24,7 +24,9 @@ collectives in each backward traversal: a block's tp and cp ones (full), ring at
 Gradients cross dp x cp once per step: bucketed all-reduces (ZeRO-0), a reduce-scatter per
 bucket and an all-gather of the updated shard (ZeRO-1/2), or two all-gathers per unit and
 micro-batch and one reduce-scatter per unit (ZeRO-3), each over the padded ``ceil(rows/N)``
-shard layout of the rank's tp pieces. Then one fp32 scalar each for the logged loss and the
+shard layout of the rank's tp pieces. ``grad_compression``: int8 turns each reduce-scatter into
+one all-to-all of int8 blocks with fp32 scales (ZeRO-0: plus an all-gather of the summed
+blocks); bf16/fp16 halve the reduce-scatter payload. Then one fp32 scalar each for the logged loss and the
 gradient norm's partial sums over tp, the ZeRO axis and pp.
 Dtypes: the residual stream and gradients are in the parameter dtype, matmul outputs and
 attention inputs in the matmul dtype, losses and norms fp32.
@@ -38,6 +40,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 from hybridpar.config import ModelConfig
+from hybridpar.distributed.compression import padded as padded_blocks
+from hybridpar.distributed.compression import wire_numel
 from hybridpar.parallel.data import cut_buckets
 from hybridpar.planner.layout import Layout, Workload
 from hybridpar.planner.memory import layer_partition, padded
@@ -204,7 +208,10 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     names = rank_params(model, L, pp_rank)
     bucket_bytes = int(work.bucket_mb * 2**20)
     zero_axis, n = _dp_cp_name(L), L.dp * L.cp
-    if L.zero_stage == 0:
+    if L.zero_stage == 0 and L.grad_compression == "int8":
+        for bucket in buckets([sh for _, sh in names], r, bucket_bytes):  # int8 reduce-scatter + all-gather
+            _int8_reduce(add, zero_axis, n, -(-sum(_numel(s) for s in bucket) // n), gather=True)
+    elif L.zero_stage == 0:
         _reduce_grads(add, L, [sh for _, sh in names], r, bucket_bytes, pp_rank, hierarchical_node)
     else:
         _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes)
@@ -244,6 +251,25 @@ def _reduce_grads(add: Adder, layout: Layout, shapes: list[Shape], elem: int, bu
         add("all_gather", f"{name}.intra", intra, pad // intra * elem)
 
 
+def _int8_reduce(add: Adder, axis: str, n: int, shard: int, gather: bool = False) -> None:
+    """int8 gradient compression (:mod:`hybridpar.distributed.compression`): the reduce-scatter
+    of ``n`` blocks of ``shard`` elements is one all-to-all of int8 blocks padded to whole
+    quantisation blocks, each with its fp32 scales; stage 0 then all-gathers the summed blocks."""
+    msg = wire_numel(padded_blocks(shard))
+    add("all_to_all", axis, n, n * msg)
+    if gather:
+        add("all_gather", axis, n, msg)
+
+
+def _reduce_scatter(add: Adder, layout: Layout, axis: str, n: int, shard: int, elem: int) -> None:
+    """ZeRO's gradient reduce-scatter of ``n`` blocks of ``shard`` elements, as compressed."""
+    if layout.grad_compression == "int8":
+        _int8_reduce(add, axis, n, shard)
+    else:
+        payload = 2 if layout.grad_compression in ("bf16", "fp16") else elem
+        add("reduce_scatter", axis, n, n * shard * payload)
+
+
 def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem: int, m: int,
           bucket_bytes: int) -> None:
     """ZeRO over dp x cp, of the parameters this pipeline rank trains (tp pieces): stages 1/2
@@ -256,7 +282,7 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
         order = [s for _, s in named if len(s) >= 2] + [s for _, s in named if len(s) < 2]
         for bucket in buckets(order, elem, bucket_bytes):
             shard = shard_elems(bucket, n)
-            add("reduce_scatter", axis, n, n * shard * elem)
+            _reduce_scatter(add, layout, axis, n, shard, elem)
             add("all_gather", axis, n, shard * elem)
         return
     tied = model.tie_embeddings
@@ -266,7 +292,7 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
     for unit in units:
         shard = shard_elems(unit, n)
         add("all_gather", axis, n, shard * elem, 2 * m)
-        add("reduce_scatter", axis, n, n * shard * elem)
+        _reduce_scatter(add, layout, axis, n, shard, elem)
 
 
 def comm_bytes_per_axis(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int = 0, *,
