@@ -71,6 +71,13 @@ LAYOUTS = {
     "dp2-zero2": ["--parallel.dp", "2", "--parallel.zero_stage", "2"],
     "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],
     "dp4-zero3-offload": ["--parallel.dp", "4", "--parallel.zero_stage", "3", "--parallel.offload_optimizer", "true"],
+    # ZeRO-Infinity: optimizer state (and ZeRO-3 parameter shards) in memory-mapped files
+    "dp2-zero2-offload-disk": ["--parallel.dp", "2", "--parallel.zero_stage", "2", "--parallel.offload_optimizer", "true",
+                               "--parallel.offload_to", "disk"],
+    "dp2-zero3-offload-disk-params": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--parallel.offload_optimizer",
+                                      "true", "--parallel.offload_to", "disk", "--parallel.offload_params", "true"],
+    "dp2-zero3-offload-params": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--parallel.offload_optimizer",
+                                 "true", "--parallel.offload_params", "true"],
     # ZeRO composed with the other axes: it shards over dp x cp, rows of each tp piece, per stage
     "dp2-tp2-sp-zero1": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
                          "--parallel.zero_stage", "1"],
@@ -189,6 +196,7 @@ def _resume(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
 
 @pytest.mark.parametrize("saved, loaded", [("tp2", "tp4"), ("dp2-tp2", "one"), ("tp4-sp", "tp2"),
                                            ("dp4-zero3-offload", "dp2-zero1"), ("dp2-tp2-zero3", "dp2-tp2-pp2-zero2"),
+                                           ("dp2-zero3-offload-disk-params", "dp2-zero2-offload-disk"),
                                            ("dp2-tp2-pp2-zero2", "tp2")])
 def test_checkpoint_reshards_across_layouts(saved, loaded, dist_run, tmp_path):
     """Saved at step 2 under one layout, continued under another: same as never changing."""

@@ -21,6 +21,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
 Recompute = Literal["none", "selective", "full"]
 GradCompression = Literal["none", "bf16", "fp16", "int8"]
+OffloadTarget = Literal["cpu", "disk"]
 
 
 class ConfigError(UserError):
@@ -138,6 +139,8 @@ class LayoutChoice(MeshAxes):
 
     zero_stage: int = 0
     offload_optimizer: bool = False
+    offload_to: OffloadTarget = "cpu"  # where offloaded state lives: host memory, or files (ZeRO-Infinity)
+    offload_params: bool = False  # ZeRO-3: parameter shards offloaded too (to offload_to)
     pipeline_schedule: Schedule = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
@@ -155,6 +158,7 @@ class ParallelConfig(LayoutChoice):
     bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
     hierarchical_dp: bool = False  # dp gradients: reduce-scatter in node, all-reduce across, all-gather
     node_size: int = 0  # ranks per node for hierarchical_dp; 0 = the launcher's LOCAL_WORLD_SIZE
+    offload_dir: str = ""  # offload_to = "disk": where the files go; "" = the system temporary directory
     auto: bool = False  # train: the planner picks dp/tp/pp/cp, ZeRO stage, schedule, micro-batch for the world size
 
 

@@ -311,6 +311,13 @@ def _offload(cfg: Config, world: int | None) -> str | None:
     if p.offload_optimizer and p.zero_stage < 1:
         return (f"parallel.offload_optimizer = true needs parallel.zero_stage >= 1 (got {p.zero_stage}); "
                 "set zero_stage to 1, 2 or 3 or turn offload off")
+    if p.offload_to == "disk" and not p.offload_optimizer:
+        return ("parallel.offload_to = 'disk' places the offloaded optimizer state, but parallel.offload_optimizer "
+                "= false; set offload_optimizer = true (and zero_stage >= 1)")
+    if p.offload_params and (p.zero_stage != 3 or not p.offload_optimizer):
+        return (f"parallel.offload_params = true needs parallel.zero_stage = 3 (got {p.zero_stage}) and "
+                f"parallel.offload_optimizer = true (got {str(p.offload_optimizer).lower()}): the update runs where "
+                "the parameter shards live")
     return None
 
 

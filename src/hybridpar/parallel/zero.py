@@ -71,6 +71,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.data import GradientReducer
+from hybridpar.parallel.offload import DiskStore
 from hybridpar.parallel.shard import OuterSplit, ShardMesh, storage_bytes
 from hybridpar.parallel.zero3 import ShardedModel
 from hybridpar.parallel.zero_stages import (
@@ -122,7 +123,8 @@ class ZeroOptimizer:
     the model's names (:func:`decay_groups`) for checkpoints. ``stage`` 3 needs the model
     sharded first (``sharded=shard_model(model, axis, units)``) and takes its (sharded)
     parameters. ``offload`` keeps master weights, optimizer state and the update on the host
-    (pinned on GPU machines). ``bucket_bytes`` sizes the stage-0/1/2 gradient buckets.
+    (pinned on GPU machines); ``offload_to="disk"`` puts that host state in memory-mapped files
+    under ``offload_dir`` instead (:mod:`hybridpar.parallel.offload`). ``bucket_bytes`` sizes the stage-0/1/2 gradient buckets.
     ``reduce_dtype`` compresses the gradient reduction: ``torch.int8`` (any stage; block-wise
     int8 with error feedback, :mod:`hybridpar.distributed.compression`) or bf16/fp16 (stages
     1-3). ``outer`` says how the parameters are
@@ -140,7 +142,8 @@ class ZeroOptimizer:
                  optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, offload: bool = False,
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype | None = None,
                  sharded: ShardedModel | None = None, outer: OuterSplit | None = None,
-                 hierarchy: tuple[Axis, Axis] | None = None, **optim_kwargs: Any) -> None:
+                 hierarchy: tuple[Axis, Axis] | None = None, offload_to: str = "cpu",
+                 offload_dir: str | None = None, offload_params: bool = False, **optim_kwargs: Any) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {stage} must be 0, 1, 2 or 3")
         if offload and stage == 0:
@@ -148,6 +151,13 @@ class ZeroOptimizer:
         if reduce_dtype is not None and reduce_dtype != torch.int8 and (stage == 0 or reduce_dtype not in LOW_PRECISION):
             raise ValueError(f"gradient compression reduce_dtype={reduce_dtype} needs torch.int8 (any stage), "
                              "or bf16 / fp16 with stage 1-3")
+        if offload_to not in ("cpu", "disk"):
+            raise ValueError(f"offload_to={offload_to!r} must be 'cpu' or 'disk'")
+        if offload_to == "disk" and not offload:
+            raise ValueError("offload_to='disk' places offloaded state: it needs offload=True")
+        if offload_params and (stage != 3 or not offload):
+            raise ValueError("offload_params needs ZeRO stage 3 and offload=True (the update runs where the "
+                             "parameter shards live)")
         if (stage == 3) != (sharded is not None):
             raise ValueError("ZeRO stage 3 needs sharded=shard_model(model, axis, units); other stages take none")
         self.axis, self.stage, self.offload = axis, stage, offload
@@ -169,6 +179,36 @@ class ZeroOptimizer:
         self.inner = optimizer_cls([{**opts, "params": [slots[id(p)].opt for _, p in g]} for opts, g in groups],
                                    **optim_kwargs)
         self._pieces = ShardMesh(self._stage.state_axis, outer, named[0][1].device.type)  # optimizer state
+        self.disk: DiskStore | None = None
+        if offload_to == "disk":
+            self.disk = DiskStore(offload_dir, axis.global_rank(axis.rank))
+            self._move_to_disk()
+        if offload_params and self.sharded is not None:  # (a size-1 axis shards nothing)
+            device = named[0][1].device
+            self.sharded.offload_params(self.disk, pin=device.type == "cuda")
+
+    def _move_to_disk(self) -> None:
+        """Put each group's host state (fp32 masters, host gradients, per-element optimizer
+        state) into a file of its own (:mod:`hybridpar.parallel.offload`), then drop it from
+        memory. The inner optimizer keeps its tensors: their storage moves underneath."""
+        assert self.disk is not None
+        self._ensure_state()
+        for i, g in enumerate(self._stage.groups):
+            assert g.master_flat is not None and g.host_grad is not None  # offload keeps both
+            keys = sorted({k for opt in g.opt for k, v in self.inner.state[opt].items()
+                           if torch.is_tensor(v) and v.dim() > 0 and v.shape == opt.shape})
+            arena = self.disk.arena(f"group{i}", (2 + len(keys)) * g.layout.size)
+            regions = arena.tensor.view(2 + len(keys), g.layout.size)
+            regions[0].copy_(g.master_flat)
+            regions[1].copy_(g.host_grad)
+            g.master_flat, g.host_grad, g.arena = regions[0], regions[1], arena
+            for opt, view in zip(g.opt, g.layout.views(regions[0]), strict=True):
+                opt.data = view
+            for region, key in zip(regions[2:], keys, strict=True):
+                for opt, view in zip(g.opt, g.layout.views(region), strict=True):
+                    view.copy_(self.inner.state[opt][key])
+                    self.inner.state[opt][key] = view
+            arena.evict()
 
     # ------------------------------------------------------------------ what the strategy holds
     @property
@@ -255,11 +295,36 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's shard; stages 1/2 then all-gather the updated parameters."""
+        """Update this rank's shard; stages 1/2 then all-gather the updated parameters. With
+        state on disk, group by group: each group's file is read ahead while the previous one
+        updates, and written back and dropped from memory after its own update."""
         self.finish_grads()
-        self._stage.load_grads()
-        self.inner.step()
-        self._stage.store_updates()
+        if self.disk is None:
+            self._stage.load_grads()
+            self.inner.step()
+            self._stage.store_updates()
+            return
+        groups = self._stage.groups
+        for i, g in enumerate(groups):
+            for ahead in groups[i : i + 2] if i == 0 else groups[i + 1 : i + 2]:
+                assert ahead.arena is not None
+                ahead.arena.prefetch()
+            self._stage.load_group(g)
+            self.inner.step()  # only this group's tensors have gradients: AdamW skips the rest
+            self._stage.store_group(g)
+            assert g.arena is not None
+            g.arena.evict()
+        self._stage.finish_updates()
+        if self.sharded is not None:
+            self.sharded.evict()  # parameter shards on disk: written back, out of memory
+
+    def evict(self) -> None:
+        """With state on disk: drop it from memory (after a checkpoint read or wrote it)."""
+        for g in self._stage.groups if self.disk is not None else []:
+            assert g.arena is not None
+            g.arena.evict()
+        if self.sharded is not None:
+            self.sharded.evict()
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> dict[str, int]:
@@ -267,7 +332,9 @@ class ZeroOptimizer:
         ``params`` (model parameters as held now), ``grads``, ``optim`` (per-element optimizer
         state, fp32 masters, host gradient copies; 0-d step counters are left out) and
         ``optim_offloaded`` (the same, when it lives on the host) and ``residuals`` (int8
-        compression's error feedback: fp32, the size of the padded gradient buckets)."""
+        compression's error feedback: fp32, the size of the padded gradient buckets); with
+        state on disk also ``optim_resident`` and ``params_resident`` (ZeRO-3 shards with
+        ``offload_params``), the bytes of those files in memory now."""
         seen: set[int] = set()
         held_params, held_grads = self._stage.held()
         out = {"params": storage_bytes(held_params, seen), "grads": storage_bytes(held_grads, seen)}
@@ -275,6 +342,10 @@ class ZeroOptimizer:
         optim = storage_bytes(state + self._stage.optim_extras(), seen)
         out["optim"], out["optim_offloaded"] = (0, optim) if self.offload else (optim, 0)
         out["residuals"] = storage_bytes(self._stage.residuals(), seen)
+        if self.disk is not None:  # what of those files is in memory now (the kernel's count)
+            out["optim_resident"] = sum(g.arena.resident_bytes() for g in self._stage.groups if g.arena)
+            units = self.sharded.units if self.sharded is not None else []
+            out["params_resident"] = sum(u.arena.resident_bytes() for u in units if u.arena)
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -386,3 +457,4 @@ class ZeroOptimizer:
             if name not in has_master and s.source is not None:
                 s.opt.copy_(s.source)
         self.load_state_dict(state["optim"])
+        self.evict()

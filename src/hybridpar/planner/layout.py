@@ -119,7 +119,7 @@ def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str
     this check."""
     if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none" or layout.grad_compression != "none":
         layout = dataclasses.replace(layout, zero_stage=0, offload_optimizer=False, recompute="none",
-                                     grad_compression="none")
+                                     grad_compression="none", offload_to="cpu", offload_params=False)
     return _validate_error(model_key(model), layout, work)
 
 

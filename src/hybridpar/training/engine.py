@@ -111,7 +111,8 @@ class Engine(StepEngine):
             hierarchy = topo.node_split(topo.dp_cp, node)
         optimizer = ZeroOptimizer(decay_groups(named, t.weight_decay), topo.dp_cp, stage=p.zero_stage,
                                   offload=p.offload_optimizer, bucket_bytes=bucket, sharded=sharded,
-                                  reduce_dtype=_REDUCE_DTYPES[p.grad_compression],
+                                  reduce_dtype=_REDUCE_DTYPES[p.grad_compression], offload_to=p.offload_to,
+                                  offload_dir=p.offload_dir or None, offload_params=p.offload_params,
                                   outer=outer, hierarchy=hierarchy, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         self.params = [q for _, q in named if q.requires_grad]
         # gradients that are partial sums over tp after backward (all replicated ones under SP)

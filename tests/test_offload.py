@@ -1,0 +1,72 @@
+"""Offload to disk (ZeRO-Infinity, ``parallel.offload_to = "disk"``): the optimizer's host state
+in memory-mapped files gives exactly the CPU-offload result (the same in-place update on the same
+values), is out of memory between steps (the kernel's own count, ``mincore``), and checkpoints
+like any other state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_zero import STEPS, build, full_state, train
+
+from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.parallel.offload import DiskStore
+
+pytestmark = pytest.mark.numerics
+
+
+def test_disk_arena_keeps_values_out_of_memory(tmp_path):
+    store = DiskStore(tmp_path, 0)
+    arena = store.arena("a", 3 * 2**18)
+    values = torch.randn(3 * 2**18, generator=torch.Generator().manual_seed(0))
+    arena.tensor.copy_(values)
+    assert arena.resident_bytes() == arena.nbytes  # just written: in memory
+    arena.evict()
+    assert arena.resident_bytes() == 0 and store.resident_bytes() == 0
+    assert torch.equal(arena.tensor, values)  # read back from the file
+    assert not any(store.dir.iterdir())  # unlinked at creation: nothing is left behind
+
+
+def _worker(rank: int, world: int, stage: int, tmp: str) -> dict:
+    with ParallelDims(dp=world).build("cpu") as topo:
+        out = {}
+        for where in ("cpu", "disk", "cpu-params", "disk-params"):
+            if where.endswith("params") and stage != 3:
+                continue
+            options = {"offload_to": "disk", "offload_dir": tmp} if where.startswith("disk") else {}
+            if where.endswith("params"):
+                options["offload_params"] = True
+            model, opt, sharded = build(topo, stage, offload=True, **options)
+            losses, norms = train(model, opt, topo, range(1, STEPS + 1))
+            memory = opt.memory_bytes()  # before reading the state below pages it in
+            state = {name: {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in entry.items()}
+                     for name, entry in opt.state_dict()["state"].items()}
+            out[where] = {"losses": losses, "norms": norms, "weights": full_state(model, sharded),
+                          "optim": state, "memory": memory}
+        return out
+
+
+@pytest.mark.parametrize("world, stage", [(1, 2), (2, 1), (2, 2), (2, 3)])
+def test_disk_offload_equals_cpu_offload_exactly(dist_run, tmp_path, world, stage):
+    """Bit for bit: losses, norms, weights and every optimizer state tensor, also with the
+    ZeRO-3 parameter shards offloaded (host memory or files). Between steps the files hold all
+    of it and memory none of it."""
+    results = dist_run(world, _worker, stage, str(tmp_path)) if world > 1 else [_worker(0, 1, stage, str(tmp_path))]
+    for r in results:
+        cpu = r["cpu"]
+        assert cpu["memory"]["optim_offloaded"] > 0
+        for where, disk in r.items():
+            assert disk["losses"] == cpu["losses"] and disk["norms"] == cpu["norms"], where
+            for k, v in cpu["weights"].items():
+                assert torch.equal(disk["weights"][k], v), (where, k)
+            assert disk["optim"].keys() == cpu["optim"].keys()
+            for name, entry in cpu["optim"].items():
+                for key, v in entry.items():
+                    assert torch.equal(disk["optim"][name][key], v), (where, name, key)
+            if where.startswith("disk"):
+                assert disk["memory"]["optim_offloaded"] >= cpu["memory"]["optim_offloaded"]  # the files
+                assert disk["memory"]["optim_resident"] == 0  # ... none of it in memory after the step
+                assert disk["memory"]["params_resident"] == 0
+        if "disk-params" in r:
+            assert r["disk-params"]["memory"]["params"] == r["cpu"]["memory"]["params"]  # the shards, on file
