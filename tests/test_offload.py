@@ -70,3 +70,29 @@ def test_disk_offload_equals_cpu_offload_exactly(dist_run, tmp_path, world, stag
                 assert disk["memory"]["params_resident"] == 0
         if "disk-params" in r:
             assert r["disk-params"]["memory"]["params"] == r["cpu"]["memory"]["params"]  # the shards, on file
+
+
+def test_planner_proposes_offload_only_when_nothing_else_fits():
+    """llama3-70b on 8 A100-80GB fits only with ZeRO-3's state off the GPU: in 128 GB of host
+    memory per GPU it does not fit either, so the planner proposes disk (its files hold the
+    state; the step pays reading and writing them); with 1 TB of host memory per GPU, host
+    memory; a model that fits is never offloaded."""
+    import dataclasses
+
+    from hybridpar.config import model_preset
+    from hybridpar.planner.hardware import Cluster, gpu_spec
+    from hybridpar.planner.layout import Workload
+    from hybridpar.planner.search import search
+
+    work = Workload(global_batch=8, seq_len=2048)
+    gpu = gpu_spec("A100-80GB")
+    best = search(model_preset("llama3-70b"), work, Cluster.of(gpu, 8)).ranked[0]
+    L, m = best.layout, best.memory
+    assert (L.zero_stage, L.offload_optimizer, L.offload_to) == (3, True, "disk")
+    assert m.disk_bytes > gpu.host_bytes and m.cpu_bytes == 0 and m.components["optimizer"] == 0
+    assert best.cost.terms["optimizer"] > m.disk_bytes / gpu.disk_bw  # at least one read of the files is priced
+    roomy = dataclasses.replace(gpu, host_bytes=1024 * 2**30)
+    best = search(model_preset("llama3-70b"), work, Cluster.of(roomy, 8)).ranked[0]
+    assert (best.layout.offload_optimizer, best.layout.offload_to) == (True, "cpu") and best.memory.cpu_bytes > 0
+    small = search(model_preset("llama3-8b"), work, Cluster.of(gpu, 8)).ranked[0]
+    assert not small.layout.offload_optimizer

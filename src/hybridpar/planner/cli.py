@@ -54,11 +54,12 @@ def _row(ev: Evaluation) -> str:
     mem = f"{m.total / 2**30:7.1f}" if m else "      -"
     rate = (f"{c.step_time_s:8.3f} {100 * c.mfu:5.1f}% {c.tflops_per_gpu:7.1f} {c.tokens_per_s:11,.0f}"
             if c else "")
-    return (f"{L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3} {L.micro_batch:>3} {L.zero_stage:>4} "
+    offload = (f"{L.offload_to}{'+p' if L.offload_params else ''}" if L.offload_optimizer else "-")
+    return (f"{L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3} {L.micro_batch:>3} {L.zero_stage:>4} {offload:>7} "
             f"{L.recompute:>9} {'y' if L.sequence_parallel else 'n':>2} {extra:>13} {mem} {rate}")
 
 
-HEADER = (f"{'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'mb':>3} {'zero':>4} {'recompute':>9} {'sp':>2} "
+HEADER = (f"{'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'mb':>3} {'zero':>4} {'offload':>7} {'recompute':>9} {'sp':>2} "
           f"{'schedule':>13} {'mem GiB':>7} {'step s':>8} {'MFU':>6} {'TFLOP/s':>7} {'tokens/s':>11}")
 
 
@@ -75,7 +76,9 @@ def explain(ev: Evaluation) -> str:
     lines.append(f"  {'total':<13} {m.total / 2**30:9.2f} GiB of {ev.capacity / 2**30:.1f} GiB"
                  + ("" if ev.fits else f"  -> does not fit by {ev.shortfall_gib:.2f} GiB"))
     if m.cpu_bytes:
-        lines.append(f"  host (offloaded optimizer) {m.cpu_bytes / 2**30:.2f} GiB")
+        lines.append(f"  host (offloaded state) {m.cpu_bytes / 2**30:.2f} GiB")
+    if m.disk_bytes:
+        lines.append(f"  disk (offloaded state, in files) {m.disk_bytes / 2**30:.2f} GiB")
     if c is not None:
         lines.append("time per step:")
         for k, v in c.terms.items():

@@ -332,6 +332,12 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
     if L.offload_optimizer:
         opt = shard * 2 * work.param_bytes / g.host_bw + shard * 28 / 100e9  # + host Adam at ~100 GB/s DRAM
+        if L.offload_to == "disk":  # each group's file read (ahead) and written back: masters, host grads, m, v
+            opt += shard * 2 * 16 / g.disk_bw
+    if L.offload_params and L.zero_stage == 3:  # every gather first brings the shard to the device
+        per_step = 2 * m * shard * work.param_bytes
+        opt += per_step / g.host_bw + (per_step * 4 / work.param_bytes + shard * 4) / g.disk_bw * (
+            L.offload_to == "disk")  # from the file (fp32), and written back after the step
     step = span + dp_exposed + opt + quantize
     flops = model_flops(model, work)
     hw = flops + recompute_flops(model, L, work)

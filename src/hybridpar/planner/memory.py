@@ -10,7 +10,9 @@ runs they equal its live tensor bytes. Bytes per parameter (P = parameters on th
 ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over dp, stage 2 also the
 gradients, stage 3 also the parameters; each parameter is split along dim 0 into ``ceil(rows/N)``
 row blocks (:mod:`hybridpar.parallel.shard`), so the worst rank holds the rounded-up block.
-Offload moves the optimizer state to host memory (reported as ``cpu_gib``). int8 gradient
+Offload moves the optimizer state, with the fp32 masters and host gradient copy it keeps, to
+host memory (reported as ``cpu_gib``), or with ``offload_to = "disk"`` to files (``disk_gib``,
+resident only while a group updates); ``offload_params`` moves the ZeRO-3 shards there too. int8 gradient
 compression adds its fp32 error-feedback residuals (4 bytes per gradient element) to ``grads``.
 
 Activations depend on the workload's block style (``Workload.style``, a
@@ -125,15 +127,24 @@ class ModelStates:
     params: int
     grads: int
     optimizer: int
-    cpu_optimizer: int = 0
+    cpu_optimizer: int = 0  # offloaded to host memory (optimizer state, and parameter shards)
+    disk: int = 0  # offloaded to files (offload_to = "disk")
 
 
-def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: bool) -> ModelStates:
+def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: bool,
+            offload_to: str = "cpu", offload_params: bool = False) -> ModelStates:
     opt_per = 8 if param_bytes == 4 else 12  # Adam m, v (+ fp32 master with half params)
     params = param_bytes * (shard if zero_stage >= 3 else full)
     grads = param_bytes * (shard if zero_stage >= 2 else full)
     opt = opt_per * (shard if zero_stage >= 1 else full)
-    return ModelStates(params, grads, 0 if offload else opt, opt if offload else 0)
+    if not offload:
+        return ModelStates(params, grads, opt, 0)
+    # offload keeps fp32 masters and a host gradient copy with the state (parallel/zero_stages.py)
+    host = opt + (0 if param_bytes == 2 else 4 * shard) + 4 * shard
+    moved = params if offload_params and zero_stage == 3 else 0  # the shards, off the device
+    if offload_to == "disk":
+        return ModelStates(params - moved, grads, 0, 0, host + moved)
+    return ModelStates(params - moved, grads, 0, host + moved)
 
 
 def model_state_bytes(shapes: list[tuple[int, ...]], dp: int, zero_stage: int, param_bytes: int,
@@ -326,6 +337,7 @@ class MemoryReport:
     worst_rank: int
     cpu_bytes: float = 0.0
     in_flight: int = 1  # micro-batch chunks alive on the worst rank
+    disk_bytes: float = 0.0  # offload_to = "disk": in files, resident only while in use
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -415,14 +427,14 @@ def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, p
     overhead = CONTEXT_BYTES + FRAGMENTATION * live
     comps = {"params": float(st.params), "grads": float(st.grads), "optimizer": float(st.optimizer),
              "activations": acts, "logits": logits, "comm_buffers": comm, "overhead": overhead}
-    return MemoryReport(comps, pp_rank, float(st.cpu_optimizer), in_flight)
+    return MemoryReport(comps, pp_rank, float(st.cpu_optimizer), in_flight, disk_bytes=float(st.disk))
 
 
 def _rank_parts(key: ModelKey, L: Layout, work: Workload,
                 pp_rank: int) -> tuple[ModelStates, tuple[float, float, int]]:
     full = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank)
     shard = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank, L.dp)
-    st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer)
+    st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer, L.offload_to, L.offload_params)
     if L.grad_compression == "int8" and L.dp * L.cp > 1:  # error feedback: fp32, gradient-sized
         st = dataclasses.replace(st, grads=st.grads + int8_residual_bytes(full, L.dp * L.cp, L.zero_stage))
     return st, _rank_activations(key, _activation_fields(L), work, pp_rank)

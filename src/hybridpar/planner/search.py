@@ -20,6 +20,7 @@ above a step time already reached.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -46,10 +47,12 @@ class Evaluation:
     cost: CostReport | None = None
     capacity: float = 0.0
     note: str | None = None  # why this version's trainer cannot run it yet
+    host_capacity: float = float("inf")  # host memory per GPU, for what offload puts there
 
     @property
     def fits(self) -> bool:
-        return self.rule is None and self.memory is not None and self.memory.total <= self.capacity
+        return (self.rule is None and self.memory is not None and self.memory.total <= self.capacity
+                and self.memory.cpu_bytes <= self.host_capacity)
 
     @property
     def shortfall_gib(self) -> float:
@@ -93,7 +96,7 @@ def _memory_only(model: ModelConfig, layout: Layout, work: Workload, cluster: Cl
                  rule: str | None | bool = False) -> Evaluation:
     """Rules and memory, no cost and no runtime note (``rule``: the rule this shape breaks, or
     None, when already checked; False to check it here)."""
-    ev = Evaluation(layout, capacity=cluster.gpu.hbm_bytes)
+    ev = Evaluation(layout, capacity=cluster.gpu.hbm_bytes, host_capacity=cluster.gpu.host_bytes)
     ev.rule = layout_rule_error(model, layout, work) if rule is False else rule  # type: ignore[assignment]
     if ev.rule is not None:
         return ev
@@ -219,6 +222,15 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
         if fits:
             return fits, fits[0]
     assert smallest is not None
+    if not any(k in partial for k in ("offload_optimizer", "offload_to", "offload_params", "zero_stage")):
+        # nothing fits on the device: offload ZeRO-3's optimizer state, then its parameter shards,
+        # to host memory, and where the host cannot hold them either, to disk (ZeRO-Infinity)
+        for where, params in (("cpu", False), ("cpu", True), ("disk", False), ("disk", True)):
+            ev = _memory_only(model, dataclasses.replace(layouts[(recs[-1], 3)], offload_optimizer=True,
+                                                         offload_to=where, offload_params=params),  # type: ignore[arg-type]
+                              work, cluster, rule=rule)
+            if ev.fits:
+                return [ev], ev
     return [], smallest
 
 
