@@ -33,6 +33,9 @@ from hybridpar.planner.memory import MemoryReport, plan_memory
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
 ZERO = (0, 1, 2, 3)
+# when nothing fits on the GPUs: ZeRO-3's state to host memory, then its parameter shards too,
+# then the same on disk (ZeRO-Offload, then ZeRO-Infinity); the first that fits is proposed
+OFFLOAD_LADDER = (("cpu", False), ("cpu", True), ("disk", False), ("disk", True))
 TIE_DIGITS = 9  # step times equal to this many significant digits tie; memory decides
 PRUNE_MARGIN = 1e-7  # a bound this far (relative) above the best may still tie after rounding
 
@@ -225,7 +228,7 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
     if not any(k in partial for k in ("offload_optimizer", "offload_to", "offload_params", "zero_stage")):
         # nothing fits on the device: offload ZeRO-3's optimizer state, then its parameter shards,
         # to host memory, and where the host cannot hold them either, to disk (ZeRO-Infinity)
-        for where, params in (("cpu", False), ("cpu", True), ("disk", False), ("disk", True)):
+        for where, params in OFFLOAD_LADDER:
             ev = _memory_only(model, dataclasses.replace(layouts[(recs[-1], 3)], offload_optimizer=True,
                                                          offload_to=where, offload_params=params),  # type: ignore[arg-type]
                               work, cluster, rule=rule)
