@@ -160,19 +160,21 @@ def test_compressed_collectives_follow_the_rule(dist_run, world):
 # ----------------------------------------------------------------------------- ZeRO stages 0-3
 
 
-def assert_close_up_to_flips(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
-    """Weights within test_zero's 1e-5 of the simulation, except where rounding to int8 flipped.
+def assert_close_up_to_flips(got: torch.Tensor, want: torch.Tensor, init: torch.Tensor, name: str) -> None:
+    """Weights as the simulation's, except where rounding to int8 flipped.
 
-    The simulation reaches the same gradients in the same order, but its clipping norm and (stages
-    1-3) AdamW on whole tensors instead of shards round differently in the last bit (test_zero's
-    docstring). The quantiser is a step function: an input one ulp from a rounding boundary
-    lands on the neighbouring integer, a jump of one quantisation step in that element's
-    gradient, which Adam turns into up to a few lr of update. So: at most 1 element in 200 (and
-    at least one allowed) may differ by more than 1e-5, and none by more than 3 lr per step."""
-    diff = (got - want).abs()
-    far = int((diff > 1e-5 + 1e-5 * want.abs()).sum())
-    assert far <= max(1, got.numel() // 200), f"{name}: {far} of {got.numel()} elements differ by more than 1e-5"
-    assert float(diff.max()) <= 3 * OPT["lr"] * STEPS, f"{name}: {float(diff.max())}"
+    The simulation reaches the same gradients, but its clipping norm and (stages 1-3) AdamW on
+    whole tensors instead of shards round differently in the last bit (test_zero's docstring).
+    The quantiser is a step function: an input one ulp from a rounding boundary lands on the
+    neighbouring integer, a jump of one quantisation step (1/127 of its block's largest value)
+    in that element's gradient, which Adam may turn into up to its whole step lr, and which
+    feeds later steps' gradients. So, as for fp16 in test_layouts: each tensor's training update
+    (weights minus initial weights) within 5% relative L2 of the simulation's, and every entry
+    within Adam's bound of 1.2 lr per step. A wrong rule (no error feedback, a lost block, a
+    wrong scale) changes updates by O(1)."""
+    update = want - init
+    assert float((got - want).norm()) <= 0.05 * float(update.norm()), name
+    assert float((got - want).abs().max()) <= 1.2 * OPT["lr"] * STEPS, name
 
 
 def _groups_of(opt: ZeroOptimizer, names: dict[int, str]) -> list[list[str]]:
@@ -271,10 +273,11 @@ def test_zero_int8_equals_the_rule_in_one_process(dist_run, world, stage):
     payload on the wire is the int8 message: 3.94x less than fp32."""
     results = dist_run(world, _zero_worker, stage)
     ref = _simulate(world, stage, results[0]["groups"])
+    init = make_model().state_dict()
     for r in results:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         for k, v in r["state"].items():
-            assert_close_up_to_flips(v, ref["state"][k], k)
+            assert_close_up_to_flips(v, ref["state"][k], init[k], k)
     t, groups = results[0]["traffic"], results[0]["groups"]
     params = dict(make_model().named_parameters())
     if stage == 0:
