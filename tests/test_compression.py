@@ -298,6 +298,20 @@ def test_zero_int8_equals_the_rule_in_one_process(dist_run, world, stage):
     assert results[0]["memory"]["residuals"] == residual_bytes
 
 
+@pytest.mark.parametrize("stage, offload", [(0, False), (2, True)])
+def test_dp1_compresses_nothing(stage, offload):
+    """On a size-1 dp axis nothing is sent, so nothing is quantised: plain AdamW's result."""
+    from test_zero import build, reference
+
+    topo = ParallelDims().build("cpu")
+    model, opt, _ = build(topo, stage, offload=offload, reduce_dtype=torch.int8)
+    losses, _ = train(model, opt, topo, range(1, STEPS + 1))
+    assert opt.residuals() == {} and topo.comm.counter.calls() == 0
+    assert losses == pytest.approx(reference()["losses"], rel=1e-6)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, reference()["state"][k], rtol=1e-5, atol=1e-6)
+
+
 def test_int8_is_refused_with_a_hierarchical_all_reduce():
     from hybridpar.config import ConfigError, load_config
 

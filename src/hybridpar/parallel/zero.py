@@ -1,4 +1,6 @@
-"""ZeRO data parallelism: one optimizer wrapper for stages 0-3, with optional CPU offload.
+"""ZeRO data parallelism: one optimizer wrapper for stages 0-3, with optional offload of the
+optimizer state (and ZeRO-3's parameter shards) to host memory or to disk
+(:mod:`hybridpar.parallel.offload`).
 
 =====  ==========================================  =====================================
 stage  what each dp rank keeps                      traffic per step (ring model, wire)
@@ -161,6 +163,8 @@ class ZeroOptimizer:
         if (stage == 3) != (sharded is not None):
             raise ValueError("ZeRO stage 3 needs sharded=shard_model(model, axis, units); other stages take none")
         self.axis, self.stage, self.offload = axis, stage, offload
+        if axis.size == 1:
+            reduce_dtype = None  # nothing crosses a size-1 axis: nothing to compress
         groups = _normalize(params)
         named = [np for _, g in groups for np in g]
         self.names = [n for n, _ in named]
