@@ -72,3 +72,64 @@ def test_moe_layout_matches_single_process(name, dist_run, tmp_path_factory):
     assert set(results[0]["state"]) == set(ref["state"])
     for k, v in results[0]["state"].items():
         torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ----------------------------------------------------------------------------- checkpoints across ep
+
+SAVED_AT, TOTAL = 2, 4
+RESHARD_ATOL = 0.01 * LR * TOTAL
+SAVED = ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"]
+CONTINUATIONS = {
+    "ep4": ["--parallel.dp", "4", "--parallel.ep", "4"],
+    "ep2-zero2": ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.zero_stage", "2"],
+    "ep1-dp2": ["--parallel.dp", "2"],
+    "one": [],
+}
+
+
+def _uninterrupted(rank: int, world: int, tmp: str) -> dict:
+    cfg = config(tmp, SAVED)
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        losses = []
+        for step in range(1, TOTAL + 1):
+            losses.append(trainer.train_step(step).loss)
+            if step == SAVED_AT:
+                trainer.save_checkpoint(step)
+        state = trainer.engine.full_state_dict()
+        return {"losses": losses, "state": state if rank == 0 else None}
+
+
+def _continue(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
+    from hybridpar.training import checkpoint
+
+    cfg = config(tmp, layout)
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        start = trainer.load_checkpoint(checkpoint.step_dir(trainer.run_dir, SAVED_AT))
+        losses = [trainer.train_step(step).loss for step in range(start + 1, TOTAL + 1)]
+        state = trainer.engine.full_state_dict()
+        return {"start": start, "losses": losses, "state": state if rank == 0 else None}
+
+
+@pytest.fixture(scope="module")
+def saved_moe_run(tmp_path_factory):
+    from harness import run_distributed
+
+    tmp = str(tmp_path_factory.mktemp("moe_reshard"))
+    results = run_distributed(config(tmp, SAVED).parallel.world_size, _uninterrupted, tmp)
+    return tmp, results[0]
+
+
+@pytest.mark.parametrize("name", list(CONTINUATIONS))
+def test_moe_checkpoint_reshards_across_ep(name, saved_moe_run, dist_run):
+    """Saved at dp2 x ep2 x tp2 (ZeRO-1), continued at ep4, ep2 under ZeRO-2, ep1 and one
+    process: the same losses and weights as the uninterrupted run."""
+    tmp, expected = saved_moe_run
+    layout = CONTINUATIONS[name]
+    results = dist_run(config(tmp, layout).parallel.world_size, _continue, tmp, layout)
+    for rank, r in enumerate(results):
+        assert r["start"] == SAVED_AT
+        assert r["losses"] == pytest.approx(expected["losses"][SAVED_AT:], rel=1e-5), f"rank {rank}"
+    for k, v in results[0]["state"].items():
+        torch.testing.assert_close(v, expected["state"][k], rtol=0, atol=RESHARD_ATOL, msg=lambda m, k=k: f"{k}: {m}")
