@@ -162,18 +162,35 @@ class Engine(StepEngine):
             update_balance_bias(self.model, rate, total)
         return norm
 
-    def expert_load(self) -> list[Tensor]:
-        """Tokens routed to each expert per MoE layer since the last call (this rank's stages),
-        over all ranks' tokens; resets the counters. Collective over dp x cp (and tp under SP)."""
-        axes = [self.topo.dp_cp, *([self.topo.tp] if self.sequence_parallel else [])]
-        out = []
+    def moe_step_stats(self, microbatches: int) -> dict[str, Any] | None:
+        """The last step's MoE statistics over all ranks (None for a dense model), and reset of
+        the counters; collective (every rank, every step). ``expert_load``: tokens routed to each
+        expert per MoE layer (every layer, whichever stage holds it); ``expert_load_imbalance``:
+        the worst layer's max/mean load; ``dropped_tokens``: routed slots short of tokens x k
+        (0: the layers are dropless); ``aux_loss``: the auxiliary losses' sum over layers, mean
+        over micro-batches."""
+        if not self.moe:
+            return None
+        topo, sp = self.topo, self.sequence_parallel
+        load = torch.stack([moe.router.load for moe in self.moe])  # unrun layers (other stages): zeros
+        aux = torch.tensor([self.model.moe_aux.value], dtype=torch.float64)
         for moe in self.moe:
-            load = moe.router.load.clone()
-            for axis in axes:
-                self.topo.comm.all_reduce(load, axis)
-            out.append(load)
             moe.router.load.zero_()
-        return out
+        self.model.moe_aux.reset()
+        if sp:  # each tp rank routed its sequence chunk
+            topo.comm.all_reduce(load, topo.tp)
+            topo.comm.all_reduce(aux, topo.tp)
+        for axis in (topo.pp, topo.dp_cp):
+            topo.comm.all_reduce(load, axis)
+        topo.comm.all_reduce(aux, topo.pp)
+        topo.comm.all_reduce(aux, topo.dp_cp, op="avg")
+        t, m = self.cfg.train, self.cfg.model
+        slots = t.global_batch * t.seq_len * m.experts_per_token
+        per_layer = (load.max(1).values / load.mean(1)).tolist()
+        return {"aux_loss": float(aux) / microbatches, "expert_load_imbalance": max(per_layer),
+                "expert_imbalance_per_layer": per_layer,
+                "dropped_tokens": int(slots * len(self.moe) - load.sum().item()),
+                "expert_load": load.long().tolist()}
 
     # ------------------------------------------------------------------ loss
     def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
