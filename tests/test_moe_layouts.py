@@ -39,6 +39,12 @@ LAYOUTS = {
     "ep2-zero2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero_stage", "2"],
     "ep2-recompute-full": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.recompute", "full"],
     "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],
+    "ep2-zero3": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero_stage", "3"],
+    "dp4-ep2-zero3": ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.zero_stage", "3"],
+    "dp4-ep2-tp2-zero3": ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.zero_stage", "3"],
+    # 5D: dp (ep carved from it) x cp x tp x pp, 16 processes
+    "dp2-ep2-cp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.cp", "2", "--parallel.tp", "2",
+                            "--parallel.pp", "2"],
 }
 
 
@@ -50,9 +56,9 @@ def _run(rank: int, world: int, tmp: str, layout: list[str], extra: tuple[str, .
     cfg = config(tmp, layout, extra)
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
         trainer = Trainer(cfg, topo)
-        losses = [trainer.train_step(s).loss for s in range(1, STEPS + 1)]
+        results = [trainer.train_step(s) for s in range(1, STEPS + 1)]
         state = trainer.engine.full_state_dict()
-        return {"losses": losses, "state": state if rank == 0 else None}
+        return {"losses": [r.loss for r in results], "moe": results[0].moe, "state": state if rank == 0 else None}
 
 
 @functools.cache
@@ -69,6 +75,13 @@ def test_moe_layout_matches_single_process(name, dist_run, tmp_path_factory):
     results = dist_run(world, _run, tmp, layout)
     for rank, r in enumerate(results):
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
+        # the first step's expert load, over all ranks' tokens: every slot routed (dropless), and
+        # the same routing as one process (up to a near-tie flipped by rounding: a token or two)
+        load = torch.tensor(r["moe"]["expert_load"])
+        assert r["moe"]["dropped_tokens"] == 0
+        assert load.sum(1).tolist() == [8 * 32 * 2] * load.shape[0]  # global batch x seq_len x k per layer
+        assert (load - torch.tensor(ref["moe"]["expert_load"])).abs().max() <= 2, f"rank {rank}"
+        assert r["moe"]["aux_loss"] == pytest.approx(ref["moe"]["aux_loss"], rel=1e-5)
     assert set(results[0]["state"]) == set(ref["state"])
     for k, v in results[0]["state"].items():
         torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")

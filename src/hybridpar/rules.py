@@ -270,9 +270,6 @@ def _ep(cfg: Config, world: int | None) -> str | None:
                 "lower ep")
     if m.n_experts % p.ep:
         return f"model.n_experts = {m.n_experts} is not divisible by parallel.ep = {p.ep}; use an ep that divides it"
-    if p.zero_stage == 3:
-        return (f"parallel.ep = {p.ep} with parallel.zero_stage = 3 is not supported yet (experts would be "
-                "sharded over the wrong ranks); use zero_stage = 1 or 2 with ep")
     if p.hierarchical_dp:
         return f"parallel.ep = {p.ep} with parallel.hierarchical_dp is not supported yet; turn one off"
     return None

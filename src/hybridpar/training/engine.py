@@ -26,7 +26,7 @@ from hybridpar.models.moe import moe_layers, update_balance_bias
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import enable_context_parallel
-from hybridpar.parallel.experts import expert_param_names
+from hybridpar.parallel.experts import expert_param_names, expert_units
 from hybridpar.parallel.pipeline import build_schedule, partition_model
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
@@ -107,8 +107,14 @@ class Engine(StepEngine):
         prefetch = device.type == "cuda"
         ids = {id(q) for q in train}
         names = {n for n, q in model.named_parameters() if id(q) in ids}
-        sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer)
-                   if p.zero_stage == 3 else None)
+        experts = [(n, q) for n, q in model.named_parameters() if n in self.expert_names]
+        expert_ids = frozenset(id(q) for _, q in experts)
+        sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer,
+                               skip=expert_ids) if p.zero_stage == 3 else None)
+        split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts: their rows over ep, then tp's split
+        expert_sharded = (shard_model(model, topo.edp, expert_units(model), prefetch=prefetch, outer=split,
+                                      skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
+                          if p.zero_stage == 3 and experts else None)
         named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
         hierarchy = None
         if p.zero_stage == 0 and p.hierarchical_dp and topo.dp_cp.size > 1:  # node boundaries from the launcher
@@ -120,10 +126,10 @@ class Engine(StepEngine):
         optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.dp_cp, sharded=sharded, outer=outer,
                                   hierarchy=hierarchy, **opts)
         if self.expert_names:  # experts average over the ranks holding the same ones (edp)
-            experts = [(n, q) for n, q in named if n in self.expert_names]
-            split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts' rows over ep, then tp
+            experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
             optimizer = ExpertSplitOptimizer(optimizer, ZeroOptimizer(decay_groups(experts, t.weight_decay), topo.edp,
-                                                                      outer=split, **opts), topo.ep)
+                                                                      sharded=expert_sharded, outer=split, **opts),
+                                             topo.ep)
         self.params = [q for _, q in named if q.requires_grad]
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
@@ -225,6 +231,9 @@ class Engine(StepEngine):
         self._share_pipeline_weights()
         if self.optimizer.sharded is not None:  # ZeRO rows -> tp pieces -> full
             pieces = self.optimizer.sharded.gather_full_state_dict()
+            if self.expert_names and self.optimizer.experts.sharded is not None:  # experts: over edp
+                gathered = self.optimizer.experts.sharded.gather_full_state_dict()
+                pieces.update({n: gathered[n] for n in self.expert_names})
             keep = set(self.model.state_dict())  # not the non-persistent buffers (MoE routers' step counts)
             full = {n: self.plan.gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()
                     if n in keep}
