@@ -213,6 +213,10 @@ class RunReport:
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         log.write(f"--- sample ---\n{sample}\n--------------")
         log.write(self.details(summary["traffic_bytes_per_step"], summary["peak_memory_bytes_per_rank"], timeline))
+        if "expert_imbalance" in summary:
+            per_layer = " ".join(f"{v:.2f}" for v in summary["expert_imbalance_per_layer"])
+            log.write(f"experts: load max/mean {summary['expert_imbalance']:.2f} (worst layer, mean over steps); "
+                      f"per layer {per_layer}; dropped tokens {summary['dropped_tokens']}")
         val_loss = summary["val_loss"]
         val = f"validation {val_loss:.4f}" if val_loss == val_loss else "no validation (train.eval_every = 0)"
         log.write(f"loss {losses.first:.4f} (step {losses.first_step}) -> {losses.last:.4f} "
