@@ -26,6 +26,7 @@ refused on export, naming the key.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -37,12 +38,17 @@ from hybridpar.models.family import HFError, bad_value
 from hybridpar.models.lazy import Narrowed, Stacked, shape_of
 from hybridpar.models.llama.hf import LlamaHF
 
-__all__ = ["MoEHF", "moe_fields"]
+__all__ = ["MoEHF", "moe_fields", "unexportable"]
 
 _OURS_RE = re.compile(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.w[123])")
 # model.layers.L.<block>.(gate.weight | experts.<e>.<linear>.weight | experts.<fused>)
 _HF_RE = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(?:(gate\.weight)|experts\.(\d+)\.(\w+)\.weight|"
                     r"experts\.(gate_up_proj|down_proj))")
+
+
+def unexportable(key: str, value: Any, architecture: str, why: str) -> HFError:
+    """The one-line error for a ``model.*`` value a family's Hugging Face config cannot state."""
+    return HFError(f"model.{key} = {json.dumps(value)} cannot be exported to {architecture}: {why}")
 
 
 def moe_fields(c: Mapping[str, Any], where: str, experts_keys: tuple[str, ...]) -> dict[str, Any]:
@@ -165,4 +171,4 @@ class MoEHF(LlamaHF):
         ]
         for key, want, why in checks:
             if getattr(cfg, key) != want:
-                raise HFError(f"model.{key} = {getattr(cfg, key)!r} cannot be exported to {self.architecture}: {why}")
+                raise unexportable(key, getattr(cfg, key), self.architecture, why)
