@@ -26,6 +26,7 @@ from hybridpar.training.errors import NonFiniteLossError
 
 if TYPE_CHECKING:
     from hybridpar.distributed.mesh import Topology
+    from hybridpar.training.elastic import LayoutChange
 
 LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -62,6 +63,14 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=None, metavar="K",
                    help="with local processes: when one fails, restart all of them up to K times; each "
                    "restart continues from the latest complete checkpoint (train.auto_resume)")
+    p.add_argument("--elastic", default=None, metavar="MIN:MAX",
+                   help="elastic job of MIN to MAX processes: a restart with another world size re-plans the "
+                   "layout and continues from the latest complete checkpoint (also inside torchrun --nnodes A:B)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="with --elastic: join the other nodes' launchers at HOST:PORT (c10d rendezvous; "
+                   "this node runs --nproc of the processes)")
+    p.add_argument("--rdzv-id", default=None, metavar="ID",
+                   help="with --rdzv-endpoint: the job's id, the same on every node (default: from train.run_dir)")
     return p
 
 
@@ -79,15 +88,29 @@ def cmd_train(argv: list[str]) -> int:
         if args.max_restarts is not None:
             raise ConfigError("--max-restarts cannot be combined with an external torchrun launch; "
                               "pass --max-restarts to torchrun instead")
-        if cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
+        if args.rdzv_endpoint is not None or args.rdzv_id is not None:
+            raise ConfigError("--rdzv-endpoint / --rdzv-id are the local launcher's; under torchrun pass "
+                              "--rdzv-endpoint and --rdzv-id to torchrun instead")
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+        change = None
+        if args.elastic is not None:  # every rank plans the same layout for this world; rank 0 says why
+            from hybridpar.training.elastic import WorldRange, plan_for_world
+
+            WorldRange.parse(args.elastic).check(world)
+            cfg, change = plan_for_world(cfg, world, local, verbose=os.environ["RANK"] == "0")
+        elif cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
             from hybridpar.planner.auto import auto_config
 
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
-            cfg = auto_config(cfg, int(os.environ["WORLD_SIZE"]), local, verbose=os.environ["RANK"] == "0")
-        resume = _preflight(cfg, int(os.environ["WORLD_SIZE"]), args.resume)
-        # a torchrun restart after a lost rank continues from the newest complete checkpoint
-        auto = cfg.train.auto_resume and restart_count() > 0
-        return _run_worker(cfg, resume, auto_resume=auto)
+            cfg = auto_config(cfg, world, local, verbose=os.environ["RANK"] == "0")
+        resume = _preflight(cfg, world, args.resume)
+        # a torchrun restart after a lost rank continues from the newest complete checkpoint; an
+        # elastic job always does (a node joining restarts the workers without counting a restart)
+        auto = change is not None or (cfg.train.auto_resume and restart_count() > 0)
+        return _run_worker(cfg, resume, auto_resume=auto, elastic=change)
+    if args.elastic is not None:
+        return _launch_elastic(cfg, args, argv)
+    if args.rdzv_endpoint is not None or args.rdzv_id is not None:
+        raise ConfigError("--rdzv-endpoint and --rdzv-id need --elastic MIN:MAX (the job's world sizes)")
     if cfg.parallel.auto:  # plan here, once; launched workers get the layout pinned
         from hybridpar.planner.auto import auto_config, layout_overrides
 
@@ -108,6 +131,47 @@ def cmd_train(argv: list[str]) -> int:
                         run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv])
 
 
+def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
+    """``hybridpar train --elastic MIN:MAX [--nproc N] [--rdzv-endpoint HOST:PORT]``: this node's
+    launcher of an elastic job (torch's elastic agent, c10d rendezvous). Every world size the
+    nodes can form is planned here first, so a job that could never run is refused before launch."""
+    from hybridpar.training.elastic import WorldRange, elastic_nodes, plan_for_world
+
+    span = WorldRange.parse(args.elastic)
+    nproc = args.nproc if args.nproc is not None else span.max
+    nodes = elastic_nodes(span, nproc, multi_node=args.rdzv_endpoint is not None)
+    for n in range(nodes[0], nodes[1] + 1):
+        planned, _ = plan_for_world(cfg, n * nproc, nproc)
+        _preflight(planned, n * nproc, args.resume)
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
+    from hybridpar.distributed.launch import Rendezvous, launch_local
+
+    run_dir = Path(cfg.train.run_dir)
+    rdzv = Rendezvous(nodes[0], nodes[1], args.rdzv_endpoint or "localhost:0",
+                      args.rdzv_id or _default_rdzv_id(run_dir, args.rdzv_endpoint))
+    worlds = f"{nodes[0] * nproc}" if nodes[0] == nodes[1] else f"{nodes[0] * nproc} to {nodes[1] * nproc}"
+    print(f"hybridpar: elastic job of {worlds} processes: {nproc} on this node"
+          + (f", rendezvous at {args.rdzv_endpoint} (job {rdzv.run_id})" if args.rdzv_endpoint else ""), flush=True)
+    restarts = args.max_restarts if args.max_restarts is not None else ELASTIC_RESTARTS
+    return launch_local(nproc, ["train", *_strip_nproc(argv)], max_restarts=restarts, run_dir=run_dir,
+                        command=["hybridpar", "train", *argv], rendezvous=rdzv)
+
+
+ELASTIC_RESTARTS = 3  # restarts after failures (a lost node counts one) when --elastic has no --max-restarts
+
+
+def _default_rdzv_id(run_dir: Path, endpoint: str | None) -> str:
+    """One job per run directory: every node's command names the same ``train.run_dir``."""
+    if endpoint is None:
+        import uuid
+
+        return str(uuid.uuid4())
+    import hashlib
+
+    return "hybridpar-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+
+
 def _hf_model(path: str) -> ModelConfig:
     """The model (family and shape) of a Hugging Face directory given as ``train.init_from``."""
     from hybridpar.models.hf import model_config_from_hf
@@ -115,17 +179,20 @@ def _hf_model(path: str) -> ModelConfig:
     return model_config_from_hf(path)
 
 
+LAUNCHER_ONLY = ("--nproc", "--max-restarts", "--rdzv-endpoint", "--rdzv-id")
+
+
 def _strip_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without the options that only the local launcher reads (--nproc, --max-restarts)."""
+    """``argv`` without the options that only the local launcher reads (:data:`LAUNCHER_ONLY`)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("--nproc", "--max-restarts"):
+        if a in LAUNCHER_ONLY:
             skip = True
             continue
-        if a.startswith(("--nproc=", "--max-restarts=")):
+        if a.startswith(tuple(f"{o}=" for o in LAUNCHER_ONLY)):
             continue
         out.append(a)
     return out
@@ -170,10 +237,12 @@ def _checkpoint_step(path: Path) -> int:
     return int(read_info(path)["step"])
 
 
-def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False) -> int:
+def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False,
+                elastic: LayoutChange | None = None) -> int:
     """Train in this process (one rank of a launched job, or the whole run). Returns the exit
     status: 0 done, 128 + N stopped by signal N after a complete checkpoint; a user error is
-    raised, or (under the local launcher) reported to it and answered with its status."""
+    raised, or (under the local launcher) reported to it and answered with its status.
+    ``elastic``: the layout an elastic job planned for this world (recorded in the run)."""
     from hybridpar.distributed import device as devices
     from hybridpar.distributed import flight, lifecycle
     from hybridpar.distributed.mesh import (
@@ -200,7 +269,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                 stop.on_signal = lambda sig: flight.dump(counter, run_dir, rank,
                                                         f"signal {lifecycle.signal_name(sig)} received")
             if auto_resume:
-                resume = _agreed_latest_checkpoint(topo, run_dir, resume)
+                resume = _agreed_latest_checkpoint(topo, run_dir, resume, elastic)
                 if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
                     if topo.rank == 0:
                         print(f"hybridpar: restarted, but {resume} already holds the final step "
@@ -208,7 +277,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                     clean = True
                     return 0
             try:
-                Trainer(cfg, topo, device, stop=stop).fit(resume)
+                Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
             except lifecycle.Preempted as p:
                 if topo.rank == 0:
                     print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
@@ -251,7 +320,8 @@ def _teardown(topo: Topology | None, orderly: bool) -> None:
     topo.close()
 
 
-def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None) -> Path | None:
+def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None,
+                              elastic: LayoutChange | None = None) -> Path | None:
     """The newest complete checkpoint in ``run_dir`` as rank 0 sees it, the same on every rank (a
     broadcast of its step), else ``fallback`` (``--resume``; None: start over). Used when torchrun
     restarted the job after a failure (``train.auto_resume``). Newer checkpoints that fail their
@@ -276,7 +346,10 @@ def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | No
     chosen = step_dir(run_dir, int(step)) if int(step) >= 0 else fallback
     if topo.rank == 0:
         what = f"resuming from {chosen}" if chosen else "no complete checkpoint yet, starting over"
-        print(f"hybridpar: restart {restart_count()} of the job (torchrun --max-restarts): {what}", flush=True)
+        if elastic is not None:
+            print(f"hybridpar: elastic: {topo.world_size} processes, layout {elastic.layout}: {what}", flush=True)
+        else:
+            print(f"hybridpar: restart {restart_count()} of the job (torchrun --max-restarts): {what}", flush=True)
     return chosen
 
 
