@@ -209,3 +209,32 @@ def test_world_too_small_for_the_model_is_refused_by_the_memory_model(tmp_path):
     assert state / smallest <= capacity  # a necessary condition for the named world
     planned, _ = plan_for_world(cfg, smallest)
     assert planned.parallel.world_size == smallest
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--elastic", "2:4", "--nproc", "3"], "elastic: 3 processes cannot continue this job"),
+    (["--elastic", "2:4", "--nproc", "8"], "the job has 8 processes, outside --elastic 2:4"),
+    (["--elastic", "4:2"], "--elastic '4:2' must be MIN:MAX"),
+    (["--elastic", "2:4", "--nproc", "5", "--rdzv-endpoint", "127.0.0.1:1"], "holds no whole number of nodes"),
+    (["--rdzv-endpoint", "127.0.0.1:1"], "--rdzv-endpoint and --rdzv-id need --elastic MIN:MAX"),
+])
+def test_elastic_launcher_refuses_before_launch(tmp_path, capsys, args, needle):
+    """Every world the launcher's nodes can form is planned before anything starts (the tiny
+    model of test_cli cannot run on 3 processes: see the refusal test above)."""
+    from test_cli import TINY
+
+    run = tmp_path / "r"
+    assert cli.main(["train", *TINY, "--train.run_dir", str(run), *args]) == 2
+    assert needle in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_elastic_worker_refuses_a_world_it_cannot_use_before_any_process_group(tmp_path, capsys, monkeypatch):
+    from test_cli import TINY
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    run = tmp_path / "r"
+    assert cli.main(["train", *TINY, "--parallel.dp", "2", "--train.run_dir", str(run), "--elastic", "1:4"]) == 2
+    assert "elastic: 3 processes cannot continue this job" in capsys.readouterr().err
+    assert not run.exists()

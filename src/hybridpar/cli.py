@@ -251,6 +251,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
         destroy_distributed,
         init_distributed,
     )
+    from hybridpar.training.elastic import peer_lost
     from hybridpar.training.trainer import Trainer
 
     if under_launcher():
@@ -297,6 +298,10 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                 if stop.signum or lifecycle.reported_elsewhere(rank):  # a consequence, not the cause
                     print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
                           file=sys.stderr, flush=True)
+                    return 1
+                if elastic is not None and (lost := peer_lost(e)):  # what an elastic job expects: one line
+                    print(f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job "
+                          "on the processes left", file=sys.stderr, flush=True)
                     return 1
                 print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}",
                       file=sys.stderr)

@@ -199,6 +199,16 @@ def smallest_world(cfg: Config, start: int, limit: int) -> int | None:
     return next((w for w in range(max(start, 1), limit + 1) if not isinstance(_replan(cfg, w), list)), None)
 
 
+# What gloo and NCCL say when a peer process is gone (its node lost): a collective that cannot finish.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """The backend's words when ``error`` is a collective that failed because a peer died, else None."""
+    text = str(error)
+    return next((needle for needle in PEER_LOST if needle in text), None)
+
+
 # ----------------------------------------------------------------------------- the record
 
 
