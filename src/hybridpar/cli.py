@@ -98,6 +98,7 @@ def cmd_train(argv: list[str]) -> int:
 
             WorldRange.parse(args.elastic).check(world)
             cfg, change = plan_for_world(cfg, world, local, verbose=os.environ["RANK"] == "0")
+            _warn_shared_store()
         elif cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
             from hybridpar.planner.auto import auto_config
 
@@ -156,6 +157,18 @@ def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> i
     restarts = args.max_restarts if args.max_restarts is not None else ELASTIC_RESTARTS
     return launch_local(nproc, ["train", *_strip_nproc(argv)], max_restarts=restarts, run_dir=run_dir,
                         command=["hybridpar", "train", *argv], rendezvous=rdzv)
+
+
+def _warn_shared_store() -> None:
+    """Under an external torchrun whose agents share their store with the workers (its default),
+    a node joining the running job hangs in the rendezvous: say how to avoid it (rank 0, once)."""
+    from hybridpar.distributed.launch import SHARED_STORE_ENV
+    from hybridpar.distributed.lifecycle import ERROR_DIR_ENV
+
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and ERROR_DIR_ENV not in os.environ
+            and os.environ.get("RANK") == "0" and restart_count() == 0):
+        print(f"hybridpar: warning: --elastic under torchrun: export {SHARED_STORE_ENV}=1 on every node, or a "
+              "node that joins the running job waits in torch's rendezvous until it times out", file=sys.stderr)
 
 
 ELASTIC_RESTARTS = 3  # restarts after failures (a lost node counts one) when --elastic has no --max-restarts
@@ -280,7 +293,9 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
             try:
                 Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
             except lifecycle.Preempted as p:
-                if topo.rank == 0:
+                if topo.rank == 0 and elastic is not None:  # e.g. a node joined: the agent restarts the job
+                    print(f"hybridpar: elastic: {p}; the launcher restarts the job", file=sys.stderr, flush=True)
+                elif topo.rank == 0:
                     print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
                           file=sys.stderr, flush=True)
                 clean = True
@@ -339,6 +354,7 @@ def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | No
         recover,
         step_dir,
     )
+    from hybridpar.training.elastic import processes
 
     found = None
     if topo.rank == 0:  # the others wait in the broadcast while rank 0 tidies and checks the checksums
@@ -352,7 +368,7 @@ def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | No
     if topo.rank == 0:
         what = f"resuming from {chosen}" if chosen else "no complete checkpoint yet, starting over"
         if elastic is not None:
-            print(f"hybridpar: elastic: {topo.world_size} processes, layout {elastic.layout}: {what}", flush=True)
+            print(f"hybridpar: elastic: {processes(topo.world_size)}, layout {elastic.layout}: {what}", flush=True)
         else:
             print(f"hybridpar: restart {restart_count()} of the job (torchrun --max-restarts): {what}", flush=True)
     return chosen

@@ -28,6 +28,10 @@ from hybridpar.distributed.lifecycle import COMMAND_ENV, ERROR_DIR_ENV, read_rep
 # stop on signal N (after a complete checkpoint), 1 anything else.
 KIND_EXIT = {"error": 2, "stopped": 3}
 SHUTDOWN_TIMEOUT_S = 120  # how long a signalled worker may take to save its checkpoint
+# torch's c10d rendezvous shares the agents' store with the workers by default, and rank 0's agent
+# publishes that store's address under the first round only: a node that joins a running job
+# (a later round) waits for it until it times out (torch 2.13). Unshared, every round publishes.
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_d
     flight.clear(run_dir)
     with tempfile.TemporaryDirectory(prefix="hybridpar-errors-") as errors:
         env = {ERROR_DIR_ENV: errors, COMMAND_ENV: shlex.join(command)}
+        if rdzv.max_nodes > 1:  # nodes may join a running job: see SHARED_STORE_ENV
+            env[SHARED_STORE_ENV] = "1"
         if nproc > 1:
             env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
         saved = {k: os.environ.get(k) for k in env}

@@ -181,15 +181,15 @@ def _refusal(cfg: Config, world: int, errors: list[str]) -> str:
         fix = (f"no world of up to {4 * world} processes can run it: change the model, the batch sizes "
                "or the memory settings (parallel.zero_stage, parallel.recompute)")
     else:
-        fix = f"the smallest world that can run it is {_procs(smallest)}"
+        fix = f"the smallest world that can run it is {processes(smallest)}"
         if smallest < world:
             above = smallest_world(cfg, world + 1, 4 * world)
-            fix += f" (the next above {world}: {_procs(above)})" if above else ""
+            fix += f" (the next above {world}: {processes(above)})" if above else ""
         fix += "; restart the job on such a world"
-    return f"elastic: {_procs(world)} cannot continue this job (no layout of {world} runs it: {reason}); {fix}"
+    return f"elastic: {processes(world)} cannot continue this job (no layout of {world} runs it: {reason}); {fix}"
 
 
-def _procs(n: int) -> str:
+def processes(n: int) -> str:
     return f"{n} process{'es' if n != 1 else ''}"
 
 
