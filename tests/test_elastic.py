@@ -216,7 +216,8 @@ def test_world_too_small_for_the_model_is_refused_by_the_memory_model(tmp_path):
     (["--elastic", "2:4", "--nproc", "8"], "the job has 8 processes, outside --elastic 2:4"),
     (["--elastic", "4:2"], "--elastic '4:2' must be MIN:MAX"),
     (["--elastic", "2:4", "--nproc", "5", "--rdzv-endpoint", "127.0.0.1:1"], "holds no whole number of nodes"),
-    (["--rdzv-endpoint", "127.0.0.1:1"], "--rdzv-endpoint and --rdzv-id need --elastic MIN:MAX"),
+    (["--elastic", "2:4", "--nproc", "2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "x"], "must be KEY=VALUE"),
+    (["--rdzv-endpoint", "127.0.0.1:1"], "--rdzv-endpoint, --rdzv-id and --rdzv-conf need --elastic MIN:MAX"),
 ])
 def test_elastic_launcher_refuses_before_launch(tmp_path, capsys, args, needle):
     """Every world the launcher's nodes can form is planned before anything starts (the tiny

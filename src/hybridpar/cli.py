@@ -71,6 +71,9 @@ def _train_parser() -> argparse.ArgumentParser:
                    "this node runs --nproc of the processes)")
     p.add_argument("--rdzv-id", default=None, metavar="ID",
                    help="with --rdzv-endpoint: the job's id, the same on every node (default: from train.run_dir)")
+    p.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                   help="with --elastic: torch's c10d rendezvous settings, as torchrun's --rdzv-conf (e.g. "
+                   "last_call_timeout=5,keep_alive_interval=1: how long to wait for more nodes and to notice a lost one)")
     return p
 
 
@@ -88,9 +91,9 @@ def cmd_train(argv: list[str]) -> int:
         if args.max_restarts is not None:
             raise ConfigError("--max-restarts cannot be combined with an external torchrun launch; "
                               "pass --max-restarts to torchrun instead")
-        if args.rdzv_endpoint is not None or args.rdzv_id is not None:
-            raise ConfigError("--rdzv-endpoint / --rdzv-id are the local launcher's; under torchrun pass "
-                              "--rdzv-endpoint and --rdzv-id to torchrun instead")
+        if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
+            raise ConfigError("--rdzv-endpoint / --rdzv-id / --rdzv-conf are the local launcher's; under torchrun "
+                              "pass them to torchrun instead")
         world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
         change = None
         if args.elastic is not None:  # every rank plans the same layout for this world; rank 0 says why
@@ -110,8 +113,8 @@ def cmd_train(argv: list[str]) -> int:
         return _run_worker(cfg, resume, auto_resume=auto, elastic=change)
     if args.elastic is not None:
         return _launch_elastic(cfg, args, argv)
-    if args.rdzv_endpoint is not None or args.rdzv_id is not None:
-        raise ConfigError("--rdzv-endpoint and --rdzv-id need --elastic MIN:MAX (the job's world sizes)")
+    if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
+        raise ConfigError("--rdzv-endpoint, --rdzv-id and --rdzv-conf need --elastic MIN:MAX (the job's world sizes)")
     if cfg.parallel.auto:  # plan here, once; launched workers get the layout pinned
         from hybridpar.planner.auto import auto_config, layout_overrides
 
@@ -150,7 +153,7 @@ def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> i
 
     run_dir = Path(cfg.train.run_dir)
     rdzv = Rendezvous(nodes[0], nodes[1], args.rdzv_endpoint or "localhost:0",
-                      args.rdzv_id or _default_rdzv_id(run_dir, args.rdzv_endpoint))
+                      args.rdzv_id or _default_rdzv_id(run_dir, args.rdzv_endpoint), _rdzv_conf(args.rdzv_conf))
     worlds = f"{nodes[0] * nproc}" if nodes[0] == nodes[1] else f"{nodes[0] * nproc} to {nodes[1] * nproc}"
     print(f"hybridpar: elastic job of {worlds} processes: {nproc} on this node"
           + (f", rendezvous at {args.rdzv_endpoint} (job {rdzv.run_id})" if args.rdzv_endpoint else ""), flush=True)
@@ -174,6 +177,17 @@ def _warn_shared_store() -> None:
 ELASTIC_RESTARTS = 3  # restarts after failures (a lost node counts one) when --elastic has no --max-restarts
 
 
+def _rdzv_conf(text: str | None) -> dict[str, str]:
+    """``--rdzv-conf a=1,b=2`` as a dict (torchrun's syntax)."""
+    if not text:
+        return {}
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise ConfigError(f"--rdzv-conf {text!r} must be KEY=VALUE pairs separated by commas, "
+                          "e.g. last_call_timeout=5,keep_alive_interval=1")
+    return dict(pairs)  # type: ignore[arg-type]
+
+
 def _default_rdzv_id(run_dir: Path, endpoint: str | None) -> str:
     """One job per run directory: every node's command names the same ``train.run_dir``."""
     if endpoint is None:
@@ -192,7 +206,7 @@ def _hf_model(path: str) -> ModelConfig:
     return model_config_from_hf(path)
 
 
-LAUNCHER_ONLY = ("--nproc", "--max-restarts", "--rdzv-endpoint", "--rdzv-id")
+LAUNCHER_ONLY = ("--nproc", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:

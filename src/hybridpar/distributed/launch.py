@@ -44,6 +44,7 @@ class Rendezvous:
     max_nodes: int = 1
     endpoint: str = "localhost:0"
     run_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    conf: dict[str, str] = field(default_factory=dict)  # c10d settings, as torchrun's --rdzv-conf
 
 
 def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_dir: Path,
@@ -60,6 +61,7 @@ def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_d
     rdzv = rendezvous or Rendezvous()
     config = LaunchConfig(min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
                           run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
+                          rdzv_configs=dict(rdzv.conf),
                           max_restarts=max_restarts,
                           monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     flight.clear(run_dir)
