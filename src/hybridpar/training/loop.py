@@ -10,7 +10,7 @@
   ``sample.txt``, the loss plot, the final log lines).
 
 :func:`log_due` says which steps ``metrics.jsonl`` records, :func:`step_record` what it records
-for one (the keys are a public contract: ``step loss lr grad_norm tokens_per_s mfu mem_bytes
+for one (the keys are a public contract: ``step world loss lr grad_norm tokens_per_s mfu mem_bytes
 step_time_s`` and, when they apply, ``skipped loss_scale val_loss``; MoE models add ``aux_loss
 expert_load_imbalance expert_imbalance_per_layer dropped_tokens expert_load``).
 """
@@ -96,11 +96,12 @@ def log_due(step: int, log_every: int, last_step: int) -> bool:
 
 
 def step_record(step: int, result: StepResult, rate: Throughput, mem_bytes: int,
-                loss_scale: float | None) -> dict[str, Any]:
+                loss_scale: float | None, world: int = 1) -> dict[str, Any]:
     """One line of ``metrics.jsonl`` (``val_loss`` is added by the caller when it evaluates);
-    the key order is the file's."""
+    the key order is the file's. ``world``: the processes that trained the step (an elastic
+    job's changes between restarts)."""
     record: dict[str, Any] = {
-        "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+        "step": step, "world": world, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
         "tokens_per_s": rate.tokens_per_s, "mfu": rate.mfu, "mem_bytes": mem_bytes, "step_time_s": rate.step_time_s,
     }
     if result.skipped:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from hybridpar.distributed.lifecycle import StopRequest
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
-from hybridpar.training import checkpoint
+from hybridpar.training import checkpoint, elastic
+from hybridpar.training.elastic import LayoutChange
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.loop import (
@@ -46,8 +48,9 @@ class Trainer:
     """Trains ``cfg.model`` under the layout in ``topo`` on ``cfg.train.data``."""
 
     def __init__(self, cfg: Config, topo: Topology, device: torch.device | None = None,
-                 stop: StopRequest | None = None) -> None:
+                 stop: StopRequest | None = None, elastic: LayoutChange | None = None) -> None:
         self.cfg = cfg
+        self.elastic = elastic  # an elastic job's layout for this world: recorded in layouts.json
         self.stop = stop  # a signal asks for a checkpoint and a clean stop after the current step
         self.topo = topo
         self.device = device or torch.device("cpu")
@@ -166,10 +169,18 @@ class Trainer:
         t = self.cfg.train
         # measured before a resume: the matmul benchmark draws from the RNG the checkpoint restores
         peak, peak_src = devices.peak_flops(self.device, t.precision)
+        loading = time.perf_counter()
         start = self._start(resume)
+        loaded_s = time.perf_counter() - loading
         log = MetricsLogger(self.run_dir, t.steps, self.is_logger, start_step=start)
         if resume is not None:
-            log.write(f"resumed from {resume} at step {start}")
+            log.write(f"resumed from {resume} at step {start} (loaded in {loaded_s:.2f} s)")
+        if self.elastic is not None and self.is_logger:
+            changes = elastic.record(self.run_dir, self.elastic, start)
+            if len(changes) > 1 and changes[-1]["step"] == start:
+                before = changes[-2]
+                log.write(f"elastic: world {before['world']} -> {self.elastic.world} at step {start}: layout "
+                          f"{before['layout']} -> {self.elastic.layout} ({self.elastic.reason})")
         log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
         losses, traffic = LossRange(first_step=start + 1), LastStepTraffic(self.topo.comm.counter, t.steps)
         evaluation = Evaluation(t.eval_every, t.steps, self.evaluate)
@@ -185,7 +196,7 @@ class Trainer:
             evaluating = evaluation.due(step)
             if log_due(step, t.log_every, t.steps) or evaluating:
                 record = step_record(step, result, meter.read(), devices.memory_bytes(self.device),
-                                     self.scaler.scale if self.scaler.enabled else None)
+                                     self.scaler.scale if self.scaler.enabled else None, self.topo.world_size)
                 if evaluating:
                     record["val_loss"] = evaluation.run()
                 log.step(record)
@@ -226,6 +237,8 @@ class Trainer:
         memory = self._memory_per_rank()
         if len(self.data.components) > 1:
             summary["tokens_per_dataset"] = self.data.tokens_drawn(t.steps * t.global_batch, t.seq_len)
+        if self.elastic is not None:
+            summary["layout_changes"] = elastic.history(self.run_dir)
         summary["traffic_bytes_per_step"] = traffic
         summary["peak_memory_bytes_per_rank"] = memory
         if self.expert_imbalance:  # MoE: max/mean tokens per expert over the run's steps
@@ -250,10 +263,7 @@ class Trainer:
         return self.tokenizer.decode(tokens)
 
     def layout_name(self) -> str:
-        p = self.cfg.parallel
-        recompute = f" recompute={p.recompute}" if p.recompute != "none" else ""
-        ep = f" ep{p.ep}" if p.ep > 1 else ""
-        return f"dp{p.dp}{ep} tp{p.tp} pp{p.pp} cp{p.cp} zero{p.zero_stage}{recompute}"
+        return elastic.layout_name(self.cfg.parallel)
 
     def describe(self) -> str:
         t, m = self.cfg.train, self.cfg.model
