@@ -19,7 +19,7 @@ from hybridpar.training.trainer import Trainer
 
 pytestmark = pytest.mark.numerics
 
-MOE = ["--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
+MOE = ["--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
        "--model.aux_loss_coef", "0.05", "--model.z_loss_coef", "0.01", "--model.n_layers", "4",
        "--model.n_kv_heads", "4"]
 
