@@ -380,7 +380,6 @@ def edited(tmp_path: Path, spec: str, **keys) -> Path:
     ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step = 0 is not supported"),
     ("qwen3_moe", dict(num_experts=8, num_local_experts=4),
      "num_local_experts = 4 is not supported (it contradicts num_experts = 8)"),
-    ("qwen3_moe", dict(num_local_experts=None, num_experts=None), "lacks num_experts"),
     ("qwen3_moe", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
      "rope_parameters = "),
 ])
@@ -401,6 +400,24 @@ def test_qwen3_moe_config_keys(tmp_path):
     assert (cfg.n_experts, cfg.moe_layer_ids()) == (0, ())
     assert cfg.num_params() == sum(p.numel() for p in hf_lib().AutoModelForCausalLM.from_config(
         hf_lib().AutoConfig.from_pretrained(tmp_path / "b")).parameters())
+
+
+# optional keys transformers fills with its family defaults
+OPTIONAL = ("rope_theta", "rope_parameters", "num_local_experts", "num_experts", "num_experts_per_tok",
+            "router_aux_loss_coef", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size")
+
+
+@pytest.mark.parametrize("spec", ["mixtral", "qwen3_moe"])
+def test_absent_keys_take_transformers_defaults(tmp_path, spec):
+    path = edited(tmp_path, spec, **dict.fromkeys(OPTIONAL))
+    assert not set(OPTIONAL) & set(json.loads((path / "config.json").read_text()))
+    cfg, theirs = model_config_from_hf(path), hf_lib().AutoConfig.from_pretrained(path)
+    n = getattr(theirs, "num_local_experts", None) or theirs.num_experts
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.aux_loss_coef, cfg.rope_theta) == (
+        n, theirs.num_experts_per_tok, theirs.router_aux_loss_coef, theirs.rope_parameters["rope_theta"])
+    assert cfg.norm_topk_prob == getattr(theirs, "norm_topk_prob", True)  # Mixtral always renormalises
+    assert cfg.moe_ffn_hidden == getattr(theirs, "moe_intermediate_size", theirs.intermediate_size)
+    assert cfg.num_params() == sum(p.numel() for p in hf_lib().AutoModelForCausalLM.from_config(theirs).parameters())
 
 
 def test_broken_expert_tensors_are_refused(tmp_path, tmp_path_factory):

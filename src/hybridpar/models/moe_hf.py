@@ -51,20 +51,21 @@ def unexportable(key: str, value: Any, architecture: str, why: str) -> HFError:
     return HFError(f"model.{key} = {json.dumps(value)} cannot be exported to {architecture}: {why}")
 
 
-def moe_fields(c: Mapping[str, Any], where: str, experts_keys: tuple[str, ...]) -> dict[str, Any]:
+def moe_fields(c: Mapping[str, Any], where: str, experts_keys: tuple[str, ...], defaults: tuple[int, int]
+               ) -> dict[str, Any]:
     """The :class:`ModelConfig` MoE fields of a ``config.json`` ``c``: the expert count (under
     the first of ``experts_keys`` present; several present must agree), top-k and the
-    load-balancing coefficient; softmax routing without shared experts or balancing bias."""
+    load-balancing coefficient; softmax routing without shared experts or balancing bias.
+    ``defaults``: transformers' (experts, top-k) for this family, for keys ``c`` lacks."""
     present = [k for k in experts_keys if c.get(k) is not None]
-    if not present:
-        raise HFError(f"{where} lacks {experts_keys[0]}")
-    n = c[present[0]]
+    n = c[present[0]] if present else defaults[0]
+    present = present or [experts_keys[0]]
     for key in present[1:]:
         if c[key] != n:
             raise bad_value(where, key, c[key], f"it contradicts {present[0]} = {n}")
     if not isinstance(n, int) or n < 0:
         raise bad_value(where, present[0], n, "the number of experts is an integer >= 0")
-    k = c.get("num_experts_per_tok", 2)
+    k = c.get("num_experts_per_tok", defaults[1])
     if n and (not isinstance(k, int) or not 1 <= k <= n):
         raise bad_value(where, "num_experts_per_tok", k, f"each token picks between 1 and {present[0]} = {n} experts")
     coef = c.get("router_aux_loss_coef", 0.001)  # transformers' default for both families

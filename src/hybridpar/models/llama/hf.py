@@ -52,9 +52,10 @@ def _rope_type(rope: Any) -> str | None:
 
 
 def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family: str,
-                         qkv_bias: bool = False, qk_norm: bool = False) -> ModelConfig:
+                         qkv_bias: bool = False, qk_norm: bool = False, default_theta: float = 10000.0) -> ModelConfig:
     """The :class:`ModelConfig` of a Llama-like ``config.json`` ``c`` (read from ``where``);
-    :class:`HFError` naming key and value for what the model cannot represent exactly."""
+    :class:`HFError` naming key and value for what the model cannot represent exactly.
+    ``default_theta``: the RoPE base transformers uses for this family when ``c`` names none."""
     for key in ("rope_scaling", "rope_parameters"):
         kind = _rope_type(c.get(key))
         if kind not in (None, "default"):
@@ -70,7 +71,7 @@ def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family:
     if missing:
         raise HFError(f"{where} lacks {', '.join(missing)}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))  # HF's default when absent
+    theta = c.get("rope_theta", rope.get("rope_theta", default_theta))
     shape = {field: c[key] for key, field in _SHAPE_KEYS.items()}
     heads = shape["n_heads"]
     head_dim = c.get("head_dim") or shape["dim"] // heads

@@ -42,10 +42,10 @@ class MixtralHF(MoEHF):
             raise bad_value(where, "router_jitter_noise", jitter,
                             "transformers multiplies the hidden states by random noise in training; the router "
                             "here is deterministic: set it to 0.0")
-        moe = moe_fields(c, where, ("num_local_experts",))
+        moe = moe_fields(c, where, ("num_local_experts",), defaults=(8, 2))  # transformers' defaults
         if moe["n_experts"] == 0:
             raise bad_value(where, "num_local_experts", 0, "a Mixtral layer is a mixture of at least one expert")
-        base = llama_config_from_hf(c, where, name, family=self.model_type)
+        base = llama_config_from_hf(c, where, name, family=self.model_type, default_theta=1e6)
         return dataclasses.replace(base, **moe, moe_ffn_hidden=base.ffn_hidden, norm_topk_prob=True)
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
