@@ -465,3 +465,16 @@ def test_unexportable_models_are_refused(tmp_path, tmp_path_factory, spec, key, 
     assert msg.startswith(f"model.{key} = {json.dumps(value)} cannot be exported to {family_of(cfg).hf.architecture}"), msg
     assert message in msg
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_dense_family_with_experts_is_not_exported(tmp_path, family):
+    """A Llama-like MoE model of a dense family (e.g. the tiny-moe preset) has no Hugging Face
+    counterpart: one line says which families have one."""
+    cfg = load_config(None, ["--model.preset", "tiny-moe", "--model.n_layers", "2", "--model.family", family,
+                             *(["--model.qk_norm", "true"] if family == "qwen3" else [])]).model
+    with pytest.raises(HFError) as e:
+        save_hf(family_of(cfg).build(cfg).state_dict(), cfg, tmp_path / "out")
+    msg = one_line_error(e)
+    assert msg.startswith(f"model.n_experts = 8 cannot be exported to {family_of(cfg).hf.architecture}: "), msg
+    assert "--model.family mixtral or qwen3_moe" in msg

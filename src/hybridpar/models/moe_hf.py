@@ -26,7 +26,6 @@ refused on export, naming the key.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -34,21 +33,16 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from hybridpar.config import ModelConfig
-from hybridpar.models.family import HFError, bad_value
+from hybridpar.models.family import HFError, bad_value, unexportable
 from hybridpar.models.lazy import Narrowed, Stacked, shape_of
-from hybridpar.models.llama.hf import LlamaHF
+from hybridpar.models.llama.hf import LlamaHF, llama_hf_config
 
-__all__ = ["MoEHF", "moe_fields", "unexportable"]
+__all__ = ["MoEHF", "moe_fields"]
 
 _OURS_RE = re.compile(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.w[123])")
 # model.layers.L.<block>.(gate.weight | experts.<e>.<linear>.weight | experts.<fused>)
 _HF_RE = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(?:(gate\.weight)|experts\.(\d+)\.(\w+)\.weight|"
                     r"experts\.(gate_up_proj|down_proj))")
-
-
-def unexportable(key: str, value: Any, architecture: str, why: str) -> HFError:
-    """The one-line error for a ``model.*`` value a family's Hugging Face config cannot state."""
-    return HFError(f"model.{key} = {json.dumps(value)} cannot be exported to {architecture}: {why}")
 
 
 def moe_fields(c: Mapping[str, Any], where: str, experts_keys: tuple[str, ...], defaults: tuple[int, int]
@@ -94,6 +88,11 @@ class MoEHF(LlamaHF):
         if what == "router.weight":
             return f"model.layers.{layer}.{self.block}.gate.weight"
         return f"model.layers.{layer}.{self.block}.experts.*.{self.linears[what.split('.')[1]]}.weight"
+
+    def hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        """Llama's config.json keys for ``cfg`` after :meth:`check_exportable` (MoE allowed)."""
+        self.check_exportable(cfg)
+        return llama_hf_config(cfg, self.model_type, self.architecture, moe=True)
 
     def from_hf_key(self, key: str) -> str:
         """Our name of HF ``key``; KeyError for expert tensors (parts of ours: see :meth:`to_ours`)."""

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridpar.config import ModelConfig
-from hybridpar.models.family import HFError, HFMapping, bad_value
+from hybridpar.models.family import HFError, HFMapping, bad_value, unexportable
 
 __all__ = ["LlamaHF", "from_hf_key", "hf_key", "llama_config_from_hf", "llama_hf_config", "to_hf_config_dict"]
 
@@ -82,9 +82,13 @@ def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family:
                        qkv_bias=qkv_bias, qk_norm=qk_norm, kv_channels=kv_channels)
 
 
-def llama_hf_config(cfg: ModelConfig, model_type: str, architecture: str) -> dict[str, Any]:
+def llama_hf_config(cfg: ModelConfig, model_type: str, architecture: str, moe: bool = False) -> dict[str, Any]:
     """``config.json`` for a Llama-like model; ``rope_theta`` both flat (transformers 4.x) and
-    as ``rope_parameters`` (5.x)."""
+    as ``rope_parameters`` (5.x). A model with experts is refused unless the family states them
+    (``moe``: Mixtral, Qwen3-MoE)."""
+    if cfg.n_experts and not moe:
+        raise unexportable("n_experts", cfg.n_experts, architecture, f"{model_type} has no mixture-of-experts "
+                           "layers; train with --model.family mixtral or qwen3_moe to export experts")
     return {
         "architectures": [architecture],
         "model_type": model_type,

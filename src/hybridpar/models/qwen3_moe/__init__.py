@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from hybridpar.config import ModelConfig
 from hybridpar.models.family import bad_value
 from hybridpar.models.llama import llama_family
-from hybridpar.models.llama.hf import llama_config_from_hf, llama_hf_config
+from hybridpar.models.llama.hf import llama_config_from_hf
 from hybridpar.models.moe_hf import MoEHF, moe_fields
 from hybridpar.models.qwen2 import check_full_attention
 
@@ -53,9 +53,8 @@ class Qwen3MoeHF(MoEHF):
             norm_topk_prob=bool(c.get("norm_topk_prob", False)))
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        self.check_exportable(cfg)
         moe = set(cfg.moe_layer_ids())
-        return {**llama_hf_config(cfg, self.model_type, self.architecture), "attention_bias": False,
+        return {**self.hf_config(cfg), "attention_bias": False,
                 "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
                 "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
                 "moe_intermediate_size": cfg.expert_hidden, "decoder_sparse_step": 1,
