@@ -239,3 +239,17 @@ def test_elastic_worker_refuses_a_world_it_cannot_use_before_any_process_group(t
     assert cli.main(["train", *TINY, "--parallel.dp", "2", "--train.run_dir", str(run), "--elastic", "1:4"]) == 2
     assert "elastic: 3 processes cannot continue this job" in capsys.readouterr().err
     assert not run.exists()
+
+
+def test_workers_under_torchrun_warn_when_a_joining_node_would_hang():
+    """torch's agents share their store with the workers unless told not to; then a node joining
+    the running job waits for an address that is never published (see launch.SHARED_STORE_ENV)."""
+    from hybridpar.distributed.lifecycle import ERROR_DIR_ENV
+    from hybridpar.training.elastic import shared_store_warning
+
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared_store_warning(shared)
+    assert shared_store_warning({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # unshared
+    assert shared_store_warning({**shared, "RANK": "1"}) is None  # rank 0 says it
+    assert shared_store_warning({**shared, "TORCHELASTIC_RESTART_COUNT": "1"}) is None  # once
+    assert shared_store_warning({**shared, ERROR_DIR_ENV: "/tmp/x"}) is None  # the library's launcher unshares
