@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,3 +108,31 @@ def test_node_joins_then_is_lost_and_the_other_continues_alone_on_the_same_traje
     assert got.keys() == want.keys()
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_node_faults_kill_the_agent_after_n_trained_steps_and_hold_until_signalled(monkeypatch):
+    from test_faults import _faults
+
+    faults, kills = _faults(), []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    monkeypatch.setattr(faults, "HOLD_LIMIT_S", 5.0)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert faults.step_spec({faults.NODE_FAULT_ENV: "3"}, faults.NODE_FAULT_ENV) == 3
+    assert faults.step_spec({faults.NODE_FAULT_ENV: "3", "TORCHELASTIC_RESTART_COUNT": "1"}, faults.NODE_FAULT_ENV) is None
+
+    class Fake:
+        def __init__(self) -> None:
+            self.stop = type("Stop", (), {"signum": 0})()
+
+        def train_step(self, step: int) -> int:
+            return step
+
+    faults.node_faults(Fake, kill_after=3, hold_after=2)
+    trainer = Fake()
+    assert [trainer.train_step(s) for s in (5, 6)] == [5, 6] and kills == []  # counted, not numbered
+    signal_later = threading.Timer(0.2, lambda: setattr(trainer.stop, "signum", 15))  # the agent's SIGTERM
+    signal_later.start()
+    assert trainer.train_step(2) == 2
+    assert trainer.stop.signum == 15  # step 2 returned only once the signal had arrived
+    signal_later.join()
+    assert kills == [(os.getppid(), 9), (os.getpid(), 9)]  # the third step trained: agent, then itself
