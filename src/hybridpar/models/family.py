@@ -87,3 +87,6 @@ class Family:
     zero3_units: Callable[[nn.Module], list[nn.Module]]
     make_chunk: Callable[[nn.Module, ChunkSpec], nn.Module]  # a pipeline stage's part of the model
     hf: HFMapping
+    #: (model, tp, ep, axes a micro-batch's tokens are split over, sequence_parallel): the MoE
+    #: layers' plan (expert parallelism); None for a family without MoE layers
+    parallelize_moe: Callable[[nn.Module, Axis, Axis, list[Axis], bool], nn.Module] | None = None

@@ -94,9 +94,10 @@ class LayoutChange:
 
 
 def layout_name(p: ParallelConfig) -> str:
-    """``dp2 tp2 pp2 cp1 zero0`` (and the recompute mode when one is set)."""
+    """``dp2 tp2 pp2 cp1 zero0`` (and ep when above 1, the recompute mode when one is set)."""
     recompute = f" recompute={p.recompute}" if p.recompute != "none" else ""
-    return f"dp{p.dp} tp{p.tp} pp{p.pp} cp{p.cp} zero{p.zero_stage}{recompute}"
+    ep = f" ep{p.ep}" if p.ep > 1 else ""
+    return f"dp{p.dp}{ep} tp{p.tp} pp{p.pp} cp{p.cp} zero{p.zero_stage}{recompute}"
 
 
 def _axes(p: ParallelConfig, names: tuple[str, ...] = AXES) -> str:

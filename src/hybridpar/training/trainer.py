@@ -64,6 +64,8 @@ class Trainer:
         self.cp, self.reducer = self.engine.cp, self.engine.reducer  # reducer: stage 0 only
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.skipped_nonfinite = 0
+        self.expert_imbalance: list[list[float]] = []  # MoE: per step, each layer's max/mean expert load
+        self.dropped_tokens = 0  # MoE: routed slots no expert computed (0: the layers are dropless)
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
 
@@ -106,6 +108,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=False)
         batches = self.micro_batches(step, t.global_batch, self.train_data)
         loss = self.engine.forward_backward(batches, self.scaler.scale / len(batches)).mean().float()
+        moe = self.engine.moe_step_stats(len(batches))  # MoE: expert load, auxiliary losses (collective)
+        if moe is not None:
+            self.expert_imbalance.append(moe["expert_imbalance_per_layer"])
+            self.dropped_tokens += moe["dropped_tokens"]
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
         if not self.scaler.unscale_or_skip(self.params, self.topo.world):
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
@@ -113,7 +119,7 @@ class Trainer:
             self._on_nonfinite(step, float(loss))
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         norm = self.engine.update(t.grad_clip)  # global norm, clip, optimizer step
-        return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr)
+        return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr, moe=moe)
 
     def _on_nonfinite(self, step: int, loss: float) -> None:
         """Apply ``train.nonfinite``: stop naming the step and the last good checkpoint, or
@@ -235,6 +241,11 @@ class Trainer:
             summary["layout_changes"] = elastic.history(self.run_dir)
         summary["traffic_bytes_per_step"] = traffic
         summary["peak_memory_bytes_per_rank"] = memory
+        if self.expert_imbalance:  # MoE: max/mean tokens per expert over the run's steps
+            per_layer = torch.tensor(self.expert_imbalance).mean(0).tolist()
+            summary["expert_imbalance"] = max(per_layer)
+            summary["expert_imbalance_per_layer"] = per_layer
+            summary["dropped_tokens"] = self.dropped_tokens
         sample = self.sample_text()
         report = RunReport(self.run_dir, self.is_logger, self.layout_name(), self.topo.world_size,
                            self.device.type, self.cfg.parallel.pipeline_schedule)
@@ -256,7 +267,9 @@ class Trainer:
 
     def describe(self) -> str:
         t, m = self.cfg.train, self.cfg.model
-        return (f"hybridpar: model {m.preset} ({m.num_params() / 1e6:.2f}M params), layout {self.layout_name()} "
+        experts = (f", {m.n_experts} experts top-{m.experts_per_token} in {len(m.moe_layer_ids())} layers"
+                   if m.n_experts else "")
+        return (f"hybridpar: model {m.preset} ({m.num_params() / 1e6:.2f}M params{experts}), layout {self.layout_name()} "
                 f"on {self.topo.world_size} x {self.device.type}, {t.steps} steps x {t.global_batch} seqs x "
                 f"{t.seq_len} tokens, micro-batch {t.micro_batch}, {t.precision}")
 
