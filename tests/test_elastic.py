@@ -161,6 +161,28 @@ def test_uninterrupted_elastic_run_records_one_layout(runs):
     assert [r["world"] for r in _metrics(run_dir)] == [8] * TOTAL
 
 
+def _plan_check(rank: int, world: int, run_dir: str) -> str:
+    """Every rank plans for its world; rank 1's node (as if it saw another hardware model) plans
+    another micro-batch. Returns what the agreement check said ("" when it passed)."""
+    from hybridpar.training.elastic import check_same_plan
+
+    cfg, _ = plan_for_world(config(run_dir, JOB), world)
+    if rank == 1:
+        cfg.train.micro_batch *= 2
+    try:
+        check_same_plan(cfg, world, "cpu")
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def test_ranks_that_planned_different_layouts_are_refused_before_the_mesh(tmp_path, dist_run):
+    said = dist_run(8, _plan_check, str(tmp_path))  # the 8-process pool of the runs above
+    assert said[1].startswith("elastic: the 8 processes planned different layouts (this one: dp2 tp2 pp2")
+    assert all("every node must plan alike: set train.hardware" in s for s in said), said
+    assert _plan_check(0, 1, str(tmp_path)) == ""  # one process: nothing to agree on
+
+
 # ----------------------------------------------------------------------------- planning, no processes
 
 

@@ -252,7 +252,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
         destroy_distributed,
         init_distributed,
     )
-    from hybridpar.training.elastic import peer_lost
+    from hybridpar.training.elastic import check_same_plan, peer_lost
     from hybridpar.training.trainer import Trainer
 
     if under_launcher():
@@ -265,6 +265,8 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
     clean = False
     with lifecycle.StopRequest().installed() as stop:
         try:
+            if elastic is not None and elastic.world > 1:  # ranks planned alone: agree before the mesh
+                check_same_plan(cfg, elastic.world, device.type)
             topo = ParallelDims.from_config(cfg.parallel).build(device.type)
             if topo.world_size > 1:  # a rank signalled while stuck in a collective leaves a record
                 counter = topo.comm.counter

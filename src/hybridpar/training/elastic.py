@@ -10,7 +10,8 @@ hands the job another world size, every rank, before any process group exists:
    world is this one; else the axes the config fixed (``dp``/``tp``/``pp``/``cp`` above 1) are
    kept as far as their product still divides the world (``dp`` is given up first, then ``cp``,
    ``pp``, ``tp``) and the planner (:mod:`hybridpar.planner.auto`) chooses the rest: the same
-   pure function on every rank, so all ranks agree without talking;
+   pure function on every rank; before the mesh is built the ranks check that they agree
+   (:func:`check_same_plan`: nodes with different hardware models would not);
 2. refuses (:class:`~hybridpar.config.ConfigError`, exit status 2) when no layout of the new
    world runs: the planner's memory model says the model does not fit, or the world cannot
    divide the global batch; the message names the smallest world that would work;
@@ -199,6 +200,27 @@ def smallest_world(cfg: Config, start: int, limit: int) -> int | None:
     """The smallest world size in ``start..limit`` that the planner can run ``cfg`` on (keeping
     what it can of the configured axes), or None."""
     return next((w for w in range(max(start, 1), limit + 1) if not isinstance(_replan(cfg, w), list)), None)
+
+
+def check_same_plan(cfg: Config, world: int, device_type: str) -> None:
+    """Every rank planned on its own (:func:`plan_for_world`); make sure they agree before the
+    mesh is built, since ranks with different layouts would build different process groups and
+    hang. Plans differ when nodes see different hardware models (a calibrated profile on some
+    nodes only). Collective over the world: one 8-byte all-gather on a flat mesh."""
+    import zlib
+
+    import torch
+
+    from hybridpar.distributed.mesh import ParallelDims
+
+    plan = json.dumps([dataclasses.asdict(cfg.parallel), cfg.train.micro_batch], sort_keys=True)
+    mine = torch.tensor([zlib.crc32(plan.encode())], dtype=torch.int64)
+    with ParallelDims.from_config(ParallelConfig(dp=world)).build(device_type) as flat:
+        plans = flat.comm.all_gather(mine, flat.world).tolist()
+    if len(set(plans)) > 1:
+        raise ConfigError(f"elastic: the {world} processes planned different layouts (this one: "
+                          f"{layout_name(cfg.parallel)}, micro-batch {cfg.train.micro_batch}); every node must plan "
+                          "alike: set train.hardware (a GPU name or one calibrated profile every node reads)")
 
 
 # ----------------------------------------------------------------------------- the launcher's settings
