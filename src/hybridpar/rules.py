@@ -34,6 +34,9 @@ class Rule:
 
 RULES: list[Rule] = []
 
+#: the model families whose layers may be mixtures of experts (their Hugging Face mapping knows experts)
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+
 
 def rule(name: str) -> Callable[[Check], Check]:
     """Register the decorated check as rule ``name`` (in definition order)."""
@@ -114,13 +117,38 @@ def _constants(cfg: Config, world: int | None) -> str | None:
     return None if m.rope_theta > 0 and m.norm_eps > 0 else "model.rope_theta and model.norm_eps must be > 0"
 
 
+@rule("model-moe-shape")
+def _moe_shape(cfg: Config, world: int | None) -> str | None:
+    m = cfg.model
+    if m.n_experts < 0 or m.n_shared_experts < 0 or m.moe_ffn_hidden < 0:
+        return "model.n_experts, model.n_shared_experts and model.moe_ffn_hidden must be >= 0"
+    if m.n_experts == 0:
+        return None
+    if not 1 <= m.experts_per_token <= m.n_experts:
+        return (f"model.experts_per_token = {m.experts_per_token} must be between 1 and model.n_experts = "
+                f"{m.n_experts}")
+    if m.family not in MOE_FAMILIES:
+        return (f"model.n_experts = {m.n_experts} needs a mixture-of-experts family (model.family one of "
+                f"{', '.join(MOE_FAMILIES)}), not {m.family!r}: e.g. --model.family mixtral")
+    try:
+        layers = m.moe_layer_ids()
+    except ValueError:
+        return f"model.moe_layers = {m.moe_layers!r} must be comma-separated layer indices, e.g. \"1,3,5\" (\"\" = all)"
+    bad = [i for i in layers if not 0 <= i < m.n_layers]
+    if bad:
+        return f"model.moe_layers = {m.moe_layers!r} names layer {bad[0]}, outside 0..{m.n_layers - 1}"
+    if m.aux_loss_coef < 0 or m.z_loss_coef < 0 or m.bias_update_rate < 0:
+        return "model.aux_loss_coef, model.z_loss_coef and model.bias_update_rate must be >= 0"
+    return None
+
+
 # ----------------------------------------------------------------------------- settings
 
 
 @rule("parallel-sizes-positive")
 def _parallel_sizes(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel
-    for key in ("dp", "tp", "pp", "cp", "virtual_stages"):
+    for key in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
         if getattr(p, key) < 1:
             return f"parallel.{key} = {getattr(p, key)} must be >= 1"
     if p.zero_stage not in (0, 1, 2, 3):
@@ -221,6 +249,33 @@ def _tp_ffn(cfg: Config, world: int | None) -> str | None:
     m, tp = cfg.model, cfg.parallel.tp
     if m.ffn_hidden % tp:
         return f"model.ffn_hidden = {m.ffn_hidden} is not divisible by parallel.tp = {tp}; use a tp that divides it"
+    return None
+
+
+@rule("tp-divides-expert-ffn")
+def _tp_expert_ffn(cfg: Config, world: int | None) -> str | None:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.n_experts and m.expert_hidden % tp:
+        return (f"model.moe_ffn_hidden = {m.expert_hidden} is not divisible by parallel.tp = {tp} (experts are "
+                "tensor-parallel like the dense MLP); use a tp that divides it")
+    return None
+
+
+@rule("ep-carved-from-dp-cp")
+def _ep(cfg: Config, world: int | None) -> str | None:
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return None
+    if m.n_experts == 0:
+        return f"parallel.ep = {p.ep} needs a mixture-of-experts model (model.n_experts > 0); use ep = 1"
+    if (p.dp * p.cp) % p.ep:
+        return (f"parallel.ep = {p.ep} must divide parallel.dp * parallel.cp = {p.dp} * {p.cp} = {p.dp * p.cp} "
+                "(expert-parallel ranks are carved out of the data- and context-parallel ones); raise dp or "
+                "lower ep")
+    if m.n_experts % p.ep:
+        return f"model.n_experts = {m.n_experts} is not divisible by parallel.ep = {p.ep}; use an ep that divides it"
+    if p.hierarchical_dp:
+        return f"parallel.ep = {p.ep} with parallel.hierarchical_dp is not supported yet; turn one off"
     return None
 
 

@@ -107,10 +107,16 @@ class ShardLayout:
 @dataclass(frozen=True)
 class OuterSplit:
     """The tensors ZeRO shards are themselves pieces of larger ones: tensor parallelism split
-    parameter ``name`` along ``dim_of(name)`` over ``axis`` (None: replicated over it)."""
+    parameter ``name`` along ``dim_of(name)`` over ``axis`` (None: replicated over it).
+    ``inner``: a further split of those pieces (expert parallelism's experts over ep, then tp)."""
 
     axis: Axis
     dim_of: Callable[[str], int | None]
+    inner: OuterSplit | None = None
+
+    def chain(self) -> list[OuterSplit]:
+        """This split and every inner one, outermost first."""
+        return [self, *(self.inner.chain() if self.inner is not None else [])]
 
 
 class ShardMesh:
@@ -123,17 +129,26 @@ class ShardMesh:
     def __init__(self, axis: Axis | None, outer: OuterSplit | None, device_type: str) -> None:
         self.axis = axis if axis is not None and axis.size > 1 else None  # None: not ZeRO-sharded
         self.device_type = device_type
-        self.outer = outer if outer is not None and outer.axis.size > 1 else None
+        self.outers = [o for o in (outer.chain() if outer is not None else []) if o.axis.size > 1]
+        self.outer = self.outers[0] if len(self.outers) == 1 else None
         self._mesh: Any = None
 
     @property
     def active(self) -> bool:
         """Whether any tensor here is a piece of a larger one."""
-        return self.axis is not None or self.outer is not None
+        return self.axis is not None or bool(self.outers)
 
     def mesh(self) -> Any:
         from torch.distributed.device_mesh import DeviceMesh
 
+        if self._mesh is None and len(self.outers) > 1:  # ranks are linear in every coordinate
+            axes = [o.axis for o in self.outers] + ([self.axis] if self.axis is not None else [])
+            me = axes[0].ranks[axes[0].rank]
+            grid = torch.tensor(me)
+            for a in axes:
+                grid = grid.unsqueeze(-1) + (torch.tensor(a.ranks) - me)
+            self._mesh = DeviceMesh.from_group([a.group for a in axes], self.device_type, mesh=grid.to(torch.int),
+                                               mesh_dim_names=tuple(f"{a.name}{i}" for i, a in enumerate(axes)))
         if self._mesh is None:
             if self.outer is None:
                 self._mesh = DeviceMesh.from_group(self.axis.group, self.device_type)
@@ -154,11 +169,11 @@ class ShardMesh:
 
         placements: list[Any] = []
         full = list(shape)
-        if self.outer is not None:
-            dim = self.outer.dim_of(name)
+        for outer in self.outers:
+            dim = outer.dim_of(name)
             placements.append(Replicate() if dim is None else Shard(dim))
             if dim is not None:
-                full[dim] *= self.outer.axis.size
+                full[dim] *= outer.axis.size
         if self.axis is not None:
             placements.append(Shard(0))
         stride = torch.empty(full, device="meta").stride()
