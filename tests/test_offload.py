@@ -96,3 +96,23 @@ def test_planner_proposes_offload_only_when_nothing_else_fits():
     assert (best.layout.offload_optimizer, best.layout.offload_to) == (True, "cpu") and best.memory.cpu_bytes > 0
     small = search(model_preset("llama3-8b"), work, Cluster.of(gpu, 8)).ranked[0]
     assert not small.layout.offload_optimizer
+
+
+def _api_run(rank: int, world: int, options: dict) -> tuple[list[float], dict]:
+    from test_api_engine import CFG, STEPS, _train, make_model
+
+    import hybridpar
+
+    with ParallelDims(dp=world).build() as topo:
+        engine = hybridpar.initialize(make_model(), {**CFG, **options}, topo=topo)
+        return _train(engine, range(STEPS)), engine.full_state_dict()
+
+
+def test_initialize_offloads_to_disk(dist_run, tmp_path):
+    """``hybridpar.initialize`` takes the same options: ZeRO-3 with optimizer state and
+    parameter shards in files equals plain PyTorch in one process (test_api_engine's check)."""
+    from test_api_engine import _check
+
+    options = {"zero_stage": 3, "offload_optimizer": True, "offload_to": "disk", "offload_params": True,
+               "offload_dir": str(tmp_path)}
+    _check(dist_run(2, _api_run, options))

@@ -87,6 +87,10 @@ from hybridpar.parallel.zero_stages import (
     ZeroStage,
 )
 
+# parallel.grad_compression (and the engine's grad_compression) -> ZeroOptimizer's reduce_dtype
+COMPRESSION_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                                     "int8": torch.int8}
+
 
 def decay_groups(model: nn.Module | Iterable[NamedParam], weight_decay: float) -> list[dict[str, Any]]:
     """Named parameter groups of ``model`` (or of the named parameters given, e.g. one pipeline

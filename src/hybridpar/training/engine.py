@@ -39,15 +39,12 @@ from hybridpar.parallel.recompute import apply_recompute
 from hybridpar.parallel.shard import OuterSplit
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import set_sequence_parallel
-from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
+from hybridpar.parallel.zero import COMPRESSION_DTYPES, ZeroOptimizer, decay_groups
 from hybridpar.parallel.zero3 import shard_model
 from hybridpar.parallel.zero_experts import ExpertSplitOptimizer
 from hybridpar.training.generate import sample
 from hybridpar.training.precision import autocast
 from hybridpar.training.step import StepEngine
-
-# parallel.grad_compression -> ZeroOptimizer's reduce_dtype
-_REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
 Batch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Documents]  # (inputs, targets[, packed documents])
 
@@ -125,7 +122,7 @@ class Engine(StepEngine):
             node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
             hierarchy = topo.node_split(topo.dp_cp, node)
         opts = dict(stage=p.zero_stage, offload=p.offload_optimizer, bucket_bytes=bucket,
-                    reduce_dtype=_REDUCE_DTYPES[p.grad_compression], offload_to=p.offload_to,
+                    reduce_dtype=COMPRESSION_DTYPES[p.grad_compression], offload_to=p.offload_to,
                     offload_dir=p.offload_dir or None, offload_params=p.offload_params,
                     lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         dense = [(n, q) for n, q in named if n not in self.expert_names]
