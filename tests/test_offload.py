@@ -116,3 +116,23 @@ def test_initialize_offloads_to_disk(dist_run, tmp_path):
     options = {"zero_stage": 3, "offload_optimizer": True, "offload_to": "disk", "offload_params": True,
                "offload_dir": str(tmp_path)}
     _check(dist_run(2, _api_run, options))
+
+
+def test_bad_offload_options_are_rejected():
+    from test_zero import make_model
+
+    from hybridpar.config import ConfigError, load_config
+    from hybridpar.parallel.zero import ZeroOptimizer
+
+    topo = ParallelDims().build("cpu")
+    model = make_model()
+    with pytest.raises(ValueError, match="offload_to='tape' must be 'cpu' or 'disk'"):
+        ZeroOptimizer(model.parameters(), topo.dp, stage=2, offload=True, offload_to="tape")
+    with pytest.raises(ValueError, match="needs offload=True"):
+        ZeroOptimizer(model.parameters(), topo.dp, stage=2, offload_to="disk")
+    with pytest.raises(ValueError, match="offload_params needs ZeRO stage 3"):
+        ZeroOptimizer(model.parameters(), topo.dp, stage=2, offload=True, offload_params=True)
+    with pytest.raises(ConfigError, match="offload_to = 'disk' places the offloaded optimizer state"):
+        load_config(None, ["--parallel.zero_stage", "2", "--parallel.offload_to", "disk"])
+    with pytest.raises(ConfigError, match="is not allowed; choose one of"):
+        load_config(None, ["--parallel.offload_to", "tape"])
