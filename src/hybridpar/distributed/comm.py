@@ -20,6 +20,7 @@ whether each completed, so a hang report can show where each rank stopped.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -219,7 +220,7 @@ class Comm:
                              f"got {len(send)} send and {len(recv)} receive splits")
         if axis.size == 1:
             return t
-        row = t[0].numel() * t.element_size() if t.dim() else t.element_size()
+        row = math.prod(t.shape[1:]) * t.element_size()  # (a rank may send no rows at all)
         if t.shape[0] != sum(send):
             raise ValueError(f"all_to_all: {t.shape[0]} rows but the send splits add up to {sum(send)}")
         wire = row * sum(n for r, n in enumerate(send) if r != axis.rank)

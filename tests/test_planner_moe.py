@@ -1,0 +1,223 @@
+"""The planner for mixture-of-experts models (issue 19): the traffic model against the comm
+counter on known routings, parameter shapes and activation bytes against the runtime's tensors,
+the imbalance inputs, and the search over ep.
+
+Known routing: every router's balancing bias (``model.bias_update_rate`` > 0, a rate too small to
+move it) is set so that every token picks the same ``k`` experts, whatever its scores. Each rank
+then routes with the same distribution, the case :mod:`hybridpar.planner.moe`'s formulas are exact
+for, and the rank's load (slots its experts receive over the mean) is known: the ``balanced``
+choice puts one expert on each ep rank (load 1 everywhere), the ``hot`` one both on the first ep
+rank(s) (load ``ep * 1/k`` per hot expert there, 0 elsewhere)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_trainer import SMALL
+
+from hybridpar.config import load_config, model_preset
+from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.planner.layout import Layout, Workload, from_config
+from hybridpar.planner.moe import (
+    all_to_all_wire_bytes,
+    count_exchange_wire_bytes,
+    dispatch_rows,
+    imbalance_from_run,
+    rank_load,
+)
+from hybridpar.planner.traffic import comm_bytes_per_axis
+
+MOE = ["--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
+       "--model.aux_loss_coef", "0.05", "--model.z_loss_coef", "0.01", "--model.n_layers", "4",
+       "--model.n_kv_heads", "4", "--model.bias_update_rate", "1e-9"]
+
+LAYOUTS = {
+    "ep2": ["--parallel.dp", "2", "--parallel.ep", "2"],
+    "ep4": ["--parallel.dp", "4", "--parallel.ep", "4"],
+    "ep2-tp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2"],
+    "ep2-tp2-sp": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2",
+                   "--parallel.sequence_parallel", "true"],
+    "dp4-ep2-zero1": ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.zero_stage", "1"],
+    "ep2-cp2-recompute": ["--parallel.cp", "2", "--parallel.ep", "2", "--parallel.recompute", "full"],
+}
+ROUTES = {"balanced": (0, 2), "hot": (0, 1)}
+CASES = [("ep2", "balanced"), ("ep2", "hot"), ("ep2-tp2", "balanced"), ("ep2-tp2", "hot"),
+         ("ep2-tp2-sp", "hot"), ("dp4-ep2-zero1", "balanced"), ("ep4", "hot"), ("ep4", "balanced"),
+         ("ep2-cp2-recompute", "hot")]
+
+
+def config(tmp: str, layout: str):
+    return load_config(None, [*SMALL, *MOE, "--train.run_dir", tmp, *LAYOUTS[layout]])
+
+
+def force_routing(model: torch.nn.Module, experts: tuple[int, ...]) -> None:
+    """Every router picks ``experts`` for every token (its bias outweighs any score in [0, 1])."""
+    from hybridpar.models.moe import moe_layers
+
+    for moe in moe_layers(model):
+        bias = torch.zeros_like(moe.router.expert_bias)
+        bias[list(experts)] = 100.0
+        moe.router.expert_bias.copy_(bias)
+
+
+def rank_load_of(experts: tuple[int, ...], n_experts: int, ep: int, ep_rank: int) -> float:
+    """Slots ep rank ``ep_rank``'s experts receive over the mean when every token picks ``experts``."""
+    per = n_experts // ep
+    mine = sum(ep_rank * per <= e < (ep_rank + 1) * per for e in experts)
+    return mine / len(experts) * ep
+
+
+def _count(rank: int, world: int, tmp: str, cases: list[tuple[str, str]]) -> dict:
+    """Per case: this rank's coordinates, payload bytes per axis of the second train step, and
+    the all-to-all wire bytes on ep, with the routing forced."""
+    from hybridpar.training.trainer import Trainer
+
+    out = {}
+    for layout, route in cases:
+        cfg = config(tmp, layout)
+        with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+            trainer = Trainer(cfg, topo)
+            force_routing(trainer.engine.model, ROUTES[route])
+            trainer.train_step(1)
+            counter = topo.comm.counter
+            counter.reset()
+            trainer.train_step(2)
+            axes = {key.split("/")[1] for key in counter.snapshot()}
+            from hybridpar.models.moe import moe_layers
+
+            loads = [moe.router.load.tolist() for moe in moe_layers(trainer.engine.model)]
+            out[(layout, route)] = dict(
+                pp_rank=topo.pp.rank, zero_rank=topo.dp_cp.rank, ep_rank=topo.ep.rank,
+                bytes={a: counter.bytes(axis=a) for a in axes if counter.bytes(axis=a)},
+                wire=counter.wire_bytes(op="all_to_all", axis="ep"), loads=loads)
+    return out
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    from harness import run_distributed
+
+    tmp = str(tmp_path_factory.mktemp("moe_traffic"))
+    by_world: dict[int, list[tuple[str, str]]] = {}
+    for layout, route in CASES:
+        by_world.setdefault(config(tmp, layout).parallel.world_size, []).append((layout, route))
+    results = {}
+    for world, cases in by_world.items():
+        for per_rank in run_distributed(world, _count, tmp, cases, timeout=600):
+            for case, row in per_rank.items():
+                results.setdefault(case, []).append(row)
+    return tmp, results
+
+
+@pytest.mark.parametrize("layout,route", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+def test_all_to_all_wire_bytes_equal_formula(layout, route, counted):
+    """On a known routing, every rank's counted all-to-all wire bytes on ep equal
+    :func:`all_to_all_wire_bytes` (dispatch and combine, forward and backward) plus the counts
+    exchange, per MoE layer and micro-batch (full recompute reruns the forward ones)."""
+    tmp, results = counted
+    cfg = config(tmp, layout)
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    micro = t.global_batch // (p.dp * t.micro_batch)
+    tokens = t.micro_batch * t.seq_len // p.cp  # the tp group's tokens
+    for row in results[(layout, route)]:
+        assert all(load[e] == 0 for load in row["loads"] for e in range(m.n_experts) if e not in ROUTES[route])
+        load = rank_load_of(ROUTES[route], m.n_experts, p.ep, row["ep_rank"])
+        per_pass = all_to_all_wire_bytes(tokens, m.experts_per_token, p.ep, load, m.dim * 4)
+        if p.recompute == "full":  # the forward half again
+            per_pass *= 1.5
+        counts = count_exchange_wire_bytes(m, p.ep) * (2 if p.recompute == "full" else 1)
+        assert row["wire"] == m.n_layers * micro * (per_pass + counts), f"ep rank {row['ep_rank']}"
+
+
+@pytest.mark.parametrize("layout,route", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+def test_moe_comm_bytes_per_axis_equal_counter(layout, route, counted):
+    """The planner's payload bytes per axis of a training step equal the counter's on every
+    rank and axis (tp, cp, dp, ep, edp), given the rank's load."""
+    tmp, results = counted
+    cfg = config(tmp, layout)
+    L, work = from_config(cfg)
+    for row in results[(layout, route)]:
+        load = rank_load_of(ROUTES[route], cfg.model.n_experts, cfg.parallel.ep, row["ep_rank"])
+        predicted = comm_bytes_per_axis(cfg.model, L, work, row["pp_rank"], zero_rank=row["zero_rank"],
+                                        ep_load=load)
+        assert predicted == row["bytes"], f"ep rank {row['ep_rank']}"
+
+
+# ----------------------------------------------------------------------------- formulas
+
+
+def test_dispatch_rows_conserve_slots():
+    """Over the ep ranks of a routing where every rank routes alike, rows sent equal rows
+    received from others, and the rows computed add up to every slot; balanced, each rank
+    sends (ep - 1)/ep of its slots and (at ep = 2) the wire bytes do not depend on the load."""
+    tokens, k = 96, 2
+    for ep, loads in ((2, [1, 1]), (2, [2, 0]), (4, [2, 2, 0, 0]), (4, [1.5, 1, 1, 0.5]), (8, [1] * 8)):
+        rows = [dispatch_rows(tokens, k, ep, x) for x in loads]
+        assert sum(r[0] for r in rows) == pytest.approx(sum(r[1] for r in rows))
+        assert sum(r[2] for r in rows) == pytest.approx(ep * k * tokens)
+    assert dispatch_rows(tokens, k, 4, 1.0)[0] == 3 / 4 * k * tokens
+    assert all_to_all_wire_bytes(tokens, k, 2, 2.0, 8) == all_to_all_wire_bytes(tokens, k, 2, 1.0, 8)
+    assert dispatch_rows(tokens, k, 1, 3.0) == (0.0, 0.0, k * tokens)
+    assert rank_load(3.0, 2) == 2.0 and rank_load(1.3, 8) == 1.3 and rank_load(5.0, 1) == 1.0
+
+
+def test_moe_parameter_shapes_equal_the_model():
+    """The planner's named parameter shapes of an MoE model (with shared experts and a dense
+    layer) are the runtime model's ``named_parameters()``, in order."""
+    from hybridpar.models.llama import Llama
+    from hybridpar.planner.memory import rank_named_shapes
+
+    cfg = load_config(None, [*SMALL, *MOE, "--model.n_shared_experts", "1", "--model.moe_layers", "1,2,3"]).model
+    model = Llama(cfg)
+    got = [(n, tuple(q.shape)) for n, q in model.named_parameters()]
+    assert got == rank_named_shapes(cfg, 1, 1, 1, 0)
+    assert sum(q.numel() for q in model.parameters()) == cfg.num_params()
+
+
+def test_imbalance_from_run(tmp_path):
+    """summary.json's expert_imbalance first; else metrics.jsonl's expert_load_imbalance averaged
+    over steps (a per-layer list: its mean); neither: a PlanError naming the fix."""
+    from hybridpar.planner.hardware import PlanError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(PlanError, match="--moe-imbalance"):
+        imbalance_from_run(run)
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"step": 1, "loss": 3.0}, {"step": 1, "expert_load_imbalance": [1.2, 1.6]},
+        {"step": 2, "expert_load_imbalance": 1.6}]) + "\n")
+    value, source = imbalance_from_run(run)
+    assert value == pytest.approx(1.5) and "2 steps" in source
+    (run / "summary.json").write_text(json.dumps({"expert_imbalance": 1.3}))
+    assert imbalance_from_run(run)[0] == 1.3
+    with pytest.raises(PlanError, match="not a directory"):
+        imbalance_from_run(tmp_path / "missing")
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_expert_states_shard_over_edp():
+    """Parameters, gradients and optimizer state: dense ones sharded over dp x cp, experts
+    (E/ep of them per rank) over edp = dp x cp / ep, whole [E/ep, ...] row blocks."""
+    from hybridpar.planner.memory import plan_memory, rank_numel
+    from hybridpar.planner.layout import model_key
+
+    model = model_preset("mixtral-8x7b")
+    work = Workload(64, 4096, half_params=False)
+    key = model_key(model)
+    dense, experts = rank_numel(key, 8, 1, 1, 0, 1, 1, "dense"), rank_numel(key, 8, 1, 1, 0, 1, 1, "experts")
+    assert experts == 32 * 8 * 3 * 4096 * 14336 // 8
+    assert rank_numel(key, 8, 1, 1, 0, 1, 4, "experts") == experts // 4
+    assert rank_numel(key, 8, 1, 1, 0, 2, 8, "experts") == experts // 8  # one expert: a 1-row block
+    for ep, zero in ((1, 0), (2, 1), (4, 2), (8, 1)):
+        mem = plan_memory(model, Layout(dp=8, tp=8, ep=ep, zero_stage=zero), work)
+        held = dense + experts // ep
+        # every row count here divides by 8, and the 8 / ep experts per rank over edp = 8 / ep
+        # leave one expert per ZeRO shard
+        shard = dense // 8 + experts // 8
+        assert mem.components["params"] == 4 * held
+        assert mem.components["grads"] == 4 * (shard if zero >= 2 else held)
+        assert mem.components["optimizer"] == 8 * (shard if zero else held)
