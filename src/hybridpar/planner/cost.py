@@ -157,7 +157,7 @@ def _moe_ffn(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster,
     ``E/ep`` GEMMs of the mean rows per expert; shared experts are a dense MLP. Each dispatch or
     combine all-to-all moves the rows the busiest rank receives (its largest direction)."""
     t, h, k = L.tp, model.dim, model.experts_per_token
-    load = rank_load(work.moe_imbalance, L.ep)
+    load = rank_load(work.moe_imbalance, L.ep, model.n_experts)
     _, received, rows = dispatch_rows(tok, k, L.ep, load)
     per = model.n_experts // L.ep
     hid = model.expert_hidden / t

@@ -227,7 +227,8 @@ def moe_ffn_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, act_byte
       rank's own tokens; the router's fp32 softmax ``4E``, top-k ids ``8k``, the weights and
       their sum ``4k + 4``, with the z-loss its fp32 logits and log-sum-exp ``4E + 4``;
     * over the tp group's ``kT`` slots: the slot order and token ids (int64, ``16 kT``), the
-      combined expert outputs and their weights ``a kT (D + 1)``;
+      expert outputs back from the combine, their weights and the weighted rows ``index_add``
+      keeps, ``a kT (2 D + 1)``;
     * over the ``R = load * kT`` rows this rank's experts compute
       (:func:`hybridpar.planner.moe.dispatch_rows`): their input ``a R D``, the SwiGLU's two
       projections, SiLU and product ``4 a R H / t``, and with ep > 1 the two int64 row
@@ -241,7 +242,7 @@ def moe_ffn_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, act_byte
     tok = s * b
     z = 4 * e + 4 if model.z_loss_coef else 0
     local = (((4 + r) * h + 4) + a * h + 4 * e + 12 * k + 4 + z) / shard
-    slots = k * (16 + a * (h + 1))
+    slots = k * (16 + a * (2 * h + 1))
     _, _, rows = dispatch_rows(tok, k, ep, load)
     expert = rows * (a * h + 4 * a * model.expert_hidden / t + (16 if ep > 1 else 0))
     shared = 0.0
@@ -271,7 +272,7 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
     a, r = work.act_bytes, work.param_bytes
     norm = ((4 + r) * model.dim + 4) / (t if sp else 1) + (2 if a != r else 1) * a * model.dim
     dense_ffn = s * b * (norm + 4 * a * model.ffn_hidden / t)
-    load = rank_load(work.moe_imbalance, layout.ep)
+    load = rank_load(work.moe_imbalance, layout.ep, model.n_experts)
     return dense - dense_ffn + moe_ffn_bytes(model, s, b, t, sp, a, r, layout.ep, load)
 
 
@@ -482,7 +483,8 @@ def comm_buffer_bytes(model: ModelConfig, layout: Layout, work: Workload) -> flo
     if L.cp > 1:  # ring attention: the K and V blocks in use and the ones arriving
         comm += 2 * 2 * s * b * model.n_kv_heads * model.head_dim * ab / t
     if L.ep > 1 and model.moe_layer_ids():  # the dispatch's rows to send and the rows received
-        _, _, rows = dispatch_rows(s * b, model.experts_per_token, L.ep, rank_load(work.moe_imbalance, L.ep))
+        load = rank_load(work.moe_imbalance, L.ep, model.n_experts)
+        _, _, rows = dispatch_rows(s * b, model.experts_per_token, L.ep, load)
         comm += (model.experts_per_token * s * b + rows) * h * work.param_bytes
     return comm
 

@@ -25,11 +25,12 @@ ep = 2 the same whatever the load: what one rank does not send, it receives).
 experts) bounds every MoE layer, computes ``load * k T`` rows and receives the most. The planner
 takes the imbalance as the max/mean tokens per expert (what a run logs as
 ``expert_load_imbalance`` in ``metrics.jsonl`` and ``expert_imbalance`` in ``summary.json``) and
-prices the worst rank at ``load = min(imbalance, ep)`` (:func:`rank_load`): the hottest expert's
-rank at worst as hot as that expert (a rank's mean over its ``E/ep`` experts never exceeds their
-max, and no rank can receive more than every slot). With ep = 1 one rank computes every slot
-and the imbalance costs nothing. The default, :data:`DEFAULT_IMBALANCE` = 1.25, is the capacity
-factor Switch Transformer trains with (Fedus et al. 2021, section 2.2: the slack per expert that
+prices the worst rank at ``load = 1 + (imbalance - 1) ep / E`` (:func:`rank_load`): the hottest
+expert's rank, its other ``E/ep - 1`` experts at the mean. That is exact at ep = E (one expert
+per rank); for ep < E it lies between the bounds ``1`` and ``min(imbalance, ep)`` (a rank's mean
+over its experts never exceeds their max): one hot expert per layer, the common case under a
+balancing loss. With ep = 1 one rank computes every slot and the imbalance costs nothing.
+The default, :data:`DEFAULT_IMBALANCE` = 1.25, is the capacity factor Switch Transformer trains with (Fedus et al. 2021, section 2.2: the slack per expert that
 drops few tokens under a load-balancing loss); ``hybridpar plan --moe-imbalance X`` overrides it
 and ``--from-run DIR`` reads a run's measured value (:func:`imbalance_from_run`).
 """
@@ -81,9 +82,13 @@ def replicated_ffn(name: str) -> bool:
     return name.endswith("router.weight")
 
 
-def rank_load(imbalance: float, ep: int) -> float:
-    """Slots the busiest ep rank's experts receive relative to the mean (module doc)."""
-    return 1.0 if ep <= 1 else min(max(1.0, imbalance), float(ep))
+def rank_load(imbalance: float, ep: int, n_experts: int) -> float:
+    """Slots the busiest ep rank's experts receive relative to the mean, when the hottest of
+    ``n_experts`` experts gets ``imbalance`` times the mean and the rank's other ``E/ep - 1``
+    experts the mean: ``1 + (imbalance - 1) ep / E``, at most ``ep`` (module doc)."""
+    if ep <= 1:
+        return 1.0
+    return min(1.0 + (max(1.0, imbalance) - 1.0) * ep / n_experts, float(ep))
 
 
 def dispatch_rows(tokens: int, k: int, ep: int, load: float) -> tuple[float, float, float]:

@@ -41,7 +41,7 @@ from hybridpar.config import ModelConfig
 from hybridpar.parallel.data import cut_buckets
 from hybridpar.planner.layout import Layout, Workload
 from hybridpar.planner.memory import layer_partition, layer_shapes, padded
-from hybridpar.planner.moe import dispatch_rows, is_expert, rank_load, replicated_ffn
+from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
 
 Shape = tuple[int, ...]
 Named = list[tuple[str, Shape]]
@@ -187,7 +187,8 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     d = b * s * h  # one full-length hidden state of a micro-batch on this rank
     chunks = layer_partition(model.n_layers, L.pp, L.virtual_stages).for_rank(pp_rank)
     kv = 2 * b * s * model.n_kv_heads * model.head_dim // t  # one stacked K/V block
-    moe_ids, load = set(model.moe_layer_ids()), rank_load(work.moe_imbalance, L.ep) if ep_load is None else ep_load
+    moe_ids = set(model.moe_layer_ids())
+    load = rank_load(work.moe_imbalance, L.ep, model.n_experts) if ep_load is None else ep_load
     for c in chunks:
         n_c, norms_c = len(c.layers), 2 * len(c.layers) + c.head
         # ZB-H1's W re-runs a chunk's backward for the weight gradients (B took the input gradient
