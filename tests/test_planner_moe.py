@@ -290,3 +290,93 @@ def test_moe_activation_bytes_match_runtime(name, tmp_path_factory):
                if route == "balanced" or ep_rank == 0]
     for measured in busiest:
         assert predicted + logits == pytest.approx(measured, rel=0.10)
+
+
+# ----------------------------------------------------------------------------- time, search, CLI
+
+
+def test_imbalance_slows_expert_parallel_layouts_only():
+    """The routing imbalance prices the busiest ep rank: a layout with ep > 1 gets slower (and
+    its all-to-all longer) as the imbalance grows; with ep = 1 nothing changes; balanced
+    routing at ep = E costs the all-to-all only."""
+    import dataclasses
+
+    from hybridpar.planner.cost import step_cost
+    from hybridpar.planner.hardware import GPUS, Cluster
+
+    model, cluster = model_preset("mixtral-8x7b"), Cluster.of(GPUS["H100-SXM"], 64, 8)
+    work = Workload(256, 4096)
+    for ep in (1, 2, 8):
+        layout = Layout(dp=8, tp=2, pp=4, ep=ep, zero_stage=1, sequence_parallel=True, micro_batch=1)
+        times = [step_cost(model, layout, dataclasses.replace(work, moe_imbalance=f), cluster) for f in (1.0, 1.5, 2.0)]
+        a2a = [c.terms["ep_all_to_all"] for c in times]
+        steps = [c.step_time_s for c in times]
+        if ep == 1:
+            assert steps[0] == steps[1] == steps[2] and a2a == [0.0, 0.0, 0.0]
+        else:
+            assert steps[0] < steps[1] < steps[2] and 0 < a2a[0] < a2a[1] < a2a[2]
+
+
+def test_search_tries_every_ep():
+    """ep joins the search: every divisor of dp x cp that divides the number of experts is
+    ranked as a layout of its own, dense models keep ep = 1, and ZeRO-3 never pairs with ep > 1
+    (the runtime refuses it)."""
+    from hybridpar.planner.hardware import GPUS, Cluster
+    from hybridpar.planner.search import expert_degrees, search
+
+    model = model_preset("mixtral-8x7b")
+    assert expert_degrees(model, 4, 4) == [1, 2, 4, 8] and expert_degrees(model, 6, 1) == [1, 2]
+    assert expert_degrees(model_preset("llama3-8b"), 8, 1) == [1]
+    res = search(model, Workload(256, 4096), Cluster.of(GPUS["H100-SXM"], 64, 8))
+    eps = {ev.layout.ep for ev in res.ranked}
+    assert eps == {1, 2, 4, 8}
+    for ev in res.ranked:
+        assert (ev.layout.dp * ev.layout.cp) % ev.layout.ep == 0 and ev.memory.total <= ev.capacity
+        assert not (ev.layout.ep > 1 and ev.layout.zero_stage == 3)
+    times = [ev.cost.step_time_s for ev in res.ranked]
+    assert times == sorted(times)
+    top = search(model, Workload(256, 4096), Cluster.of(GPUS["H100-SXM"], 64, 8), top=6)
+    assert [e.layout for e in top.ranked] == [e.layout for e in res.ranked[:6]]  # pruning changes nothing
+
+
+def test_plan_cli_mixtral(capsys, tmp_path):
+    """`hybridpar plan` for Mixtral-8x7B on 64 H100s: a table with an ep column, memory and time
+    per layout, and why this ep; --json keeps its fields plus ep and the imbalance; --from-run
+    reads a run's imbalance; a bad --moe-imbalance is one clear error."""
+    from hybridpar.cli import main
+
+    args = ["plan", "--model", "mixtral-8x7b", "--gpu", "H100-SXM", "--gpus", "64", "--global-batch", "256",
+            "--seq-len", "4096", "--top", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[1].split()[:5] == ["dp", "tp", "pp", "cp", "ep"] and "mem GiB" in lines[1]
+    assert len([ln for ln in lines[2:6] if ln.strip()]) == 4
+    assert "expert parallelism (routing imbalance 1.25" in out and "chosen" in out
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"expert_imbalance": 1.7}))
+    assert main([*args, "--json", "--from-run", str(run)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["moe_imbalance"] == 1.7 and "summary.json" in doc["moe_imbalance_source"]
+    for lay in doc["layouts"]:
+        for key in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "memory_gib", "fits", "step_time_s", "mfu",
+                    "tflops_per_gpu", "tokens_per_s"):
+            assert key in lay
+        assert lay["fits"] and lay["memory_gib"]["total"] <= 80
+    assert main([*args, "--moe-imbalance", "0.5"]) == 2
+    assert "--moe-imbalance 0.5 must be >= 1" in capsys.readouterr().err
+
+
+def test_auto_chooses_ep():
+    """parallel.auto on an MoE model picks ep too (kept when set), and writes it into the config."""
+    import dataclasses
+
+    from hybridpar.planner.auto import CPU_CORE, apply_layout, choose_layout
+
+    cfg = load_config(None, [*SMALL, *MOE, "--train.global_batch", "16", "--train.micro_batch", "2"])
+    choice = choose_layout(cfg, 4, spec=(CPU_CORE, "test"))
+    assert {ev.layout.ep for ev in choice.ranked} >= {1, 2, 4}
+    assert apply_layout(cfg, choice.best.layout).parallel.ep == choice.best.layout.ep
+    pinned = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2))
+    assert {ev.layout.ep for ev in choose_layout(pinned, 4, spec=(CPU_CORE, "test")).ranked} == {2}

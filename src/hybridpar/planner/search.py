@@ -211,9 +211,9 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
         done: dict[object, Evaluation] = {}
         order = list(zeros)
         if order == list(ZERO):
-            # ZeRO 0, 1, 2 hold ever less (equal amounts at dp = 1): if the least of them does
-            # not fit, neither do the others, and it is also the smallest of them
-            z = 0 if int(fixed["dp"]) == 1 else 2  # type: ignore[call-overload]
+            # ZeRO 0, 1, 2 hold ever less (equal amounts at dp x cp = 1: ZeRO shards over both):
+            # if the least of them does not fit, neither do the others, and it is also the smallest
+            z = 0 if int(fixed["dp"]) * int(fixed["cp"]) == 1 else 2  # type: ignore[call-overload]
             done[z] = _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)
             if done[z].rule is None and not done[z].fits:
                 order = [z, 3]
