@@ -15,7 +15,7 @@ from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.layout import Workload, parse_layout
 from hybridpar.planner.memory import COMPONENTS
-from hybridpar.planner.moe import DEFAULT_IMBALANCE, imbalance_from_run
+from hybridpar.planner.moe import DEFAULT_IMBALANCE, imbalance_from_run, rank_load
 from hybridpar.planner.search import Evaluation, complete, expert_degrees, search, with_cost
 
 
@@ -196,15 +196,16 @@ def explain_ep(model: ModelConfig, best: Evaluation, work: Workload, cluster: Cl
             verdict = f"{dt:.3f}x the step time, {dm:+.1f} GiB"
         lines.append(f"  {ep:>3} {model.n_experts // ep:>12} {m.total / 2**30:>8.1f} {c.step_time_s:>8.3f} "
                      f"{c.terms.get('ep_all_to_all', 0.0):>12.3f}  {verdict}")
-    lines.append(f"  ep={L.ep}: " + _ep_reason(L.ep, model.n_experts, L.dp * L.cp))
+    lines.append(f"  ep={L.ep}: " + _ep_reason(L.ep, model.n_experts, L.dp * L.cp,
+                                                rank_load(imbalance, L.ep, model.n_experts)))
     return "\n".join(lines)
 
 
-def _ep_reason(ep: int, n_experts: int, dp_cp: int) -> str:
+def _ep_reason(ep: int, n_experts: int, dp_cp: int, load: float) -> str:
     """One sentence on the trade-off the chosen ep makes."""
     if ep == 1:
-        return ("every rank holds all experts: no all-to-all and no imbalance penalty (each rank computes "
-                "all its own slots), the memory for it fits")
+        return ("every rank holds all experts and computes its own tokens' slots: no all-to-all and no "
+                "imbalance penalty, and the experts' memory fits")
     return (f"each rank holds {n_experts // ep} of {n_experts} experts (expert memory / {ep}; their gradients "
-            f"reduce over {dp_cp // ep} rank(s)), for dispatch/combine all-to-alls and the hottest rank computing "
-            "up to min(imbalance, ep) x the mean rows")
+            f"reduce over {dp_cp // ep} rank(s)), paying dispatch/combine all-to-alls and the hottest rank "
+            f"computing {load:.3g}x the mean routed rows")
