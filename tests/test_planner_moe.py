@@ -380,3 +380,16 @@ def test_auto_chooses_ep():
     assert apply_layout(cfg, choice.best.layout).parallel.ep == choice.best.layout.ep
     pinned = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2))
     assert {ev.layout.ep for ev in choose_layout(pinned, 4, spec=(CPU_CORE, "test")).ranked} == {2}
+
+
+def test_grouped_mm_with_no_rows_keeps_the_graph_to_its_input():
+    """A rank whose experts receive no rows (the hot routing's cold rank) still back-propagates
+    into the all-to-all that delivered them: the empty product depends on ``x`` and ``w``."""
+    from hybridpar.compat import grouped_mm_loop
+
+    x = torch.zeros(0, 8, requires_grad=True)
+    w = torch.randn(2, 4, 8, requires_grad=True)
+    y = grouped_mm_loop(x, w, [0, 0])
+    assert y.shape == (0, 4)
+    gx, gw = torch.autograd.grad(y.sum(), (x, w))
+    assert gx.shape == (0, 8) and torch.equal(gw, torch.zeros_like(w))
