@@ -26,6 +26,7 @@ from hybridpar.training.errors import NonFiniteLossError
 
 if TYPE_CHECKING:
     from hybridpar.distributed.mesh import Topology
+    from hybridpar.training.elastic import LayoutChange
 
 LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -62,6 +63,17 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=None, metavar="K",
                    help="with local processes: when one fails, restart all of them up to K times; each "
                    "restart continues from the latest complete checkpoint (train.auto_resume)")
+    p.add_argument("--elastic", default=None, metavar="MIN:MAX",
+                   help="elastic job of MIN to MAX processes: a restart with another world size re-plans the "
+                   "layout and continues from the latest complete checkpoint (also inside torchrun --nnodes A:B)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="with --elastic: join the other nodes' launchers at HOST:PORT (c10d rendezvous; "
+                   "this node runs --nproc of the processes)")
+    p.add_argument("--rdzv-id", default=None, metavar="ID",
+                   help="with --rdzv-endpoint: the job's id, the same on every node (default: from train.run_dir)")
+    p.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                   help="with --elastic: torch's c10d rendezvous settings, as torchrun's --rdzv-conf (e.g. "
+                   "last_call_timeout=5,keep_alive_interval=1: how long to wait for more nodes and to notice a lost one)")
     return p
 
 
@@ -79,15 +91,30 @@ def cmd_train(argv: list[str]) -> int:
         if args.max_restarts is not None:
             raise ConfigError("--max-restarts cannot be combined with an external torchrun launch; "
                               "pass --max-restarts to torchrun instead")
-        if cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
+        if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
+            raise ConfigError("--rdzv-endpoint / --rdzv-id / --rdzv-conf are the local launcher's; under torchrun "
+                              "pass them to torchrun instead")
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+        change = None
+        if args.elastic is not None:  # every rank plans the same layout for this world; rank 0 says why
+            from hybridpar.training.elastic import WorldRange, plan_for_world
+
+            WorldRange.parse(args.elastic).check(world)
+            cfg, change = plan_for_world(cfg, world, local, verbose=os.environ["RANK"] == "0")
+            _warn_shared_store()
+        elif cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
             from hybridpar.planner.auto import auto_config
 
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
-            cfg = auto_config(cfg, int(os.environ["WORLD_SIZE"]), local, verbose=os.environ["RANK"] == "0")
-        resume = _preflight(cfg, int(os.environ["WORLD_SIZE"]), args.resume)
-        # a torchrun restart after a lost rank continues from the newest complete checkpoint
-        auto = cfg.train.auto_resume and restart_count() > 0
-        return _run_worker(cfg, resume, auto_resume=auto)
+            cfg = auto_config(cfg, world, local, verbose=os.environ["RANK"] == "0")
+        resume = _preflight(cfg, world, args.resume)
+        # a torchrun restart after a lost rank continues from the newest complete checkpoint; an
+        # elastic job always does (a node joining restarts the workers without counting a restart)
+        auto = change is not None or (cfg.train.auto_resume and restart_count() > 0)
+        return _run_worker(cfg, resume, auto_resume=auto, elastic=change)
+    if args.elastic is not None:
+        return _launch_elastic(cfg, args, argv)
+    if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
+        raise ConfigError("--rdzv-endpoint, --rdzv-id and --rdzv-conf need --elastic MIN:MAX (the job's world sizes)")
     if cfg.parallel.auto:  # plan here, once; launched workers get the layout pinned
         from hybridpar.planner.auto import auto_config, layout_overrides
 
@@ -108,6 +135,70 @@ def cmd_train(argv: list[str]) -> int:
                         run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv])
 
 
+def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
+    """``hybridpar train --elastic MIN:MAX [--nproc N] [--rdzv-endpoint HOST:PORT]``: this node's
+    launcher of an elastic job (torch's elastic agent, c10d rendezvous). Every world size the
+    nodes can form is planned here first, so a job that could never run is refused before launch."""
+    from hybridpar.training.elastic import WorldRange, elastic_nodes, plan_for_world
+
+    span = WorldRange.parse(args.elastic)
+    nproc = args.nproc if args.nproc is not None else span.max
+    nodes = elastic_nodes(span, nproc, multi_node=args.rdzv_endpoint is not None)
+    for n in range(nodes[0], nodes[1] + 1):
+        planned, _ = plan_for_world(cfg, n * nproc, nproc)
+        _preflight(planned, n * nproc, args.resume)
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
+    from hybridpar.distributed.launch import Rendezvous, launch_local
+
+    run_dir = Path(cfg.train.run_dir)
+    rdzv = Rendezvous(nodes[0], nodes[1], args.rdzv_endpoint or "localhost:0",
+                      args.rdzv_id or _default_rdzv_id(run_dir, args.rdzv_endpoint), _rdzv_conf(args.rdzv_conf))
+    worlds = f"{nodes[0] * nproc}" if nodes[0] == nodes[1] else f"{nodes[0] * nproc} to {nodes[1] * nproc}"
+    print(f"hybridpar: elastic job of {worlds} processes: {nproc} on this node"
+          + (f", rendezvous at {args.rdzv_endpoint} (job {rdzv.run_id})" if args.rdzv_endpoint else ""), flush=True)
+    restarts = args.max_restarts if args.max_restarts is not None else ELASTIC_RESTARTS
+    return launch_local(nproc, ["train", *_strip_nproc(argv)], max_restarts=restarts, run_dir=run_dir,
+                        command=["hybridpar", "train", *argv], rendezvous=rdzv)
+
+
+def _warn_shared_store() -> None:
+    """Under an external torchrun whose agents share their store with the workers (its default),
+    a node joining the running job hangs in the rendezvous: say how to avoid it (rank 0, once)."""
+    from hybridpar.distributed.launch import SHARED_STORE_ENV
+    from hybridpar.distributed.lifecycle import ERROR_DIR_ENV
+
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and ERROR_DIR_ENV not in os.environ
+            and os.environ.get("RANK") == "0" and restart_count() == 0):
+        print(f"hybridpar: warning: --elastic under torchrun: export {SHARED_STORE_ENV}=1 on every node, or a "
+              "node that joins the running job waits in torch's rendezvous until it times out", file=sys.stderr)
+
+
+ELASTIC_RESTARTS = 3  # restarts after failures (a lost node counts one) when --elastic has no --max-restarts
+
+
+def _rdzv_conf(text: str | None) -> dict[str, str]:
+    """``--rdzv-conf a=1,b=2`` as a dict (torchrun's syntax)."""
+    if not text:
+        return {}
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise ConfigError(f"--rdzv-conf {text!r} must be KEY=VALUE pairs separated by commas, "
+                          "e.g. last_call_timeout=5,keep_alive_interval=1")
+    return dict(pairs)  # type: ignore[arg-type]
+
+
+def _default_rdzv_id(run_dir: Path, endpoint: str | None) -> str:
+    """One job per run directory: every node's command names the same ``train.run_dir``."""
+    if endpoint is None:
+        import uuid
+
+        return str(uuid.uuid4())
+    import hashlib
+
+    return "hybridpar-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+
+
 def _hf_model(path: str) -> ModelConfig:
     """The model (family and shape) of a Hugging Face directory given as ``train.init_from``."""
     from hybridpar.models.hf import model_config_from_hf
@@ -115,17 +206,20 @@ def _hf_model(path: str) -> ModelConfig:
     return model_config_from_hf(path)
 
 
+LAUNCHER_ONLY = ("--nproc", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")
+
+
 def _strip_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without the options that only the local launcher reads (--nproc, --max-restarts)."""
+    """``argv`` without the options that only the local launcher reads (:data:`LAUNCHER_ONLY`)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("--nproc", "--max-restarts"):
+        if a in LAUNCHER_ONLY:
             skip = True
             continue
-        if a.startswith(("--nproc=", "--max-restarts=")):
+        if a.startswith(tuple(f"{o}=" for o in LAUNCHER_ONLY)):
             continue
         out.append(a)
     return out
@@ -170,10 +264,12 @@ def _checkpoint_step(path: Path) -> int:
     return int(read_info(path)["step"])
 
 
-def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False) -> int:
+def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False,
+                elastic: LayoutChange | None = None) -> int:
     """Train in this process (one rank of a launched job, or the whole run). Returns the exit
     status: 0 done, 128 + N stopped by signal N after a complete checkpoint; a user error is
-    raised, or (under the local launcher) reported to it and answered with its status."""
+    raised, or (under the local launcher) reported to it and answered with its status.
+    ``elastic``: the layout an elastic job planned for this world (recorded in the run)."""
     from hybridpar.distributed import device as devices
     from hybridpar.distributed import flight, lifecycle
     from hybridpar.distributed.mesh import (
@@ -182,6 +278,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
         destroy_distributed,
         init_distributed,
     )
+    from hybridpar.training.elastic import peer_lost
     from hybridpar.training.trainer import Trainer
 
     if under_launcher():
@@ -200,7 +297,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                 stop.on_signal = lambda sig: flight.dump(counter, run_dir, rank,
                                                         f"signal {lifecycle.signal_name(sig)} received")
             if auto_resume:
-                resume = _agreed_latest_checkpoint(topo, run_dir, resume)
+                resume = _agreed_latest_checkpoint(topo, run_dir, resume, elastic)
                 if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
                     if topo.rank == 0:
                         print(f"hybridpar: restarted, but {resume} already holds the final step "
@@ -208,9 +305,11 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                     clean = True
                     return 0
             try:
-                Trainer(cfg, topo, device, stop=stop).fit(resume)
+                Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
             except lifecycle.Preempted as p:
-                if topo.rank == 0:
+                if topo.rank == 0 and elastic is not None:  # e.g. a node joined: the agent restarts the job
+                    print(f"hybridpar: elastic: {p}; the launcher restarts the job", file=sys.stderr, flush=True)
+                elif topo.rank == 0:
                     print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
                           file=sys.stderr, flush=True)
                 clean = True
@@ -228,6 +327,10 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                 if stop.signum or lifecycle.reported_elsewhere(rank):  # a consequence, not the cause
                     print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
                           file=sys.stderr, flush=True)
+                    return 1
+                if elastic is not None and (lost := peer_lost(e)):  # what an elastic job expects: one line
+                    print(f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job "
+                          "on the processes left", file=sys.stderr, flush=True)
                     return 1
                 print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}",
                       file=sys.stderr)
@@ -251,7 +354,8 @@ def _teardown(topo: Topology | None, orderly: bool) -> None:
     topo.close()
 
 
-def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None) -> Path | None:
+def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None,
+                              elastic: LayoutChange | None = None) -> Path | None:
     """The newest complete checkpoint in ``run_dir`` as rank 0 sees it, the same on every rank (a
     broadcast of its step), else ``fallback`` (``--resume``; None: start over). Used when torchrun
     restarted the job after a failure (``train.auto_resume``). Newer checkpoints that fail their
@@ -264,6 +368,7 @@ def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | No
         recover,
         step_dir,
     )
+    from hybridpar.training.elastic import processes
 
     found = None
     if topo.rank == 0:  # the others wait in the broadcast while rank 0 tidies and checks the checksums
@@ -276,7 +381,10 @@ def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | No
     chosen = step_dir(run_dir, int(step)) if int(step) >= 0 else fallback
     if topo.rank == 0:
         what = f"resuming from {chosen}" if chosen else "no complete checkpoint yet, starting over"
-        print(f"hybridpar: restart {restart_count()} of the job (torchrun --max-restarts): {what}", flush=True)
+        if elastic is not None:
+            print(f"hybridpar: elastic: {processes(topo.world_size)}, layout {elastic.layout}: {what}", flush=True)
+        else:
+            print(f"hybridpar: restart {restart_count()} of the job (torchrun --max-restarts): {what}", flush=True)
     return chosen
 
 

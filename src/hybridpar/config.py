@@ -133,8 +133,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # Every layout up to 16 ranks fits: heads/kv-heads powers of two, 8 layers, 256-byte vocab.
     "tiny": dict(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=384, vocab_size=256,
                  max_seq_len=1024, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
-    # tiny's shape with 8 experts of 192 (2 routed per token) in every layer: MoE tests and demo
-    "tiny-moe": dict(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=384, vocab_size=256,
+    # tiny's shape with 8 experts of 192 (2 routed per token) in every layer, a tiny Mixtral: MoE tests and demo
+    "tiny-moe": dict(family="mixtral", dim=128, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=384, vocab_size=256,
                      max_seq_len=1024, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False,
                      n_experts=8, experts_per_token=2, moe_ffn_hidden=192),
     "mixtral-8x7b": dict(family="mixtral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,

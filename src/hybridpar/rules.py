@@ -34,6 +34,9 @@ class Rule:
 
 RULES: list[Rule] = []
 
+#: the model families whose layers may be mixtures of experts (their Hugging Face mapping knows experts)
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+
 
 def rule(name: str) -> Callable[[Check], Check]:
     """Register the decorated check as rule ``name`` (in definition order)."""
@@ -124,8 +127,9 @@ def _moe_shape(cfg: Config, world: int | None) -> str | None:
     if not 1 <= m.experts_per_token <= m.n_experts:
         return (f"model.experts_per_token = {m.experts_per_token} must be between 1 and model.n_experts = "
                 f"{m.n_experts}")
-    if m.family == "gpt2":
-        return "model.n_experts > 0 is not supported for family 'gpt2'; use a Llama-like family (llama, mixtral, ...)"
+    if m.family not in MOE_FAMILIES:
+        return (f"model.n_experts = {m.n_experts} needs a mixture-of-experts family (model.family one of "
+                f"{', '.join(MOE_FAMILIES)}), not {m.family!r}: e.g. --model.family mixtral")
     try:
         layers = m.moe_layer_ids()
     except ValueError:
@@ -270,9 +274,6 @@ def _ep(cfg: Config, world: int | None) -> str | None:
                 "lower ep")
     if m.n_experts % p.ep:
         return f"model.n_experts = {m.n_experts} is not divisible by parallel.ep = {p.ep}; use an ep that divides it"
-    if p.zero_stage == 3:
-        return (f"parallel.ep = {p.ep} with parallel.zero_stage = 3 is not supported yet (experts would be "
-                "sharded over the wrong ranks); use zero_stage = 1 or 2 with ep")
     if p.hierarchical_dp:
         return f"parallel.ep = {p.ep} with parallel.hierarchical_dp is not supported yet; turn one off"
     return None

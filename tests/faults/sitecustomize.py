@@ -10,6 +10,10 @@ Nothing is imported up front: ``Trainer.train_step`` is wrapped when a process i
 ``hybridpar.training.trainer`` (a launcher that never does stays untouched). A malformed spec
 makes that import fail with ``ValueError``. Another ``sitecustomize`` further down ``sys.path``
 (a distribution's own) still runs.
+
+With ``HYBRIDPAR_FAULT_KILL_NODE_AT_STEP=STEP`` set (on one launcher of a multi-node job), the
+whole node is lost after step STEP returns: local rank 0 SIGKILLs its parent (the node's elastic
+agent) and then itself; the node's other ranks die with their parent (``die_with_parent``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 FAULT_ENV = "HYBRIDPAR_FAULT_KILL_AT_STEP"
+NODE_FAULT_ENV = "HYBRIDPAR_FAULT_KILL_NODE_AT_STEP"
 TARGET = "hybridpar.training.trainer"
 
 
@@ -41,14 +46,28 @@ def kill_spec(environ: Mapping[str, str]) -> tuple[int, int] | None:
     return step, rank
 
 
-def kill_after_step(trainer_cls: type, step: int, rank: int) -> None:
-    """Wrap ``trainer_cls.train_step``: global rank ``rank`` SIGKILLs itself once step ``step``
-    returns."""
+def node_kill_step(environ: Mapping[str, str]) -> int | None:
+    """STEP of ``HYBRIDPAR_FAULT_KILL_NODE_AT_STEP``, or None when unset or on a restarted attempt."""
+    spec = environ.get(NODE_FAULT_ENV, "")
+    if not spec or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return None
+    try:
+        return int(spec)
+    except ValueError:
+        raise ValueError(f"{NODE_FAULT_ENV}={spec!r} must be a step number") from None
+
+
+def kill_after_step(trainer_cls: type, step: int, rank: int | None) -> None:
+    """Wrap ``trainer_cls.train_step``: once step ``step`` returns, global rank ``rank`` SIGKILLs
+    itself; ``rank=None``: local rank 0 SIGKILLs its parent (the node's agent), then itself."""
     real = trainer_cls.train_step
 
     @functools.wraps(real)
     def train_step(self: Any, s: int, *args: Any, **kwargs: Any) -> Any:
         result = real(self, s, *args, **kwargs)
+        if s == step and rank is None and os.environ.get("LOCAL_RANK") == "0":
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         if s == step and self.topo.rank == rank:
             os.kill(os.getpid(), signal.SIGKILL)
         return result
@@ -73,6 +92,9 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             found = kill_spec(os.environ)
             if found is not None:
                 kill_after_step(module.Trainer, *found)
+            node_step = node_kill_step(os.environ)
+            if node_step is not None:
+                kill_after_step(module.Trainer, node_step, None)
 
         spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
@@ -88,6 +110,6 @@ def _chain_next_sitecustomize() -> None:
 
 
 if __name__ == "sitecustomize":  # at interpreter start; a test loading this file for its helpers skips it
-    if os.environ.get(FAULT_ENV):
+    if os.environ.get(FAULT_ENV) or os.environ.get(NODE_FAULT_ENV):
         sys.meta_path.insert(0, _PatchOnImport())
     _chain_next_sitecustomize()

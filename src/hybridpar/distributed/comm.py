@@ -220,7 +220,7 @@ class Comm:
                              f"got {len(send)} send and {len(recv)} receive splits")
         if axis.size == 1:
             return t
-        row = math.prod(t.shape[1:]) * t.element_size()  # (a rank may send no rows at all)
+        row = math.prod(t.shape[1:]) * t.element_size()
         if t.shape[0] != sum(send):
             raise ValueError(f"all_to_all: {t.shape[0]} rows but the send splits add up to {sum(send)}")
         wire = row * sum(n for r, n in enumerate(send) if r != axis.rank)

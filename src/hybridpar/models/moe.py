@@ -99,7 +99,7 @@ class Router(nn.Module):
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score == "sigmoid" else 0.0))
         counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts)
-        if not in_backward():  # a recomputed forward must not count again
+        if torch.is_grad_enabled() and not in_backward():  # training forwards, once (not a recompute)
             self.load += counts
         return weights.to(x.dtype), idx, self._aux_loss(logits, scores, counts, x.shape[0])
 

@@ -40,7 +40,7 @@ from hybridpar.distributed.autograd import (
 )
 from hybridpar.distributed.mesh import Axis
 
-__all__ = ["ExpertParallel", "combine", "expert_param_names", "sort_by_expert", "swiglu_experts"]
+__all__ = ["ExpertParallel", "combine", "expert_param_names", "expert_units", "sort_by_expert", "swiglu_experts"]
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -153,6 +153,11 @@ class ExpertParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts {self.per_rank} of {self.n_experts} (ep {self.ep.size}), tp {self.tp.size}"
+
+
+def expert_units(model: nn.Module) -> list[nn.Module]:
+    """The :class:`ExpertParallel` modules of ``model`` in forward order (ZeRO-3 units over edp)."""
+    return [m for m in model.modules() if isinstance(m, ExpertParallel)]
 
 
 def expert_param_names(model: nn.Module) -> set[str]:

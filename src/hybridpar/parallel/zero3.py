@@ -120,7 +120,7 @@ class ShardedModel:
 
     def __init__(self, model: nn.Module, axis: Axis, units: list[nn.Module],
                  reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
-                 outer: OuterSplit | None = None) -> None:
+                 outer: OuterSplit | None = None, skip: frozenset[int] = frozenset()) -> None:
         self.model, self.axis = model, axis
         self.sync = True
         self.prefetch = prefetch
@@ -146,7 +146,7 @@ class ShardedModel:
         owner_of: dict[int, str] = {}
         for name, mod in model.named_modules():
             for attr, p in own_parameters(mod):
-                if p is None:
+                if p is None or id(p) in skip:  # another ShardedModel's (experts over edp)
                     continue
                 fqn = f"{name}.{attr}" if name else attr
                 unit = inside.get(id(mod), model)
@@ -258,8 +258,8 @@ class ShardedModel:
                 full[fqn] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
                 unit.layout.unpack(buf, i, full[fqn])
         names = [k for k, _ in self.model.named_parameters()] + [k for k, _ in self.model.named_buffers()]
-        buffers = dict(self.model.named_buffers())
-        return {k: full[k] if k in full else buffers[k].detach().clone() for k in names}
+        others = dict(self.model.named_buffers()) | dict(self.model.named_parameters())  # buffers, skipped ones
+        return {k: full[k] if k in full else others[k].detach().clone() for k in names}
 
     def state_dict(self) -> dict[str, Any]:
         """The model state for ``torch.distributed.checkpoint``: each parameter a ``DTensor``
@@ -303,14 +303,15 @@ class ShardedModel:
 
 def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],
                 reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
-                outer: OuterSplit | None = None) -> ShardedModel:
+                outer: OuterSplit | None = None, skip: frozenset[int] = frozenset()) -> ShardedModel:
     """Shard ``model``'s parameters over ``axis`` (dp) for ZeRO-3; ``units`` are the modules
     gathered as one (in forward order); parameters outside them form the root unit. On a size-1
     axis nothing changes. ``reduce_dtype`` compresses the gradient reduce-scatter (bf16/fp16).
     ``prefetch`` starts the next unit's gather while this one computes (faster, one more unit
     of memory); without it a unit is gathered only when it runs. ``outer``: the parameters are
-    tensor-parallel pieces (see :class:`~hybridpar.parallel.shard.OuterSplit`)."""
-    return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer)
+    tensor-parallel pieces (see :class:`~hybridpar.parallel.shard.OuterSplit`). ``skip``: ids of
+    parameters left alone (sharded by another :class:`ShardedModel` over another axis: experts)."""
+    return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer, skip)
 
 
 def _flatten(output: Any) -> list[torch.Tensor]:

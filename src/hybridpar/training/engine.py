@@ -26,7 +26,7 @@ from hybridpar.models.moe import moe_layers, update_balance_bias
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import enable_context_parallel
-from hybridpar.parallel.experts import expert_param_names
+from hybridpar.parallel.experts import expert_param_names, expert_units
 from hybridpar.parallel.pipeline import build_schedule, partition_model
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
@@ -107,8 +107,14 @@ class Engine(StepEngine):
         prefetch = device.type == "cuda"
         ids = {id(q) for q in train}
         names = {n for n, q in model.named_parameters() if id(q) in ids}
-        sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer)
-                   if p.zero_stage == 3 else None)
+        experts = [(n, q) for n, q in model.named_parameters() if n in self.expert_names]
+        expert_ids = frozenset(id(q) for _, q in experts)
+        sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer,
+                               skip=expert_ids) if p.zero_stage == 3 else None)
+        split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts: their rows over ep, then tp's split
+        expert_sharded = (shard_model(model, topo.edp, expert_units(model), prefetch=prefetch, outer=split,
+                                      skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
+                          if p.zero_stage == 3 and experts else None)
         named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
         hierarchy = None
         if p.zero_stage == 0 and p.hierarchical_dp and topo.dp_cp.size > 1:  # node boundaries from the launcher
@@ -120,10 +126,10 @@ class Engine(StepEngine):
         optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.dp_cp, sharded=sharded, outer=outer,
                                   hierarchy=hierarchy, **opts)
         if self.expert_names:  # experts average over the ranks holding the same ones (edp)
-            experts = [(n, q) for n, q in named if n in self.expert_names]
-            split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts' rows over ep, then tp
+            experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
             optimizer = ExpertSplitOptimizer(optimizer, ZeroOptimizer(decay_groups(experts, t.weight_decay), topo.edp,
-                                                                      outer=split, **opts), topo.ep)
+                                                                      sharded=expert_sharded, outer=split, **opts),
+                                             topo.ep)
         self.params = [q for _, q in named if q.requires_grad]
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
@@ -162,18 +168,35 @@ class Engine(StepEngine):
             update_balance_bias(self.model, rate, total)
         return norm
 
-    def expert_load(self) -> list[Tensor]:
-        """Tokens routed to each expert per MoE layer since the last call (this rank's stages),
-        over all ranks' tokens; resets the counters. Collective over dp x cp (and tp under SP)."""
-        axes = [self.topo.dp_cp, *([self.topo.tp] if self.sequence_parallel else [])]
-        out = []
+    def moe_step_stats(self, microbatches: int) -> dict[str, Any] | None:
+        """The last step's MoE statistics over all ranks (None for a dense model), and reset of
+        the counters; collective (every rank, every step). ``expert_load``: tokens routed to each
+        expert per MoE layer (every layer, whichever stage holds it); ``expert_load_imbalance``:
+        the worst layer's max/mean load; ``dropped_tokens``: routed slots short of tokens x k
+        (0: the layers are dropless); ``aux_loss``: the auxiliary losses' sum over layers, mean
+        over micro-batches."""
+        if not self.moe:
+            return None
+        topo, sp = self.topo, self.sequence_parallel
+        load = torch.stack([moe.router.load for moe in self.moe])  # unrun layers (other stages): zeros
+        aux = torch.tensor([self.model.moe_aux.value], dtype=torch.float64)
         for moe in self.moe:
-            load = moe.router.load.clone()
-            for axis in axes:
-                self.topo.comm.all_reduce(load, axis)
-            out.append(load)
             moe.router.load.zero_()
-        return out
+        self.model.moe_aux.reset()
+        if sp:  # each tp rank routed its sequence chunk
+            topo.comm.all_reduce(load, topo.tp)
+            topo.comm.all_reduce(aux, topo.tp)
+        for axis in (topo.pp, topo.dp_cp):
+            topo.comm.all_reduce(load, axis)
+        topo.comm.all_reduce(aux, topo.pp)
+        topo.comm.all_reduce(aux, topo.dp_cp, op="avg")
+        t, m = self.cfg.train, self.cfg.model
+        slots = t.global_batch * t.seq_len * m.experts_per_token
+        per_layer = (load.max(1).values / load.mean(1)).tolist()
+        return {"aux_loss": float(aux) / microbatches, "expert_load_imbalance": max(per_layer),
+                "expert_imbalance_per_layer": per_layer,
+                "dropped_tokens": int(slots * len(self.moe) - load.sum().item()),
+                "expert_load": load.long().tolist()}
 
     # ------------------------------------------------------------------ loss
     def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -208,6 +231,9 @@ class Engine(StepEngine):
         self._share_pipeline_weights()
         if self.optimizer.sharded is not None:  # ZeRO rows -> tp pieces -> full
             pieces = self.optimizer.sharded.gather_full_state_dict()
+            if self.expert_names and self.optimizer.experts.sharded is not None:  # experts: over edp
+                gathered = self.optimizer.experts.sharded.gather_full_state_dict()
+                pieces.update({n: gathered[n] for n in self.expert_names})
             keep = set(self.model.state_dict())  # not the non-persistent buffers (MoE routers' step counts)
             full = {n: self.plan.gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()
                     if n in keep}
