@@ -29,7 +29,7 @@ from hybridpar.planner.moe import (
 )
 from hybridpar.planner.traffic import comm_bytes_per_axis
 
-MOE = ["--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
+MOE = ["--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
        "--model.aux_loss_coef", "0.05", "--model.z_loss_coef", "0.01", "--model.n_layers", "4",
        "--model.n_kv_heads", "4", "--model.bias_update_rate", "1e-9"]
 
@@ -41,11 +41,13 @@ LAYOUTS = {
                    "--parallel.sequence_parallel", "true"],
     "dp4-ep2-zero1": ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.zero_stage", "1"],
     "ep2-cp2-recompute": ["--parallel.cp", "2", "--parallel.ep", "2", "--parallel.recompute", "full"],
+    "dp4-ep2-zero3": ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.zero_stage", "3"],
+    "ep2-tp2-zero2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.zero_stage", "2"],
 }
 ROUTES = {"balanced": (0, 2), "hot": (0, 1)}
 CASES = [("ep2", "balanced"), ("ep2", "hot"), ("ep2-tp2", "balanced"), ("ep2-tp2", "hot"),
          ("ep2-tp2-sp", "hot"), ("dp4-ep2-zero1", "balanced"), ("ep4", "hot"), ("ep4", "balanced"),
-         ("ep2-cp2-recompute", "hot")]
+         ("ep2-cp2-recompute", "hot"), ("dp4-ep2-zero3", "hot"), ("ep2-tp2-zero2", "balanced")]
 
 
 def config(tmp: str, layout: str):
@@ -178,8 +180,9 @@ def test_moe_parameter_shapes_equal_the_model():
 
 
 def test_imbalance_from_run(tmp_path):
-    """summary.json's expert_imbalance first; else metrics.jsonl's expert_load_imbalance averaged
-    over steps (a per-layer list: its mean); neither: a PlanError naming the fix."""
+    """summary.json first (the mean over layers of expert_imbalance_per_layer, else the worst
+    layer's expert_imbalance); else metrics.jsonl's per-step values averaged over the logged
+    steps (per layer: their mean; else expert_load_imbalance); none: a PlanError naming the fix."""
     from hybridpar.planner.hardware import PlanError
 
     run = tmp_path / "run"
@@ -187,14 +190,29 @@ def test_imbalance_from_run(tmp_path):
     with pytest.raises(PlanError, match="--moe-imbalance"):
         imbalance_from_run(run)
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"step": 1, "loss": 3.0}, {"step": 1, "expert_load_imbalance": [1.2, 1.6]},
-        {"step": 2, "expert_load_imbalance": 1.6}]) + "\n")
+        {"step": 1, "loss": 3.0}, {"step": 2, "expert_load_imbalance": 1.6, "expert_imbalance_per_layer": [1.2, 1.6]},
+        {"step": 3, "expert_load_imbalance": 1.6}]) + "\n")
     value, source = imbalance_from_run(run)
-    assert value == pytest.approx(1.5) and "2 steps" in source
+    assert value == pytest.approx(1.5) and "2 logged steps" in source
     (run / "summary.json").write_text(json.dumps({"expert_imbalance": 1.3}))
     assert imbalance_from_run(run)[0] == 1.3
+    (run / "summary.json").write_text(json.dumps({"expert_imbalance": 1.3, "expert_imbalance_per_layer": [1.1, 1.3]}))
+    assert imbalance_from_run(run)[0] == pytest.approx(1.2)
     with pytest.raises(PlanError, match="not a directory"):
         imbalance_from_run(tmp_path / "missing")
+
+
+def test_from_run_reads_a_real_run(tmp_path):
+    """A short tiny MoE run's summary.json feeds `plan --from-run` (the keys the trainer writes)."""
+    from hybridpar.distributed.mesh import ParallelDims
+    from hybridpar.training.trainer import Trainer
+
+    cfg = load_config(None, [*SMALL, *MOE, "--train.steps", "2", "--train.log_every", "1", "--train.eval_every", "0",
+                             "--train.run_dir", str(tmp_path / "run")])
+    summary = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu")).fit()
+    value, source = imbalance_from_run(tmp_path / "run")
+    per_layer = summary["expert_imbalance_per_layer"]
+    assert value == pytest.approx(sum(per_layer) / len(per_layer)) and value >= 1.0 and "summary.json" in source
 
 
 # ----------------------------------------------------------------------------- memory
@@ -319,8 +337,7 @@ def test_imbalance_slows_expert_parallel_layouts_only():
 
 def test_search_tries_every_ep():
     """ep joins the search: every divisor of dp x cp that divides the number of experts is
-    ranked as a layout of its own, dense models keep ep = 1, and ZeRO-3 never pairs with ep > 1
-    (the runtime refuses it)."""
+    ranked as a layout of its own, and dense models keep ep = 1."""
     from hybridpar.planner.hardware import GPUS, Cluster
     from hybridpar.planner.search import expert_degrees, search
 
@@ -332,7 +349,6 @@ def test_search_tries_every_ep():
     assert eps == {1, 2, 4, 8}
     for ev in res.ranked:
         assert (ev.layout.dp * ev.layout.cp) % ev.layout.ep == 0 and ev.memory.total <= ev.capacity
-        assert not (ev.layout.ep > 1 and ev.layout.zero_stage == 3)
     times = [ev.cost.step_time_s for ev in res.ranked]
     assert times == sorted(times)
     top = search(model, Workload(256, 4096), Cluster.of(GPUS["H100-SXM"], 64, 8), top=6)

@@ -384,10 +384,15 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
         # collective would run on the same cores), so on a CPU profile nothing hides them.
         units = model.n_layers + (1 if model.tie_embeddings else 2)
         gather = units * cluster.collective_time("all_gather", grad_bytes / units / n, n, t)
+        edp, e_units = n // L.ep, len(moe_ids)
+        if expert_bytes and edp > 1:  # each MoE layer's experts: a unit of their own over edp
+            gather += e_units * cluster.collective_time("all_gather", expert_bytes / e_units / edp, edp, t * L.ep)
         cal = g.calibration
         hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
         exposed_z3 = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
         dp_comm = units * cluster.collective_time("reduce_scatter", grad_bytes / units, n, t) + exposed_z3
+        if expert_bytes and edp > 1:
+            dp_comm += e_units * cluster.collective_time("reduce_scatter", expert_bytes / e_units, edp, t * L.ep)
     floor = last_bucket if L.zero_stage < 3 else 0.0
     dp_exposed = (exposed_z3 + max(floor, dp_comm - exposed_z3 - hide * last_backward)) if pp == 1 else dp_comm
     shard = rank_state_numels(key, L, worst)[1 if L.zero_stage >= 1 else 0]

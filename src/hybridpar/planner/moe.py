@@ -138,21 +138,26 @@ def _number(value: object) -> float | None:
 
 
 def imbalance_from_run(run_dir: str | Path) -> tuple[float, str]:
-    """``(imbalance, where it came from)`` of a training run: ``summary.json``'s
-    ``expert_imbalance`` if present, else the mean over steps of ``metrics.jsonl``'s
-    ``expert_load_imbalance`` (a per-layer list counts as its mean: each layer's imbalance slows
-    that layer). Raises :class:`PlanError` when the run logged neither."""
+    """``(imbalance, where it came from)`` of a training run, as the trainer logs it:
+    ``summary.json``'s ``expert_imbalance_per_layer`` (max/mean tokens per expert of each MoE
+    layer, averaged over the run's steps), else its ``expert_imbalance`` (the worst layer's),
+    else ``metrics.jsonl``'s per-step ``expert_imbalance_per_layer`` (or ``expert_load_imbalance``,
+    the worst layer's) averaged over the logged steps. A per-layer list counts as its mean over
+    layers: each layer's imbalance slows that layer, and the planner prices every MoE layer with
+    one factor. Raises :class:`PlanError` when the run logged none of them."""
     root = Path(run_dir)
     if not root.is_dir():
         raise PlanError(f"--from-run {str(run_dir)!r} is not a directory; give a run's train.run_dir")
     summary = root / "summary.json"
     if summary.is_file():
         try:
-            value = _number(json.loads(summary.read_text()).get("expert_imbalance"))
-        except (json.JSONDecodeError, AttributeError):
-            value = None
-        if value is not None:
-            return value, f"{summary} expert_imbalance"
+            doc = json.loads(summary.read_text())
+        except json.JSONDecodeError:
+            doc = None
+        for key in ("expert_imbalance_per_layer", "expert_imbalance"):
+            value = _number(doc.get(key)) if isinstance(doc, dict) else None
+            if value is not None:
+                return value, f"{summary} {key}"
     metrics = root / "metrics.jsonl"
     steps: list[float] = []
     if metrics.is_file():
@@ -161,10 +166,12 @@ def imbalance_from_run(run_dir: str | Path) -> tuple[float, str]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            value = _number(row.get("expert_load_imbalance")) if isinstance(row, dict) else None
+            if not isinstance(row, dict):
+                continue
+            value = _number(row.get("expert_imbalance_per_layer", row.get("expert_load_imbalance")))
             if value is not None:
                 steps.append(value)
     if steps:
-        return sum(steps) / len(steps), f"{metrics} expert_load_imbalance (mean of {len(steps)} steps)"
+        return sum(steps) / len(steps), f"{metrics} (mean of {len(steps)} logged steps)"
     raise PlanError(f"--from-run {str(run_dir)!r}: no expert_imbalance in summary.json and no "
                     "expert_load_imbalance in metrics.jsonl (was it an MoE run?); pass --moe-imbalance instead")

@@ -199,9 +199,7 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
     sp_default = tp > 1 and cp == 1 and work.seq_len % tp == 0
     sp = bool(partial.get("sequence_parallel", sp_default))
     recs = [partial["recompute"]] if "recompute" in partial else list(RECOMPUTE)
-    # ZeRO-3 with ep > 1 is refused by this runtime (rule ep-carved-from-dp-cp): not searched
-    zeros = [partial["zero_stage"]] if "zero_stage" in partial else [
-        z for z in ZERO if z < 3 or int(fixed.get("ep", 1)) == 1]  # type: ignore[call-overload]
+    zeros = [partial["zero_stage"]] if "zero_stage" in partial else list(ZERO)
     offload = bool(partial.get("offload_optimizer", False))
     layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
                                 offload_optimizer=offload) for rec in recs for z in zeros}

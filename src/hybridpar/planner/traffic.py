@@ -248,7 +248,7 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     else:
         _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes)
     if experts:
-        _expert_grads(add, L, [sh for _, sh in experts], r, bucket_bytes)
+        _expert_grads(add, L, experts, r, m, bucket_bytes)
     if sp:  # replicated weights (norms, routers) saw only this rank's sequence shard: one flat sum
         # over tp (of ZeRO's rows)
         repl = [sh for nm, sh in names if nm.endswith("norm.weight") or replicated_ffn(nm)]
@@ -264,10 +264,15 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
         if L.zero_stage > 0:
             add("all_reduce", "edp" if part is experts else zero_axis, n // L.ep if part is experts else n, 4)
         add("all_reduce", "pp", L.pp, 4)
-    if model.bias_update_rate > 0 and model.moe_layer_ids():  # every router's load, every step
+    if model.moe_layer_ids():
+        # the step's MoE statistics (Engine.moe_step_stats): every router's float64 load and the
+        # auxiliary losses' sum, over tp (SP), pp and dp x cp; with bias balancing, the load again
         load = len(model.moe_layer_ids()) * model.n_experts * 8
-        add("all_reduce", zero_axis, n, load)
-        add("all_reduce", "tp", t if sp else 1, load)
+        for axis, size in (("tp", t if sp else 1), ("pp", L.pp), (zero_axis, n)):
+            add("all_reduce", axis, size, load + 8)
+        if model.bias_update_rate > 0:
+            add("all_reduce", zero_axis, n, load)
+            add("all_reduce", "tp", t if sp else 1, load)
     if work.precision == "fp16":
         add("all_reduce", "world", L.world_size, 4)  # any rank overflowed?
     return dict(out)
@@ -303,15 +308,25 @@ def _zero_buckets(add: Adder, axis: str, n: int, shapes: list[Shape], elem: int,
         add("all_gather", axis, n, shard * elem)
 
 
-def _expert_grads(add: Adder, layout: Layout, shapes: list[Shape], elem: int, bucket_bytes: int) -> None:
-    """The routed experts' gradients (ep > 1) over ``edp`` (the dp x cp / ep ranks that hold the
-    same experts; nothing when ep = dp x cp): bucketed all-reduces, or ZeRO-1/2's buckets."""
-    n = layout.dp * layout.cp // layout.ep
+def _expert_grads(add: Adder, layout: Layout, experts: Named, elem: int, m: int, bucket_bytes: int) -> None:
+    """The routed experts (ep > 1) over ``edp`` (the dp x cp / ep ranks that hold the same
+    experts; nothing when ep = dp x cp): bucketed gradient all-reduces, ZeRO-1/2's buckets, or
+    ZeRO-3's units (each MoE layer's experts: gathered twice per micro-batch, reduce-scattered
+    once)."""
+    n, shapes = layout.dp * layout.cp // layout.ep, [sh for _, sh in experts]
     if layout.zero_stage == 0:
         for bucket in buckets(shapes, elem, bucket_bytes):
             add("all_reduce", "edp", n, sum(_numel(s) for s in bucket) * elem)
-    else:
+    elif layout.zero_stage < 3:
         _zero_buckets(add, "edp", n, shapes, elem, bucket_bytes)
+    else:
+        units: dict[str, list[Shape]] = {}
+        for nm, sh in experts:
+            units.setdefault(nm.rsplit(".", 1)[0], []).append(sh)
+        for unit in units.values():
+            shard = shard_elems(unit, n)
+            add("all_gather", "edp", n, shard * elem, 2 * m)
+            add("reduce_scatter", "edp", n, n * shard * elem)
 
 
 def _rows_of(rows: int, n: int, rank: int) -> int:
@@ -334,7 +349,9 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
     tied = model.tie_embeddings
     root = [s for nm, s in named if nm in ("norm.weight", "output.weight") or (tied and nm.startswith("tok_"))]
     units = [root] + ([] if tied else [[named[0][1]]])
-    units += [[s for _, s in _layer_params(model, layout.tp, i)] for i in range(model.n_layers)]
+    dense = layout.ep == 1  # with ep > 1 the experts are units of their own over edp (_expert_grads)
+    units += [[s for nm, s in _layer_params(model, layout.tp, i, layout.ep) if dense or not is_expert(nm)]
+              for i in range(model.n_layers)]
     for unit in units:
         shard = shard_elems(unit, n)
         add("all_gather", axis, n, shard * elem, 2 * m)
