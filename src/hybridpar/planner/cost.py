@@ -32,6 +32,14 @@ micro-batch; ring attention passes K/V ``cp - 1`` times per layer, hidden behind
 when it can be. Each axis uses NVLink if its ring fits in a node (tp innermost, then cp, dp, pp)
 and the network otherwise (:meth:`Cluster.axis_bandwidth`).
 
+Mixture of experts (:mod:`.moe`): an MoE layer's feed-forward is the router GEMM on the rank's
+own tokens, the busiest ep rank's ``E/ep`` expert GEMMs over ``load * k`` rows per token of its
+tp group (the routing imbalance; ``load`` = 1 at ep = 1, where each rank computes its own
+tokens' slots), shared experts as a dense MLP, the routing's gathers and scatters, and four
+all-to-alls (dispatch and combine, forward and backward, :func:`all_to_all_time`) plus the
+counts' exchange, all on the critical path (the runtime waits for them). Experts' gradients
+reduce over ``edp`` (dp x cp / ep ranks, stride tp x ep) beside the dense ones over dp x cp.
+
 The bubble: :func:`hybridpar.parallel.pipeline.simulate.simulate` runs the real schedule with
 these per-action costs (its arithmetic on compiled action lists, :mod:`.pipesim`). For many
 micro-batches it simulates ``2 * pp`` of them and adds the remainder at the bottleneck rank's

@@ -43,6 +43,11 @@ from the schedule's own compute order (:func:`live_chunk_counts`): the interleav
 keeping every micro-batch (and its softmax) on the last stage, ZB-H1 holding output gradients from
 B to W.
 
+Mixture of experts (:mod:`.moe`): the routed experts' states are a ZeRO group of their own over
+``edp = dp x cp / ep`` (:func:`rank_state_numels`); an MoE layer's activations replace the dense
+MLP's with :func:`moe_ffn_bytes` at the busiest ep rank's load; the all-to-all's send and receive
+buffers are comm buffers.
+
 Allowance (stated, not fitted): 1 GiB for the CUDA context, cuBLAS and NCCL workspaces, plus 10%
 of everything else for caching-allocator fragmentation.
 """

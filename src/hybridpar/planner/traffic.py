@@ -29,6 +29,13 @@ gradient norm's partial sums over tp, the ZeRO axis and pp.
 Dtypes: the residual stream and gradients are in the parameter dtype, matmul outputs and
 attention inputs in the matmul dtype, losses and norms fp32.
 
+Mixture of experts (:func:`_moe_collectives`, :mod:`.moe`): per MoE layer and micro-batch the
+routing weights (and under SP the expert ids) enter the tp region, the router sums its counts over
+cp (and tp under SP), and over ``ep`` the counts, the dispatched rows and the combined rows go
+forward and their gradients back (the busiest rank's ``load``, or ``ep_load`` given); the routed
+experts' gradients go over ``edp`` (their own ZeRO optimizer); once per step the trainer's MoE
+statistics (loads, auxiliary loss) and, with bias balancing, the loads again.
+
 ZeRO-3 with pp > 1 (which ``validate`` rejects) is not modelled.
 """
 
