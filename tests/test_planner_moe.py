@@ -409,3 +409,15 @@ def test_grouped_mm_with_no_rows_keeps_the_graph_to_its_input():
     assert y.shape == (0, 4)
     gx, gw = torch.autograd.grad(y.sum(), (x, w))
     assert gx.shape == (0, 8) and torch.equal(gw, torch.zeros_like(w))
+
+
+def test_zero_shards_over_dp_and_cp():
+    """ZeRO's axis is dp x cp (the runtime's dp_cp): at dp2 x cp2 the optimizer state is the
+    4-way shard, as at dp4 (the memory model used to shard over dp alone)."""
+    from hybridpar.planner.memory import numel, plan_memory, rank_param_shapes
+
+    model, work = model_preset("llama3-8b"), Workload(64, 4096, half_params=False)
+    shapes = rank_param_shapes(model, 2, 1, 1, 0)
+    for dp, cp in ((2, 2), (4, 1), (1, 4)):
+        mem = plan_memory(model, Layout(dp=dp, tp=2, cp=cp, zero_stage=1), work)
+        assert mem.components["optimizer"] == 8 * numel(shapes, 4)

@@ -2,12 +2,12 @@
 
 Model states come from the exact parameter shapes each rank holds (the same tensor-parallel
 split, vocabulary padding and pipeline partition the runtime uses), so for layouts the runtime
-runs they equal its live tensor bytes. Bytes per parameter (P = parameters on the rank, N = dp):
+runs they equal its live tensor bytes. Bytes per parameter (P = parameters on the rank, N = dp x cp):
 
 * fp32 parameters (fp32 runs, and this runtime's autocast): 4 param + 4 grad + 8 Adam (m, v);
 * half parameters (Megatron-LM / DeepSpeed mixed precision): 2 + 2 + 12 (fp32 master, m, v).
 
-ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over dp, stage 2 also the
+ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over dp x cp (the runtime's ZeRO axis), stage 2 also the
 gradients, stage 3 also the parameters; each parameter is split along dim 0 into ``ceil(rows/N)``
 row blocks (:mod:`hybridpar.parallel.shard`), so the worst rank holds the rounded-up block.
 Offload moves the optimizer state to host memory (reported as ``cpu_gib``).
