@@ -104,7 +104,7 @@ def restart_time(model: str, last_call: int, keep_alive: int, run_dir: Path, log
     path = os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH", "")) if p)
     lost = subprocess.Popen([sys.executable, "-m", "hybridpar.cli", *job, "--nproc", "1", "--rdzv-endpoint",
                              f"127.0.0.1:{port}", "--rdzv-id", "bench"],
-                            env={**env, "PYTHONPATH": path, "HYBRIDPAR_FAULT_KILL_NODE_AT_STEP": "3"},
+                            env={**env, "PYTHONPATH": path, "HYBRIDPAR_FAULT_KILL_NODE_AFTER_STEPS": "3"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while lost.poll() is None:  # the node's death, as close as this process can see it

@@ -161,6 +161,28 @@ def test_uninterrupted_elastic_run_records_one_layout(runs):
     assert [r["world"] for r in _metrics(run_dir)] == [8] * TOTAL
 
 
+def _plan_check(rank: int, world: int, run_dir: str) -> str:
+    """Every rank plans for its world; rank 1's node (as if it saw another hardware model) plans
+    another micro-batch. Returns what the agreement check said ("" when it passed)."""
+    from hybridpar.training.elastic import check_same_plan
+
+    cfg, _ = plan_for_world(config(run_dir, JOB), world)
+    if rank == 1:
+        cfg.train.micro_batch *= 2
+    try:
+        check_same_plan(cfg, world, "cpu")
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def test_ranks_that_planned_different_layouts_are_refused_before_the_mesh(tmp_path, dist_run):
+    said = dist_run(8, _plan_check, str(tmp_path))  # the 8-process pool of the runs above
+    assert said[1].startswith("elastic: the 8 processes planned different layouts (this one: dp2 tp2 pp2")
+    assert all("every node must plan alike: set train.hardware" in s for s in said), said
+    assert _plan_check(0, 1, str(tmp_path)) == ""  # one process: nothing to agree on
+
+
 # ----------------------------------------------------------------------------- planning, no processes
 
 
@@ -239,3 +261,17 @@ def test_elastic_worker_refuses_a_world_it_cannot_use_before_any_process_group(t
     assert cli.main(["train", *TINY, "--parallel.dp", "2", "--train.run_dir", str(run), "--elastic", "1:4"]) == 2
     assert "elastic: 3 processes cannot continue this job" in capsys.readouterr().err
     assert not run.exists()
+
+
+def test_workers_under_torchrun_warn_when_a_joining_node_would_hang():
+    """torch's agents share their store with the workers unless told not to; then a node joining
+    the running job waits for an address that is never published (see launch.SHARED_STORE_ENV)."""
+    from hybridpar.distributed.lifecycle import ERROR_DIR_ENV
+    from hybridpar.training.elastic import shared_store_warning
+
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared_store_warning(shared)
+    assert shared_store_warning({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # unshared
+    assert shared_store_warning({**shared, "RANK": "1"}) is None  # rank 0 says it
+    assert shared_store_warning({**shared, "TORCHELASTIC_RESTART_COUNT": "1"}) is None  # once
+    assert shared_store_warning({**shared, ERROR_DIR_ENV: "/tmp/x"}) is None  # the library's launcher unshares

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import pytest
+import test_families as fam
 import test_gpt2 as g
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ from hybridpar.models.registry import FAMILIES, family_of
 
 pytestmark = pytest.mark.numerics  # logits compared across kernels and layouts
 
-COMMON = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, vocab_size=128,
+COMMON = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, vocab_size=256,
               num_experts_per_tok=2)
 # spec -> (transformers class prefix, config kwargs, the ModelConfig fields they must give)
 SPECS = {
@@ -105,7 +106,7 @@ def hf_dir(spec: str, base: str) -> str:
     return str(path)
 
 
-def tokens(vocab: int = 128, shape=(2, 24)) -> torch.Tensor:
+def tokens(vocab: int = 256, shape=(2, 24)) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(1))
 
 
@@ -302,6 +303,61 @@ def test_imported_logits_match_transformers_in_parallel(spec, layout, dist_run, 
     assert checked >= 2
 
 
+# (spec, layout): an imported model trains like one process (test_families' worker and tolerances)
+TRAINED = [("qwen3_moe", "ep2-tp2", [*EP, "--parallel.tp", "2"]),
+           ("mixtral", "ep2-pp2", [*EP, "--parallel.pp", "2"])]
+
+
+@functools.cache
+def one_process(spec: str, base: str) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers
+    try:
+        return fam._run(0, 1, hf_dir(spec, base), str(Path(base) / f"run-{spec}-one"), [])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("spec", "layout", "args"), TRAINED, ids=[f"{s}-{lay}" for s, lay, _ in TRAINED])
+def test_imported_model_trains_like_one_process(spec, layout, args, dist_run, tmp_path, tmp_path_factory):
+    base = str(tmp_path_factory.getbasetemp())
+    ref = one_process(spec, base)
+    path = hf_dir(spec, base)
+    world = fam.config(path, str(tmp_path), args).parallel.world_size
+    results = dist_run(world, fam._run, path, str(tmp_path), args)
+    for rank, r in enumerate(results):
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
+    state = results[0]["state"]
+    assert state.keys() == ref["state"].keys()
+    for k in state:
+        torch.testing.assert_close(state[k], ref["state"][k], rtol=0, atol=fam.WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+    moved = max((ref["state"][k] - ref["init"][k]).abs().max().item() for k in state if ".experts." in k)
+    assert moved > 20 * fam.WEIGHT_ATOL  # the experts did train
+
+
+def test_run_from_hf_converts_back(tmp_path, tmp_path_factory):
+    """A run started from a Qwen3-MoE directory converts (``hybridpar convert --to-hf``) to a
+    directory transformers loads, with the checkpoint's logits."""
+    from hybridpar.cli import main
+    from hybridpar.training import checkpoint
+
+    path = hf_dir("qwen3_moe", str(tmp_path_factory.getbasetemp()))
+    assert main(["train", *fam.TRAIN, "--train.init_from", path, "--train.run_dir", str(tmp_path / "run"),
+                 "--train.eval_every", "0", "--train.sample_tokens", "4", "--train.steps", "1"]) == 0
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "run")
+    assert main(["convert", str(ckpt), "--to-hf", str(tmp_path / "out")]) == 0
+    cfg, state = checkpoint.load_model_state(ckpt)
+    assert (cfg.model.family, cfg.model.moe_layers, cfg.model.moe_ffn_hidden) == ("qwen3_moe", "0,2", 24)
+    ours = family_of(cfg.model).build(cfg.model)
+    ours.load_state_dict(state, strict=True)
+    exported = hf_lib().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM" and exported.config.mlp_only_layers == [1]
+    x = tokens()
+    assert min_logit_gap(ours, x) > MIN_LOGIT_GAP
+    with torch.no_grad():
+        assert rel_err(exported(input_ids=x).logits, ours(x)) <= 1e-5
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -324,7 +380,6 @@ def edited(tmp_path: Path, spec: str, **keys) -> Path:
     ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step = 0 is not supported"),
     ("qwen3_moe", dict(num_experts=8, num_local_experts=4),
      "num_local_experts = 4 is not supported (it contradicts num_experts = 8)"),
-    ("qwen3_moe", dict(num_local_experts=None, num_experts=None), "lacks num_experts"),
     ("qwen3_moe", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
      "rope_parameters = "),
 ])
@@ -345,6 +400,24 @@ def test_qwen3_moe_config_keys(tmp_path):
     assert (cfg.n_experts, cfg.moe_layer_ids()) == (0, ())
     assert cfg.num_params() == sum(p.numel() for p in hf_lib().AutoModelForCausalLM.from_config(
         hf_lib().AutoConfig.from_pretrained(tmp_path / "b")).parameters())
+
+
+# optional keys transformers fills with its family defaults
+OPTIONAL = ("rope_theta", "rope_parameters", "num_local_experts", "num_experts", "num_experts_per_tok",
+            "router_aux_loss_coef", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size")
+
+
+@pytest.mark.parametrize("spec", ["mixtral", "qwen3_moe"])
+def test_absent_keys_take_transformers_defaults(tmp_path, spec):
+    path = edited(tmp_path, spec, **dict.fromkeys(OPTIONAL))
+    assert not set(OPTIONAL) & set(json.loads((path / "config.json").read_text()))
+    cfg, theirs = model_config_from_hf(path), hf_lib().AutoConfig.from_pretrained(path)
+    n = getattr(theirs, "num_local_experts", None) or theirs.num_experts
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.aux_loss_coef, cfg.rope_theta) == (
+        n, theirs.num_experts_per_tok, theirs.router_aux_loss_coef, theirs.rope_parameters["rope_theta"])
+    assert cfg.norm_topk_prob == getattr(theirs, "norm_topk_prob", True)  # Mixtral always renormalises
+    assert cfg.moe_ffn_hidden == getattr(theirs, "moe_intermediate_size", theirs.intermediate_size)
+    assert cfg.num_params() == sum(p.numel() for p in hf_lib().AutoModelForCausalLM.from_config(theirs).parameters())
 
 
 def test_broken_expert_tensors_are_refused(tmp_path, tmp_path_factory):
@@ -392,3 +465,16 @@ def test_unexportable_models_are_refused(tmp_path, tmp_path_factory, spec, key, 
     assert msg.startswith(f"model.{key} = {json.dumps(value)} cannot be exported to {family_of(cfg).hf.architecture}"), msg
     assert message in msg
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_dense_family_with_experts_is_not_exported(tmp_path, family):
+    """A Llama-like MoE model of a dense family (e.g. the tiny-moe preset) has no Hugging Face
+    counterpart: one line says which families have one."""
+    cfg = load_config(None, ["--model.preset", "tiny-moe", "--model.n_layers", "2", "--model.family", family,
+                             *(["--model.qk_norm", "true"] if family == "qwen3" else [])]).model
+    with pytest.raises(HFError) as e:
+        save_hf(family_of(cfg).build(cfg).state_dict(), cfg, tmp_path / "out")
+    msg = one_line_error(e)
+    assert msg.startswith(f"model.n_experts = 8 cannot be exported to {family_of(cfg).hf.architecture}: "), msg
+    assert "--model.family mixtral or qwen3_moe" in msg

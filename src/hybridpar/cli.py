@@ -97,11 +97,12 @@ def cmd_train(argv: list[str]) -> int:
         world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
         change = None
         if args.elastic is not None:  # every rank plans the same layout for this world; rank 0 says why
-            from hybridpar.training.elastic import WorldRange, plan_for_world
+            from hybridpar.training.elastic import WorldRange, plan_for_world, shared_store_warning
 
             WorldRange.parse(args.elastic).check(world)
             cfg, change = plan_for_world(cfg, world, local, verbose=os.environ["RANK"] == "0")
-            _warn_shared_store()
+            if (warning := shared_store_warning(os.environ)) is not None:
+                print(f"hybridpar: warning: {warning}", file=sys.stderr)
         elif cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
             from hybridpar.planner.auto import auto_config
 
@@ -139,21 +140,27 @@ def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> i
     """``hybridpar train --elastic MIN:MAX [--nproc N] [--rdzv-endpoint HOST:PORT]``: this node's
     launcher of an elastic job (torch's elastic agent, c10d rendezvous). Every world size the
     nodes can form is planned here first, so a job that could never run is refused before launch."""
-    from hybridpar.training.elastic import WorldRange, elastic_nodes, plan_for_world
+    from hybridpar.training.elastic import (
+        WorldRange,
+        default_rdzv_id,
+        elastic_nodes,
+        parse_rdzv_conf,
+        plan_for_world,
+    )
 
     span = WorldRange.parse(args.elastic)
     nproc = args.nproc if args.nproc is not None else span.max
     nodes = elastic_nodes(span, nproc, multi_node=args.rdzv_endpoint is not None)
     for n in range(nodes[0], nodes[1] + 1):
         planned, _ = plan_for_world(cfg, n * nproc, nproc)
-        _preflight(planned, n * nproc, args.resume)
+        _preflight(planned, n * nproc, args.resume, local=nproc)
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
     from hybridpar.distributed.launch import Rendezvous, launch_local
 
     run_dir = Path(cfg.train.run_dir)
     rdzv = Rendezvous(nodes[0], nodes[1], args.rdzv_endpoint or "localhost:0",
-                      args.rdzv_id or _default_rdzv_id(run_dir, args.rdzv_endpoint), _rdzv_conf(args.rdzv_conf))
+                      args.rdzv_id or default_rdzv_id(run_dir, args.rdzv_endpoint), parse_rdzv_conf(args.rdzv_conf))
     worlds = f"{nodes[0] * nproc}" if nodes[0] == nodes[1] else f"{nodes[0] * nproc} to {nodes[1] * nproc}"
     print(f"hybridpar: elastic job of {worlds} processes: {nproc} on this node"
           + (f", rendezvous at {args.rdzv_endpoint} (job {rdzv.run_id})" if args.rdzv_endpoint else ""), flush=True)
@@ -162,41 +169,7 @@ def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> i
                         command=["hybridpar", "train", *argv], rendezvous=rdzv)
 
 
-def _warn_shared_store() -> None:
-    """Under an external torchrun whose agents share their store with the workers (its default),
-    a node joining the running job hangs in the rendezvous: say how to avoid it (rank 0, once)."""
-    from hybridpar.distributed.launch import SHARED_STORE_ENV
-    from hybridpar.distributed.lifecycle import ERROR_DIR_ENV
-
-    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and ERROR_DIR_ENV not in os.environ
-            and os.environ.get("RANK") == "0" and restart_count() == 0):
-        print(f"hybridpar: warning: --elastic under torchrun: export {SHARED_STORE_ENV}=1 on every node, or a "
-              "node that joins the running job waits in torch's rendezvous until it times out", file=sys.stderr)
-
-
 ELASTIC_RESTARTS = 3  # restarts after failures (a lost node counts one) when --elastic has no --max-restarts
-
-
-def _rdzv_conf(text: str | None) -> dict[str, str]:
-    """``--rdzv-conf a=1,b=2`` as a dict (torchrun's syntax)."""
-    if not text:
-        return {}
-    pairs = [item.split("=", 1) for item in text.split(",") if item]
-    if any(len(p) != 2 or not p[0] for p in pairs):
-        raise ConfigError(f"--rdzv-conf {text!r} must be KEY=VALUE pairs separated by commas, "
-                          "e.g. last_call_timeout=5,keep_alive_interval=1")
-    return dict(pairs)  # type: ignore[arg-type]
-
-
-def _default_rdzv_id(run_dir: Path, endpoint: str | None) -> str:
-    """One job per run directory: every node's command names the same ``train.run_dir``."""
-    if endpoint is None:
-        import uuid
-
-        return str(uuid.uuid4())
-    import hashlib
-
-    return "hybridpar-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
 
 
 def _hf_model(path: str) -> ModelConfig:
@@ -225,14 +198,15 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
+def _preflight(cfg: Config, world_size: int, resume: str | None, local: int | None = None) -> Path | None:
     """Every check that needs no process group: layout for this world size, the data, the
     checkpoint to resume. (``train.init_from``'s model already comes from its ``config.json``:
-    ``load_config`` read it.) Returns the checkpoint path to resume from."""
+    ``load_config`` read it.) ``local``: the processes on this node when a launcher here starts
+    only some of the world (default: all, or the launcher's). Returns the checkpoint path to resume from."""
     validate(cfg, world_size=world_size)
     from hybridpar.distributed.device import local_world_size, resolve_device_type
 
-    resolve_device_type(cfg.train.device, local_world_size() if under_launcher() else world_size)
+    resolve_device_type(cfg.train.device, local or (local_world_size() if under_launcher() else world_size))
     for warning in config_warnings(cfg):
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
     from hybridpar.data.dataset import check_documents, check_seq_len, check_tokenizer, read_meta
@@ -278,7 +252,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
         destroy_distributed,
         init_distributed,
     )
-    from hybridpar.training.elastic import peer_lost
+    from hybridpar.training.elastic import check_same_plan, peer_lost
     from hybridpar.training.trainer import Trainer
 
     if under_launcher():
@@ -291,6 +265,8 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
     clean = False
     with lifecycle.StopRequest().installed() as stop:
         try:
+            if elastic is not None and elastic.world > 1:  # ranks planned alone: agree before the mesh
+                check_same_plan(cfg, elastic.world, device.type)
             topo = ParallelDims.from_config(cfg.parallel).build(device.type)
             if topo.world_size > 1:  # a rank signalled while stuck in a collective leaves a record
                 counter = topo.comm.counter

@@ -30,9 +30,10 @@ class ConfigError(UserError):
 @dataclass
 class ModelConfig:
     """A decoder's shape. ``family`` names its folder under ``hybridpar.models`` (``llama``,
-    ``qwen2``, ``qwen3``, ``mistral``, ``gpt2``); ``preset`` names the published shape the others
-    started from. ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3) and ``kv_channels`` (a head size other
-    than ``dim / n_heads``, 0 = that) are the features some families add to Llama's."""
+    ``qwen2``, ``qwen3``, ``mistral``, ``mixtral``, ``qwen3_moe``, ``gpt2``); ``preset`` names the
+    published shape the others started from. ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3) and
+    ``kv_channels`` (a head size other than ``dim / n_heads``, 0 = that) are the features some
+    families add to Llama's."""
 
     preset: str = "tiny"
     family: str = "llama"

@@ -26,7 +26,6 @@ refused on export, naming the key.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -34,11 +33,11 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from hybridpar.config import ModelConfig
-from hybridpar.models.family import HFError, bad_value
+from hybridpar.models.family import HFError, bad_value, unexportable
 from hybridpar.models.lazy import Narrowed, Stacked, shape_of
-from hybridpar.models.llama.hf import LlamaHF
+from hybridpar.models.llama.hf import LlamaHF, llama_hf_config
 
-__all__ = ["MoEHF", "moe_fields", "unexportable"]
+__all__ = ["MoEHF", "moe_fields"]
 
 _OURS_RE = re.compile(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.w[123])")
 # model.layers.L.<block>.(gate.weight | experts.<e>.<linear>.weight | experts.<fused>)
@@ -46,25 +45,21 @@ _HF_RE = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(?:(gate\.weight)|experts\.(\
                     r"experts\.(gate_up_proj|down_proj))")
 
 
-def unexportable(key: str, value: Any, architecture: str, why: str) -> HFError:
-    """The one-line error for a ``model.*`` value a family's Hugging Face config cannot state."""
-    return HFError(f"model.{key} = {json.dumps(value)} cannot be exported to {architecture}: {why}")
-
-
-def moe_fields(c: Mapping[str, Any], where: str, experts_keys: tuple[str, ...]) -> dict[str, Any]:
+def moe_fields(c: Mapping[str, Any], where: str, experts_keys: tuple[str, ...], defaults: tuple[int, int]
+               ) -> dict[str, Any]:
     """The :class:`ModelConfig` MoE fields of a ``config.json`` ``c``: the expert count (under
     the first of ``experts_keys`` present; several present must agree), top-k and the
-    load-balancing coefficient; softmax routing without shared experts or balancing bias."""
+    load-balancing coefficient; softmax routing without shared experts or balancing bias.
+    ``defaults``: transformers' (experts, top-k) for this family, for keys ``c`` lacks."""
     present = [k for k in experts_keys if c.get(k) is not None]
-    if not present:
-        raise HFError(f"{where} lacks {experts_keys[0]}")
-    n = c[present[0]]
+    n = c[present[0]] if present else defaults[0]
+    present = present or [experts_keys[0]]
     for key in present[1:]:
         if c[key] != n:
             raise bad_value(where, key, c[key], f"it contradicts {present[0]} = {n}")
     if not isinstance(n, int) or n < 0:
         raise bad_value(where, present[0], n, "the number of experts is an integer >= 0")
-    k = c.get("num_experts_per_tok", 2)
+    k = c.get("num_experts_per_tok", defaults[1])
     if n and (not isinstance(k, int) or not 1 <= k <= n):
         raise bad_value(where, "num_experts_per_tok", k, f"each token picks between 1 and {present[0]} = {n} experts")
     coef = c.get("router_aux_loss_coef", 0.001)  # transformers' default for both families
@@ -93,6 +88,11 @@ class MoEHF(LlamaHF):
         if what == "router.weight":
             return f"model.layers.{layer}.{self.block}.gate.weight"
         return f"model.layers.{layer}.{self.block}.experts.*.{self.linears[what.split('.')[1]]}.weight"
+
+    def hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        """Llama's config.json keys for ``cfg`` after :meth:`check_exportable` (MoE allowed)."""
+        self.check_exportable(cfg)
+        return llama_hf_config(cfg, self.model_type, self.architecture, moe=True)
 
     def from_hf_key(self, key: str) -> str:
         """Our name of HF ``key``; KeyError for expert tensors (parts of ours: see :meth:`to_ours`)."""

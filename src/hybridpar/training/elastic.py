@@ -10,7 +10,8 @@ hands the job another world size, every rank, before any process group exists:
    world is this one; else the axes the config fixed (``dp``/``tp``/``pp``/``cp`` above 1) are
    kept as far as their product still divides the world (``dp`` is given up first, then ``cp``,
    ``pp``, ``tp``) and the planner (:mod:`hybridpar.planner.auto`) chooses the rest: the same
-   pure function on every rank, so all ranks agree without talking;
+   pure function on every rank; before the mesh is built the ranks check that they agree
+   (:func:`check_same_plan`: nodes with different hardware models would not);
 2. refuses (:class:`~hybridpar.config.ConfigError`, exit status 2) when no layout of the new
    world runs: the planner's memory model says the model does not fit, or the world cannot
    divide the global batch; the message names the smallest world that would work;
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,6 +200,66 @@ def smallest_world(cfg: Config, start: int, limit: int) -> int | None:
     """The smallest world size in ``start..limit`` that the planner can run ``cfg`` on (keeping
     what it can of the configured axes), or None."""
     return next((w for w in range(max(start, 1), limit + 1) if not isinstance(_replan(cfg, w), list)), None)
+
+
+def check_same_plan(cfg: Config, world: int, device_type: str) -> None:
+    """Every rank planned on its own (:func:`plan_for_world`); make sure they agree before the
+    mesh is built, since ranks with different layouts would build different process groups and
+    hang. Plans differ when nodes see different hardware models (a calibrated profile on some
+    nodes only). Collective over the world: one 8-byte all-gather on a flat mesh."""
+    import zlib
+
+    import torch
+
+    from hybridpar.distributed.mesh import ParallelDims
+
+    plan = json.dumps([dataclasses.asdict(cfg.parallel), cfg.train.micro_batch], sort_keys=True)
+    mine = torch.tensor([zlib.crc32(plan.encode())], dtype=torch.int64)
+    with ParallelDims.from_config(ParallelConfig(dp=world)).build(device_type) as flat:
+        plans = flat.comm.all_gather(mine, flat.world).tolist()
+    if len(set(plans)) > 1:
+        raise ConfigError(f"elastic: the {world} processes planned different layouts (this one: "
+                          f"{layout_name(cfg.parallel)}, micro-batch {cfg.train.micro_batch}); every node must plan "
+                          "alike: set train.hardware (a GPU name or one calibrated profile every node reads)")
+
+
+# ----------------------------------------------------------------------------- the launcher's settings
+
+
+def parse_rdzv_conf(text: str | None) -> dict[str, str]:
+    """``--rdzv-conf a=1,b=2`` as a dict (torchrun's syntax)."""
+    if not text:
+        return {}
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise ConfigError(f"--rdzv-conf {text!r} must be KEY=VALUE pairs separated by commas, "
+                          "e.g. last_call_timeout=5,keep_alive_interval=1")
+    return {k: v for k, v in pairs}
+
+
+def default_rdzv_id(run_dir: Path, endpoint: str | None) -> str:
+    """The rendezvous id when ``--rdzv-id`` is not given: one job per run directory (every
+    node's command names the same ``train.run_dir``); a fresh one for a one-node job."""
+    if endpoint is None:
+        import uuid
+
+        return str(uuid.uuid4())
+    import hashlib
+
+    return "hybridpar-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+
+
+def shared_store_warning(environ: Mapping[str, str]) -> str | None:
+    """Under an external torchrun whose agents share their store with the workers (its default),
+    a node joining the running job hangs in the rendezvous: what rank 0 of a first attempt says."""
+    from hybridpar.distributed.launch import SHARED_STORE_ENV
+    from hybridpar.distributed.lifecycle import ERROR_DIR_ENV
+
+    if (environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and ERROR_DIR_ENV not in environ
+            and environ.get("RANK") == "0" and environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")):
+        return (f"--elastic under torchrun: export {SHARED_STORE_ENV}=1 on every node, or a node that joins "
+                "the running job waits in torch's rendezvous until it times out")
+    return None
 
 
 # What gloo and NCCL say when a peer process is gone (its node lost): a collective that cannot finish.

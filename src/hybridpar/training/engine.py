@@ -22,6 +22,7 @@ from hybridpar.config import Config
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.models.hf import init_from_hf
+from hybridpar.models.lazy import Narrowed
 from hybridpar.models.moe import moe_layers, update_balance_bias
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.context import zigzag_positions
@@ -150,7 +151,7 @@ class Engine(StepEngine):
         """This rank's part of HF tensor ``name``: its experts (ep) of their tp piece."""
         if name in self.expert_names:
             ep, n = self.topo.ep, self.cfg.model.n_experts // self.topo.ep.size
-            lazy = lazy[ep.rank * n:(ep.rank + 1) * n]
+            lazy = Narrowed(lazy, 0, ep.rank * n, (ep.rank + 1) * n)  # read only these experts' rows
         return self.plan.read_shard(name, lazy, self.topo.tp)
 
     def update(self, max_norm: float) -> Tensor:

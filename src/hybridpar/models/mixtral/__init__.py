@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from hybridpar.config import ModelConfig
-from hybridpar.models.family import bad_value
+from hybridpar.models.family import bad_value, unexportable
 from hybridpar.models.llama import llama_family
-from hybridpar.models.llama.hf import llama_config_from_hf, llama_hf_config
-from hybridpar.models.moe_hf import MoEHF, moe_fields, unexportable
+from hybridpar.models.llama.hf import llama_config_from_hf
+from hybridpar.models.moe_hf import MoEHF, moe_fields
 from hybridpar.models.qwen2 import check_full_attention
 
 __all__ = ["FAMILY", "MixtralHF"]
@@ -42,21 +42,20 @@ class MixtralHF(MoEHF):
             raise bad_value(where, "router_jitter_noise", jitter,
                             "transformers multiplies the hidden states by random noise in training; the router "
                             "here is deterministic: set it to 0.0")
-        moe = moe_fields(c, where, ("num_local_experts",))
+        moe = moe_fields(c, where, ("num_local_experts",), defaults=(8, 2))  # transformers' defaults
         if moe["n_experts"] == 0:
             raise bad_value(where, "num_local_experts", 0, "a Mixtral layer is a mixture of at least one expert")
-        base = llama_config_from_hf(c, where, name, family=self.model_type)
+        base = llama_config_from_hf(c, where, name, family=self.model_type, default_theta=1e6)
         return dataclasses.replace(base, **moe, moe_ffn_hidden=base.ffn_hidden, norm_topk_prob=True)
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        self.check_exportable(cfg)
         if len(cfg.moe_layer_ids()) != cfg.n_layers:
             raise unexportable("moe_layers", cfg.moe_layers, self.architecture, "every Mixtral layer is a mixture "
                                "of experts (model.n_experts > 0, model.moe_layers = \"\")")
         if not cfg.norm_topk_prob:
             raise unexportable("norm_topk_prob", False, self.architecture, "Mixtral always renormalises the top-k "
                                "weights")
-        return {**llama_hf_config(cfg, self.model_type, self.architecture), "sliding_window": None,
+        return {**self.hf_config(cfg), "sliding_window": None,
                 "intermediate_size": cfg.expert_hidden, "num_local_experts": cfg.n_experts,
                 "num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.aux_loss_coef,
                 "router_jitter_noise": 0.0, "output_router_logits": False}

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from hybridpar.config import ModelConfig
-from hybridpar.models.family import HFError, bad_value
+from hybridpar.models.family import bad_value
 from hybridpar.models.llama import llama_family
-from hybridpar.models.llama.hf import llama_config_from_hf, llama_hf_config
+from hybridpar.models.llama.hf import llama_config_from_hf
 from hybridpar.models.moe_hf import MoEHF, moe_fields
 from hybridpar.models.qwen2 import check_full_attention
 
@@ -35,7 +35,8 @@ class Qwen3MoeHF(MoEHF):
     def config_from_hf(self, c: Mapping[str, Any], where: str, name: str) -> ModelConfig:
         check_full_attention(c, where, "qwen3_moe")
         # the Hub's configs say num_experts; transformers 5.x writes its alias num_local_experts
-        moe = moe_fields(c, where, ("num_experts", "num_local_experts"))
+        moe = moe_fields(c, where, ("num_experts", "num_local_experts"), defaults=(128, 8))  # transformers'
+        ffn = c.get("moe_intermediate_size", 768)  # transformers' default
         base = llama_config_from_hf(c, where, name, family=self.model_type, qk_norm=True)
         step = c.get("decoder_sparse_step", 1)
         if not isinstance(step, int) or step < 1:
@@ -46,17 +47,14 @@ class Qwen3MoeHF(MoEHF):
         layers = [i for i in range(base.n_layers) if i not in dense and (i + 1) % step == 0] if moe["n_experts"] else []
         if not layers:  # no MoE layer: a dense model (transformers builds the same)
             moe["n_experts"] = 0
-        if moe["n_experts"] and "moe_intermediate_size" not in c:
-            raise HFError(f"{where} lacks moe_intermediate_size")
         return dataclasses.replace(
-            base, **moe, moe_ffn_hidden=c.get("moe_intermediate_size", 0) if moe["n_experts"] else 0,
+            base, **moe, moe_ffn_hidden=ffn if moe["n_experts"] else 0,
             moe_layers="" if len(layers) == base.n_layers else ",".join(map(str, layers)),
             norm_topk_prob=bool(c.get("norm_topk_prob", False)))
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        self.check_exportable(cfg)
         moe = set(cfg.moe_layer_ids())
-        return {**llama_hf_config(cfg, self.model_type, self.architecture), "attention_bias": False,
+        return {**self.hf_config(cfg), "attention_bias": False,
                 "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
                 "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
                 "moe_intermediate_size": cfg.expert_hidden, "decoder_sparse_step": 1,
