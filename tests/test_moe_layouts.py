@@ -45,7 +45,8 @@ LAYOUTS = {
     "ep2-zero3": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero_stage", "3"],
     "dp4-ep2-zero3": ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.zero_stage", "3"],
     "dp4-ep2-tp2-zero3": ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.zero_stage", "3"],
-    # 5D: dp (ep carved from it) x cp x tp x pp, 16 processes
+    # the demo layout (8 processes), then 5D: dp (ep carved from it) x cp x tp x pp, 16 processes
+    "dp2-ep2-tp2-pp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
     "dp2-ep2-cp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.cp", "2", "--parallel.tp", "2",
                             "--parallel.pp", "2"],
 }

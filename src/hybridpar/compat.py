@@ -173,7 +173,9 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torc
             parts.append(x[start:start + n] @ w[e].transpose(0, 1))
         start += n
     if not parts:
-        return x.new_zeros((0, w.shape[1])) + 0 * w.sum()  # keep the graph to w
+        # keep the graph to w and to x: a rank whose experts got no rows must still run the
+        # backward of the all-to-all that delivered them (its peers wait in it)
+        return x.new_zeros((0, w.shape[1])) + 0 * w.sum() + 0 * x.sum()
     return torch.cat(parts)
 
 

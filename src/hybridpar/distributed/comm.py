@@ -57,8 +57,7 @@ def wire_bytes(op: Op | str, nbytes: int, group_size: int) -> int:
     under ring algorithms: all-reduce 2(n-1)/n B, all-gather (n-1) B (B = local shard),
     reduce-scatter (n-1)/n B (B = full input), broadcast/send B, recv and barrier 0. An
     all-to-all's wire bytes depend on its splits, not on ``nbytes`` alone: :meth:`Comm.all_to_all`
-    records the bytes it sends to the other ranks (``(n-1)/n B`` for even splits, what
-    :meth:`Comm.all_to_all_into` sends: the block for itself stays).
+    records the bytes it sends to the other ranks (``(n-1)/n B`` for even splits).
 
     (Gloo implements reduce-scatter as all-reduce + slice, so on CPU it really moves twice
     this; the model counts what the algorithm needs, which is what NCCL sends.)
@@ -333,19 +332,6 @@ class Comm:
         return self._flat(Op.REDUCE_SCATTER, out, t, axis, async_op,
                           lambda o, i: _reduce_scatter_flat(o, i, op=dist.ReduceOp.SUM, group=axis.group,
                                                             async_op=True))
-
-    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor, axis: Axis, *,
-                        async_op: bool = False) -> Pending:
-        """Flat all-to-all into a caller-owned buffer: ``t`` and ``out`` (same numel, a multiple
-        of ``axis.size``, contiguous) are ``axis.size`` equal blocks; block ``j`` of ``t`` goes
-        to local rank ``j``, and block ``i`` of ``out`` comes from local rank ``i``. With
-        ``async_op`` the caller ``wait()``s before reading ``out``. A size-1 axis copies and
-        records nothing."""
-        if out.numel() != t.numel() or t.numel() % axis.size:
-            raise ValueError(f"all_to_all_into: input {t.numel()} and output {out.numel()} elements must be "
-                             f"equal and divisible by {axis.name} size {axis.size}")
-        return self._flat(Op.ALL_TO_ALL, out, t, axis, async_op,
-                          lambda o, i: dist.all_to_all_single(o, i, group=axis.group, async_op=True))
 
     def _flat(self, op: Op, out: torch.Tensor, t: torch.Tensor, axis: Axis, async_op: bool,
               launch: Callable[[torch.Tensor, torch.Tensor], dist.Work]) -> Pending:

@@ -112,11 +112,13 @@ class Int8ReduceScatter:
         return [self.quant.residual]
 
     def start(self, packed: torch.Tensor) -> Pending:
-        """Quantise ``packed`` (``n * S`` elements, block ``j`` for rank ``j``) and start the
-        all-to-all; ``packed`` may be reused at once."""
+        """Quantise ``packed`` (``n * S`` elements, block ``j`` for rank ``j``) and exchange the
+        blocks: one all-to-all of one message row per rank, complete when this returns (the
+        :class:`Pending` is already done). ``packed`` may be reused at once."""
         send = self.quant.encode(packed.reshape(self.axis.size, self.shard))
-        self._recv = torch.empty_like(send)
-        return self.axis.comm.all_to_all_into(self._recv, send, self.axis, async_op=True)
+        ones = [1] * self.axis.size
+        self._recv = self.axis.comm.all_to_all(send, self.axis, ones, ones)
+        return Pending()
 
     def result(self) -> torch.Tensor:
         """This rank's ``S`` elements of the sum (fp32), after the started transfer completed."""

@@ -2,7 +2,9 @@
 rest by predicted step time (less memory first when step times tie).
 
 No rule of thumb is built in (tp inside a node, pp across nodes, dp last): the search tries every
-factorisation ``world = dp * tp * pp * cp`` and lets :func:`hybridpar.config.validate`, the
+factorisation ``world = dp * tp * pp * cp`` (and, for a mixture-of-experts model, every expert
+parallel degree ``ep`` carved out of dp x cp that divides the number of experts: each
+``(dp, tp, pp, cp, ep)`` is ranked as a layout of its own) and lets :func:`hybridpar.config.validate`, the
 memory model and the cost model decide. For each factorisation the fields a user leaves out are
 filled by the planner: micro-batch size, schedule and virtual stages are searched; sequence
 parallelism is on whenever tp > 1 and allowed (same traffic, less memory); recomputation is the
@@ -137,6 +139,12 @@ def factorisations(world: int) -> Iterable[tuple[int, int, int, int]]:
                 yield world // (tp * pp * cp), tp, pp, cp
 
 
+def expert_degrees(model: ModelConfig, dp: int, cp: int) -> list[int]:
+    """The ep values to try with ``dp`` x ``cp``: the divisors of dp x cp that divide the
+    number of experts (rule ``ep-carved-from-dp-cp``); just 1 for a dense model."""
+    return [e for e in divisors(dp * cp) if model.n_experts % e == 0] if model.n_experts else [1]
+
+
 def schedules(model: ModelConfig, pp: int, microbatches: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages) to try: 1F1B, ZB-H1, interleaved with V = 2 and 4."""
     if pp == 1:
@@ -157,8 +165,9 @@ def _candidates(model: ModelConfig, partial: dict[str, object], work: Workload,
     dp = int(partial.get("dp", max(1, world // (tp * pp * cp))))  # type: ignore[call-overload]
     mbs = [partial["micro_batch"]] if "micro_batch" in partial else [
         b for b in MICRO_BATCHES if work.global_batch % (dp * b) == 0] or [1]
+    eps = [int(partial["ep"])] if "ep" in partial else expert_degrees(model, dp, cp)  # type: ignore[call-overload]
     out = []
-    for mb in mbs:
+    for ep, mb in ((e, b) for e in eps for b in mbs):
         m = work.global_batch // (dp * int(mb))  # type: ignore[call-overload]
         scheds = schedules(model, pp, m)
         if "pipeline_schedule" in partial:
@@ -168,7 +177,8 @@ def _candidates(model: ModelConfig, partial: dict[str, object], work: Workload,
             scheds = [(s, v) for s, v in scheds if v == partial["virtual_stages"]] or [
                 ("interleaved", int(partial["virtual_stages"]))]  # type: ignore[call-overload]
         for sched, v in scheds:
-            out.append(dict(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, pipeline_schedule=sched, virtual_stages=v))
+            out.append(dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=mb, pipeline_schedule=sched,
+                            virtual_stages=v))
     return out
 
 
@@ -207,9 +217,9 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
         done: dict[object, Evaluation] = {}
         order = list(zeros)
         if order == list(ZERO):
-            # ZeRO 0, 1, 2 hold ever less (equal amounts at dp = 1): if the least of them does
-            # not fit, neither do the others, and it is also the smallest of them
-            z = 0 if int(fixed["dp"]) == 1 else 2  # type: ignore[call-overload]
+            # ZeRO 0, 1, 2 hold ever less (equal amounts at dp x cp = 1: ZeRO shards over both):
+            # if the least of them does not fit, neither do the others, and it is also the smallest
+            z = 0 if int(fixed["dp"]) * int(fixed["cp"]) == 1 else 2  # type: ignore[call-overload]
             done[z] = _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)
             if done[z].rule is None and not done[z].fits:
                 order = [z, 3]
@@ -322,8 +332,9 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, *,
     result = SearchResult([])
     top = None if top is None else max(1, top)
     found: list[tuple[list[Option], list[Evaluation]]] = []
-    for dp, tp, pp, cp in factorisations(cluster.world_size):
-        axes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
+    for dp, tp, pp, cp, ep in ((*f, e) for f in factorisations(cluster.world_size)
+                               for e in expert_degrees(model, f[0], f[3])):
+        axes = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         probe = Layout(**axes, micro_batch=max(1, min(
             b for b in MICRO_BATCHES if work.global_batch % (dp * b) == 0) if work.global_batch % dp == 0 else 1))
         rule = layout_rule_error(model, probe, work)
