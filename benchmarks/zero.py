@@ -21,6 +21,12 @@ Both ZeRO-3 and FSDP2 reshard every unit after forward, the root included
 (``reshard_after_forward=True``), so both move 2 all-gathers per micro-batch + 1 reduce-scatter.
 
     python benchmarks/zero.py [--steps 12] [--world 4] [--section.key value ...]
+
+``--offload`` compares ZeRO-3 with offloaded optimizer state in host memory (``offload-cpu``)
+and in memory-mapped files (``offload-disk``, ZeRO-Infinity), each also with the parameter
+shards offloaded (``-params``): median step time, the ratio to ``offload-cpu``, and the bytes
+each keeps after a step: optimizer state and parameter shards, and how much of them is resident
+(in host memory; for files the kernel's count of their pages in memory, ``mincore``).
 """
 
 from __future__ import annotations
@@ -140,11 +146,14 @@ def build(name: str, cfg, topo, counted: dict[str, Counted]) -> Callable[[list],
     model = Llama(cfg.model)
     model.init_weights(t.seed)
     bucket = int(cfg.parallel.bucket_mb * 2**20)
-    if name.startswith("zero"):
+    if name.startswith(("zero", "offload")):
         stage = 0 if name == "zero0" else 3
         sharded = shard_model(model, topo.dp, llama_units(model), prefetch=name == "zero3") if stage == 3 else None
+        offload = {}  # offload-cpu, offload-disk, offload-cpu-params, offload-disk-params: ZeRO-3 + offload
+        if name.startswith("offload"):
+            offload = dict(offload=True, offload_to=name.split("-")[1], offload_params=name.endswith("params"))
         opt = ZeroOptimizer(decay_groups(model, t.weight_decay), topo.dp, stage=stage, bucket_bytes=bucket,
-                            sharded=sharded, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+                            sharded=sharded, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **offload)
         no_sync, finish = opt.no_sync, opt.finish_grads
 
         def clip() -> None:
@@ -195,7 +204,66 @@ def build(name: str, cfg, topo, counted: dict[str, Counted]) -> Callable[[list],
         clip()
         opt.step()
         return float(torch.stack(losses).mean())
+    step.optimizer = opt  # type: ignore[attr-defined]
     return step
+
+
+OFFLOAD = ["offload-cpu", "offload-disk", "offload-cpu-params", "offload-disk-params"]
+
+
+def offload_worker(rank: int, world: int, steps: int, overrides: list[str], out: Any) -> None:
+    """``--offload``: ZeRO-3 with the optimizer state (and the parameter shards) in host memory
+    or in files, stepped in turn; after each step, what each keeps where (its own count of its
+    tensors, and the kernel's count of file pages in memory)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = load_config(None, [*DEFAULTS, "--parallel.dp", str(world), *overrides])
+    t = cfg.train
+    share = t.global_batch // world
+    gen = torch.Generator().manual_seed(t.seed)
+    with ParallelDims(dp=world).build("cpu") as topo:
+        systems = {n: build(n, cfg, topo, {}) for n in OFFLOAD}
+        times: dict[str, list[float]] = {n: [] for n in OFFLOAD}
+        losses: dict[str, list[float]] = {n: [] for n in OFFLOAD}
+        memory: dict[str, dict[str, int]] = {}
+        for step in range(steps + 1):  # step 0 warms up
+            tokens = torch.randint(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1), generator=gen)
+            mine = tokens[rank * share:(rank + 1) * share]
+            data = [(mine[i:i + t.micro_batch, :-1], mine[i:i + t.micro_batch, 1:]) for i in range(0, share, t.micro_batch)]
+            for name in OFFLOAD[step % len(OFFLOAD):] + OFFLOAD[:step % len(OFFLOAD)]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                losses[name].append(systems[name](data))
+                if step:
+                    times[name].append(time.perf_counter() - t0)
+                memory[name] = systems[name].optimizer.memory_bytes()  # type: ignore[attr-defined]
+    if rank == 0:
+        out.put({"times": times, "losses": losses, "memory": memory, "params": cfg.model.num_params()})
+    dist.destroy_process_group()
+
+
+def offload_main(args: argparse.Namespace, overrides: list[str]) -> None:
+    (res,) = run_ranks(offload_worker, args.world, args.steps, overrides)
+    med = {k: statistics.median(v) for k, v in res["times"].items()}
+    print(f"dp={args.world} gloo, ZeRO-3, {res['params'] / 1e6:.2f}M params; bytes of rank 0 after a step")
+    print(f"{'system':<20}{'median ms':>10}{'optim state MB':>16}{'resident MB':>13}{'param shards MB':>17}"
+          f"{'resident MB':>13}")
+    resident = {}
+    for k, m in res["memory"].items():
+        disk = k.startswith("offload-disk")
+        resident[k] = {"optim": m.get("optim_resident", m["optim_offloaded"]),
+                       "params": m["params_resident"] if k.endswith("disk-params") else m["params"]}
+        print(f"{k:<20}{1e3 * med[k]:>10.1f}{m['optim_offloaded'] / 1e6:>16.3f}{resident[k]['optim'] / 1e6:>13.3f}"
+              f"{m['params'] / 1e6:>17.3f}{resident[k]['params'] / 1e6:>13.3f}" + ("  (files)" if disk else ""))
+    same = all(res["losses"][k] == res["losses"]["offload-cpu"] for k in OFFLOAD)
+    summary = {"benchmark": "zero-offload", "world": args.world, "params": res["params"],
+               "median_step_s": {k: round(v, 5) for k, v in med.items()},
+               "time_ratio": {f"{k}/offload-cpu": round(med[k] / med["offload-cpu"], 4) for k in OFFLOAD},
+               "optim_state_bytes": {k: m["optim_offloaded"] for k, m in res["memory"].items()},
+               "resident_bytes": resident, "losses_identical": same}
+    print("time / offload-cpu: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["time_ratio"].items())
+          + f"; losses identical across all four: {same}")
+    print(json.dumps(summary))
 
 
 def worker(rank: int, world: int, steps: int, overrides: list[str], out: Any) -> None:
@@ -262,7 +330,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--offload", action="store_true",
+                    help="ZeRO-3 offload to host memory vs to disk (and parameter offload): step time and resident bytes")
     args, overrides = ap.parse_known_args()
+    if args.offload:
+        offload_main(args, overrides)
+        return
     (res,) = run_ranks(worker, args.world, args.steps, overrides)
     n, P, M = args.world, res["params"], res["micro"]
     ar = wire_bytes("all_reduce", 4 * P, n)

@@ -93,13 +93,14 @@ def test_counter_totals_snapshot_and_flight_recorder():
     assert c.snapshot() == {} and c.bytes() == 0 and len(c.recent()) == 64
     assert c.record("barrier", "dp", 0).seq == 103
     with pytest.raises(ValueError):
-        c.record("all_to_all", "dp", 1)
+        c.record("scatter", "dp", 1)
 
 
 def test_wire_bytes_ring_model():
     assert wire_bytes("all_reduce", 1000, 4) == 1500
     assert wire_bytes("reduce_scatter", 1000, 4) == 750
     assert wire_bytes("all_gather", 250, 4) == 750
+    assert wire_bytes("all_to_all", 1000, 4) == 750  # the block for itself stays
     assert wire_bytes("all_reduce", 1000, 1) == 0
     # ZeRO-3 (2 all-gathers of the shard + 1 reduce-scatter) = 1.5x one all-reduce
     n, p = 8, 8000

@@ -174,6 +174,7 @@ LAYOUTS = {
     "cp2": ["--parallel.cp", "2"],
     "tp2-sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "pp2": ["--parallel.pp", "2"],
+    "cp2-tp2-sp": ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "dp2-tp2-pp2-cp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.cp", "2"],
 }
 

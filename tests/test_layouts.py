@@ -39,6 +39,11 @@ LAYOUTS = {
     "dp2-tp2-sp": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "dp2-cp2": ["--parallel.dp", "2", "--parallel.cp", "2"],
     "cp2-tp2": ["--parallel.cp", "2", "--parallel.tp", "2"],
+    "cp2-tp2-sp": ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    "pp2-cp2-tp2-sp": ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.tp", "2",
+                       "--parallel.sequence_parallel", "true"],
+    "dp2-cp2-tp2-sp-zero1": ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2",
+                             "--parallel.sequence_parallel", "true", "--parallel.zero_stage", "1"],
     "pp2": ["--parallel.pp", "2"],
     "pp2-gpipe": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "gpipe"],
     "pp2-interleaved": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "interleaved",
@@ -74,6 +79,13 @@ LAYOUTS = {
     "dp2-zero2": ["--parallel.dp", "2", "--parallel.zero_stage", "2"],
     "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],
     "dp4-zero3-offload": ["--parallel.dp", "4", "--parallel.zero_stage", "3", "--parallel.offload_optimizer", "true"],
+    # ZeRO-Infinity: optimizer state (and ZeRO-3 parameter shards) in memory-mapped files
+    "dp2-zero2-offload-disk": ["--parallel.dp", "2", "--parallel.zero_stage", "2", "--parallel.offload_optimizer", "true",
+                               "--parallel.offload_to", "disk"],
+    "dp2-zero3-offload-disk-params": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--parallel.offload_optimizer",
+                                      "true", "--parallel.offload_to", "disk", "--parallel.offload_params", "true"],
+    "dp2-zero3-offload-params": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--parallel.offload_optimizer",
+                                 "true", "--parallel.offload_params", "true"],
     # ZeRO composed with the other axes: it shards over dp x cp, rows of each tp piece, per stage
     "dp2-tp2-sp-zero1": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
                          "--parallel.zero_stage", "1"],
@@ -102,13 +114,17 @@ def config(tmp: str, layout: list[str]):
                               "--train.run_dir", tmp, *layout])
 
 
-def _run(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
+def _run(rank: int, world: int, tmp: str, layout: list[str], steps: int = STEPS) -> dict:
     cfg = config(tmp, layout)
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
         trainer = Trainer(cfg, topo)
-        losses = [trainer.train_step(s).loss for s in range(1, STEPS + 1)]
+        results, scales = [], []
+        for s in range(1, steps + 1):
+            results.append(trainer.train_step(s))
+            scales.append(trainer.scaler.scale)
         state = trainer.engine.full_state_dict()
-        return {"losses": losses, "state": state if rank == 0 else None}
+        return {"losses": [r.loss for r in results], "skipped": [r.skipped for r in results], "scales": scales,
+                "state": state if rank == 0 else None}
 
 
 @functools.cache
@@ -127,6 +143,45 @@ def test_layout_matches_single_process(name, dist_run, tmp_path_factory):
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
     for k, v in results[0]["state"].items():
         torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# fp16 with dynamic loss scaling: the scale starts high enough that a step overflows, and grows
+# every 2 clean steps. Every layout must scale, skip and grow exactly as one process does (each
+# rank scales its micro-batches as one process scales the whole batch, so the same values
+# overflow fp16), and then train the same weights (ZeRO unscales its shards of the gradients).
+# Tolerances: tp and cp split matmuls whose fp16 outputs then round differently, so losses are
+# held to fp16's unit roundoff 2^-11 relative (measured: 2e-5). Weights: those fp16 roundings
+# (2^-11 of a gradient) reach every entry, and Adam turns them into up to its whole step lr in
+# entries whose gradient cancels to noise, so each tensor's training update (weights minus
+# initial weights) is held to 5% relative L2 of one process's, and every entry to Adam's bound
+# of 1.2 lr per step (|m| / sqrt(v) <= (1 - b1) / sqrt((1 - b2)(1 - b1^2 / b2)) = 1.17 at
+# b1 = 0.9, b2 = 0.95). A layout bug (a lost reduction, a wrong scale) changes updates by O(1).
+FP16 = ["--train.precision", "fp16", "--train.loss_scale_init", "131072", "--train.loss_scale_window", "2"]
+FP16_STEPS = 5
+FP16_LAYOUTS = ["dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "dp4-zero3-offload", "dp2-cp2-zero2",
+                "dp2-tp2-sp-zero1", "dp2-pp2-zero1"]
+
+
+@functools.cache
+def fp16_reference(tmp: str) -> dict:
+    return {**_run(0, 1, tmp, FP16, FP16_STEPS), "init": _run(0, 1, tmp, FP16, 0)["state"]}
+
+
+@pytest.mark.parametrize("name", FP16_LAYOUTS)
+def test_fp16_layout_matches_single_process(name, dist_run, tmp_path_factory):
+    tmp = str(tmp_path_factory.getbasetemp() / "layouts-fp16")
+    ref = fp16_reference(tmp)
+    assert any(ref["skipped"]) and not all(ref["skipped"])  # an overflow is skipped, the others step
+    assert max(ref["scales"]) > ref["scales"][0]  # and the scale grows
+    layout = [*LAYOUTS[name], *FP16]
+    results = dist_run(config(tmp, layout).parallel.world_size, _run, tmp, layout, FP16_STEPS)
+    for rank, r in enumerate(results):
+        assert (r["skipped"], r["scales"]) == (ref["skipped"], ref["scales"]), f"rank {rank}"
+        assert r["losses"] == pytest.approx(ref["losses"], rel=2.0**-11), f"rank {rank}"
+    for k, v in results[0]["state"].items():
+        update = ref["state"][k] - ref["init"][k]
+        assert float((v - ref["state"][k]).norm()) <= 0.05 * float(update.norm()), k
+        assert float((v - ref["state"][k]).abs().max()) <= 1.2 * LR * FP16_STEPS, k
 
 
 def _save_at_step_2(rank: int, world: int, tmp: str, layout: list[str]) -> None:
@@ -151,6 +206,7 @@ def _resume(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
 
 @pytest.mark.parametrize("saved, loaded", [("tp2", "tp4"), ("dp2-tp2", "one"), ("tp4-sp", "tp2"),
                                            ("dp4-zero3-offload", "dp2-zero1"), ("dp2-tp2-zero3", "dp2-tp2-pp2-zero2"),
+                                           ("dp2-zero3-offload-disk-params", "dp2-zero2-offload-disk"),
                                            ("dp2-tp2-pp2-zero2", "tp2")])
 def test_checkpoint_reshards_across_layouts(saved, loaded, dist_run, tmp_path):
     """Saved at step 2 under one layout, continued under another: same as never changing."""

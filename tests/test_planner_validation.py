@@ -109,6 +109,7 @@ ACT_LAYOUTS: dict[str, list[str]] = {
                            "--parallel.sequence_parallel", "true", "--train.precision", "bf16"],
     "pp4-1f1b": ["--parallel.pp", "4"],
     "pp2-tp2-sp": ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    "cp2-tp2-sp": ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "single-recompute-full": ["--parallel.recompute", "full"],
     "single-recompute-selective": ["--parallel.recompute", "selective"],
     "tp2-sp-recompute-full": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
@@ -208,19 +209,35 @@ def _measure_activations(rank: int, world: int, names: list[str]) -> dict[str, t
 # benchmarks/planner_validation.py checks all of them.
 COMM_LAYOUTS = ["dp2", "tp2-sp", "cp2", "pp2-interleaved", "dp2-zero3", "dp4-hierarchical", "cp2-tp2",
                 "dp2-tp2-sp-zero1", "dp2-cp2-zero2", "dp2-tp2-pp2-zero2", "dp2-tp2-pp2-interleaved-sp",
-                "dp2-tp2-pp2-cp2-zb", "dp2-pp2-zbv-tp2", "dp2-tp2-sp-recompute-full", "cp2-recompute-selective", "pp2-zb-recompute-full"]
+                "dp2-tp2-pp2-cp2-zb", "dp2-pp2-zbv-tp2", "dp2-tp2-sp-recompute-full", "cp2-recompute-selective", "pp2-zb-recompute-full",
+                "pp2-cp2-tp2-sp", "dp2-int8", "dp2-cp2-zero2-int8", "dp2-tp2-zero3-int8", "dp2-zero1-bf16",
+                "dp2-zero3-fp16", "dp2-zero3-offload-disk-params"]
+# Gradient compression changes the result, so these are not in the invariance matrix; their
+# traffic is (and fp16's overflow flag with ZeRO, whose layouts test_layouts runs at another scale).
+COMPRESSED = {"dp2-zero3-fp16": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--train.precision", "fp16"],
+              "dp2-int8": ["--parallel.dp", "2", "--parallel.grad_compression", "int8"],
+              "dp2-cp2-zero2-int8": ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.zero_stage", "2",
+                                     "--parallel.grad_compression", "int8"],
+              "dp2-tp2-zero3-int8": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.zero_stage", "3",
+                                     "--parallel.grad_compression", "int8"],
+              "dp2-zero1-bf16": ["--parallel.dp", "2", "--parallel.zero_stage", "1",
+                                 "--parallel.grad_compression", "bf16"]}
+
+
+def _comm_config(tmp: str, name: str):
+    from test_layouts import LAYOUTS, config
+
+    return config(tmp, COMPRESSED[name] if name in COMPRESSED else LAYOUTS[name])
 
 
 def _count_step(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int, dict[str, int]]]:
     """Per layout: (pipeline rank, dp x cp rank, payload bytes per axis of one train step after a
     warm-up step)."""
-    from test_layouts import LAYOUTS, config
-
     from hybridpar.training.trainer import Trainer
 
     out = {}
     for name in names:
-        cfg = config(tmp, LAYOUTS[name])
+        cfg = _comm_config(tmp, name)
         with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
             trainer = Trainer(cfg, topo)
             trainer.train_step(1)
@@ -246,9 +263,7 @@ class Runs:
         self.done: dict[int, list[tuple[dict, dict]]] = {}
 
     def comm_world(self, name: str) -> int:
-        from test_layouts import LAYOUTS, config
-
-        return config(self.tmp, LAYOUTS[name]).parallel.world_size
+        return _comm_config(self.tmp, name).parallel.world_size
 
     def __call__(self, world: int) -> list[tuple[dict, dict]]:
         if world not in self.done:
@@ -271,9 +286,7 @@ class Runs:
 
     def comm(self, name: str) -> list[tuple[int, dict[str, int], dict[str, int]]]:
         """``(pipeline rank, counted, predicted)`` payload bytes per axis of every rank."""
-        from test_layouts import LAYOUTS, config
-
-        cfg = config(self.tmp, LAYOUTS[name])
+        cfg = _comm_config(self.tmp, name)
         layout, work = from_config(cfg)
         node = cfg.parallel.node_size if cfg.parallel.hierarchical_dp else 0
         rows = []
@@ -408,6 +421,12 @@ def _every_zero_stage(model, fixed, work, cluster, sp):
             smallest = ev if smallest is None or ev.shortfall_gib < smallest.shortfall_gib else smallest
         if fits:
             return fits, fits[0]
+    for where, params in S.OFFLOAD_LADDER:  # nothing fits on the GPUs: offload, the first that fits
+        ev = S._memory_only(model, Layout(**fixed, sequence_parallel=sp, recompute=S.RECOMPUTE[-1], zero_stage=3,
+                                          offload_optimizer=True, offload_to=where, offload_params=params),
+                            work, cluster)
+        if ev.fits:
+            return [ev], ev
     return [], smallest
 
 
@@ -426,7 +445,7 @@ def test_pruned_search_equals_exhaustive():
         cluster = Cluster.of(GPUS["H100-SXM"], gpus, 8)
         for dp, tp, pp, cp in factorisations(gpus):
             axes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
-            sp = tp > 1 and cp == 1
+            sp = tp > 1 and work.seq_len % (tp * (2 * cp if cp > 1 else 1)) == 0
             for fixed in S._candidates(model, axes, work, cluster):
                 got, want = S._fitting_options(model, axes, fixed, work, cluster), \
                     _every_zero_stage(model, fixed, work, cluster, sp)

@@ -58,21 +58,51 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
     assert trainer.scaler.scale < 2.0**20
 
 
-def _one_rank_overflows(rank: int, world: int, tmp: str) -> tuple[bool, bool, float]:
-    trainer = make(__import__("pathlib").Path(tmp), "--train.precision", "fp16", dp=world)
-    if rank == 1:  # only this rank's gradient overflows
-        trainer.model.norm.weight.register_hook(lambda g: g * float("inf"))
-    before = snapshot(trainer)
+def _one_rank_overflows(rank: int, world: int, tmp: str, extra: list[str]) -> tuple[bool, bool, float, bool]:
+    trainer = make(__import__("pathlib").Path(tmp), "--train.precision", "fp16", *extra, dp=world)
+    if rank == 1:  # only this rank's gradient overflows (a hook on an activation: any ZeRO stage)
+        trainer.model.norm.register_forward_hook(lambda _m, _i, out: out.register_hook(lambda g: g * float("inf"))
+                                                 and None)
+    before = trainer.engine.full_state_dict()
     result = trainer.train_step(1)
-    weights, _ = snapshot(trainer)
-    unchanged = all(torch.equal(weights[k], v) for k, v in before[0].items())
+    after = trainer.engine.full_state_dict()
+    unchanged = all(torch.equal(after[k], v) for k, v in before.items())
+    residuals = trainer.optimizer.residuals().values()  # int8: the overflowed step's feedback is dropped
+    clean = all(bool((r == 0).all()) for r in residuals)
     trainer.topo.close()
-    return result.skipped, unchanged, trainer.scaler.scale
+    return result.skipped, unchanged, trainer.scaler.scale, clean
 
 
-def test_one_ranks_overflow_skips_the_step_everywhere(tmp_path, dist_run):
-    results = dist_run(2, _one_rank_overflows, str(tmp_path))
-    assert results == [(True, True, 2.0**15)] * 2
+@pytest.mark.parametrize("extra", [[], ["--parallel.zero_stage", "1"], ["--parallel.zero_stage", "2"],
+                                   ["--parallel.zero_stage", "3"],
+                                   ["--parallel.zero_stage", "2", "--parallel.grad_compression", "int8"],
+                                   ["--parallel.grad_compression", "int8"]])
+def test_one_ranks_overflow_skips_the_step_everywhere(tmp_path, dist_run, extra):
+    """Under every ZeRO stage the overflow is seen in this rank's shard of the reduced gradient
+    and the decision is taken by all ranks alike: no weight changes anywhere, the scale halves."""
+    results = dist_run(2, _one_rank_overflows, str(tmp_path), extra)
+    assert results == [(True, True, 2.0**15, True)] * 2
+
+
+def _int8_residuals_after_step_1(rank: int, world: int, tmp: str, window: int) -> list[torch.Tensor]:
+    trainer = make(__import__("pathlib").Path(tmp), "--train.precision", "fp16", "--train.loss_scale_init", "512",
+                   "--train.loss_scale_window", str(window), "--parallel.grad_compression", "int8", dp=world)
+    assert not trainer.train_step(1).skipped
+    out = [r.clone() for r in trainer.optimizer.residuals().values()]
+    assert trainer.scaler.scale == (1024 if window == 1 else 512)
+    trainer.topo.close()
+    return out
+
+
+def test_int8_residuals_follow_the_loss_scale(tmp_path, dist_run):
+    """The error feedback is in scaled-gradient units: when step 1 doubles the scale (window 1),
+    the residual it carries is exactly twice the one a run keeping the scale carries."""
+    kept = dist_run(2, _int8_residuals_after_step_1, str(tmp_path / "a"), 1000)
+    doubled = dist_run(2, _int8_residuals_after_step_1, str(tmp_path / "b"), 1)
+    for a, b in zip(kept, doubled, strict=True):
+        assert a and any(bool(r.abs().max() > 0) for r in a)
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(y, 2 * x)
 
 
 def nan_at(trainer: Trainer, steps: set[int]) -> None:

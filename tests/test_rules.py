@@ -23,7 +23,7 @@ def test_rule_names_are_unique_and_named_by_area():
     names = [r.name for r in RULES]
     assert len(names) == len(set(names))
     assert all(n.split("-")[0] in {"model", "parallel", "hierarchical", "train", "seq", "dp", "tp", "pp",
-                                   "virtual", "microbatches", "interleaved", "cp", "sp", "world", "offload",
+                                   "virtual", "microbatches", "interleaved", "cp", "sp", "world", "offload", "ep",
                                    "zero3", "zero"} for n in names)
 
 
@@ -31,7 +31,8 @@ def test_rule_names_are_unique_and_named_by_area():
     (["--parallel.tp", "3"], "tp-divides-heads"),
     (["--parallel.tp", "8"], "tp-whole-kv-heads"),
     (["--parallel.pp", "16"], "pp-layer-per-chunk"),
-    (["--parallel.cp", "2", "--parallel.sequence_parallel", "true", "--parallel.tp", "2"], "cp-without-sp"),
+    (["--parallel.cp", "2", "--parallel.sequence_parallel", "true", "--parallel.tp", "2", "--train.seq_len", "132"],
+     "sp-seq-len"),
     (["--parallel.zero_stage", "3", "--parallel.pp", "2"], "zero3-without-pp"),
     (["--model.family", "gpt2"], "model-gpt2-shape"),
 ])

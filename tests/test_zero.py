@@ -84,11 +84,12 @@ def reference(steps: int = STEPS) -> dict:
 
 
 def build(topo, stage: int, *, offload: bool = False, dtype: torch.dtype = torch.float32,
-          bucket_bytes: int = 2**14, reduce_dtype: torch.dtype | None = None, model: nn.Module | None = None):
+          bucket_bytes: int = 2**14, reduce_dtype: torch.dtype | None = None, model: nn.Module | None = None,
+          **options):
     model = model if model is not None else make_model(dtype)
     sharded = shard_model(model, topo.dp, llama_units(model), reduce_dtype) if stage == 3 else None
     opt = ZeroOptimizer(decay_groups(model, WD), topo.dp, stage=stage, offload=offload, bucket_bytes=bucket_bytes,
-                        reduce_dtype=reduce_dtype, sharded=sharded, **OPT)
+                        reduce_dtype=reduce_dtype, sharded=sharded, **options, **OPT)
     return model, opt, sharded
 
 

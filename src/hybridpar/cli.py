@@ -26,6 +26,7 @@ from hybridpar.training.errors import NonFiniteLossError
 
 if TYPE_CHECKING:
     from hybridpar.distributed.mesh import Topology
+    from hybridpar.training.elastic import LayoutChange
 
 LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -62,6 +63,17 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=None, metavar="K",
                    help="with local processes: when one fails, restart all of them up to K times; each "
                    "restart continues from the latest complete checkpoint (train.auto_resume)")
+    p.add_argument("--elastic", default=None, metavar="MIN:MAX",
+                   help="elastic job of MIN to MAX processes: a restart with another world size re-plans the "
+                   "layout and continues from the latest complete checkpoint (also inside torchrun --nnodes A:B)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="with --elastic: join the other nodes' launchers at HOST:PORT (c10d rendezvous; "
+                   "this node runs --nproc of the processes)")
+    p.add_argument("--rdzv-id", default=None, metavar="ID",
+                   help="with --rdzv-endpoint: the job's id, the same on every node (default: from train.run_dir)")
+    p.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                   help="with --elastic: torch's c10d rendezvous settings, as torchrun's --rdzv-conf (e.g. "
+                   "last_call_timeout=5,keep_alive_interval=1: how long to wait for more nodes and to notice a lost one)")
     return p
 
 
@@ -79,15 +91,31 @@ def cmd_train(argv: list[str]) -> int:
         if args.max_restarts is not None:
             raise ConfigError("--max-restarts cannot be combined with an external torchrun launch; "
                               "pass --max-restarts to torchrun instead")
-        if cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
+        if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
+            raise ConfigError("--rdzv-endpoint / --rdzv-id / --rdzv-conf are the local launcher's; under torchrun "
+                              "pass them to torchrun instead")
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+        change = None
+        if args.elastic is not None:  # every rank plans the same layout for this world; rank 0 says why
+            from hybridpar.training.elastic import WorldRange, plan_for_world, shared_store_warning
+
+            WorldRange.parse(args.elastic).check(world)
+            cfg, change = plan_for_world(cfg, world, local, verbose=os.environ["RANK"] == "0")
+            if (warning := shared_store_warning(os.environ)) is not None:
+                print(f"hybridpar: warning: {warning}", file=sys.stderr)
+        elif cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
             from hybridpar.planner.auto import auto_config
 
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
-            cfg = auto_config(cfg, int(os.environ["WORLD_SIZE"]), local, verbose=os.environ["RANK"] == "0")
-        resume = _preflight(cfg, int(os.environ["WORLD_SIZE"]), args.resume)
-        # a torchrun restart after a lost rank continues from the newest complete checkpoint
-        auto = cfg.train.auto_resume and restart_count() > 0
-        return _run_worker(cfg, resume, auto_resume=auto)
+            cfg = auto_config(cfg, world, local, verbose=os.environ["RANK"] == "0")
+        resume = _preflight(cfg, world, args.resume)
+        # a torchrun restart after a lost rank continues from the newest complete checkpoint; an
+        # elastic job always does (a node joining restarts the workers without counting a restart)
+        auto = change is not None or (cfg.train.auto_resume and restart_count() > 0)
+        return _run_worker(cfg, resume, auto_resume=auto, elastic=change)
+    if args.elastic is not None:
+        return _launch_elastic(cfg, args, argv)
+    if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
+        raise ConfigError("--rdzv-endpoint, --rdzv-id and --rdzv-conf need --elastic MIN:MAX (the job's world sizes)")
     if cfg.parallel.auto:  # plan here, once; launched workers get the layout pinned
         from hybridpar.planner.auto import auto_config, layout_overrides
 
@@ -108,6 +136,42 @@ def cmd_train(argv: list[str]) -> int:
                         run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv])
 
 
+def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
+    """``hybridpar train --elastic MIN:MAX [--nproc N] [--rdzv-endpoint HOST:PORT]``: this node's
+    launcher of an elastic job (torch's elastic agent, c10d rendezvous). Every world size the
+    nodes can form is planned here first, so a job that could never run is refused before launch."""
+    from hybridpar.training.elastic import (
+        WorldRange,
+        default_rdzv_id,
+        elastic_nodes,
+        parse_rdzv_conf,
+        plan_for_world,
+    )
+
+    span = WorldRange.parse(args.elastic)
+    nproc = args.nproc if args.nproc is not None else span.max
+    nodes = elastic_nodes(span, nproc, multi_node=args.rdzv_endpoint is not None)
+    for n in range(nodes[0], nodes[1] + 1):
+        planned, _ = plan_for_world(cfg, n * nproc, nproc)
+        _preflight(planned, n * nproc, args.resume, local=nproc)
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
+    from hybridpar.distributed.launch import Rendezvous, launch_local
+
+    run_dir = Path(cfg.train.run_dir)
+    rdzv = Rendezvous(nodes[0], nodes[1], args.rdzv_endpoint or "localhost:0",
+                      args.rdzv_id or default_rdzv_id(run_dir, args.rdzv_endpoint), parse_rdzv_conf(args.rdzv_conf))
+    worlds = f"{nodes[0] * nproc}" if nodes[0] == nodes[1] else f"{nodes[0] * nproc} to {nodes[1] * nproc}"
+    print(f"hybridpar: elastic job of {worlds} processes: {nproc} on this node"
+          + (f", rendezvous at {args.rdzv_endpoint} (job {rdzv.run_id})" if args.rdzv_endpoint else ""), flush=True)
+    restarts = args.max_restarts if args.max_restarts is not None else ELASTIC_RESTARTS
+    return launch_local(nproc, ["train", *_strip_nproc(argv)], max_restarts=restarts, run_dir=run_dir,
+                        command=["hybridpar", "train", *argv], rendezvous=rdzv)
+
+
+ELASTIC_RESTARTS = 3  # restarts after failures (a lost node counts one) when --elastic has no --max-restarts
+
+
 def _hf_model(path: str) -> ModelConfig:
     """The model (family and shape) of a Hugging Face directory given as ``train.init_from``."""
     from hybridpar.models.hf import model_config_from_hf
@@ -115,30 +179,34 @@ def _hf_model(path: str) -> ModelConfig:
     return model_config_from_hf(path)
 
 
+LAUNCHER_ONLY = ("--nproc", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")
+
+
 def _strip_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without the options that only the local launcher reads (--nproc, --max-restarts)."""
+    """``argv`` without the options that only the local launcher reads (:data:`LAUNCHER_ONLY`)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("--nproc", "--max-restarts"):
+        if a in LAUNCHER_ONLY:
             skip = True
             continue
-        if a.startswith(("--nproc=", "--max-restarts=")):
+        if a.startswith(tuple(f"{o}=" for o in LAUNCHER_ONLY)):
             continue
         out.append(a)
     return out
 
 
-def _preflight(cfg: Config, world_size: int, resume: str | None) -> Path | None:
+def _preflight(cfg: Config, world_size: int, resume: str | None, local: int | None = None) -> Path | None:
     """Every check that needs no process group: layout for this world size, the data, the
     checkpoint to resume. (``train.init_from``'s model already comes from its ``config.json``:
-    ``load_config`` read it.) Returns the checkpoint path to resume from."""
+    ``load_config`` read it.) ``local``: the processes on this node when a launcher here starts
+    only some of the world (default: all, or the launcher's). Returns the checkpoint path to resume from."""
     validate(cfg, world_size=world_size)
     from hybridpar.distributed.device import local_world_size, resolve_device_type
 
-    resolve_device_type(cfg.train.device, local_world_size() if under_launcher() else world_size)
+    resolve_device_type(cfg.train.device, local or (local_world_size() if under_launcher() else world_size))
     for warning in config_warnings(cfg):
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
     from hybridpar.data.dataset import check_documents, check_seq_len, check_tokenizer, read_meta
@@ -170,10 +238,12 @@ def _checkpoint_step(path: Path) -> int:
     return int(read_info(path)["step"])
 
 
-def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False) -> int:
+def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False,
+                elastic: LayoutChange | None = None) -> int:
     """Train in this process (one rank of a launched job, or the whole run). Returns the exit
     status: 0 done, 128 + N stopped by signal N after a complete checkpoint; a user error is
-    raised, or (under the local launcher) reported to it and answered with its status."""
+    raised, or (under the local launcher) reported to it and answered with its status.
+    ``elastic``: the layout an elastic job planned for this world (recorded in the run)."""
     from hybridpar.distributed import device as devices
     from hybridpar.distributed import flight, lifecycle
     from hybridpar.distributed.mesh import (
@@ -182,6 +252,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
         destroy_distributed,
         init_distributed,
     )
+    from hybridpar.training.elastic import check_same_plan, peer_lost
     from hybridpar.training.trainer import Trainer
 
     if under_launcher():
@@ -194,13 +265,15 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
     clean = False
     with lifecycle.StopRequest().installed() as stop:
         try:
+            if elastic is not None and elastic.world > 1:  # ranks planned alone: agree before the mesh
+                check_same_plan(cfg, elastic.world, device.type)
             topo = ParallelDims.from_config(cfg.parallel).build(device.type)
             if topo.world_size > 1:  # a rank signalled while stuck in a collective leaves a record
                 counter = topo.comm.counter
                 stop.on_signal = lambda sig: flight.dump(counter, run_dir, rank,
                                                         f"signal {lifecycle.signal_name(sig)} received")
             if auto_resume:
-                resume = _agreed_latest_checkpoint(topo, run_dir, resume)
+                resume = _agreed_latest_checkpoint(topo, run_dir, resume, elastic)
                 if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
                     if topo.rank == 0:
                         print(f"hybridpar: restarted, but {resume} already holds the final step "
@@ -208,9 +281,11 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                     clean = True
                     return 0
             try:
-                Trainer(cfg, topo, device, stop=stop).fit(resume)
+                Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
             except lifecycle.Preempted as p:
-                if topo.rank == 0:
+                if topo.rank == 0 and elastic is not None:  # e.g. a node joined: the agent restarts the job
+                    print(f"hybridpar: elastic: {p}; the launcher restarts the job", file=sys.stderr, flush=True)
+                elif topo.rank == 0:
                     print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
                           file=sys.stderr, flush=True)
                 clean = True
@@ -228,6 +303,10 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                 if stop.signum or lifecycle.reported_elsewhere(rank):  # a consequence, not the cause
                     print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
                           file=sys.stderr, flush=True)
+                    return 1
+                if elastic is not None and (lost := peer_lost(e)):  # what an elastic job expects: one line
+                    print(f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job "
+                          "on the processes left", file=sys.stderr, flush=True)
                     return 1
                 print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}",
                       file=sys.stderr)
@@ -251,7 +330,8 @@ def _teardown(topo: Topology | None, orderly: bool) -> None:
     topo.close()
 
 
-def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None) -> Path | None:
+def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None,
+                              elastic: LayoutChange | None = None) -> Path | None:
     """The newest complete checkpoint in ``run_dir`` as rank 0 sees it, the same on every rank (a
     broadcast of its step), else ``fallback`` (``--resume``; None: start over). Used when torchrun
     restarted the job after a failure (``train.auto_resume``). Newer checkpoints that fail their
@@ -264,6 +344,7 @@ def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | No
         recover,
         step_dir,
     )
+    from hybridpar.training.elastic import processes
 
     found = None
     if topo.rank == 0:  # the others wait in the broadcast while rank 0 tidies and checks the checksums
@@ -276,7 +357,10 @@ def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | No
     chosen = step_dir(run_dir, int(step)) if int(step) >= 0 else fallback
     if topo.rank == 0:
         what = f"resuming from {chosen}" if chosen else "no complete checkpoint yet, starting over"
-        print(f"hybridpar: restart {restart_count()} of the job (torchrun --max-restarts): {what}", flush=True)
+        if elastic is not None:
+            print(f"hybridpar: elastic: {processes(topo.world_size)}, layout {elastic.layout}: {what}", flush=True)
+        else:
+            print(f"hybridpar: restart {restart_count()} of the job (torchrun --max-restarts): {what}", flush=True)
     return chosen
 
 

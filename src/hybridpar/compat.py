@@ -128,3 +128,63 @@ def flash_attention_cpu(namespace: Any = None) -> tuple[Any, Any] | None:
     if fwd is None or bwd is None:
         return None
     return fwd, bwd
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (``_grouped_mm``'s CPU
+    backward rejects expanded gradients such as the one of ``y.sum()``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return dy.contiguous()
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``cat([x_e @ w[e].T for each expert e])`` where ``x_e`` are the next ``counts[e]`` rows of
+    ``x [N, in]`` (rows sorted by expert) and ``w [E, out, in]``: the experts' matmul in one call.
+
+    Why private: ``torch._grouped_mm`` (one kernel for all experts, variable group sizes, with
+    autograd) has no public equivalent. Where this torch lacks it or rejects the inputs (dtype,
+    device), a loop over the non-empty segments computes the same products.
+
+    Checked on: torch 2.13.0 (CPU: fp32 and bf16, forward and backward).
+    """
+    if len(counts) != w.shape[0]:
+        raise ValueError(f"grouped_mm: {len(counts)} group sizes for {w.shape[0]} experts")
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is not None and x.shape[0] > 0 and x.dtype == w.dtype:
+        offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x.device)
+        try:
+            return _ContiguousGrad.apply(fn(x, w.transpose(-2, -1), offs=offsets))
+        except (RuntimeError, NotImplementedError):
+            pass
+    return grouped_mm_loop(x, w, counts)
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The reference (and fallback) of :func:`grouped_mm`: one matmul per non-empty segment."""
+    parts, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            parts.append(x[start:start + n] @ w[e].transpose(0, 1))
+        start += n
+    if not parts:
+        # keep the graph to w and to x: a rank whose experts got no rows must still run the
+        # backward of the all-to-all that delivered them (its peers wait in it)
+        return x.new_zeros((0, w.shape[1])) + 0 * w.sum() + 0 * x.sum()
+    return torch.cat(parts)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now (e.g. recomputing a checkpointed
+    forward), so statistics recorded in a forward are not counted twice.
+
+    Why private: ``torch._C._current_graph_task_id`` is the only way to ask; -1 outside backward.
+
+    Checked on: torch 2.13.0.
+    """
+    return torch._C._current_graph_task_id() != -1

@@ -20,6 +20,9 @@ from hybridpar.errors import UserError
 Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
 Recompute = Literal["none", "selective", "full"]
+GradCompression = Literal["none", "bf16", "fp16", "int8"]
+OffloadTarget = Literal["cpu", "disk"]
+RouterScore = Literal["softmax", "sigmoid"]
 
 
 class ConfigError(UserError):
@@ -29,9 +32,10 @@ class ConfigError(UserError):
 @dataclass
 class ModelConfig:
     """A decoder's shape. ``family`` names its folder under ``hybridpar.models`` (``llama``,
-    ``qwen2``, ``qwen3``, ``mistral``, ``gpt2``); ``preset`` names the published shape the others
-    started from. ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3) and ``kv_channels`` (a head size other
-    than ``dim / n_heads``, 0 = that) are the features some families add to Llama's."""
+    ``qwen2``, ``qwen3``, ``mistral``, ``mixtral``, ``qwen3_moe``, ``gpt2``); ``preset`` names the
+    published shape the others started from. ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3) and
+    ``kv_channels`` (a head size other than ``dim / n_heads``, 0 = that) are the features some
+    families add to Llama's."""
 
     preset: str = "tiny"
     family: str = "llama"
@@ -48,10 +52,48 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     kv_channels: int = 0
+    # Mixture of experts (``n_experts`` 0: dense). Routed experts are SwiGLU MLPs of
+    # ``moe_ffn_hidden`` (0: ``ffn_hidden``); ``n_shared_experts`` of them run on every token.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    n_shared_experts: int = 0
+    moe_ffn_hidden: int = 0
+    moe_layers: str = ""  # which layers are MoE: "" = all, else e.g. "1,3,5" (the others dense)
+    router_score: RouterScore = "softmax"
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    aux_loss_coef: float = 0.01  # load-balancing loss (Switch / GShard) per MoE layer
+    z_loss_coef: float = 0.0  # router z-loss (ST-MoE) per MoE layer
+    bias_update_rate: float = 0.0  # > 0: DeepSeek-V3's auxiliary-loss-free balancing bias, this step size
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.dim // self.n_heads
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden size of one routed (or shared) expert."""
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Indices of the MoE layers (none for a dense model)."""
+        if self.n_experts == 0:
+            return ()
+        if not self.moe_layers.strip():
+            return tuple(range(self.n_layers))
+        return tuple(sorted({int(x) for x in self.moe_layers.split(",") if x.strip()}))
+
+    def _ffn_params(self, layer: int) -> int:
+        if layer not in self.moe_layer_ids():
+            return 3 * self.dim * self.ffn_hidden
+        routed = self.n_experts * 3 * self.dim * self.expert_hidden
+        return routed + self.n_experts * self.dim + self.n_shared_experts * 3 * self.dim * self.expert_hidden
+
+    def active_ffn_params(self, layer: int) -> int:
+        """Parameters one token's FFN uses in ``layer`` (top-k routed + shared experts + router)."""
+        if layer not in self.moe_layer_ids():
+            return 3 * self.dim * self.ffn_hidden
+        used = (self.experts_per_token + self.n_shared_experts) * 3 * self.dim * self.expert_hidden
+        return used + self.n_experts * self.dim
 
     def layer_params(self) -> int:
         """Exact parameter count of one decoder layer of this family."""
@@ -65,12 +107,13 @@ class ModelConfig:
         return attn + 3 * self.dim * self.ffn_hidden + 2 * self.dim
 
     def num_params(self) -> int:
-        """Exact parameter count of this family's model for this shape."""
+        """Exact parameter count of this family's model for this shape (every expert counted)."""
         embed = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         final_norm = 2 * self.dim if self.family == "gpt2" else self.dim
         positions = self.max_seq_len * self.dim if self.family == "gpt2" else 0
-        return self.n_layers * self.layer_params() + embed + head + final_norm + positions
+        moe = sum(self._ffn_params(i) - 3 * self.dim * self.ffn_hidden for i in self.moe_layer_ids())
+        return self.n_layers * self.layer_params() + moe + embed + head + final_norm + positions
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul parameters + 12 x n_layers x dim x seq_len.
@@ -81,6 +124,8 @@ class ModelConfig:
         matmul_params = self.n_layers * (2 * self.dim * self.n_heads * self.head_dim
                                          + 2 * self.dim * self.n_kv_heads * self.head_dim
                                          + (2 if self.family == "gpt2" else 3) * self.dim * self.ffn_hidden)
+        # MoE layers: the experts a token is routed to (plus shared ones and the router), not all
+        matmul_params += sum(self.active_ffn_params(i) - 3 * self.dim * self.ffn_hidden for i in self.moe_layer_ids())
         matmul_params += self.vocab_size * self.dim  # the head, tied or not
         return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
@@ -91,6 +136,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # Every layout up to 16 ranks fits: heads/kv-heads powers of two, 8 layers, 256-byte vocab.
     "tiny": dict(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=384, vocab_size=256,
                  max_seq_len=1024, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
+    # tiny's shape with 8 experts of 192 (2 routed per token) in every layer, a tiny Mixtral: MoE tests and demo
+    "tiny-moe": dict(family="mixtral", dim=128, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=384, vocab_size=256,
+                     max_seq_len=1024, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False,
+                     n_experts=8, experts_per_token=2, moe_ffn_hidden=192),
+    "mixtral-8x7b": dict(family="mixtral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                         vocab_size=32000, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5,
+                         tie_embeddings=False, n_experts=8, experts_per_token=2, moe_ffn_hidden=14336,
+                         aux_loss_coef=0.02),
     "llama3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
                       tie_embeddings=False),
@@ -137,10 +190,16 @@ class LayoutChoice(MeshAxes):
 
     zero_stage: int = 0
     offload_optimizer: bool = False
+    offload_to: OffloadTarget = "cpu"  # where offloaded state lives: host memory, or files (ZeRO-Infinity)
+    offload_params: bool = False  # ZeRO-3: parameter shards offloaded too (to offload_to)
+    ep: int = 1  # expert parallelism: experts sharded over ep ranks carved out of dp x cp
     pipeline_schedule: Schedule = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Recompute = "none"
+    # data-parallel gradient payload: int8 (block-wise, error feedback; any ZeRO stage) or
+    # bf16/fp16 (ZeRO stages 1-3); see hybridpar.distributed.compression
+    grad_compression: GradCompression = "none"
 
 
 @dataclass
@@ -151,6 +210,7 @@ class ParallelConfig(LayoutChoice):
     bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
     hierarchical_dp: bool = False  # dp gradients: reduce-scatter in node, all-reduce across, all-gather
     node_size: int = 0  # ranks per node for hierarchical_dp; 0 = the launcher's LOCAL_WORLD_SIZE
+    offload_dir: str = ""  # offload_to = "disk": where the files go; "" = the system temporary directory
     auto: bool = False  # train: the planner picks dp/tp/pp/cp, ZeRO stage, schedule, micro-batch for the world size
     stage_layers: str = ""  # pipeline: layers per stage in model order by hand, e.g. "4,8,8,6"; "" = even split
 

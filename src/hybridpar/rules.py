@@ -34,6 +34,9 @@ class Rule:
 
 RULES: list[Rule] = []
 
+#: the model families whose layers may be mixtures of experts (their Hugging Face mapping knows experts)
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+
 
 def rule(name: str) -> Callable[[Check], Check]:
     """Register the decorated check as rule ``name`` (in definition order)."""
@@ -114,13 +117,38 @@ def _constants(cfg: Config, world: int | None) -> str | None:
     return None if m.rope_theta > 0 and m.norm_eps > 0 else "model.rope_theta and model.norm_eps must be > 0"
 
 
+@rule("model-moe-shape")
+def _moe_shape(cfg: Config, world: int | None) -> str | None:
+    m = cfg.model
+    if m.n_experts < 0 or m.n_shared_experts < 0 or m.moe_ffn_hidden < 0:
+        return "model.n_experts, model.n_shared_experts and model.moe_ffn_hidden must be >= 0"
+    if m.n_experts == 0:
+        return None
+    if not 1 <= m.experts_per_token <= m.n_experts:
+        return (f"model.experts_per_token = {m.experts_per_token} must be between 1 and model.n_experts = "
+                f"{m.n_experts}")
+    if m.family not in MOE_FAMILIES:
+        return (f"model.n_experts = {m.n_experts} needs a mixture-of-experts family (model.family one of "
+                f"{', '.join(MOE_FAMILIES)}), not {m.family!r}: e.g. --model.family mixtral")
+    try:
+        layers = m.moe_layer_ids()
+    except ValueError:
+        return f"model.moe_layers = {m.moe_layers!r} must be comma-separated layer indices, e.g. \"1,3,5\" (\"\" = all)"
+    bad = [i for i in layers if not 0 <= i < m.n_layers]
+    if bad:
+        return f"model.moe_layers = {m.moe_layers!r} names layer {bad[0]}, outside 0..{m.n_layers - 1}"
+    if m.aux_loss_coef < 0 or m.z_loss_coef < 0 or m.bias_update_rate < 0:
+        return "model.aux_loss_coef, model.z_loss_coef and model.bias_update_rate must be >= 0"
+    return None
+
+
 # ----------------------------------------------------------------------------- settings
 
 
 @rule("parallel-sizes-positive")
 def _parallel_sizes(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel
-    for key in ("dp", "tp", "pp", "cp", "virtual_stages"):
+    for key in ("dp", "tp", "pp", "cp", "ep", "virtual_stages"):
         if getattr(p, key) < 1:
             return f"parallel.{key} = {getattr(p, key)} must be >= 1"
     if p.zero_stage not in (0, 1, 2, 3):
@@ -224,6 +252,33 @@ def _tp_ffn(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("tp-divides-expert-ffn")
+def _tp_expert_ffn(cfg: Config, world: int | None) -> str | None:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.n_experts and m.expert_hidden % tp:
+        return (f"model.moe_ffn_hidden = {m.expert_hidden} is not divisible by parallel.tp = {tp} (experts are "
+                "tensor-parallel like the dense MLP); use a tp that divides it")
+    return None
+
+
+@rule("ep-carved-from-dp-cp")
+def _ep(cfg: Config, world: int | None) -> str | None:
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return None
+    if m.n_experts == 0:
+        return f"parallel.ep = {p.ep} needs a mixture-of-experts model (model.n_experts > 0); use ep = 1"
+    if (p.dp * p.cp) % p.ep:
+        return (f"parallel.ep = {p.ep} must divide parallel.dp * parallel.cp = {p.dp} * {p.cp} = {p.dp * p.cp} "
+                "(expert-parallel ranks are carved out of the data- and context-parallel ones); raise dp or "
+                "lower ep")
+    if m.n_experts % p.ep:
+        return f"model.n_experts = {m.n_experts} is not divisible by parallel.ep = {p.ep}; use an ep that divides it"
+    if p.hierarchical_dp:
+        return f"parallel.ep = {p.ep} with parallel.hierarchical_dp is not supported yet; turn one off"
+    return None
+
+
 @rule("pp-layer-per-chunk")
 def _pp_layers(cfg: Config, world: int | None) -> str | None:
     m, p = cfg.model, cfg.parallel
@@ -323,14 +378,6 @@ def _sp_seq(cfg: Config, world: int | None) -> str | None:
     return None
 
 
-@rule("cp-without-sp")
-def _cp_sp(cfg: Config, world: int | None) -> str | None:
-    p = cfg.parallel
-    if p.cp > 1 and p.sequence_parallel:
-        return f"parallel.cp = {p.cp} with parallel.sequence_parallel = true is not supported yet; turn one of them off"
-    return None
-
-
 @rule("world-size")
 def _world(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel
@@ -346,6 +393,25 @@ def _offload(cfg: Config, world: int | None) -> str | None:
     if p.offload_optimizer and p.zero_stage < 1:
         return (f"parallel.offload_optimizer = true needs parallel.zero_stage >= 1 (got {p.zero_stage}); "
                 "set zero_stage to 1, 2 or 3 or turn offload off")
+    if p.offload_to == "disk" and not p.offload_optimizer:
+        return ("parallel.offload_to = 'disk' places the offloaded optimizer state, but parallel.offload_optimizer "
+                "= false; set offload_optimizer = true (and zero_stage >= 1)")
+    if p.offload_params and (p.zero_stage != 3 or not p.offload_optimizer):
+        return (f"parallel.offload_params = true needs parallel.zero_stage = 3 (got {p.zero_stage}) and "
+                f"parallel.offload_optimizer = true (got {str(p.offload_optimizer).lower()}): the update runs where "
+                "the parameter shards live")
+    return None
+
+
+@rule("dp-compression")
+def _compression(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if p.grad_compression in ("bf16", "fp16") and p.zero_stage < 1:
+        return (f"parallel.grad_compression = {p.grad_compression!r} needs parallel.zero_stage >= 1 (got "
+                f"{p.zero_stage}); set zero_stage to 1, 2 or 3, or use grad_compression = 'int8' (any stage)")
+    if p.grad_compression != "none" and p.hierarchical_dp:
+        return (f"parallel.grad_compression = {p.grad_compression!r} with parallel.hierarchical_dp = true is not "
+                "supported; turn one of them off")
     return None
 
 
@@ -358,15 +424,6 @@ def _zero3_pp(cfg: Config, world: int | None) -> str | None:
     if p.zero_stage == 3 and p.pp > 1:
         return (f"parallel.zero_stage = 3 with parallel.pp = {p.pp} is not supported: ZeRO-3 would re-gather "
                 "each stage's parameters for every micro-batch; use zero_stage = 1 or 2 with pp")
-    return None
-
-
-@rule("zero-without-fp16")
-def _zero_fp16(cfg: Config, world: int | None) -> str | None:
-    p, t = cfg.parallel, cfg.train
-    if p.zero_stage > 0 and t.precision == "fp16":
-        return (f"parallel.zero_stage = {p.zero_stage} with train.precision = 'fp16' is not supported yet; use "
-                "bf16 or fp32, or zero_stage = 0")
     return None
 
 

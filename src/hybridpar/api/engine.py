@@ -40,7 +40,7 @@ from hybridpar.api.tp import (
 )
 from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
 from hybridpar.parallel.tensor_plan import TensorPlan
-from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
+from hybridpar.parallel.zero import COMPRESSION_DTYPES, ZeroOptimizer, decay_groups
 from hybridpar.parallel.zero3 import shard_model
 from hybridpar.training.checkpoint import (
     CheckpointError,
@@ -70,6 +70,10 @@ class EngineConfig:
     zero_stage: int = 0  # 0 plain DP, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
     zero3_units: str | list[str] = "children"  # "children", or module-name patterns (outermost match)
     offload_optimizer: bool = False  # ZeRO 1-3: optimizer state and update on the host
+    offload_to: str = "cpu"  # where offloaded state lives: "cpu" (host memory) or "disk" (files)
+    offload_dir: str = ""  # offload_to = "disk": the files' directory; "" = the system temporary directory
+    offload_params: bool = False  # ZeRO-3 (with offload_optimizer): parameter shards offloaded too
+    grad_compression: str = "none"  # gradient payload: "int8" (any stage), "bf16"/"fp16" (stages 1-3)
     bucket_mb: float = 25.0  # gradient bucket size (stages 0-2)
     optimizer: str = "adamw"  # adamw | adam | sgd
     lr: float = 1e-3
@@ -98,6 +102,8 @@ class EngineConfig:
         """Raise ``ValueError`` naming the key and the fix for an impossible value."""
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage = {self.zero_stage} must be 0, 1, 2 or 3")
+        if self.grad_compression not in COMPRESSION_DTYPES:
+            raise ValueError(f"grad_compression = {self.grad_compression!r} must be one of {sorted(COMPRESSION_DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer = {self.optimizer!r} must be one of {sorted(OPTIMIZERS)}")
         if self.gradient_accumulation_steps < 1:
@@ -155,7 +161,9 @@ class ModelEngine:
             kwargs.update(betas=cfg.betas, eps=cfg.eps)
         self.optimizer = ZeroOptimizer(decay_groups(model, cfg.weight_decay), topo.dp, stage=cfg.zero_stage,
                                        optimizer_cls=OPTIMIZERS[cfg.optimizer], offload=cfg.offload_optimizer,
-                                       bucket_bytes=int(cfg.bucket_mb * 2**20), sharded=sharded, **kwargs)
+                                       bucket_bytes=int(cfg.bucket_mb * 2**20), sharded=sharded,
+                                       reduce_dtype=COMPRESSION_DTYPES[cfg.grad_compression], offload_to=cfg.offload_to,
+                                       offload_dir=cfg.offload_dir or None, offload_params=cfg.offload_params, **kwargs)
         plan = TensorPlan.of_names({name: dim for name, (dim, _) in self.tp_sharded.items()})
         self.core = StepEngine(topo, self.optimizer, plan, list(model.named_parameters()))
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]

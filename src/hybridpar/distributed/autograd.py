@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from hybridpar.distributed.mesh import Axis
 
 __all__ = [
+    "AllToAll",
     "CopyToTensorParallel",
     "GatherFromSequenceParallel",
     "GatherFromTensorParallel",
@@ -47,6 +48,7 @@ __all__ = [
     "ReduceScatterToSequenceParallel",
     "ScatterToSequenceParallel",
     "ScatterToTensorParallel",
+    "all_to_all",
     "copy_to_tp",
     "gather_from_sp",
     "gather_from_tp",
@@ -229,3 +231,23 @@ def gather_from_tp(x: Tensor, axis: Axis) -> Tensor:
 def scatter_to_tp(x: Tensor, axis: Axis) -> Tensor:
     """Keep this rank's last-dim chunk of a replicated ``x``; all-gather backward."""
     return x if axis.size == 1 else ScatterToTensorParallel.apply(x, axis)
+
+
+class AllToAll(torch.autograd.Function):
+    """Expert-parallel dispatch/combine: rows ``x[send blocks]`` go to each rank of ``axis``,
+    ``recv[s]`` rows come back from rank ``s``. The backward is the same exchange reversed:
+    ``dx = all_to_all(dy, recv -> send)`` (the transpose of a permutation of rows)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, axis: Axis, send: list[int], recv: list[int]) -> Tensor:
+        ctx.axis, ctx.send, ctx.recv = axis, send, recv
+        return axis.comm.all_to_all(x, axis, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, None, None, None]:
+        return ctx.axis.comm.all_to_all(dy.contiguous(), ctx.axis, ctx.recv, ctx.send), None, None, None
+
+
+def all_to_all(x: Tensor, axis: Axis, send: list[int], recv: list[int]) -> Tensor:
+    """:class:`AllToAll` (identity at size 1)."""
+    return x if axis.size == 1 else AllToAll.apply(x, axis, send, recv)

@@ -20,8 +20,9 @@ whether each completed, so a hang report can show where each rank stopped.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -45,6 +46,7 @@ class Op(enum.StrEnum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
     SEND = "send"
     RECV = "recv"
     BARRIER = "barrier"
@@ -53,7 +55,9 @@ class Op(enum.StrEnum):
 def wire_bytes(op: Op | str, nbytes: int, group_size: int) -> int:
     """Bytes one rank sends for ``op`` with payload ``nbytes`` in a group of ``group_size``,
     under ring algorithms: all-reduce 2(n-1)/n B, all-gather (n-1) B (B = local shard),
-    reduce-scatter (n-1)/n B (B = full input), broadcast/send B, recv and barrier 0.
+    reduce-scatter (n-1)/n B (B = full input), broadcast/send B, recv and barrier 0. An
+    all-to-all's wire bytes depend on its splits, not on ``nbytes`` alone: :meth:`Comm.all_to_all`
+    records the bytes it sends to the other ranks (``(n-1)/n B`` for even splits).
 
     (Gloo implements reduce-scatter as all-reduce + slice, so on CPU it really moves twice
     this; the model counts what the algorithm needs, which is what NCCL sends.)
@@ -69,6 +73,8 @@ def wire_bytes(op: Op | str, nbytes: int, group_size: int) -> int:
         return (n - 1) * nbytes // n
     if op in (Op.BROADCAST, Op.SEND):
         return nbytes
+    if op is Op.ALL_TO_ALL:
+        return (n - 1) * nbytes // n
     return 0
 
 
@@ -200,9 +206,30 @@ class Comm:
     def __init__(self, counter: CommCounter | None = None) -> None:
         self.counter = counter if counter is not None else CommCounter()
 
-    def _record(self, op: Op, axis: Axis, nbytes: int, peer: int | None = None) -> OpRecord:
+    def _record(self, op: Op, axis: Axis, nbytes: int, peer: int | None = None,
+                wire: int | None = None) -> OpRecord:
         return self.counter.record(op, axis.name, nbytes, peer=peer,
-                                   wire=wire_bytes(op, nbytes, axis.size))
+                                   wire=wire_bytes(op, nbytes, axis.size) if wire is None else wire)
+
+    def all_to_all(self, t: torch.Tensor, axis: Axis, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+        """Rows ``t[sum(send[:r]) : sum(send[:r + 1])]`` go to local rank ``r``; returns the
+        rows received, ``recv[s]`` of them from rank ``s``, in source order (variable splits:
+        expert-parallel dispatch). Wire bytes: the rows sent to the other ranks."""
+        if len(send) != axis.size or len(recv) != axis.size:
+            raise ValueError(f"all_to_all on {axis.name} (size {axis.size}) needs one split per rank; "
+                             f"got {len(send)} send and {len(recv)} receive splits")
+        if axis.size == 1:
+            return t
+        row = math.prod(t.shape[1:]) * t.element_size()
+        if t.shape[0] != sum(send):
+            raise ValueError(f"all_to_all: {t.shape[0]} rows but the send splits add up to {sum(send)}")
+        wire = row * sum(n for r, n in enumerate(send) if r != axis.rank)
+        rec = self._record(Op.ALL_TO_ALL, axis, _nbytes(t), wire=wire)
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), output_split_sizes=list(recv), input_split_sizes=list(send),
+                               group=axis.group)
+        rec.done = True
+        return out
 
     def all_reduce(self, t: torch.Tensor, axis: Axis, op: ReduceName = "sum") -> torch.Tensor:
         """In place: every rank of ``axis`` ends with the elementwise sum / mean / max of ``t``
@@ -289,15 +316,8 @@ class Comm:
         if out.numel() != axis.size * shard.numel():
             raise ValueError(f"all_gather_into: out has {out.numel()} elements, need "
                              f"{axis.size} x {shard.numel()}")
-        if axis.size == 1:
-            out.view(-1).copy_(shard.reshape(-1))
-            return Pending()
-        rec = self._record(Op.ALL_GATHER, axis, _nbytes(shard))
-        work = _all_gather_flat(out.view(-1), shard.contiguous().view(-1), group=axis.group, async_op=True)
-        pending = Pending([work], [rec])
-        if not async_op:
-            pending.wait()
-        return pending
+        return self._flat(Op.ALL_GATHER, out, shard, axis, async_op,
+                          lambda o, i: _all_gather_flat(o, i, group=axis.group, async_op=True))
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, axis: Axis, *,
                             async_op: bool = False) -> Pending:
@@ -309,13 +329,19 @@ class Comm:
         if t.numel() != axis.size * out.numel():
             raise ValueError(f"reduce_scatter_into: input has {t.numel()} elements, need "
                              f"{axis.size} x {out.numel()}")
+        return self._flat(Op.REDUCE_SCATTER, out, t, axis, async_op,
+                          lambda o, i: _reduce_scatter_flat(o, i, op=dist.ReduceOp.SUM, group=axis.group,
+                                                            async_op=True))
+
+    def _flat(self, op: Op, out: torch.Tensor, t: torch.Tensor, axis: Axis, async_op: bool,
+              launch: Callable[[torch.Tensor, torch.Tensor], dist.Work]) -> Pending:
+        """The ``*_into`` collectives: on a size-1 axis ``t`` is copied to ``out`` and nothing is
+        recorded; else ``launch(flat out, flat t)`` is counted with ``t`` as the payload."""
         if axis.size == 1:
             out.view(-1).copy_(t.reshape(-1))
             return Pending()
-        rec = self._record(Op.REDUCE_SCATTER, axis, _nbytes(t))
-        work = _reduce_scatter_flat(out.view(-1), t.contiguous().view(-1), op=dist.ReduceOp.SUM,
-                                    group=axis.group, async_op=True)
-        pending = Pending([work], [rec])
+        rec = self._record(op, axis, _nbytes(t))
+        pending = Pending([launch(out.view(-1), t.contiguous().view(-1))], [rec])
         if not async_op:
             pending.wait()
         return pending

@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpar.distributed import flight
@@ -27,24 +28,47 @@ from hybridpar.distributed.lifecycle import COMMAND_ENV, ERROR_DIR_ENV, read_rep
 # stop on signal N (after a complete checkpoint), 1 anything else.
 KIND_EXIT = {"error": 2, "stopped": 3}
 SHUTDOWN_TIMEOUT_S = 120  # how long a signalled worker may take to save its checkpoint
+# torch's c10d rendezvous shares the agents' store with the workers by default, and rank 0's agent
+# publishes that store's address under the first round only: a node that joins a running job
+# (a later round) waits for it until it times out (torch 2.13). Unshared, every round publishes.
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how this node's agent meets the others (torch's c10d rendezvous): an elastic
+    job of ``min_nodes`` to ``max_nodes`` nodes. The default is the one-node job of
+    ``hybridpar train --nproc N``."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    endpoint: str = "localhost:0"
+    run_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    conf: dict[str, str] = field(default_factory=dict)  # c10d settings, as torchrun's --rdzv-conf
 
 
 def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_dir: Path,
-                 command: list[str]) -> int:
+                 command: list[str], rendezvous: Rendezvous | None = None) -> int:
     """Run ``python -m hybridpar.cli WORKER_ARGV`` on ``nproc`` local ranks and return the job's
-    exit status. ``command`` is the user's own command line (for the resume hint)."""
+    exit status. ``command`` is the user's own command line (for the resume hint); with
+    ``rendezvous`` these ranks are one node of an elastic job that the others join."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)  # this module says what happened, once
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+    rdzv = rendezvous or Rendezvous()
+    config = LaunchConfig(min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
+                          run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
+                          rdzv_configs=dict(rdzv.conf),
+                          max_restarts=max_restarts,
                           monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     flight.clear(run_dir)
     with tempfile.TemporaryDirectory(prefix="hybridpar-errors-") as errors:
         env = {ERROR_DIR_ENV: errors, COMMAND_ENV: shlex.join(command)}
+        if rdzv.max_nodes > 1:  # nodes may join a running job: see SHARED_STORE_ENV
+            env[SHARED_STORE_ENV] = "1"
         if nproc > 1:
             env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
         saved = {k: os.environ.get(k) for k in env}

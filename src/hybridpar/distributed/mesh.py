@@ -30,18 +30,26 @@ AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 @dataclass(unsafe_hash=True)
 class ParallelDims(MeshAxes):
     """The mesh axes' sizes (:class:`~hybridpar.config.MeshAxes`, the fields every layout type
-    shares) and the topology they build. Hashable; treat it as a value (never mutated here)."""
+    shares) and the topology they build. Hashable; treat it as a value (never mutated here).
+
+    ``ep`` (expert parallelism) is no mesh axis of its own: it is carved out of dp x cp, whose
+    ranks are cut into consecutive groups of ``ep`` (cp varies fastest, so a sequence's cp ranks
+    share experts first)."""
+
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for name in AXES:
             size = getattr(self, name)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"ParallelDims.{name} = {size!r} must be an integer >= 1")
+        if not isinstance(self.ep, int) or self.ep < 1 or (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ParallelDims.ep = {self.ep!r} must divide dp * cp = {self.dp * self.cp}")
 
     @classmethod
     def from_config(cls, p: MeshAxes) -> ParallelDims:
         """The axes of any layout: a run's ``[parallel]``, a planner candidate."""
-        return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+        return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -93,6 +101,18 @@ class ParallelDims(MeshAxes):
         return [[self.rank_of(**dict(zip(others, combo, strict=True)), **dict(zip(axes, inner, strict=True)))
                  for inner in itertools.product(*(range(self.size(n)) for n in axes))]
                 for combo in itertools.product(*(range(self.size(n)) for n in others))]
+
+    def expert_group_ranks(self) -> tuple[list[list[int]], list[list[int]]]:
+        """``(ep groups, edp groups)``: each dp x cp group cut into consecutive runs of ``ep``
+        ranks (which hold different experts), and the ranks at the same place in those runs
+        (which hold the same experts and average their gradients)."""
+        ep_sets: list[list[int]] = []
+        edp_sets: list[list[int]] = []
+        for ranks in self.flat_group_ranks(("dp", "cp")):
+            runs = [ranks[i:i + self.ep] for i in range(0, len(ranks), self.ep)]
+            ep_sets += runs
+            edp_sets += [list(column) for column in zip(*runs, strict=True)]
+        return ep_sets, edp_sets
 
     def build(self, device_type: str = "cpu") -> Topology:
         """The :class:`Topology` of this process (collective when world size > 1)."""
@@ -177,6 +197,19 @@ class Topology:
                           world_group, self.comm)
         self._flat_groups: list[dist.ProcessGroup] = []
         self.dp_cp = self._flat_axis(("dp", "cp"))
+        self.ep, self.edp = self._expert_axes()
+
+    def _expert_axes(self) -> tuple[Axis, Axis]:
+        """``(ep, edp)`` axes (see :meth:`ParallelDims.expert_group_ranks`)."""
+        ep = self.dims.ep
+        whole = self.dp_cp
+        if ep == 1:
+            return Axis("ep", 1, 0, (self.rank,), None, self.comm), whole
+        if ep == whole.size:
+            return Axis("ep", ep, whole.rank, whole.ranks, whole.group, self.comm), \
+                Axis("edp", 1, 0, (self.rank,), None, self.comm)
+        ep_sets, edp_sets = self.dims.expert_group_ranks()
+        return self._subgroup_axis("ep", ep_sets), self._subgroup_axis("edp", edp_sets)
 
     def _flat_axis(self, axes: tuple[str, str]) -> Axis:
         """One axis spanning two mesh axes. When either has size 1 it is the other axis itself

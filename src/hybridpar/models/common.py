@@ -136,7 +136,7 @@ def init_tensor(name: str, shape: Sequence[int], seed: int, cfg: ModelConfig) ->
     if name.endswith(".bias"):
         return torch.zeros(shape)
     std = 0.02
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")):
         std /= math.sqrt(2 * cfg.n_layers)
     gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=gen)

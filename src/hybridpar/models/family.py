@@ -74,6 +74,11 @@ def bad_value(where: str, key: str, value: Any, why: str) -> HFError:
     return HFError(f"{where}: {key} = {json.dumps(value)} is not supported ({why})")
 
 
+def unexportable(key: str, value: Any, architecture: str, why: str) -> HFError:
+    """The one-line error for a ``model.*`` value a family's Hugging Face config cannot state."""
+    return HFError(f"model.{key} = {json.dumps(value)} cannot be exported to {architecture}: {why}")
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family: its math, its parallel plan and its Hugging Face mapping."""
@@ -87,3 +92,6 @@ class Family:
     zero3_units: Callable[[nn.Module], list[nn.Module]]
     make_chunk: Callable[[nn.Module, ChunkSpec], nn.Module]  # a pipeline stage's part of the model
     hf: HFMapping
+    #: (model, tp, ep, axes a micro-batch's tokens are split over, sequence_parallel): the MoE
+    #: layers' plan (expert parallelism); None for a family without MoE layers
+    parallelize_moe: Callable[[nn.Module, Axis, Axis, list[Axis], bool], nn.Module] | None = None

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from hybridpar.config import ModelConfig
 from hybridpar.fsutil import publish_modes
 from hybridpar.models.family import Family, HFError
+from hybridpar.models.lazy import shape_of
 from hybridpar.models.registry import FAMILIES, family_of
 
 __all__ = ["HFError", "check_same_shape", "init_from_hf", "load_hf_state_dict",
@@ -129,12 +130,8 @@ def load_hf_state_dict(hf_dir: str | Path, cfg: ModelConfig | None = None,
     cfg = cfg or model_config_from_hf(hf_dir)
     if read is None:
         return _load(hf_dir, cfg, lambda name, sl: sl[:], check=True)
-    _load(hf_dir, cfg, lambda name, sl: torch.empty(_shape(sl), device="meta"), check=True)  # no data read
+    _load(hf_dir, cfg, lambda name, sl: torch.empty(shape_of(sl), device="meta"), check=True)  # no data read
     return _load(hf_dir, cfg, read, check=False)
-
-
-def _shape(x: Any) -> list[int]:
-    return list(x.shape) if isinstance(x, Tensor) else list(x.get_shape())
 
 
 def _load(hf_dir: Path, cfg: ModelConfig, read: Callable[[str, Any], Tensor], check: bool) -> dict[str, Tensor]:
@@ -170,7 +167,7 @@ def _drop_tied_head(lazy: dict[str, Any], cfg: ModelConfig, family: Family, hf_d
     if not cfg.tie_embeddings or head is None:
         return
     embed = lazy.get(family.hf.hf_key("tok_embeddings.weight"))
-    if embed is None or _shape(embed) != _shape(head) or not torch.equal(embed[:], head[:]):
+    if embed is None or shape_of(embed) != shape_of(head) or not torch.equal(embed[:], head[:]):
         raise HFError(f"{hf_dir}: tie_word_embeddings is true but {HEAD} differs from the embedding")
     del lazy[HEAD]
 
@@ -205,11 +202,12 @@ def save_hf(model_state: dict[str, Tensor], cfg: ModelConfig, out_dir: str | Pat
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{str(out)!r} exists and is not empty; choose a new directory or pass --overwrite")
+    hf = family_of(cfg).hf
+    # first: the config may hold what the format cannot say (e.g. an MoE balancing bias)
+    hf_cfg = {**hf.to_hf_config(cfg), "torch_dtype": "float32", "dtype": "float32"}
     state = {k: v.detach() for k, v in model_state.items()}
     _check_state(state, cfg, lambda k: k, "model state")
-    hf = family_of(cfg).hf
     tensors = {k: v.to("cpu", torch.float32).contiguous() for k, v in hf.to_hf(state).items()}
-    hf_cfg = {**hf.to_hf_config(cfg), "torch_dtype": "float32", "dtype": "float32"}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     old = out.with_name(f".{out.name}.old-{os.getpid()}")

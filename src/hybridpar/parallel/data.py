@@ -7,7 +7,8 @@ final micro-batch of a step, the bucket's all-reduce starts asynchronously while
 on with earlier layers. Non-final micro-batches communicate nothing (:meth:`no_sync`).
 
 Result: the same averaged gradient as one flat all-reduce after backward, i.e. the gradient of
-the mean loss over the global batch, with 4 bytes x parameters (fp32) on the wire per step.
+the mean loss over the global batch, with 4 bytes x parameters (fp32) on the wire per step
+(about 1 byte with int8 compression, which changes the result within its error feedback).
 """
 
 from __future__ import annotations
@@ -20,16 +21,23 @@ import torch
 from torch import nn
 
 from hybridpar.distributed.comm import Pending
+from hybridpar.distributed.compression import Int8AllReduce
 from hybridpar.distributed.mesh import Axis
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], axis: Axis, int8: bool) -> None:
         self.params = params
         first = params[0]
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
         self.ready = 0
         self.pending: Pending | None = None
+        self.int8 = Int8AllReduce(axis, self.buffer.numel(), first.device) if int8 else None
+
+    def start(self, axis: Axis) -> None:
+        """Start this bucket's sum over ``axis`` (int8: its first, reduce-scatter phase)."""
+        self.pending = (self.int8.start(self.buffer) if self.int8 is not None
+                        else axis.comm.all_reduce_async(self.buffer, axis))
 
 
 T = TypeVar("T")
@@ -66,10 +74,14 @@ class GradientReducer:
 
     Call ``finish()`` after the last backward of a step (before clipping and the optimizer);
     wrap earlier micro-batches in ``no_sync()``. At ``axis.size == 1`` it installs nothing.
+    ``int8``: each bucket is summed with int8 on the wire and error feedback
+    (:class:`~hybridpar.distributed.compression.Int8AllReduce`; not with ``hierarchy``).
     """
 
     def __init__(self, params: list[nn.Parameter], axis: Axis, bucket_bytes: int,
-                 hierarchy: tuple[Axis, Axis] | None = None) -> None:
+                 hierarchy: tuple[Axis, Axis] | None = None, int8: bool = False) -> None:
+        if int8 and hierarchy is not None:
+            raise ValueError("int8 gradient compression and a hierarchical all-reduce do not combine; pick one")
         self.axis = axis
         # (intra-node, inter-node) split of ``axis``: buckets then reduce in three levels in
         # finish() (reduce-scatter in node, all-reduce across, all-gather in node), not overlapped
@@ -79,7 +91,7 @@ class GradientReducer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         if axis.size == 1:
             return
-        self.buckets = [_Bucket(group) for group in cut_buckets(params, param_bytes, bucket_bytes)]
+        self.buckets = [_Bucket(group, axis, int8) for group in cut_buckets(params, param_bytes, bucket_bytes)]
         for bucket in self.buckets:
             offset = 0
             for p in bucket.params:
@@ -96,7 +108,7 @@ class GradientReducer:
                 return
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
-                bucket.pending = self.axis.comm.all_reduce_async(bucket.buffer, self.axis)
+                bucket.start(self.axis)
         return on_grad
 
     @contextlib.contextmanager
@@ -116,11 +128,17 @@ class GradientReducer:
                 self.axis.comm.hierarchical_all_reduce(bucket.buffer, *self.hierarchy)
             else:
                 if bucket.pending is None:
-                    bucket.pending = self.axis.comm.all_reduce_async(bucket.buffer, self.axis)
+                    bucket.start(self.axis)
                 bucket.pending.wait()
+                if bucket.int8 is not None:
+                    bucket.int8.finish(bucket.buffer)
             bucket.buffer.div_(self.axis.size)
             bucket.pending = None
             bucket.ready = 0
+
+    def residuals(self) -> list[torch.Tensor]:
+        """int8 compression's error-feedback state, bucket by bucket (none without it)."""
+        return [t for b in self.buckets if b.int8 is not None for t in b.int8.residuals()]
 
     def remove(self) -> None:
         for handle in self._hooks:

@@ -25,6 +25,7 @@ from torch import nn
 
 from hybridpar.compat import storage_ptr_nbytes
 from hybridpar.distributed.comm import Pending
+from hybridpar.distributed.compression import Int8ReduceScatter
 from hybridpar.distributed.mesh import Axis
 
 
@@ -106,10 +107,16 @@ class ShardLayout:
 @dataclass(frozen=True)
 class OuterSplit:
     """The tensors ZeRO shards are themselves pieces of larger ones: tensor parallelism split
-    parameter ``name`` along ``dim_of(name)`` over ``axis`` (None: replicated over it)."""
+    parameter ``name`` along ``dim_of(name)`` over ``axis`` (None: replicated over it).
+    ``inner``: a further split of those pieces (expert parallelism's experts over ep, then tp)."""
 
     axis: Axis
     dim_of: Callable[[str], int | None]
+    inner: OuterSplit | None = None
+
+    def chain(self) -> list[OuterSplit]:
+        """This split and every inner one, outermost first."""
+        return [self, *(self.inner.chain() if self.inner is not None else [])]
 
 
 class ShardMesh:
@@ -122,17 +129,26 @@ class ShardMesh:
     def __init__(self, axis: Axis | None, outer: OuterSplit | None, device_type: str) -> None:
         self.axis = axis if axis is not None and axis.size > 1 else None  # None: not ZeRO-sharded
         self.device_type = device_type
-        self.outer = outer if outer is not None and outer.axis.size > 1 else None
+        self.outers = [o for o in (outer.chain() if outer is not None else []) if o.axis.size > 1]
+        self.outer = self.outers[0] if len(self.outers) == 1 else None
         self._mesh: Any = None
 
     @property
     def active(self) -> bool:
         """Whether any tensor here is a piece of a larger one."""
-        return self.axis is not None or self.outer is not None
+        return self.axis is not None or bool(self.outers)
 
     def mesh(self) -> Any:
         from torch.distributed.device_mesh import DeviceMesh
 
+        if self._mesh is None and len(self.outers) > 1:  # ranks are linear in every coordinate
+            axes = [o.axis for o in self.outers] + ([self.axis] if self.axis is not None else [])
+            me = axes[0].ranks[axes[0].rank]
+            grid = torch.tensor(me)
+            for a in axes:
+                grid = grid.unsqueeze(-1) + (torch.tensor(a.ranks) - me)
+            self._mesh = DeviceMesh.from_group([a.group for a in axes], self.device_type, mesh=grid.to(torch.int),
+                                               mesh_dim_names=tuple(f"{a.name}{i}" for i, a in enumerate(axes)))
         if self._mesh is None:
             if self.outer is None:
                 self._mesh = DeviceMesh.from_group(self.axis.group, self.device_type)
@@ -153,11 +169,11 @@ class ShardMesh:
 
         placements: list[Any] = []
         full = list(shape)
-        if self.outer is not None:
-            dim = self.outer.dim_of(name)
+        for outer in self.outers:
+            dim = outer.dim_of(name)
             placements.append(Replicate() if dim is None else Shard(dim))
             if dim is not None:
-                full[dim] *= self.outer.axis.size
+                full[dim] *= outer.axis.size
         if self.axis is not None:
             placements.append(Shard(0))
         stride = torch.empty(full, device="meta").stride()
@@ -191,8 +207,10 @@ class GradShard:
 
     Gradients accumulate across backward passes until :meth:`zero`: extra passes outside
     ``no_sync`` reduce again and add (ZeRO-2/3); ZeRO-1 refuses a second one, since its full
-    buffer already holds reduced rows. With ``reduce_dtype`` (bf16/fp16 compression) the
-    payload is cast and pre-divided by ``n`` before the sum, then cast back.
+    buffer already holds reduced rows. With ``reduce_dtype`` bf16/fp16 the payload is cast and
+    pre-divided by ``n`` before the sum, then cast back; with ``torch.int8`` it is quantised
+    block-wise with error feedback and summed in fp32 after the transfer
+    (:class:`~hybridpar.distributed.compression.Int8ReduceScatter`).
     """
 
     def __init__(self, layout: ShardLayout, params: Sequence[nn.Parameter], axis: Axis, *,
@@ -201,7 +219,9 @@ class GradShard:
         self.keep_full = keep_full
         first = self.params[0]
         self.dtype, self.device = first.dtype, first.device
-        self.reduce_dtype = reduce_dtype or first.dtype
+        self.int8: Int8ReduceScatter | None = None
+        self.reduce_dtype = first.dtype
+        self.compress(reduce_dtype)
         self.trainable = {i for i, p in enumerate(self.params) if p.requires_grad}
         self.flat: torch.Tensor | None = None  # reduced shard (not keep_full); None after zero()
         self._staging: torch.Tensor | None = None
@@ -210,6 +230,12 @@ class GradShard:
         self._pending: Pending | None = None
         self.dirty = False  # a gradient arrived that is not reduced yet
         self.reduced = False  # keep_full: this step's reduction already happened
+
+    def compress(self, reduce_dtype: torch.dtype | None) -> None:
+        """Set the reduction's payload type: None (the parameter dtype), bf16/fp16, or int8
+        (staged in the parameter dtype, quantised on the way out, with error feedback)."""
+        self.int8 = Int8ReduceScatter(self.axis, self.layout.size, self.device) if reduce_dtype == torch.int8 else None
+        self.reduce_dtype = self.dtype if self.int8 is not None else reduce_dtype or self.dtype
 
     def note_grad(self) -> None:
         """A backward produced gradients for this group (in or out of ``no_sync``)."""
@@ -247,6 +273,9 @@ class GradShard:
         for i in range(len(self.params)):
             if i not in self._packed:
                 self._pack(i)
+        if self.int8 is not None:
+            self._pending = self.int8.start(self._staging)
+            return
         compressed = self.reduce_dtype != self.dtype
         if compressed:
             self._staging.div_(self.layout.n)  # pre-divide: a low-precision sum must not overflow
@@ -264,7 +293,8 @@ class GradShard:
                 return
             self.launch()
         self._pending.wait()
-        out, self._pending, self._staging = self._out, None, None
+        out = self._out if self.int8 is None else self.int8.result()  # int8: a new fp32 sum
+        self._pending, self._staging = None, None
         self._out, self._packed, self.dirty = None, set(), False
         if self.reduce_dtype == self.dtype:
             out.div_(self.layout.n)
@@ -302,6 +332,10 @@ class GradShard:
                 p.grad.zero_()
             elif not self.keep_full:
                 p.grad = None
+
+    def residuals(self) -> list[torch.Tensor]:
+        """int8 compression's error-feedback state (none without it)."""
+        return self.int8.residuals() if self.int8 is not None else []
 
     def held_tensors(self) -> list[torch.Tensor | None]:
         """Gradient tensors this group keeps alive (for memory accounting)."""

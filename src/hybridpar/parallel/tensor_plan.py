@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from hybridpar.distributed.autograd import copy_to_tp, gather_from_sp
 from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.experts import ExpertParallel
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -47,6 +48,7 @@ __all__ = [
     "RegionEntry",
     "TensorPlan",
     "enter_tp_region",
+    "enter_tp_region_before",
     "reduce_replicated_grads",
     "set_sequence_parallel",
     "sum_over",
@@ -214,6 +216,15 @@ def enter_tp_region(module: nn.Module, axis: Axis, sequence_parallel: bool) -> n
     return module
 
 
+def enter_tp_region_before(module: nn.Module, axis: Axis, sequence_parallel: bool) -> nn.Module:
+    """Like :func:`enter_tp_region` for ``module``'s input (its first argument): a module that
+    runs inside the region on an input no hooked module produced (an MoE layer's shared experts)."""
+    entry = RegionEntry(axis, sequence_parallel)
+    module.register_forward_pre_hook(lambda m, args: (entry(m, args, args[0]), *args[1:]))
+    module.tp_region = entry
+    return module
+
+
 def set_sequence_parallel(model: nn.Module, enabled: bool) -> None:
     """Switch sequence parallelism on or off in a parallelized model (weights are the same
     either way), e.g. off for generation with lengths not divisible by tp."""
@@ -223,6 +234,8 @@ def set_sequence_parallel(model: nn.Module, enabled: bool) -> None:
             entry.sequence_parallel = enabled
         if isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
             module.sequence_parallel = enabled
+        if isinstance(module, ExpertParallel):
+            module.sequence_parallel = enabled and module.tp.size > 1
 
 
 def reduce_replicated_grads(params: Iterable[nn.Parameter], axis: Axis) -> None:

@@ -1,4 +1,6 @@
-"""ZeRO data parallelism: one optimizer wrapper for stages 0-3, with optional CPU offload.
+"""ZeRO data parallelism: one optimizer wrapper for stages 0-3, with optional offload of the
+optimizer state (and ZeRO-3's parameter shards) to host memory or to disk
+(:mod:`hybridpar.parallel.offload`).
 
 =====  ==========================================  =====================================
 stage  what each dp rank keeps                      traffic per step (ring model, wire)
@@ -51,6 +53,12 @@ on the tiny test Llama over 3 steps at dp 2 and 4: per-step losses within 9e-5 (
 per tensor. Adam normalizes every element, so entries whose reduced gradient nearly cancels
 across ranks can change direction. It breaks the "layout never changes the result" promise by
 that much; use it only where dp bandwidth is the bottleneck.
+
+``reduce_dtype=torch.int8`` (any stage) sends int8 blocks with one fp32 scale per 256 values and
+error feedback (:mod:`hybridpar.distributed.compression`): 3.94x fewer gradient bytes than fp32.
+Stages 1-3 replace the reduce-scatter by one all-to-all of the int8 blocks (summed in fp32 by
+the receiver); stage 0 adds an int8 all-gather of the summed blocks. The residuals are state:
+:meth:`ZeroOptimizer.residuals`, saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.data import GradientReducer
+from hybridpar.parallel.offload import DiskStore
 from hybridpar.parallel.shard import OuterSplit, ShardMesh, storage_bytes
 from hybridpar.parallel.zero3 import ShardedModel
 from hybridpar.parallel.zero_stages import (
@@ -77,6 +86,10 @@ from hybridpar.parallel.zero_stages import (
     Slot,
     ZeroStage,
 )
+
+# parallel.grad_compression (and the engine's grad_compression) -> ZeroOptimizer's reduce_dtype
+COMPRESSION_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                                     "int8": torch.int8}
 
 
 def decay_groups(model: nn.Module | Iterable[NamedParam], weight_decay: float) -> list[dict[str, Any]]:
@@ -116,8 +129,11 @@ class ZeroOptimizer:
     the model's names (:func:`decay_groups`) for checkpoints. ``stage`` 3 needs the model
     sharded first (``sharded=shard_model(model, axis, units)``) and takes its (sharded)
     parameters. ``offload`` keeps master weights, optimizer state and the update on the host
-    (pinned on GPU machines). ``bucket_bytes`` sizes the stage-0/1/2 gradient buckets.
-    ``reduce_dtype`` compresses the gradient reduction. ``outer`` says how the parameters are
+    (pinned on GPU machines); ``offload_to="disk"`` puts that host state in memory-mapped files
+    under ``offload_dir`` instead (:mod:`hybridpar.parallel.offload`). ``bucket_bytes`` sizes the stage-0/1/2 gradient buckets.
+    ``reduce_dtype`` compresses the gradient reduction: ``torch.int8`` (any stage; block-wise
+    int8 with error feedback, :mod:`hybridpar.distributed.compression`) or bf16/fp16 (stages
+    1-3). ``outer`` says how the parameters are
     themselves tensor-parallel pieces (checkpoints then store pieces of the full tensors).
     ``hierarchy`` (stage 0): (intra-node, inter-node) axes for a two-level all-reduce.
     ``optim_kwargs`` go to
@@ -132,23 +148,34 @@ class ZeroOptimizer:
                  optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, offload: bool = False,
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype | None = None,
                  sharded: ShardedModel | None = None, outer: OuterSplit | None = None,
-                 hierarchy: tuple[Axis, Axis] | None = None, **optim_kwargs: Any) -> None:
+                 hierarchy: tuple[Axis, Axis] | None = None, offload_to: str = "cpu",
+                 offload_dir: str | None = None, offload_params: bool = False, **optim_kwargs: Any) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {stage} must be 0, 1, 2 or 3")
         if offload and stage == 0:
             raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 has no sharded optimizer)")
-        if reduce_dtype is not None and (stage == 0 or reduce_dtype not in LOW_PRECISION):
-            raise ValueError(f"gradient compression reduce_dtype={reduce_dtype} needs stage 1-3 and bf16 or fp16")
+        if reduce_dtype is not None and reduce_dtype != torch.int8 and (stage == 0 or reduce_dtype not in LOW_PRECISION):
+            raise ValueError(f"gradient compression reduce_dtype={reduce_dtype} needs torch.int8 (any stage), "
+                             "or bf16 / fp16 with stage 1-3")
+        if offload_to not in ("cpu", "disk"):
+            raise ValueError(f"offload_to={offload_to!r} must be 'cpu' or 'disk'")
+        if offload_to == "disk" and not offload:
+            raise ValueError("offload_to='disk' places offloaded state: it needs offload=True")
+        if offload_params and (stage != 3 or not offload):
+            raise ValueError("offload_params needs ZeRO stage 3 and offload=True (the update runs where the "
+                             "parameter shards live)")
         if (stage == 3) != (sharded is not None):
             raise ValueError("ZeRO stage 3 needs sharded=shard_model(model, axis, units); other stages take none")
         self.axis, self.stage, self.offload = axis, stage, offload
+        if axis.size == 1:
+            reduce_dtype = None  # nothing crosses a size-1 axis: nothing to compress
         groups = _normalize(params)
         named = [np for _, g in groups for np in g]
         self.names = [n for n, _ in named]
         self.mode = stage if axis.size > 1 else (1 if offload else 0)
         self._stage: ZeroStage
         if self.mode == 0:
-            self._stage = Replicated(named, axis, bucket_bytes, hierarchy, outer)
+            self._stage = Replicated(named, axis, bucket_bytes, hierarchy, outer, int8=reduce_dtype == torch.int8)
         elif self.mode == 3:
             assert sharded is not None
             self._stage = ShardedParams(named, axis, sharded, reduce_dtype, offload)
@@ -160,6 +187,36 @@ class ZeroOptimizer:
         self.inner = optimizer_cls([{**opts, "params": [slots[id(p)].opt for _, p in g]} for opts, g in groups],
                                    **optim_kwargs)
         self._pieces = ShardMesh(self._stage.state_axis, outer, named[0][1].device.type)  # optimizer state
+        self.disk: DiskStore | None = None
+        if offload_to == "disk":
+            self.disk = DiskStore(offload_dir, axis.global_rank(axis.rank))
+            self._move_to_disk()
+        if offload_params and self.sharded is not None:  # (a size-1 axis shards nothing)
+            device = named[0][1].device
+            self.sharded.offload_params(self.disk, pin=device.type == "cuda")
+
+    def _move_to_disk(self) -> None:
+        """Put each group's host state (fp32 masters, host gradients, per-element optimizer
+        state) into a file of its own (:mod:`hybridpar.parallel.offload`), then drop it from
+        memory. The inner optimizer keeps its tensors: their storage moves underneath."""
+        assert self.disk is not None
+        self._ensure_state()
+        for i, g in enumerate(self._stage.groups):
+            assert g.master_flat is not None and g.host_grad is not None  # offload keeps both
+            keys = sorted({k for opt in g.opt for k, v in self.inner.state[opt].items()
+                           if torch.is_tensor(v) and v.dim() > 0 and v.shape == opt.shape})
+            arena = self.disk.arena(f"group{i}", (2 + len(keys)) * g.layout.size)
+            regions = arena.tensor.view(2 + len(keys), g.layout.size)
+            regions[0].copy_(g.master_flat)
+            regions[1].copy_(g.host_grad)
+            g.master_flat, g.host_grad, g.arena = regions[0], regions[1], arena
+            for opt, view in zip(g.opt, g.layout.views(regions[0]), strict=True):
+                opt.data = view
+            for region, key in zip(regions[2:], keys, strict=True):
+                for opt, view in zip(g.opt, g.layout.views(region), strict=True):
+                    view.copy_(self.inner.state[opt][key])
+                    self.inner.state[opt][key] = view
+            arena.evict()
 
     # ------------------------------------------------------------------ what the strategy holds
     @property
@@ -211,6 +268,12 @@ class ZeroOptimizer:
         not, e.g. for unused parameters). Call after the last backward; idempotent."""
         self._stage.finish()
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The reduced gradient tensors this rank holds after :meth:`finish_grads` (whole under
+        stage 0, this rank's rows under 1-3): scaling them in place (clipping, fp16 unscaling)
+        scales what :meth:`step` applies."""
+        return self._stage.grad_views()
+
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared L2 norm of the full averaged gradient, in fp32, identical on every rank:
         local sum of squares of this rank's shard, then (stages 1-3) one all-reduce of that scalar."""
@@ -240,24 +303,57 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's shard; stages 1/2 then all-gather the updated parameters."""
+        """Update this rank's shard; stages 1/2 then all-gather the updated parameters. With
+        state on disk, group by group: each group's file is read ahead while the previous one
+        updates, and written back and dropped from memory after its own update."""
         self.finish_grads()
-        self._stage.load_grads()
-        self.inner.step()
-        self._stage.store_updates()
+        if self.disk is None:
+            self._stage.load_grads()
+            self.inner.step()
+            self._stage.store_updates()
+            return
+        groups = self._stage.groups
+        for i, g in enumerate(groups):
+            for ahead in groups[i : i + 2] if i == 0 else groups[i + 1 : i + 2]:
+                assert ahead.arena is not None
+                ahead.arena.prefetch()
+            self._stage.load_group(g)
+            self.inner.step()  # only this group's tensors have gradients: AdamW skips the rest
+            self._stage.store_group(g)
+            assert g.arena is not None
+            g.arena.evict()
+        self._stage.finish_updates()
+        if self.sharded is not None:
+            self.sharded.evict()  # parameter shards on disk: written back, out of memory
+
+    def evict(self) -> None:
+        """With state on disk: drop it from memory (after a checkpoint read or wrote it)."""
+        for g in self._stage.groups if self.disk is not None else []:
+            assert g.arena is not None
+            g.arena.evict()
+        if self.sharded is not None:
+            self.sharded.evict()
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank keeps alive, counted from the live tensors (each storage once):
         ``params`` (model parameters as held now), ``grads``, ``optim`` (per-element optimizer
         state, fp32 masters, host gradient copies; 0-d step counters are left out) and
-        ``optim_offloaded`` (the same, when it lives on the host)."""
+        ``optim_offloaded`` (the same, when it lives on the host) and ``residuals`` (int8
+        compression's error feedback: fp32, the size of the padded gradient buckets); with
+        state on disk also ``optim_resident`` and ``params_resident`` (ZeRO-3 shards with
+        ``offload_params``), the bytes of those files in memory now."""
         seen: set[int] = set()
         held_params, held_grads = self._stage.held()
         out = {"params": storage_bytes(held_params, seen), "grads": storage_bytes(held_grads, seen)}
         state = [t for s in self.inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         optim = storage_bytes(state + self._stage.optim_extras(), seen)
         out["optim"], out["optim_offloaded"] = (0, optim) if self.offload else (optim, 0)
+        out["residuals"] = storage_bytes(self._stage.residuals(), seen)
+        if self.disk is not None:  # what of those files is in memory now (the kernel's count)
+            out["optim_resident"] = sum(g.arena.resident_bytes() for g in self._stage.groups if g.arena)
+            units = self.sharded.units if self.sharded is not None else []
+            out["params_resident"] = sum(u.arena.resident_bytes() for u in units if u.arena)
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -328,11 +424,36 @@ class ZeroOptimizer:
         for pg, saved in zip(self.inner.param_groups, state_dict["param_groups"], strict=True):
             pg.update({k: v for k, v in saved.items() if k != "params"})
 
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """int8 compression's error-feedback state of this rank (live tensors; empty without
+        int8). Keyed by global rank and the dp axis's size, since every rank's residuals are its
+        own and mean nothing under another layout: a checkpoint restores them only at the same
+        one (:func:`hybridpar.training.checkpoint.load`); elsewhere they restart from zero."""
+        tensors = self._stage.residuals()
+        where = f"{self.axis.name}{self.axis.size}-rank{self.axis.global_rank(self.axis.rank)}"
+        return {f"{where}-{i}": t for i, t in enumerate(tensors)}
+
+    def reset_residuals(self) -> None:
+        """Forget the error feedback (after a skipped step: its gradients were not finite)."""
+        for t in self._stage.residuals():
+            t.zero_()
+
+    def scale_residuals(self, factor: float) -> None:
+        """Multiply the error feedback by ``factor`` (the fp16 loss scale changed by it: the
+        residuals are in the scaled gradients' units)."""
+        for t in self._stage.residuals():
+            t.mul_(factor)
+
     def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
         """``{"model": ..., "optim": ...}`` for ``dcp.save`` / as the template for ``dcp.load``:
         the parameters this optimizer trains (one pipeline stage's, under pp) and the model's
-        buffers, as DTensor pieces of the full tensors where tp or ZeRO-3 split them."""
-        return {"model": self._stage.model_state(model), "optim": self.state_dict()}
+        buffers, as DTensor pieces of the full tensors where tp or ZeRO-3 split them; with int8
+        compression also ``"residuals"`` (:meth:`residuals`)."""
+        out = {"model": self._stage.model_state(model), "optim": self.state_dict()}
+        residuals = self.residuals()
+        if residuals:
+            out["residuals"] = residuals
+        return out
 
     @torch.no_grad()
     def load_checkpoint_state(self, model: nn.Module, state: dict[str, Any]) -> None:
@@ -344,3 +465,4 @@ class ZeroOptimizer:
             if name not in has_master and s.source is not None:
                 s.opt.copy_(s.source)
         self.load_state_dict(state["optim"])
+        self.evict()

@@ -41,6 +41,7 @@ from hybridpar.compat import (
 )
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.offload import DiskArena, DiskStore
 from hybridpar.parallel.shard import GradShard, OuterSplit, ShardLayout, ShardMesh
 
 
@@ -74,7 +75,19 @@ class Unit:
         self.state = "full"
         self._buf: torch.Tensor | None = None
         self._pending: Pending | None = None
+        self.arena: DiskArena | None = None  # offload_params to disk: the file holding shard_flat
         self.reshard()
+
+    def move_shard(self, flat: torch.Tensor, arena: DiskArena | None = None) -> None:
+        """Keep this rank's shard in ``flat`` instead (parameter offload: host memory, or a
+        memory-mapped file ``arena``); the shard parameters keep their identity (optimizers and
+        hooks still hold them), only their storage moves."""
+        flat.copy_(self.shard_flat)
+        self.shard_flat, self.arena = flat, arena
+        for shard, view in zip(self.shards, self.layout.views(flat), strict=True):
+            shard.data = view
+        if arena is not None:
+            arena.evict()
 
     def _install(self, params: list[nn.Parameter]) -> None:
         for (mod, attr), p in zip(self.owners, params, strict=True):
@@ -85,7 +98,8 @@ class Unit:
         if self.state != "sharded":
             return
         self._buf = torch.empty(self.layout.n * self.layout.size, dtype=self.dtype, device=self.device)
-        self._pending = self.axis.comm.all_gather_into(self._buf, self.shard_flat, self.axis, async_op=True)
+        shard = self.shard_flat.to(self.device, non_blocking=True)  # offloaded: to the compute device
+        self._pending = self.axis.comm.all_gather_into(self._buf, shard, self.axis, async_op=True)
         self.state = "gathering"
 
     def wait(self) -> None:
@@ -99,6 +113,8 @@ class Unit:
             self._buf = self._pending = None
             self.state = "full"
             self._install(self.full)
+            if self.arena is not None:  # gathered: the shard is not needed until the next gather
+                self.arena.evict()
 
     def reshard(self) -> None:
         """Free the full parameters; the module sees its shards again."""
@@ -120,7 +136,7 @@ class ShardedModel:
 
     def __init__(self, model: nn.Module, axis: Axis, units: list[nn.Module],
                  reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
-                 outer: OuterSplit | None = None) -> None:
+                 outer: OuterSplit | None = None, skip: frozenset[int] = frozenset()) -> None:
         self.model, self.axis = model, axis
         self.sync = True
         self.prefetch = prefetch
@@ -146,7 +162,7 @@ class ShardedModel:
         owner_of: dict[int, str] = {}
         for name, mod in model.named_modules():
             for attr, p in own_parameters(mod):
-                if p is None:
+                if p is None or id(p) in skip:  # another ShardedModel's (experts over edp)
                     continue
                 fqn = f"{name}.{attr}" if name else attr
                 unit = inside.get(id(mod), model)
@@ -180,11 +196,18 @@ class ShardedModel:
 
     def _pre_forward_hook(self, unit: Unit):
         def hook(_module: nn.Module, _args: Any) -> None:
+            self._read_ahead(self._neighbour(unit, self.forward_order))
             unit.wait()
             nxt = self._neighbour(unit, self.forward_order)
             if nxt is not None and self.prefetch:
                 nxt.unshard()
         return hook
+
+    @staticmethod
+    def _read_ahead(unit: Unit | None) -> None:
+        """Parameter shards on disk: start reading the next unit's file while this one runs."""
+        if unit is not None and unit.arena is not None:
+            unit.arena.prefetch()
 
     def _post_forward_hook(self, unit: Unit):
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -197,6 +220,7 @@ class ShardedModel:
         return hook
 
     def _pre_backward(self, unit: Unit) -> None:
+        self._read_ahead(self._neighbour(unit, self.backward_order))
         unit.wait()
         prev = self._neighbour(unit, self.backward_order)
         if prev is not None and self.prefetch:
@@ -231,7 +255,28 @@ class ShardedModel:
         for unit in self.backward_order:
             unit.grads.finish()
             for shard, grad in zip(unit.shards, unit.grads.views(), strict=True):
-                shard.grad = grad
+                if grad is None or grad.device == shard.device:  # offloaded shards: the optimizer copies
+                    shard.grad = grad
+
+    def offload_params(self, store: DiskStore | None, pin: bool = False) -> None:
+        """Keep every unit's shard off the compute device: in host memory (``store`` None;
+        pinned with ``pin``) or in memory-mapped files of ``store``. Gathers copy the shard to
+        the device first; with files, the next unit's is read ahead and each is dropped from
+        memory once gathered. The optimizer must step on the host (``offload``)."""
+        for i, unit in enumerate(self.units):
+            if store is None:
+                unit.move_shard(torch.empty(unit.layout.size, dtype=unit.dtype, pin_memory=pin))
+            else:
+                if unit.dtype != torch.float32:
+                    raise ValueError(f"parameter offload to disk keeps fp32 shards; unit {unit.name!r} is {unit.dtype}")
+                arena = store.arena(f"params{i}", unit.layout.size)
+                unit.move_shard(arena.tensor, arena)
+
+    def evict(self) -> None:
+        """Parameter shards on disk: write them back and drop them from memory (after a step)."""
+        for unit in self.units:
+            if unit.arena is not None:
+                unit.arena.evict()
 
     def zero_grad(self) -> None:
         for unit in self.units:
@@ -253,13 +298,13 @@ class ShardedModel:
         full: dict[str, torch.Tensor] = {}
         for unit in self.units:
             buf = torch.empty(unit.layout.n * unit.layout.size, dtype=unit.dtype, device=unit.device)
-            self.axis.comm.all_gather_into(buf, unit.shard_flat, self.axis)
+            self.axis.comm.all_gather_into(buf, unit.shard_flat.to(unit.device), self.axis)
             for i, (fqn, p) in enumerate(zip(unit.fqns, unit.full, strict=True)):
                 full[fqn] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
                 unit.layout.unpack(buf, i, full[fqn])
         names = [k for k, _ in self.model.named_parameters()] + [k for k, _ in self.model.named_buffers()]
-        buffers = dict(self.model.named_buffers())
-        return {k: full[k] if k in full else buffers[k].detach().clone() for k in names}
+        others = dict(self.model.named_buffers()) | dict(self.model.named_parameters())  # buffers, skipped ones
+        return {k: full[k] if k in full else others[k].detach().clone() for k in names}
 
     def state_dict(self) -> dict[str, Any]:
         """The model state for ``torch.distributed.checkpoint``: each parameter a ``DTensor``
@@ -303,14 +348,15 @@ class ShardedModel:
 
 def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],
                 reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
-                outer: OuterSplit | None = None) -> ShardedModel:
+                outer: OuterSplit | None = None, skip: frozenset[int] = frozenset()) -> ShardedModel:
     """Shard ``model``'s parameters over ``axis`` (dp) for ZeRO-3; ``units`` are the modules
     gathered as one (in forward order); parameters outside them form the root unit. On a size-1
     axis nothing changes. ``reduce_dtype`` compresses the gradient reduce-scatter (bf16/fp16).
     ``prefetch`` starts the next unit's gather while this one computes (faster, one more unit
     of memory); without it a unit is gathered only when it runs. ``outer``: the parameters are
-    tensor-parallel pieces (see :class:`~hybridpar.parallel.shard.OuterSplit`)."""
-    return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer)
+    tensor-parallel pieces (see :class:`~hybridpar.parallel.shard.OuterSplit`). ``skip``: ids of
+    parameters left alone (sharded by another :class:`ShardedModel` over another axis: experts)."""
+    return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer, skip)
 
 
 def _flatten(output: Any) -> list[torch.Tensor]:

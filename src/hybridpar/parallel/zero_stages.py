@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.data import GradientReducer, cut_buckets, param_bytes
+from hybridpar.parallel.offload import DiskArena
 from hybridpar.parallel.shard import GradShard, OuterSplit, ShardLayout, ShardMesh
 from hybridpar.parallel.zero3 import ShardedModel
 
@@ -74,6 +75,7 @@ class ShardGroup:
     def __init__(self, layout: ShardLayout, values: list[torch.Tensor], grads: GradShard,
                  full: list[nn.Parameter] | None, master: bool, offload: bool) -> None:
         self.layout, self.values, self.grads, self.full = layout, values, grads, full
+        self.arena: DiskArena | None = None  # offload_to = "disk": the file holding the host state
         self.opt: list[nn.Parameter] = []
         self.master_flat: torch.Tensor | None = None
         self.host_grad: torch.Tensor | None = None
@@ -113,6 +115,10 @@ class ZeroStage(abc.ABC):
         self.slots: dict[int, Slot] = {}
         self.groups: list[ShardGroup] = []
         self.hooks: list[RemovableHandle] = []
+
+    def residuals(self) -> list[torch.Tensor]:
+        """int8 gradient compression's error-feedback state, in a fixed order (none without it)."""
+        return [t for g in self.groups for t in g.grads.residuals()]
 
     @property
     @abc.abstractmethod
@@ -210,10 +216,10 @@ class Replicated(ZeroStage):
     optimizer steps, copied back after each step. On a size-1 axis no hooks are installed."""
 
     def __init__(self, named: list[NamedParam], axis: Axis, bucket_bytes: int,
-                 hierarchy: tuple[Axis, Axis] | None, outer: OuterSplit | None) -> None:
+                 hierarchy: tuple[Axis, Axis] | None, outer: OuterSplit | None, int8: bool = False) -> None:
         super().__init__(named, axis)
         self.params = [p for _, p in named]
-        self.reducer = GradientReducer(self.params, axis, bucket_bytes, hierarchy)
+        self.reducer = GradientReducer(self.params, axis, bucket_bytes, hierarchy, int8)
         self.masters: dict[int, nn.Parameter] = {}
         self._synced: set[int] = set()  # GradientReducer cannot take a 2nd pass outside no_sync
         self._finished = False  # GradientReducer.finish divides by N: only once per step
@@ -264,6 +270,9 @@ class Replicated(ZeroStage):
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    def residuals(self) -> list[torch.Tensor]:
+        return self.reducer.residuals()
 
     def sum_over_dp(self, total: torch.Tensor) -> None:
         """Nothing to do: every rank already holds the whole averaged gradient."""
@@ -337,26 +346,38 @@ class _Grouped(ZeroStage):
 
     def load_grads(self) -> None:
         for g in self.groups:
-            grads = g.grads.views()
-            if g.master_flat is None:
-                for opt, grad in zip(g.opt, grads, strict=True):
-                    opt.grad = grad
-                continue
-            buf = g.host_grad if g.host_grad is not None else torch.empty(
-                g.layout.size, dtype=torch.float32, device=g.master_flat.device)
-            for opt, grad, view in zip(g.opt, grads, g.layout.views(buf), strict=True):
-                if grad is not None:
-                    view.copy_(grad)
-                opt.grad = None if grad is None else view
+            self.load_group(g)
+
+    def load_group(self, g: ShardGroup) -> None:
+        """Hand group ``g``'s reduced gradients to the tensors the inner optimizer steps."""
+        grads = g.grads.views()
+        if g.master_flat is None:
+            for opt, grad in zip(g.opt, grads, strict=True):
+                opt.grad = grad
+            return
+        buf = g.host_grad if g.host_grad is not None else torch.empty(
+            g.layout.size, dtype=torch.float32, device=g.master_flat.device)
+        for opt, grad, view in zip(g.opt, grads, g.layout.views(buf), strict=True):
+            if grad is not None:
+                view.copy_(grad)
+            opt.grad = None if grad is None else view
 
     def store_updates(self) -> None:
         """Copy updated masters back into this rank's rows (without masters they were stepped
-        in place)."""
+        in place), then :meth:`finish_updates`."""
         for g in self.groups:
-            if g.master_flat is not None:
-                for v, opt in zip(g.values, g.opt, strict=True):
-                    v.copy_(opt)
-                    opt.grad = None
+            self.store_group(g)
+        self.finish_updates()
+
+    def store_group(self, g: ShardGroup) -> None:
+        """Group ``g``'s updated masters back into this rank's rows."""
+        if g.master_flat is not None:
+            for v, opt in zip(g.values, g.opt, strict=True):
+                v.copy_(opt)
+                opt.grad = None
+
+    def finish_updates(self) -> None:
+        """After every group's :meth:`store_group`: whatever the stage does with the updated rows."""
 
     def optim_extras(self) -> list[torch.Tensor | None]:
         return [t for g in self.groups for t in (g.master_flat, g.host_grad)]
@@ -401,9 +422,8 @@ class ShardedState(_Grouped):
         for g in self.groups:
             g.grads.finish()
 
-    def store_updates(self) -> None:
-        """Masters back into this rank's rows, then every rank's rows into every full parameter."""
-        super().store_updates()
+    def finish_updates(self) -> None:
+        """Every rank's updated rows into every full parameter."""
         inflight: list[tuple[ShardGroup, torch.Tensor, Pending]] = []
         for g in self.groups:
             send = torch.empty(g.layout.size, dtype=g.full[0].dtype, device=g.full[0].device)
@@ -443,7 +463,7 @@ class ShardedParams(_Grouped):
         self.sharded = sharded
         for u in sharded.units:
             if reduce_dtype is not None:  # compression may be asked here or in shard_model()
-                u.grads.reduce_dtype = reduce_dtype
+                u.grads.compress(reduce_dtype)
             self._add(ShardGroup(u.layout, list(u.shards), u.grads, None, self._needs_master(u.dtype), offload),
                       list(u.shards))
 

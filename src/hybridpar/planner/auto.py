@@ -10,7 +10,8 @@ kept as constraints: a mesh axis (``dp``, ``tp``, ``pp``, ``cp``) set above 1, a
 above 0 and a recompute mode other than ``none``; the planner chooses only the rest (an error if
 no layout of the world size keeps them). Left at ``none``, recomputation is used only for
 layouts that fit in memory no other way (the search tries ``none``, then ``selective``, then
-``full``). The winner is written into the config, which then goes through the usual validation
+``full``). For a mixture-of-experts model the expert-parallel degree ``ep`` is chosen too (kept
+when set above 1). The winner is written into the config, which then goes through the usual validation
 and launch; the choice and the runners-up (memory, predicted step time, why the others lost)
 are printed first.
 
@@ -41,7 +42,8 @@ CPU_CORE = GPUSpec("cpu core (uncalibrated)", bf16_flops=60e9, fp32_flops=60e9, 
                    launch_overhead=5e-6, host_bw=10 * GB)
 
 # Fields the planner may set; everything else in [parallel] and [train] stays the user's.
-CHOSEN = ("dp", "tp", "pp", "cp", "zero_stage", "pipeline_schedule", "virtual_stages", "recompute", "micro_batch")
+CHOSEN = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "pipeline_schedule", "virtual_stages", "recompute",
+          "micro_batch")
 
 
 def resolve_hardware(cfg: Config, device_type: str) -> tuple[GPUSpec, str]:
@@ -131,7 +133,7 @@ def pinned_choices(cfg: Config) -> dict[str, object]:
     """The layout choices the config makes explicitly, which ``parallel.auto`` keeps: mesh axes
     above 1, a ZeRO stage above 0, a recompute mode (their defaults mean "planner's choice")."""
     p = cfg.parallel
-    out: dict[str, object] = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp") if getattr(p, k) > 1}
+    out: dict[str, object] = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp", "ep") if getattr(p, k) > 1}
     if p.zero_stage > 0:
         out["zero_stage"] = p.zero_stage
     if p.recompute != "none":
@@ -170,6 +172,10 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
             continue
         # each ZeRO stage separately: the fastest may be one this trainer refuses for the layout
         partial: dict[str, object] = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, **keep)
+        if "ep" in pinned:  # else complete() tries every ep of dp x cp (a mixture-of-experts model)
+            partial["ep"] = pinned["ep"]
+            if (dp * cp) % int(pinned["ep"]):  # type: ignore[call-overload]
+                continue
         if tp == 1 or cp > 1:
             partial["sequence_parallel"] = False
         try:

@@ -15,7 +15,8 @@ from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.layout import Workload, parse_layout
 from hybridpar.planner.memory import COMPONENTS
-from hybridpar.planner.search import Evaluation, complete, search, with_cost
+from hybridpar.planner.moe import DEFAULT_IMBALANCE, imbalance_from_run, rank_load
+from hybridpar.planner.search import Evaluation, complete, expert_degrees, search, with_cost
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +33,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     p.add_argument("--layout", help='evaluate one layout, e.g. "dp=8,tp=8,pp=16,cp=1" (other fields chosen by the planner)')
+    moe = p.add_mutually_exclusive_group()
+    moe.add_argument("--moe-imbalance", type=float, default=None,
+                     help=f"mixture of experts: max/mean tokens per expert to plan for (default {DEFAULT_IMBALANCE})")
+    moe.add_argument("--from-run", metavar="DIR",
+                     help="mixture of experts: take the imbalance a training run measured (its summary.json / "
+                          "metrics.jsonl)")
     return p
+
+
+def moe_imbalance(args: argparse.Namespace) -> tuple[float, str]:
+    """The routing imbalance to plan for and where it came from (``--moe-imbalance``,
+    ``--from-run`` or the default)."""
+    if args.from_run:
+        return imbalance_from_run(args.from_run)
+    if args.moe_imbalance is not None:
+        if not args.moe_imbalance >= 1.0:
+            raise PlanError(f"--moe-imbalance {args.moe_imbalance} must be >= 1 (max/mean tokens per expert; "
+                            "1 = perfectly balanced)")
+        return args.moe_imbalance, "--moe-imbalance"
+    return DEFAULT_IMBALANCE, "default (Switch Transformer's capacity factor)"
 
 
 def load_model(spec: str) -> ModelConfig:
@@ -48,23 +68,31 @@ def load_model(spec: str) -> ModelConfig:
                     "Hugging Face config.json / directory")
 
 
-def _row(ev: Evaluation) -> str:
+def _row(ev: Evaluation, moe: bool = False) -> str:
     L, c, m = ev.layout, ev.cost, ev.memory
     extra = f"{L.pipeline_schedule}{'x' + str(L.virtual_stages) if L.virtual_stages > 1 else ''}" if L.pp > 1 else "-"
     mem = f"{m.total / 2**30:7.1f}" if m else "      -"
     rate = (f"{c.step_time_s:8.3f} {100 * c.mfu:5.1f}% {c.tflops_per_gpu:7.1f} {c.tokens_per_s:11,.0f}"
             if c else "")
-    return (f"{L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3} {L.micro_batch:>3} {L.zero_stage:>4} "
+    ep = f" {L.ep:>3}" if moe else ""
+    offload = (f"{L.offload_to}{'+p' if L.offload_params else ''}" if L.offload_optimizer else "-")
+    return (f"{L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3}{ep} {L.micro_batch:>3} {L.zero_stage:>4} {offload:>7} "
             f"{L.recompute:>9} {'y' if L.sequence_parallel else 'n':>2} {extra:>13} {mem} {rate}")
 
 
-HEADER = (f"{'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'mb':>3} {'zero':>4} {'recompute':>9} {'sp':>2} "
-          f"{'schedule':>13} {'mem GiB':>7} {'step s':>8} {'MFU':>6} {'TFLOP/s':>7} {'tokens/s':>11}")
+def header(moe: bool = False) -> str:
+    """The table's column names (an ``ep`` column for mixture-of-experts models)."""
+    ep = f" {'ep':>3}" if moe else ""
+    return (f"{'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3}{ep} {'mb':>3} {'zero':>4} {'offload':>7} {'recompute':>9} "
+            f"{'sp':>2} {'schedule':>13} {'mem GiB':>7} {'step s':>8} {'MFU':>6} {'TFLOP/s':>7} {'tokens/s':>11}")
 
 
-def explain(ev: Evaluation) -> str:
+HEADER = header()
+
+
+def explain(ev: Evaluation, moe: bool = False) -> str:
     """Every term of one evaluation, for ``--layout``."""
-    lines = [HEADER, _row(ev), ""]
+    lines = [header(moe), _row(ev, moe), ""]
     if ev.rule:
         return "\n".join(lines + [f"rejected: {ev.rule}"])
     m, c = ev.memory, ev.cost
@@ -75,7 +103,9 @@ def explain(ev: Evaluation) -> str:
     lines.append(f"  {'total':<13} {m.total / 2**30:9.2f} GiB of {ev.capacity / 2**30:.1f} GiB"
                  + ("" if ev.fits else f"  -> does not fit by {ev.shortfall_gib:.2f} GiB"))
     if m.cpu_bytes:
-        lines.append(f"  host (offloaded optimizer) {m.cpu_bytes / 2**30:.2f} GiB")
+        lines.append(f"  host (offloaded state) {m.cpu_bytes / 2**30:.2f} GiB")
+    if m.disk_bytes:
+        lines.append(f"  disk (offloaded state, in files) {m.disk_bytes / 2**30:.2f} GiB")
     if c is not None:
         lines.append("time per step:")
         for k, v in c.terms.items():
@@ -92,16 +122,23 @@ def cmd_plan(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     model = load_model(args.model)
     cluster = Cluster.of(gpu_spec(args.gpu), args.gpus, args.gpus_per_node)
-    work = Workload(args.global_batch, args.seq_len, args.precision)
-    head = {"model": args.model, "gpu": cluster.gpu.name, "gpus": cluster.world_size,
-            "gpus_per_node": cluster.gpus_per_node, "global_batch": work.global_batch, "seq_len": work.seq_len}
+    moe = model.n_experts > 0
+    imbalance, source = moe_imbalance(args) if moe else (DEFAULT_IMBALANCE, "")
+    work = Workload(args.global_batch, args.seq_len, args.precision, moe_imbalance=imbalance)
+    head: dict[str, object] = {"model": args.model, "gpu": cluster.gpu.name, "gpus": cluster.world_size,
+                               "gpus_per_node": cluster.gpus_per_node, "global_batch": work.global_batch,
+                               "seq_len": work.seq_len}
+    if moe:
+        head |= {"moe_imbalance": imbalance, "moe_imbalance_source": source}
     if args.layout:
         best, tried = complete(model, parse_layout(args.layout), work, cluster)
         if args.json:
             print(json.dumps({**head, "layout": best.to_json(),
                               "alternatives": [e.to_json() for e in tried if e is not best]}, indent=1))
         else:
-            print(explain(best))
+            print(explain(best, moe))
+            if moe and best.cost is not None:
+                print(explain_ep(model, best, work, cluster, imbalance, source))
         return 0 if best.fits else 1
     result = search(model, work, cluster, top=args.top)
     if args.json:
@@ -122,12 +159,56 @@ def cmd_plan(argv: list[str]) -> int:
         return 1
     print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, global batch "
           f"{work.global_batch} x {work.seq_len} tokens, {work.precision}")
-    print(HEADER)
+    print(header(moe))
     for ev in result.ranked[:args.top]:
-        print(_row(ev))
+        print(_row(ev, moe))
     print(f"\n{result.fitting} layouts fit; {len(result.too_big)} do not fit; "
           f"{sum(map(len, result.rejected_rules.values()))} break a rule")
     best = result.ranked[0]
+    if moe:
+        print(explain_ep(model, best, work, cluster, imbalance, source))
     if best.note:
         print(f"note: the best layout needs a feature not built in this version: {best.note}")
     return 0
+
+
+def explain_ep(model: ModelConfig, best: Evaluation, work: Workload, cluster: Cluster, imbalance: float,
+               source: str) -> str:
+    """Why this ep: the best layout's axes completed at every other expert-parallel degree, with
+    memory, step time and the all-to-all and expert-compute terms that decide between them."""
+    L = best.layout
+    lines = [f"\nexpert parallelism (routing imbalance {imbalance:g} max/mean tokens per expert, {source}; "
+             "the slowest ep rank bounds each MoE layer):",
+             f"  {'ep':>3} {'experts/rank':>12} {'mem GiB':>8} {'step s':>8} {'all-to-all s':>12}  verdict"]
+    for ep in expert_degrees(model, L.dp, L.cp):
+        ev = best if ep == L.ep else complete(model, dict(dp=L.dp, tp=L.tp, pp=L.pp, cp=L.cp, ep=ep), work,
+                                              cluster)[0]
+        c, m = ev.cost, ev.memory
+        if ev.rule is not None or c is None or m is None:
+            verdict = f"rejected: {ev.rule}" if ev.rule else "not evaluated"
+            lines.append(f"  {ep:>3} {model.n_experts // ep:>12} {'-':>8} {'-':>8} {'-':>12}  {verdict}")
+            continue
+        if ep == L.ep:
+            verdict = "chosen"
+        elif not ev.fits:
+            verdict = f"does not fit (+{ev.shortfall_gib:.1f} GiB)"
+        else:
+            assert best.cost is not None and best.memory is not None
+            dt = c.step_time_s / best.cost.step_time_s
+            dm = (m.total - best.memory.total) / 2**30
+            verdict = f"{dt:.3f}x the step time, {dm:+.1f} GiB"
+        lines.append(f"  {ep:>3} {model.n_experts // ep:>12} {m.total / 2**30:>8.1f} {c.step_time_s:>8.3f} "
+                     f"{c.terms.get('ep_all_to_all', 0.0):>12.3f}  {verdict}")
+    lines.append(f"  ep={L.ep}: " + _ep_reason(L.ep, model.n_experts, L.dp * L.cp,
+                                                rank_load(imbalance, L.ep, model.n_experts)))
+    return "\n".join(lines)
+
+
+def _ep_reason(ep: int, n_experts: int, dp_cp: int, load: float) -> str:
+    """One sentence on the trade-off the chosen ep makes."""
+    if ep == 1:
+        return ("every rank holds all experts and computes its own tokens' slots: no all-to-all and no "
+                "imbalance penalty, and the experts' memory fits")
+    return (f"each rank holds {n_experts // ep} of {n_experts} experts (expert memory / {ep}; their gradients "
+            f"reduce over {dp_cp // ep} rank(s)), paying dispatch/combine all-to-alls and the hottest rank "
+            f"computing {load:.3g}x the mean routed rows")

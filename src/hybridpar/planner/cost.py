@@ -32,6 +32,14 @@ micro-batch; ring attention passes K/V ``cp - 1`` times per layer, hidden behind
 when it can be. Each axis uses NVLink if its ring fits in a node (tp innermost, then cp, dp, pp)
 and the network otherwise (:meth:`Cluster.axis_bandwidth`).
 
+Mixture of experts (:mod:`.moe`): an MoE layer's feed-forward is the router GEMM on the rank's
+own tokens, the busiest ep rank's ``E/ep`` expert GEMMs over ``load * k`` rows per token of its
+tp group (the routing imbalance; ``load`` = 1 at ep = 1, where each rank computes its own
+tokens' slots), shared experts as a dense MLP, the routing's gathers and scatters, and four
+all-to-alls (dispatch and combine, forward and backward, :func:`all_to_all_time`) plus the
+counts' exchange, all on the critical path (the runtime waits for them). Experts' gradients
+reduce over ``edp`` (dp x cp / ep ranks, stride tp x ep) beside the dense ones over dp x cp.
+
 The bubble: :func:`hybridpar.parallel.pipeline.simulate.simulate` runs the real schedule with
 these per-action costs (its arithmetic on compiled action lists, :mod:`.pipesim`). For many
 micro-batches it simulates ``2 * pp`` of them and adds the remainder at the bottleneck rank's
@@ -50,7 +58,8 @@ from hybridpar.parallel.pipeline.schedules import rank_stages
 from hybridpar.planner import pipesim
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
-from hybridpar.planner.memory import padded, rank_numel, v_shaped
+from hybridpar.planner.memory import padded, rank_numel, rank_state_numels, v_shaped
+from hybridpar.planner.moe import dispatch_rows, rank_load
 
 TILE = 128  # GEMM tile edge used for quantisation (cuBLAS/CUTLASS bf16 tiles are 128-256 wide)
 FLASH_EFFICIENCY = 0.7  # FlashAttention-2 forward reaches ~70% of A100 peak (Dao 2023, fig. 4)
@@ -128,11 +137,53 @@ class LayerTime:
     b: float
     w: float
     tp_comm: float
+    ep_comm: float = 0.0  # expert-parallel all-to-alls (MoE layers), forward and backward
 
 
-def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster) -> LayerTime:
+def all_to_all_time(cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
+    """Seconds of one all-to-all over ``size`` ranks spaced ``stride`` apart in which the rank
+    moves at most ``nbytes`` each way to and from the others (spread evenly over them, sends and
+    receives concurrent): the peers in its node over NVLink, the others over its own NIC, both
+    at once, plus one latency (the exchanges to all peers run concurrently)."""
+    if size <= 1:
+        return 0.0
+    g = cluster.gpu
+    local = max(1, min(size, cluster.gpus_per_node // max(1, stride)))  # group members per node
+    remote = (size - local) / (size - 1)
+    intra = (1 - remote) * nbytes / (g.intra_bw * g.comm_efficiency)
+    if remote == 0:
+        return intra + g.intra_latency
+    return max(intra, remote * nbytes / (g.inter_bw * g.comm_efficiency)) + g.inter_latency
+
+
+def _moe_ffn(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster,
+             tok: int) -> tuple[list[tuple[float, float, float, float]], float, float, float]:
+    """An MoE feed-forward on the busiest ep rank, per micro-batch of ``tok`` tokens in its tp
+    group: ``(GEMMs as (count, m, n, k), expert hidden per token for the element-wise passes,
+    extra element-wise elements per token (the routing's gathers and scatters), one
+    all-to-all's seconds)``. The router runs on the rank's own tokens; the rank's ``E/ep``
+    experts (``H/tp`` wide) compute ``load * k * tok`` rows (:mod:`hybridpar.planner.moe`), as
+    ``E/ep`` GEMMs of the mean rows per expert; shared experts are a dense MLP. Each dispatch or
+    combine all-to-all moves the rows the busiest rank receives (its largest direction)."""
+    t, h, k = L.tp, model.dim, model.experts_per_token
+    load = rank_load(work.moe_imbalance, L.ep, model.n_experts)
+    _, received, rows = dispatch_rows(tok, k, L.ep, load)
+    per = model.n_experts // L.ep
+    hid = model.expert_hidden / t
+    own = tok / (t if L.sequence_parallel else 1)
+    gemms = [(1.0, own, model.n_experts, h)] + [(per, rows / per, hid, h)] * 2 + [(per, rows / per, h, hid)]
+    shared = model.n_shared_experts * model.expert_hidden
+    if shared:
+        gemms += [(1.0, tok, shared / t, h)] * 2 + [(1.0, tok, h, shared / t)]
+    a2a = all_to_all_time(cluster, received * h * work.act_bytes, L.ep, t)
+    return gemms, rows / tok * model.expert_hidden + shared, (6 + 4 * load) * k * h, a2a
+
+
+def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
+               moe: bool = False) -> LayerTime:
     """Compute and tp communication of one decoder layer (the block ``work.style`` names) for
-    one micro-batch (see module doc)."""
+    one micro-batch (see module doc). ``moe``: an MoE layer (:func:`_moe_ffn` replaces the MLP;
+    the all-to-alls, two forward and two backward, are on the critical path)."""
     g, ab, t, L = cluster.rank_gpu, work.act_bytes, layout.tp, layout
     megatron = work.style is BlockStyle.MEGATRON
     s = work.seq_len // L.cp
@@ -146,8 +197,15 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
         f_inner = model.ffn_hidden
         gemms = [(tok, q / t, h), (tok, kv / t, h), (tok, kv / t, h), (tok, h, q / t),
                  (tok, f_inner / t, h), (tok, f_inner / t, h), (tok, h, f_inner / t)]
-    fwd_gemm = sum(gemm_time(m, n, k, g, ab) for m, n, k in gemms)
-    bwd_in, bwd_w = (sum(x) for x in zip(*(gemm_backward_time(m, n, k, g, ab) for m, n, k in gemms), strict=True))
+    counted = [(1.0, m, n, k) for m, n, k in gemms]
+    routing, a2a = 0.0, 0.0
+    if moe:
+        counted = counted[:-(2 if megatron else 3)]
+        ffn, f_inner, routing, a2a = _moe_ffn(model, L, work, cluster, tok)
+        counted += ffn
+    fwd_gemm = sum(c * gemm_time(m, n, k, g, ab) for c, m, n, k in counted)
+    bwd_in, bwd_w = (sum(x) for x in zip(*((c * i, c * w) for c, m, n, k in counted
+                                          for i, w in [gemm_backward_time(m, n, k, g, ab)]), strict=True))
     # attention core over the full (cp-gathered) keys
     s_kv = work.seq_len
     if megatron:  # unfused: batched QK^T and AV GEMMs + scale-mask-softmax + dropout
@@ -172,8 +230,8 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
         cal = g.calibration
         fixed = cal.block if cal is not None and cal.block else (EAGER_KERNELS[0] * g.launch_overhead,
                                                                  EAGER_KERNELS[1] * g.launch_overhead)
-        elem = tok * ab * fwd_el / g.hbm_bw + fixed[0]
-        elem_b = tok * ab * bwd_el / g.hbm_bw + fixed[1]
+        elem = tok * ab * (fwd_el + routing) / g.hbm_bw + fixed[0]
+        elem_b = tok * ab * (bwd_el + 1.5 * routing) / g.hbm_bw + fixed[1]
     if L.sequence_parallel:  # all-gather of the sequence shard, reduce-scatter of the full output
         exit_comm = cluster.collective_time("reduce_scatter", tok * h * ab, t, 1)
         ar = cluster.collective_time("all_gather", tok * h * ab / t, t, 1) + exit_comm
@@ -184,19 +242,24 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
         cp_bw, cp_lat, _ = cluster.axis_bandwidth(L.cp, t)
         cp_pass = (L.cp - 1) * (2 * tok * kv / t * ab / cp_bw + cp_lat)
     hide = overlap_fraction(g)  # ring attention passes K/V while attention computes
-    f = fwd_gemm + core + elem + max(0.0, cp_pass - hide * core) + 2 * ar
-    b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - hide * core) + 2 * ar
+    ep_comm = 2 * a2a + (all_to_all_time(cluster, model.n_experts * 8, L.ep, t) if moe else 0.0)  # + counts
+    f = fwd_gemm + core + elem + max(0.0, cp_pass - hide * core) + 2 * ar + ep_comm
+    b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - hide * core) + 2 * ar + 2 * a2a
     w_time = bwd_w
     # full recompute reruns the block's forward; in this runtime it stops after the last tensor
-    # backward needs (torch's checkpoint), skipping the MLP's down projection and exit collective
-    skip_gemm, skip_comm = (0.0, 0.0) if megatron else (gemm_time(*gemms[-1], g, ab), exit_comm)
+    # backward needs (torch's checkpoint), skipping the MLP's down projection (an MoE layer's
+    # experts all rerun: the last tensor saved is the combine's) and the exit collective
+    skip_gemm = 0.0 if megatron or moe else gemm_time(*gemms[-1], g, ab)
+    skip_comm = 0.0 if megatron else exit_comm
     tp_comm = 4 * ar
+    ep_total = ep_comm + 2 * a2a
     if L.recompute == "full":
         b_time += f - skip_gemm - skip_comm
         tp_comm += 2 * ar - skip_comm
+        ep_total += ep_comm
     elif L.recompute == "selective":
         b_time += core
-    return LayerTime(f, b_time, w_time, tp_comm)
+    return LayerTime(f, b_time, w_time, tp_comm, ep_total)
 
 
 @dataclass
@@ -253,6 +316,15 @@ def recompute_flops(model: ModelConfig, layout: Layout, work: Workload) -> float
     return attn if layout.recompute == "selective" else 0.0
 
 
+def _mean_layer(lts: dict[bool, LayerTime], n_moe: int, n_layers: int) -> LayerTime:
+    """The mean layer of a model with ``n_moe`` MoE layers (``lts[True]``) among ``n_layers``."""
+    if len(lts) == 1:
+        return next(iter(lts.values()))
+    wm = n_moe / n_layers
+    return LayerTime(*(wm * getattr(lts[True], f) + (1 - wm) * getattr(lts[False], f)
+                       for f in ("f", "b", "w", "tp_comm", "ep_comm")))
+
+
 def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
               bound_only: bool = False) -> CostReport:
     """Predicted time of one optimizer step and its terms (see the module docstring).
@@ -262,7 +334,10 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     m = L.microbatches(work.global_batch)
     s = work.seq_len // L.cp
     tok = L.micro_batch * s
-    lt = layer_time(model, L, work, cluster)
+    moe_ids = set(model.moe_layer_ids())
+    kinds = {i in moe_ids for i in range(model.n_layers)}  # dense and/or MoE layers
+    lts = {moe: layer_time(model, L, work, cluster, moe=moe) for moe in kinds}
+    lt = _mean_layer(lts, len(moe_ids), model.n_layers)
     vocab = padded(model.vocab_size, t) / t
     head_f = gemm_time(tok, vocab, model.dim, g, ab) + 3 * tok * vocab * (ab + 4) / g.hbm_bw
     emb_f = cluster.collective_time("all_reduce", tok * model.dim * ab, t, 1)  # vocab-parallel embedding
@@ -270,7 +345,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     part = partition_model(model, pp, v, v_shape=vs)
     stage_cost = []
     for c in part.chunks:
-        cost = len(c.layers) * (lt.f + lt.b + lt.w)
+        cost = sum(lts[i in moe_ids].f + lts[i in moe_ids].b + lts[i in moe_ids].w for i in c.layers)
         cost += (3 * head_f if c.head else 0.0) + (2 * emb_f if c.embedding else 0.0)
         stage_cost.append(cost)
     per_stage_layers = model.n_layers / (pp * v)
@@ -290,14 +365,31 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
         stage_lt.f + stage_lt.b + stage_lt.w)
     # data parallel gradient reduction over dp x cp (stride tp)
     key = model_key(model)  # the pipeline rank with the most parameters, its count cached
-    worst = max(range(pp), key=lambda r: rank_numel(key, t, pp, v, r, 1, vs))
-    grad_bytes = rank_numel(key, t, pp, v, worst, 1, vs) * work.param_bytes
+    worst = max(range(pp), key=lambda r: rank_numel(key, t, pp, v, r, 1, L.ep, v_shape=vs))
+    # with ep > 1 the routed experts reduce over edp (dp x cp / ep ranks, stride tp x ep) instead
+    expert_bytes = rank_numel(key, t, pp, v, worst, 1, L.ep, "experts", vs) * work.param_bytes if L.ep > 1 else 0
+    grad_numel = rank_numel(key, t, pp, v, worst, 1, L.ep, v_shape=vs) - expert_bytes // work.param_bytes  # dense
+    param_total = grad_bytes = reduced = grad_numel * work.param_bytes
     n = L.dp * L.cp
+    quantize = 0.0
+    if L.grad_compression == "int8":  # 1 + 4/256 bytes per element; every rank quantises its
+        # gradient (read it and the residual, write int8 and the residual), dequantises n blocks
+        reduced = grad_numel * (1 + 4 / 256)
+        quantize = grad_numel * (4 + 4 + 1 + 4 + 2 * 4) / g.hbm_bw
+    elif L.grad_compression in ("bf16", "fp16"):
+        reduced = grad_numel * 2
+    if reduced != param_total:  # all-reduce-equivalent bytes: ZeRO-0 compresses both halves,
+        # ZeRO-1/2 the reduce-scatter half (the parameter all-gather keeps the parameter dtype)
+        grad_bytes = reduced if L.zero_stage == 0 else (reduced + param_total) / 2
     dp_bw, dp_lat, _ = cluster.axis_bandwidth(n, t)
     # gradients are all-reduced in buckets of bucket_mb; the last bucket fills when backward ends
     buckets = max(1, math.ceil(grad_bytes / (work.bucket_mb * 2**20)))
     last_bucket = cluster.collective_time("all_reduce", grad_bytes / buckets, n, t)
     dp_comm = buckets * last_bucket
+    if expert_bytes and n // L.ep > 1:
+        expert_buckets = max(1, math.ceil(expert_bytes / (work.bucket_mb * 2**20)))
+        dp_comm += expert_buckets * cluster.collective_time("all_reduce", expert_bytes / expert_buckets, n // L.ep,
+                                                            t * L.ep)
     last_backward = (stage_lt.b + stage_lt.w) / v * max(scale)
     hide = overlap_fraction(g)
     exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed (below): not hidden again by backward
@@ -307,24 +399,36 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
         # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
         # collective would run on the same cores), so on a CPU profile nothing hides them.
         units = model.n_layers + (1 if model.tie_embeddings else 2)
-        gather = units * cluster.collective_time("all_gather", grad_bytes / units / n, n, t)
+        gather = units * cluster.collective_time("all_gather", param_total / units / n, n, t)
+        edp, e_units = n // L.ep, len(moe_ids)
+        if expert_bytes and edp > 1:  # each MoE layer's experts: a unit of their own over edp
+            gather += e_units * cluster.collective_time("all_gather", expert_bytes / e_units / edp, edp, t * L.ep)
         cal = g.calibration
         hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
         exposed_z3 = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
-        dp_comm = units * cluster.collective_time("reduce_scatter", grad_bytes / units, n, t) + exposed_z3
+        dp_comm = units * cluster.collective_time("reduce_scatter", reduced / units, n, t) + exposed_z3
+        if expert_bytes and edp > 1:
+            dp_comm += e_units * cluster.collective_time("reduce_scatter", expert_bytes / e_units, edp, t * L.ep)
     floor = last_bucket if L.zero_stage < 3 else 0.0
     dp_exposed = (exposed_z3 + max(floor, dp_comm - exposed_z3 - hide * last_backward)) if pp == 1 else dp_comm
-    shard = rank_numel(key, t, pp, v, worst, n if L.zero_stage >= 1 else 1, vs)
+    shard = rank_state_numels(key, L, worst)[1 if L.zero_stage >= 1 else 0]
     opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
     if L.offload_optimizer:
         opt = shard * 2 * work.param_bytes / g.host_bw + shard * 28 / 100e9  # + host Adam at ~100 GB/s DRAM
-    step = span + dp_exposed + opt
+        if L.offload_to == "disk":  # each group's file read (ahead) and written back: masters, host grads, m, v
+            opt += shard * 2 * 16 / g.disk_bw
+    if L.offload_params and L.zero_stage == 3:  # every gather first brings the shard to the device
+        per_step = 2 * m * shard * work.param_bytes
+        opt += per_step / g.host_bw + (per_step * 4 / work.param_bytes + shard * 4) / g.disk_bw * (
+            L.offload_to == "disk")  # from the file (fp32), and written back after the step
+    step = span + dp_exposed + opt + quantize
     flops = model_flops(model, work)
     hw = flops + recompute_flops(model, L, work)
     world = L.world_size
     terms = {"pipeline_makespan": span, "compute_busy": busy, "bubble": max(0.0, span - busy),
              "tp_comm": m * lt.tp_comm * per_stage_layers * v, "pp_p2p_per_message": p2p,
-             "dp_comm": dp_comm, "dp_exposed": dp_exposed, "optimizer": opt,
+             **({"ep_all_to_all": m * lt.ep_comm * per_stage_layers * v} if moe_ids else {}),
+             "dp_comm": dp_comm, "dp_exposed": dp_exposed, "optimizer": opt, "quantize": quantize,
              "layer_fwd": lt.f, "layer_bwd": lt.b + lt.w}
     return CostReport(step_time_s=step, mfu=flops / (step * world * cluster.gpu.bf16_flops),
                       tflops_per_gpu=flops / (step * world) / 1e12,

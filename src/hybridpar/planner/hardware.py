@@ -198,6 +198,11 @@ class GPUSpec:
     comm_efficiency: float = 0.8  # achieved NCCL bus bandwidth / link bandwidth
     launch_overhead: float = 4e-6  # per kernel (launch + tail), s
     host_bw: float = 25 * GB  # host link for offload: PCIe Gen4 x16 is 32 GB/s raw, ~25 achieved
+    # Host memory and NVMe per GPU, for offload: DGX A100 / H100 / B200 carry 1 / 2 / 4 TB of
+    # system memory for 8 GPUs (128 / 256 / 512 GB each; DGX datasheets) and 8 NVMe drives of
+    # ~3.5 GB/s read (8x 3.84 TB U.2 on DGX H100), about one drive per GPU.
+    host_bytes: float = 128 * GB
+    disk_bw: float = 3.5 * GB
     calibration: Calibration | None = None  # measured tables (hybridpar calibrate)
 
 
@@ -221,16 +226,16 @@ GPUS: dict[str, GPUSpec] = {
     # FP32 67 TFLOPS, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (bidirectional). DGX H100
     # datasheet: 8x ConnectX-7 400 Gb/s NDR, one per GPU = 50 GB/s.
     "H100-SXM": GPUSpec("H100-SXM", 989.4e12, 67e12, 80 * GiB, 3350 * GB, 450 * GB, 50 * GB,
-                        gemm_efficiency=0.75, host_bw=50 * GB),  # PCIe Gen5 x16: 64 GB/s raw
+                        gemm_efficiency=0.75, host_bw=50 * GB, host_bytes=256 * GB),  # PCIe Gen5 x16: 64 GB/s raw
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM (989 dense BF16,
     # 67 FP32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; DGX H200: 8x 400 Gb/s NDR.
     "H200": GPUSpec("H200", 989.4e12, 67e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB,
-                    gemm_efficiency=0.75, host_bw=50 * GB),
+                    gemm_efficiency=0.75, host_bw=50 * GB, host_bytes=256 * GB),
     # NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs = 4.5 PF FP8 dense per GPU,
     # so 2.25 PF BF16 dense; 1,440 GB HBM3e total = 180 GB per GPU at 8 TB/s (HGX B200 spec
     # sheet, FP32 75 TFLOPS); NVLink 5 1.8 TB/s per GPU (bidirectional); 8x 400 Gb/s ConnectX-7.
     "B200": GPUSpec("B200", 2250e12, 75e12, 180 * GB, 8000 * GB, 900 * GB, 50 * GB,
-                    gemm_efficiency=0.7, host_bw=50 * GB),
+                    gemm_efficiency=0.7, host_bw=50 * GB, host_bytes=512 * GB),
 }
 
 

@@ -23,6 +23,7 @@ from hybridpar.config import (
     ParallelConfig,
     TrainConfig,
 )
+from hybridpar.planner.moe import DEFAULT_IMBALANCE
 from hybridpar.rules import first_broken
 
 LAYOUT_KEYS = (*(f.name for f in dataclasses.fields(LayoutChoice)), "micro_batch")
@@ -41,8 +42,8 @@ class Layout(LayoutChoice):
         return global_batch // (self.dp * self.micro_batch)
 
     def short(self) -> str:
-        """``dp=8,tp=8,pp=2,cp=1``, for messages."""
-        return f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp}"
+        """``dp=8,tp=8,pp=2,cp=1`` (and ``,ep=4`` with expert parallelism), for messages."""
+        return f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp}" + (f",ep={self.ep}" if self.ep > 1 else "")
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -67,7 +68,8 @@ class Workload:
     half precision and the optimizer keeps fp32 master weights (Megatron-LM, DeepSpeed); False
     is this runtime's autocast (fp32 parameters and gradients, half-precision matmuls).
     ``style``: the block implementation being planned (:class:`BlockStyle`; its value, such as
-    ``"gpt"``, is accepted too)."""
+    ``"gpt"``, is accepted too). ``moe_imbalance``: max/mean tokens per expert of the routing
+    being planned (mixture-of-experts models; :mod:`hybridpar.planner.moe`)."""
 
     global_batch: int
     seq_len: int
@@ -75,6 +77,7 @@ class Workload:
     half_params: bool = True
     bucket_mb: float = 25.0
     style: BlockStyle = BlockStyle.EAGER
+    moe_imbalance: float = DEFAULT_IMBALANCE
 
     def __post_init__(self) -> None:
         # "gpt" -> BlockStyle.MEGATRON (a ValueError naming the value for anything else)
@@ -115,9 +118,11 @@ def model_of(key: ModelKey) -> ModelConfig:
 
 def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
     """The layout rule ``validate`` says this layout breaks (None if it breaks none), judging
-    only shapes and divisibility: ZeRO, offload and recompute are switched off for this check."""
-    if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none":
-        layout = dataclasses.replace(layout, zero_stage=0, offload_optimizer=False, recompute="none")
+    only shapes and divisibility: ZeRO, offload, recompute and compression are switched off for
+    this check."""
+    if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none" or layout.grad_compression != "none":
+        layout = dataclasses.replace(layout, zero_stage=0, offload_optimizer=False, recompute="none",
+                                     grad_compression="none", offload_to="cpu", offload_params=False)
     return _validate_error(model_key(model), layout, work)
 
 

@@ -2,15 +2,18 @@
 
 Model states come from the exact parameter shapes each rank holds (the same tensor-parallel
 split, vocabulary padding and pipeline partition the runtime uses), so for layouts the runtime
-runs they equal its live tensor bytes. Bytes per parameter (P = parameters on the rank, N = dp):
+runs they equal its live tensor bytes. Bytes per parameter (P = parameters on the rank, N = dp x cp):
 
 * fp32 parameters (fp32 runs, and this runtime's autocast): 4 param + 4 grad + 8 Adam (m, v);
 * half parameters (Megatron-LM / DeepSpeed mixed precision): 2 + 2 + 12 (fp32 master, m, v).
 
-ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over dp, stage 2 also the
+ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over dp x cp (the runtime's ZeRO axis), stage 2 also the
 gradients, stage 3 also the parameters; each parameter is split along dim 0 into ``ceil(rows/N)``
 row blocks (:mod:`hybridpar.parallel.shard`), so the worst rank holds the rounded-up block.
-Offload moves the optimizer state to host memory (reported as ``cpu_gib``).
+Offload moves the optimizer state, with the fp32 masters and host gradient copy it keeps, to
+host memory (reported as ``cpu_gib``), or with ``offload_to = "disk"`` to files (``disk_gib``,
+resident only while a group updates); ``offload_params`` moves the ZeRO-3 shards there too. int8 gradient
+compression adds its fp32 error-feedback residuals (4 bytes per gradient element) to ``grads``.
 
 Activations depend on the workload's block style (``Workload.style``, a
 :class:`~hybridpar.planner.layout.BlockStyle`). ``BlockStyle.MEGATRON`` (Megatron-LM's GPT block)
@@ -43,12 +46,18 @@ from the schedule's own compute order (:func:`live_chunk_counts`): the interleav
 keeping every micro-batch (and its softmax) on the last stage, ZB-H1 freeing a chunk's activations
 at B but keeping, until W, what its deferred weight gradients need (:func:`deferred_layer_bytes`).
 
+Mixture of experts (:mod:`.moe`): the routed experts' states are a ZeRO group of their own over
+``edp = dp x cp / ep`` (:func:`rank_state_numels`); an MoE layer's activations replace the dense
+MLP's with :func:`moe_ffn_bytes` at the busiest ep rank's load; the all-to-all's send and receive
+buffers are comm buffers.
+
 Allowance (stated, not fitted): 1 GiB for the CUDA context, cuBLAS and NCCL workspaces, plus 10%
 of everything else for caching-allocator fragmentation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -58,6 +67,7 @@ from hybridpar.parallel.pipeline.partition import ChunkSpec, Partition, partitio
 from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order, rank_stages
 from hybridpar.planner.hardware import GiB
 from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
+from hybridpar.planner.moe import dispatch_rows, ffn_shapes, is_expert, rank_load
 
 CONTEXT_BYTES = 1 * GiB  # CUDA context + library workspaces
 FRAGMENTATION = 0.10  # caching-allocator slack on top of live bytes
@@ -82,26 +92,42 @@ def v_shaped(schedule: str) -> bool:
     return schedule == Schedule.ZBV.value
 
 
-def rank_param_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int,
-                      pp_rank: int, v_shape: bool = False) -> list[tuple[int, ...]]:
-    """Shapes of the parameters pipeline rank ``pp_rank`` holds under tensor parallelism ``tp``:
-    the runtime's Megatron split (vocabulary padded to a multiple of tp), partition by layer
-    count, and a tied embedding's mirror on the last stage when it is on another rank than the
-    first (pp > 1, not V-shaped)."""
+def layer_shapes(model: ModelConfig, tp: int, layer: int, ep: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """Layer ``layer``'s parameters (names after ``layers.<i>.``) in registration order,
+    tp-local (and for MoE experts ep-local) shapes: norms, q/k/v/o, the feed-forward
+    (:func:`hybridpar.planner.moe.ffn_shapes`: the dense MLP or an MoE layer's router and experts)."""
     h, hd = model.dim, model.head_dim
-    q, kv, f = model.n_heads * hd // tp, model.n_kv_heads * hd // tp, model.ffn_hidden // tp
+    q, kv = model.n_heads * hd // tp, model.n_kv_heads * hd // tp
+    return [("attention_norm.weight", (h,)), ("attention.wq.weight", (q, h)), ("attention.wk.weight", (kv, h)),
+            ("attention.wv.weight", (kv, h)), ("attention.wo.weight", (h, q)), ("ffn_norm.weight", (h,)),
+            *((f"feed_forward.{n}", s) for n, s in ffn_shapes(model, layer, tp, ep))]
+
+
+def rank_named_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
+                      ep: int = 1, v_shape: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the parameters pipeline rank ``pp_rank`` holds under tensor
+    parallelism ``tp`` (and expert parallelism ``ep``): the runtime's Megatron split
+    (vocabulary padded to a multiple of tp), partition by layer count, and a tied embedding's
+    mirror on the last stage when that is on another rank than the first (pp > 1, not ZBV's V)."""
+    h = model.dim
     vocab = padded(model.vocab_size, tp) // tp
-    layer = [(h,), (q, h), (kv, h), (kv, h), (h, q), (h,), (f, h), (f, h), (h, f)]
-    shapes: list[tuple[int, ...]] = []
+    out: list[tuple[str, tuple[int, ...]]] = []
     for chunk in layer_partition(model.n_layers, pp, virtual_stages, v_shape).for_rank(pp_rank):
         if chunk.embedding:
-            shapes.append((vocab, h))
-        shapes += layer * len(chunk.layers)
+            out.append(("tok_embeddings.weight", (vocab, h)))
+        for i in chunk.layers:
+            out += [(f"layers.{i}.{n}", s) for n, s in layer_shapes(model, tp, i, ep)]
         if chunk.head:
-            shapes.append((h,))
+            out.append(("norm.weight", (h,)))
             if not model.tie_embeddings or (pp > 1 and not v_shape):
-                shapes.append((vocab, h))
-    return shapes
+                out.append(("output.weight" if not model.tie_embeddings else "tok_embeddings.weight", (vocab, h)))
+    return out
+
+
+def rank_param_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int,
+                      pp_rank: int, ep: int = 1, v_shape: bool = False) -> list[tuple[int, ...]]:
+    """Shapes of :func:`rank_named_shapes`."""
+    return [s for _, s in rank_named_shapes(model, tp, pp, virtual_stages, pp_rank, ep, v_shape)]
 
 
 def numel(shapes: list[tuple[int, ...]], shards: int = 1) -> int:
@@ -117,10 +143,13 @@ def numel(shapes: list[tuple[int, ...]], shards: int = 1) -> int:
 
 @functools.lru_cache(maxsize=16384)
 def rank_numel(key: ModelKey, tp: int, pp: int, virtual_stages: int, pp_rank: int,
-               shards: int = 1, v_shape: bool = False) -> int:
-    """``numel(rank_param_shapes(...), shards)`` for the model with :func:`model_key` ``key``."""
-    model = model_of(key)
-    return numel(rank_param_shapes(model, tp, pp, virtual_stages, pp_rank, v_shape), shards)
+               shards: int = 1, ep: int = 1, part: str = "all", v_shape: bool = False) -> int:
+    """``numel(rank_param_shapes(...), shards)`` for the model with :func:`model_key` ``key``;
+    ``part``: ``"all"``, ``"dense"`` (all but the routed experts) or ``"experts"``."""
+    named = rank_named_shapes(model_of(key), tp, pp, virtual_stages, pp_rank, ep, v_shape)
+    if part != "all":
+        named = [(n, s) for n, s in named if is_expert(n) == (part == "experts")]
+    return numel([s for _, s in named], shards)
 
 
 @dataclass(frozen=True)
@@ -130,15 +159,24 @@ class ModelStates:
     params: int
     grads: int
     optimizer: int
-    cpu_optimizer: int = 0
+    cpu_optimizer: int = 0  # offloaded to host memory (optimizer state, and parameter shards)
+    disk: int = 0  # offloaded to files (offload_to = "disk")
 
 
-def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: bool) -> ModelStates:
+def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: bool,
+            offload_to: str = "cpu", offload_params: bool = False) -> ModelStates:
     opt_per = 8 if param_bytes == 4 else 12  # Adam m, v (+ fp32 master with half params)
     params = param_bytes * (shard if zero_stage >= 3 else full)
     grads = param_bytes * (shard if zero_stage >= 2 else full)
     opt = opt_per * (shard if zero_stage >= 1 else full)
-    return ModelStates(params, grads, 0 if offload else opt, opt if offload else 0)
+    if not offload:
+        return ModelStates(params, grads, opt, 0)
+    # offload keeps fp32 masters and a host gradient copy with the state (parallel/zero_stages.py)
+    host = opt + (0 if param_bytes == 2 else 4 * shard) + 4 * shard
+    moved = params if offload_params and zero_stage == 3 else 0  # the shards, off the device
+    if offload_to == "disk":
+        return ModelStates(params - moved, grads, 0, 0, host + moved)
+    return ModelStates(params - moved, grads, 0, host + moved)
 
 
 def model_state_bytes(shapes: list[tuple[int, ...]], dp: int, zero_stage: int, param_bytes: int,
@@ -203,18 +241,78 @@ def llama_layer_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, reco
     return s * b * (norm(3) + norm(2) + attn + 4 * a * f / t)
 
 
+def moe_ffn_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, act_bytes: int,
+                  residual_bytes: int, ep: int, load: float) -> float:
+    """Bytes an MoE layer's ``ffn_norm`` and feed-forward keep for backward per micro-batch of
+    ``T = b s`` tokens in the tp group (``T / t`` on the rank under SP), as autograd saves them
+    in :class:`hybridpar.models.moe.MoE` and :class:`hybridpar.parallel.experts.ExpertParallel`:
+
+    * the norm as in the dense layer, and the router's input (its cast under autocast), on the
+      rank's own tokens; the router's fp32 softmax ``4E``, top-k ids ``8k``, the weights and
+      their sum ``4k + 4``, with the z-loss its fp32 logits and log-sum-exp ``4E + 4``;
+    * over the tp group's ``kT`` slots: the slot order and token ids (int64, ``16 kT``), the
+      expert outputs back from the combine, their weights and the weighted rows ``index_add``
+      keeps, ``a kT (2 D + 1)``;
+    * over the ``R = load * kT`` rows this rank's experts compute
+      (:func:`hybridpar.planner.moe.dispatch_rows`): their input ``a R D``, the SwiGLU's two
+      projections, SiLU and product ``4 a R H / t``, and with ep > 1 the two int64 row
+      permutations around the expert computation ``16 R``;
+    * shared experts as a dense MLP of ``n_shared * H``: ``4 a`` per hidden element, plus their
+      all-gathered (SP) or cast (autocast) input."""
+    a, r, h = act_bytes, residual_bytes, model.dim
+    shard = t if sp else 1
+    autocast = a != r
+    e, k = model.n_experts, model.experts_per_token
+    tok = s * b
+    z = 4 * e + 4 if model.z_loss_coef else 0
+    local = (((4 + r) * h + 4) + a * h + 4 * e + 12 * k + 4 + z) / shard
+    slots = k * (16 + a * (2 * h + 1))
+    _, _, rows = dispatch_rows(tok, k, ep, load)
+    expert = rows * (a * h + 4 * a * model.expert_hidden / t + (16 if ep > 1 else 0))
+    shared = 0.0
+    if model.n_shared_experts:
+        inp = (2 if autocast else 1) * a * h if (sp or autocast) else 0
+        shared = tok * (inp + 4 * a * model.n_shared_experts * model.expert_hidden / t)
+    return tok * (local + slots) + expert + shared
+
+
 def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
-                           recompute: str | None = None) -> float:
+                           recompute: str | None = None, moe: bool = False) -> float:
     """Stored bytes of one layer for one micro-batch of ``layout`` (``seq_len / cp`` tokens per
     rank per sequence, sequence parallelism when on and tp > 1), with ``layout.recompute`` or
     the ``recompute`` given: :func:`gpt_layer_bytes` for ``BlockStyle.MEGATRON``, else
-    :func:`llama_layer_bytes`, with ``work``'s activation and parameter bytes."""
+    :func:`llama_layer_bytes`, with ``work``'s activation and parameter bytes. ``moe``: an MoE
+    layer, whose feed-forward (:func:`moe_ffn_bytes`, at the busiest ep rank's load) replaces the
+    dense MLP's (unless fully recomputed: then only the layer input is kept either way)."""
     t, cp = layout.tp, layout.cp
     s, b, sp = work.seq_len // cp, layout.micro_batch, layout.sequence_parallel and t > 1
     rec = layout.recompute if recompute is None else recompute
     if work.style is BlockStyle.MEGATRON:
-        return gpt_layer_bytes(model, s, b, t, sp, rec, work.act_bytes)
-    return llama_layer_bytes(model, s, b, t, sp, rec, work.act_bytes, work.param_bytes, cp)
+        dense = gpt_layer_bytes(model, s, b, t, sp, rec, work.act_bytes)
+    else:
+        dense = llama_layer_bytes(model, s, b, t, sp, rec, work.act_bytes, work.param_bytes, cp)
+    if not moe or rec == "full":
+        return dense
+    a, r = work.act_bytes, work.param_bytes
+    norm = ((4 + r) * model.dim + 4) / (t if sp else 1) + (2 if a != r else 1) * a * model.dim
+    dense_ffn = s * b * (norm + 4 * a * model.ffn_hidden / t)
+    load = rank_load(work.moe_imbalance, layout.ep, model.n_experts)
+    return dense - dense_ffn + moe_ffn_bytes(model, s, b, t, sp, a, r, layout.ep, load)
+
+
+def layer_weight_cast_bytes(model: ModelConfig, layer: int, tp: int, ep: int, act_bytes: int) -> float:
+    """Half copies of one layer's matmul weights that autocast (and the experts' explicit
+    casts) keep per forward: q/k/v/o, and the MLP or the router, routed and shared experts."""
+    h, q, kv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    ffn = sum(_prod(s) for n, s in ffn_shapes(model, layer, tp, ep))
+    return act_bytes * ((2 * h * q + 2 * h * kv) / tp + ffn)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
 
 
 def deferred_layer_bytes(model: ModelConfig, t: int, act_bytes: int, residual_bytes: int) -> tuple[float, float]:
@@ -251,17 +349,19 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     tok, a, r = s * b, work.act_bytes, work.param_bytes
     vocab = padded(model.vocab_size, t) // t
     n = len(chunk.layers)
-    per_layer = layer_activation_bytes(model, L, work)
+    moe_ids = set(model.moe_layer_ids())
+    n_moe = sum(i in moe_ids for i in chunk.layers)
+    layers = ((n - n_moe) * layer_activation_bytes(model, L, work)
+              + (n_moe * layer_activation_bytes(model, L, work, moe=True) if n_moe else 0.0))
     if work.style is BlockStyle.MEGATRON:
         # Korthikanti 4.3: embedding output; final norm and head input, fp32 logits
-        body = n * per_layer + (tok * h * a / shard if chunk.embedding else 0.0)
+        body = layers + (tok * h * a / shard if chunk.embedding else 0.0)
         head = 2 * tok * h * a / shard + tok * vocab * (a + 4) if chunk.head else 0.0
         return ChunkBytes(body, head, body + head)  # not modelled in detail: all of it until W
     autocast = a != r
-    body = n * per_layer + (2 * s * model.head_dim * 4 if n else 0)  # RoPE cos and sin
+    body = layers + (2 * s * model.head_dim * 4 if n else 0)  # RoPE cos and sin
     if autocast:  # half copies of the layers' matmul weights
-        q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
-        body += n * a * (2 * h * q + 2 * h * kv + 3 * h * model.ffn_hidden) / t
+        body += sum(layer_weight_cast_bytes(model, i, t, L.ep, a) for i in chunk.layers)
     if chunk.embedding:  # token ids (int64), and under tp the out-of-shard mask
         body += tok * (9 if t > 1 else 8)
     held = tok * h * r / shard  # a hidden state crossing a stage boundary
@@ -286,7 +386,7 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
         deferred += n * a * (2 * h * q + 2 * h * kv + 3 * h * model.ffn_hidden) / t
     if chunk.head and not model.tie_embeddings:  # the head's input and the logits' gradient
         deferred += tok * a * (h + vocab) + (a * vocab * h if autocast else 0)
-    if L.recompute == "full" and L.pipeline_schedule == "zb-h1":
+    if L.recompute == "full" and L.pipeline_schedule in ("zb-h1", "zbv"):
         body += n * tok * inputs  # the deferred linears' inputs are saved at F, not recomputed
     return ChunkBytes(body, head, deferred)
 
@@ -354,6 +454,7 @@ class MemoryReport:
     worst_rank: int
     cpu_bytes: float = 0.0
     in_flight: int = 1  # micro-batch chunks alive on the worst rank
+    disk_bytes: float = 0.0  # offload_to = "disk": in files, resident only while in use
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -377,16 +478,16 @@ def rank_activations(model: ModelConfig, layout: Layout, work: Workload,
 def _activation_fields(L: Layout) -> tuple:
     """The layout fields activations depend on (all but the ZeRO stage and offload)."""
     return (L.dp, L.tp, L.pp, L.cp, L.pipeline_schedule, L.virtual_stages, L.sequence_parallel,
-            L.recompute, L.micro_batch)
+            L.recompute, L.micro_batch, L.ep)
 
 
 @functools.lru_cache(maxsize=65536)
 def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
                       pp_rank: int) -> tuple[float, float, int]:
-    dp, tp, pp, cp, sched, v, sp, rec, mb = fields
+    dp, tp, pp, cp, sched, v, sp, rec, mb, ep = fields
     model = model_of(key)
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v,
-               sequence_parallel=sp, recompute=rec, micro_batch=mb)
+               sequence_parallel=sp, recompute=rec, micro_batch=mb, ep=ep)
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
     chunks = layer_partition(model.n_layers, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
     sizes = [chunk_bytes(model, L, work, c) for c in chunks]
@@ -403,7 +504,8 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
         # The layer being recomputed holds its full activations (but shares its stored input)
         # until its backward ends. The first recomputation on a rank with the loss follows that
         # micro-batch's head backward, which has freed the head's tensors by then.
-        transient = (layer_activation_bytes(model, L, work, "none")
+        transient = (max(layer_activation_bytes(model, L, work, "none", moe=moe)
+                         for moe in {False, bool(model.moe_layer_ids())})
                      - layer_activation_bytes(model, L, work, "full"))
         freed = max((cb.head for cb in sizes), default=0.0) if work.style is BlockStyle.EAGER else 0.0
         acts = max(acts, acts - freed + transient)
@@ -419,14 +521,19 @@ def comm_buffer_bytes(model: ModelConfig, layout: Layout, work: Workload) -> flo
     if L.dp * L.cp > 1 and L.zero_stage < 3:
         comm += 2 * work.bucket_mb * 2**20  # the gradient bucket being reduced and the one filling
     if L.zero_stage == 3:  # one gathered layer in use and the prefetched next one
-        q, kv, f = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.ffn_hidden
-        comm += 2 * work.param_bytes * (2 * h + (2 * q * h + 2 * kv * h + 3 * f * h) // t)
+        kinds = {0, *model.moe_layer_ids()[:1]}  # a dense layer (if any) and an MoE layer
+        layer = max(sum(_prod(sh) for _, sh in layer_shapes(model, t, i, L.ep)) for i in kinds)
+        comm += 2 * work.param_bytes * layer
     if t > 1:  # the all-gathered (SP) or all-reduced activation of one block
         comm += 2 * s * b * h * ab
     if L.pp > 1:  # one send and one receive buffer per direction
         comm += 4 * s * b * h * ab / (t if sp else 1)
     if L.cp > 1:  # ring attention: the K and V blocks in use and the ones arriving
         comm += 2 * 2 * s * b * model.n_kv_heads * model.head_dim * ab / t
+    if L.ep > 1 and model.moe_layer_ids():  # the dispatch's rows to send and the rows received
+        load = rank_load(work.moe_imbalance, L.ep, model.n_experts)
+        _, _, rows = dispatch_rows(s * b, model.experts_per_token, L.ep, load)
+        comm += (model.experts_per_token * s * b + rows) * h * work.param_bytes
     return comm
 
 
@@ -443,15 +550,37 @@ def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, p
     overhead = CONTEXT_BYTES + FRAGMENTATION * live
     comps = {"params": float(st.params), "grads": float(st.grads), "optimizer": float(st.optimizer),
              "activations": acts, "logits": logits, "comm_buffers": comm, "overhead": overhead}
-    return MemoryReport(comps, pp_rank, float(st.cpu_optimizer), in_flight)
+    return MemoryReport(comps, pp_rank, float(st.cpu_optimizer), in_flight, disk_bytes=float(st.disk))
 
 
 def _rank_parts(key: ModelKey, L: Layout, work: Workload,
                 pp_rank: int) -> tuple[ModelStates, tuple[float, float, int]]:
-    full = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank, 1, v_shaped(L.pipeline_schedule))
-    shard = rank_numel(key, L.tp, L.pp, L.virtual_stages, pp_rank, L.dp, v_shaped(L.pipeline_schedule))
-    st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer)
+    full, shard = rank_state_numels(key, L, pp_rank)
+    st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer, L.offload_to, L.offload_params)
+    if L.grad_compression == "int8" and L.dp * L.cp > 1:  # error feedback: fp32, gradient-sized
+        st = dataclasses.replace(st, grads=st.grads + int8_residual_bytes(full, L.dp * L.cp, L.zero_stage))
     return st, _rank_activations(key, _activation_fields(L), work, pp_rank)
+
+
+def int8_residual_bytes(full: int, n: int, zero_stage: int) -> int:
+    """int8 gradient compression's error-feedback state on a rank holding ``full`` parameter
+    elements over ``n`` data-parallel ranks: 4 bytes per gradient element (the quantised
+    input), plus 4 per element of this rank's summed block at stage 0 (re-quantised for the
+    all-gather); block padding left out. Counted with the gradients."""
+    return 4 * full + (4 * -(-full // n) if zero_stage == 0 else 0)
+
+
+def rank_state_numels(key: ModelKey, L: Layout, pp_rank: int) -> tuple[int, int]:
+    """(elements held, elements of the worst ZeRO shard) of pipeline rank ``pp_rank``: ZeRO
+    shards over dp x cp (the runtime's ``dp_cp`` axis); with ep > 1 the routed experts are an
+    optimizer of their own sharded over ``edp = dp * cp / ep`` (each ``[E/ep, ...]`` tensor in
+    ``ceil((E/ep) / edp)``-row blocks: with one expert per rank, one edp rank holds it all)."""
+    n, args = L.dp * L.cp, (key, L.tp, L.pp, L.virtual_stages, pp_rank)
+    vs = {"v_shape": v_shaped(L.pipeline_schedule)}
+    if L.ep == 1:
+        return rank_numel(*args, **vs), rank_numel(*args, n, **vs)
+    full = rank_numel(*args, 1, L.ep, "dense", **vs) + rank_numel(*args, 1, L.ep, "experts", **vs)
+    return full, rank_numel(*args, n, L.ep, "dense", **vs) + rank_numel(*args, n // L.ep, L.ep, "experts", **vs)
 
 
 def _total(st: ModelStates, acts: float, logits: float, comm: float) -> float:

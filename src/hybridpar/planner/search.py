@@ -2,7 +2,9 @@
 rest by predicted step time (less memory first when step times tie).
 
 No rule of thumb is built in (tp inside a node, pp across nodes, dp last): the search tries every
-factorisation ``world = dp * tp * pp * cp`` and lets :func:`hybridpar.config.validate`, the
+factorisation ``world = dp * tp * pp * cp`` (and, for a mixture-of-experts model, every expert
+parallel degree ``ep`` carved out of dp x cp that divides the number of experts: each
+``(dp, tp, pp, cp, ep)`` is ranked as a layout of its own) and lets :func:`hybridpar.config.validate`, the
 memory model and the cost model decide. For each factorisation the fields a user leaves out are
 filled by the planner: micro-batch size, schedule and virtual stages are searched; sequence
 parallelism is on whenever tp > 1 and allowed (same traffic, less memory); recomputation is the
@@ -20,6 +22,7 @@ above a step time already reached.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -32,6 +35,9 @@ from hybridpar.planner.memory import MemoryReport, plan_memory
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
 ZERO = (0, 1, 2, 3)
+# when nothing fits on the GPUs: ZeRO-3's state to host memory, then its parameter shards too,
+# then the same on disk (ZeRO-Offload, then ZeRO-Infinity); the first that fits is proposed
+OFFLOAD_LADDER = (("cpu", False), ("cpu", True), ("disk", False), ("disk", True))
 TIE_DIGITS = 9  # step times equal to this many significant digits tie; memory decides
 PRUNE_MARGIN = 1e-7  # a bound this far (relative) above the best may still tie after rounding
 
@@ -46,10 +52,12 @@ class Evaluation:
     cost: CostReport | None = None
     capacity: float = 0.0
     note: str | None = None  # why this version's trainer cannot run it yet
+    host_capacity: float = float("inf")  # host memory per GPU, for what offload puts there
 
     @property
     def fits(self) -> bool:
-        return self.rule is None and self.memory is not None and self.memory.total <= self.capacity
+        return (self.rule is None and self.memory is not None and self.memory.total <= self.capacity
+                and self.memory.cpu_bytes <= self.host_capacity)
 
     @property
     def shortfall_gib(self) -> float:
@@ -93,7 +101,7 @@ def _memory_only(model: ModelConfig, layout: Layout, work: Workload, cluster: Cl
                  rule: str | None | bool = False) -> Evaluation:
     """Rules and memory, no cost and no runtime note (``rule``: the rule this shape breaks, or
     None, when already checked; False to check it here)."""
-    ev = Evaluation(layout, capacity=cluster.gpu.hbm_bytes)
+    ev = Evaluation(layout, capacity=cluster.gpu.hbm_bytes, host_capacity=cluster.gpu.host_bytes)
     ev.rule = layout_rule_error(model, layout, work) if rule is False else rule  # type: ignore[assignment]
     if ev.rule is not None:
         return ev
@@ -131,6 +139,12 @@ def factorisations(world: int) -> Iterable[tuple[int, int, int, int]]:
                 yield world // (tp * pp * cp), tp, pp, cp
 
 
+def expert_degrees(model: ModelConfig, dp: int, cp: int) -> list[int]:
+    """The ep values to try with ``dp`` x ``cp``: the divisors of dp x cp that divide the
+    number of experts (rule ``ep-carved-from-dp-cp``); just 1 for a dense model."""
+    return [e for e in divisors(dp * cp) if model.n_experts % e == 0] if model.n_experts else [1]
+
+
 def schedules(model: ModelConfig, pp: int, microbatches: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages) to try: 1F1B, ZB-H1, interleaved with V = 2 and 4 (wherever every
     chunk gets a layer: the partition need not be even, its imbalance is priced)."""
@@ -152,8 +166,9 @@ def _candidates(model: ModelConfig, partial: dict[str, object], work: Workload,
     dp = int(partial.get("dp", max(1, world // (tp * pp * cp))))  # type: ignore[call-overload]
     mbs = [partial["micro_batch"]] if "micro_batch" in partial else [
         b for b in MICRO_BATCHES if work.global_batch % (dp * b) == 0] or [1]
+    eps = [int(partial["ep"])] if "ep" in partial else expert_degrees(model, dp, cp)  # type: ignore[call-overload]
     out = []
-    for mb in mbs:
+    for ep, mb in ((e, b) for e in eps for b in mbs):
         m = work.global_batch // (dp * int(mb))  # type: ignore[call-overload]
         scheds = schedules(model, pp, m)
         if "pipeline_schedule" in partial:
@@ -163,7 +178,8 @@ def _candidates(model: ModelConfig, partial: dict[str, object], work: Workload,
             scheds = [(s, v) for s, v in scheds if v == partial["virtual_stages"]] or [
                 ("interleaved", int(partial["virtual_stages"]))]  # type: ignore[call-overload]
         for sched, v in scheds:
-            out.append(dict(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, pipeline_schedule=sched, virtual_stages=v))
+            out.append(dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=mb, pipeline_schedule=sched,
+                            virtual_stages=v))
     return out
 
 
@@ -187,22 +203,24 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
     only) of every ZeRO stage that fits at the first recompute level where one does, and the
     smallest evaluation overall (or the one that breaks a rule: the rule is the same for all)."""
     tp, cp = int(fixed["tp"]), int(fixed["cp"])  # type: ignore[call-overload]
-    sp_default = tp > 1 and cp == 1 and work.seq_len % tp == 0
+    sp_default = tp > 1 and work.seq_len % (tp * (2 * cp if cp > 1 else 1)) == 0  # the sp-seq-len rule
     sp = bool(partial.get("sequence_parallel", sp_default))
     recs = [partial["recompute"]] if "recompute" in partial else list(RECOMPUTE)
     zeros = [partial["zero_stage"]] if "zero_stage" in partial else list(ZERO)
     offload = bool(partial.get("offload_optimizer", False))
+    compression = str(partial.get("grad_compression", "none"))
     layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
-                                offload_optimizer=offload) for rec in recs for z in zeros}
+                                offload_optimizer=offload, grad_compression=compression)  # type: ignore[arg-type]
+               for rec in recs for z in zeros}
     rule = layout_rule_error(model, next(iter(layouts.values())), work)  # the same for all of them
     smallest: Evaluation | None = None
     for rec in recs:
         done: dict[object, Evaluation] = {}
         order = list(zeros)
         if order == list(ZERO):
-            # ZeRO 0, 1, 2 hold ever less (equal amounts at dp = 1): if the least of them does
-            # not fit, neither do the others, and it is also the smallest of them
-            z = 0 if int(fixed["dp"]) == 1 else 2  # type: ignore[call-overload]
+            # ZeRO 0, 1, 2 hold ever less (equal amounts at dp x cp = 1: ZeRO shards over both):
+            # if the least of them does not fit, neither do the others, and it is also the smallest
+            z = 0 if int(fixed["dp"]) * int(fixed["cp"]) == 1 else 2  # type: ignore[call-overload]
             done[z] = _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)
             if done[z].rule is None and not done[z].fits:
                 order = [z, 3]
@@ -218,6 +236,15 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
         if fits:
             return fits, fits[0]
     assert smallest is not None
+    if not any(k in partial for k in ("offload_optimizer", "offload_to", "offload_params", "zero_stage")):
+        # nothing fits on the device: offload ZeRO-3's optimizer state, then its parameter shards,
+        # to host memory, and where the host cannot hold them either, to disk (ZeRO-Infinity)
+        for where, params in OFFLOAD_LADDER:
+            ev = _memory_only(model, dataclasses.replace(layouts[(recs[-1], 3)], offload_optimizer=True,
+                                                         offload_to=where, offload_params=params),  # type: ignore[arg-type]
+                              work, cluster, rule=rule)
+            if ev.fits:
+                return [ev], ev
     return [], smallest
 
 
@@ -306,8 +333,9 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, *,
     result = SearchResult([])
     top = None if top is None else max(1, top)
     found: list[tuple[list[Option], list[Evaluation]]] = []
-    for dp, tp, pp, cp in factorisations(cluster.world_size):
-        axes = dict(dp=dp, tp=tp, pp=pp, cp=cp)
+    for dp, tp, pp, cp, ep in ((*f, e) for f in factorisations(cluster.world_size)
+                               for e in expert_degrees(model, f[0], f[3])):
+        axes = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         probe = Layout(**axes, micro_batch=max(1, min(
             b for b in MICRO_BATCHES if work.global_batch % (dp * b) == 0) if work.global_batch % dp == 0 else 1))
         rule = layout_rule_error(model, probe, work)

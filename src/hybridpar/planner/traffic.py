@@ -23,10 +23,19 @@ collectives in each backward traversal: a block's tp and cp ones (full), ring at
 Gradients cross dp x cp once per step: bucketed all-reduces (ZeRO-0), a reduce-scatter per
 bucket and an all-gather of the updated shard (ZeRO-1/2), or two all-gathers per unit and
 micro-batch and one reduce-scatter per unit (ZeRO-3), each over the padded ``ceil(rows/N)``
-shard layout of the rank's tp pieces. Then one fp32 scalar each for the logged loss and the
+shard layout of the rank's tp pieces. ``grad_compression``: int8 turns each reduce-scatter into
+one all-to-all of int8 blocks with fp32 scales (ZeRO-0: plus an all-gather of the summed
+blocks); bf16/fp16 halve the reduce-scatter payload. Then one fp32 scalar each for the logged loss and the
 gradient norm's partial sums over tp, the ZeRO axis and pp.
 Dtypes: the residual stream and gradients are in the parameter dtype, matmul outputs and
 attention inputs in the matmul dtype, losses and norms fp32.
+
+Mixture of experts (:func:`_moe_collectives`, :mod:`.moe`): per MoE layer and micro-batch the
+routing weights (and under SP the expert ids) enter the tp region, the router sums its counts over
+cp (and tp under SP), and over ``ep`` the counts, the dispatched rows and the combined rows go
+forward and their gradients back (the busiest rank's ``load``, or ``ep_load`` given); the routed
+experts' gradients go over ``edp`` (their own ZeRO optimizer); once per step the trainer's MoE
+statistics (loads, auxiliary loss) and, with bias balancing, the loads again.
 
 ZeRO-3 with pp > 1 (which ``validate`` rejects) is not modelled.
 """
@@ -37,10 +46,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 from hybridpar.config import ModelConfig
+from hybridpar.distributed.compression import padded as padded_blocks
+from hybridpar.distributed.compression import wire_numel
 from hybridpar.parallel.data import cut_buckets
 from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.planner.layout import Layout, Workload
-from hybridpar.planner.memory import layer_partition, padded, v_shaped
+from hybridpar.planner.memory import layer_partition, layer_shapes, padded, v_shaped
+from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
 
 Shape = tuple[int, ...]
 Named = list[tuple[str, Shape]]
@@ -49,25 +61,17 @@ Adder = Callable[..., None]  # add(op, axis, axis size, payload bytes, times=1)
 AXES = ("tp", "cp", "pp", "dp")
 
 
-def _layer_params(model: ModelConfig, tp: int, i: int) -> Named:
-    """Layer ``i``'s parameters in registration order (attention_norm, wq, wk, wv, wo, ffn_norm,
-    w1, w3, w2), tp-local shapes."""
-    h, hd = model.dim, model.head_dim
-    q, kv, f = model.n_heads * hd // tp, model.n_kv_heads * hd // tp, model.ffn_hidden // tp
-    p = f"layers.{i}."
-    return [(p + "attention_norm.weight", (h,)), (p + "attention.wq.weight", (q, h)),
-            (p + "attention.wk.weight", (kv, h)), (p + "attention.wv.weight", (kv, h)),
-            (p + "attention.wo.weight", (h, q)), (p + "ffn_norm.weight", (h,)),
-            (p + "feed_forward.w1.weight", (f, h)), (p + "feed_forward.w3.weight", (f, h)),
-            (p + "feed_forward.w2.weight", (h, f))]
+def _layer_params(model: ModelConfig, tp: int, i: int, ep: int = 1) -> Named:
+    """Layer ``i``'s parameters in registration order (:func:`~hybridpar.planner.memory.layer_shapes`)."""
+    return [(f"layers.{i}.{n}", s) for n, s in layer_shapes(model, tp, i, ep)]
 
 
-def model_params(model: ModelConfig, tp: int) -> Named:
-    """The whole model's ``named_parameters()`` (tp-local shapes), in registration order."""
+def model_params(model: ModelConfig, tp: int, ep: int = 1) -> Named:
+    """The whole model's ``named_parameters()`` (tp- and ep-local shapes), in registration order."""
     vocab = padded(model.vocab_size, tp) // tp
     out: Named = [("tok_embeddings.weight", (vocab, model.dim))]
     for i in range(model.n_layers):
-        out += _layer_params(model, tp, i)
+        out += _layer_params(model, tp, i, ep)
     out.append(("norm.weight", (model.dim,)))
     if not model.tie_embeddings:
         out.append(("output.weight", (vocab, model.dim)))
@@ -78,7 +82,7 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> Named:
     """The parameters the Engine trains on pipeline rank ``pp_rank`` (its chunks' parameters in
     chunk order, a tied embedding's mirror once), as the gradient reducer sees them."""
     if layout.pp == 1:
-        return model_params(model, layout.tp)
+        return model_params(model, layout.tp, layout.ep)
     vocab = padded(model.vocab_size, layout.tp) // layout.tp
     out: Named = []
     for c in layer_partition(model.n_layers, layout.pp, layout.virtual_stages,
@@ -87,7 +91,7 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> Named:
         if (c.embedding or tied_here) and all(n != "tok_embeddings.weight" for n, _ in out):
             out.append(("tok_embeddings.weight", (vocab, model.dim)))
         for i in c.layers:
-            out += _layer_params(model, layout.tp, i)
+            out += _layer_params(model, layout.tp, i, layout.ep)
         if c.head:
             out.append(("norm.weight", (model.dim,)))
             if not model.tie_embeddings:
@@ -132,13 +136,53 @@ def _node_split(layout: Layout, pp_rank: int, node_size: int) -> tuple[int, int]
     return intra, len(ranks) // intra
 
 
+def _moe_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload, n_moe: int, m: int,
+                     back: int, rerun: int, load: float) -> None:
+    """What ``n_moe`` MoE layers add to a dense layer's collectives, per micro-batch (``rerun``:
+    forward passes full recompute repeats; ``back``: backward passes). The tokens' entry into
+    the tp region and the exit are the dense MLP's; the routing weights (``k`` per token, the
+    residual dtype) enter too (f, or SP's all-gather with the int64 expert ids); shared experts
+    enter and leave once more. The router sums its slot counts (fp32 ``E``) over the ranks
+    splitting the micro-batch's tokens (cp; tp under SP) when the balancing loss is on. Over ep:
+    the int64 counts ``E``, the dispatch (``kT`` rows of ``D``, residual dtype) and the combine
+    (the ``load * kT`` rows computed here, matmul dtype) forward; backward the same tensors'
+    gradients reversed. Full recompute repeats the forward collectives before the combine's
+    weighted sum (the last tensor saved): all but the tp exit (that of the shared experts)."""
+    if not n_moe:
+        return
+    t, sp = L.tp, L.sequence_parallel and L.tp > 1
+    r, a = work.param_bytes, work.act_bytes
+    tok, h, k, e = L.micro_batch * (work.seq_len // L.cp), model.dim, model.experts_per_token, model.n_experts
+    d, slots = tok * h, tok * k
+    shared = n_moe if model.n_shared_experts else 0
+    if sp:
+        add("all_gather", "tp", t, n_moe * slots // t * (r + 8) + shared * d // t * r, m + rerun)
+        add("reduce_scatter", "tp", t, n_moe * slots * r + shared * d * r, m * back)
+        add("reduce_scatter", "tp", t, shared * d * a, m)  # the shared experts' exit
+        add("reduce_scatter", "tp", t, shared * d * a, rerun)  # the routed exit, rerun before theirs
+        add("all_gather", "tp", t, shared * d // t * a, m * back)
+    else:
+        add("all_reduce", "tp", t, n_moe * slots * r + shared * d * r, m * back)
+        add("all_reduce", "tp", t, shared * d * a, m + rerun)
+    if model.aux_loss_coef:
+        for axis, size in (("cp", L.cp), ("tp", t if sp else 1)):
+            add("all_reduce", axis, size, n_moe * e * 4, m + rerun)
+    if L.ep > 1:
+        rows = load * slots  # computed here
+        add("all_to_all", "ep", L.ep, n_moe * (e * 8 + slots * h * r + rows * h * a), m + rerun)
+        add("all_to_all", "ep", L.ep, n_moe * (slots * h * a + rows * h * r), m * back)
+
+
 def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int = 0, *,
-               zero_rank: int = 0, hierarchical_node: int = 0) -> dict[tuple[str, str], int]:
+               zero_rank: int = 0, hierarchical_node: int = 0,
+               ep_load: float | None = None) -> dict[tuple[str, str], int]:
     """``{(op, axis): payload bytes}`` pipeline rank ``pp_rank`` records in one training step.
     Any tp coordinate records the same, and so does any dp x cp coordinate except that with SP
     and ZeRO the norm-weight rows summed over tp are those of ZeRO rank ``zero_rank`` (they differ
     only when ``dim`` is not a multiple of dp x cp). ``hierarchical_node``: ranks per node when
-    gradients use the hierarchical all-reduce (``parallel.hierarchical_dp``), else 0."""
+    gradients use the hierarchical all-reduce (``parallel.hierarchical_dp``), else 0.
+    ``ep_load``: the routed rows this rank's experts receive relative to the mean (MoE with
+    ep > 1; :mod:`hybridpar.planner.moe`), default the busiest rank's under ``work.moe_imbalance``."""
     L, t = layout, layout.tp
     if L.zero_stage == 3 and L.pp > 1:
         raise NotImplementedError("ZeRO-3 with pipeline parallelism is not modelled")
@@ -155,6 +199,8 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     d = b * s * h  # one full-length hidden state of a micro-batch on this rank
     chunks = layer_partition(model.n_layers, L.pp, L.virtual_stages, v_shaped(L.pipeline_schedule)).for_rank(pp_rank)
     kv = 2 * b * s * model.n_kv_heads * model.head_dim // t  # one stacked K/V block
+    moe_ids = set(model.moe_layer_ids())
+    load = rank_load(work.moe_imbalance, L.ep, model.n_experts) if ep_load is None else ep_load
     for c in chunks:
         n_c, norms_c = len(c.layers), 2 * len(c.layers) + c.head
         # tensor parallelism, per micro-batch: norm entries (f / SP all-gather forward), row-parallel
@@ -186,6 +232,8 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
             add("all_reduce", "tp", t, n_c * d * a, rerun)
         for op in ("send", "recv"):
             add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, rerun)
+        _moe_collectives(add, model, L, work, sum(i in moe_ids for i in c.layers), m, 1,
+                         m if L.recompute == "full" else 0, load)  # ZB's W runs no collective
     # pipeline: hidden states forward, their gradients backward, the losses, tied-embedding grads
     if L.pp > 1:
         msg = d // (t if sp else 1) * 4  # the runner's fp32 act_shape
@@ -203,25 +251,45 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
             tied = padded(model.vocab_size, t) // t * h * r
             add("send", "pp", L.pp, tied)
             add("recv", "pp", L.pp, tied)
-    # gradients and the step
-    names = rank_params(model, L, pp_rank)
+    # gradients and the step: with ep > 1 the routed experts are a ZeRO optimizer of their own over edp
+    everything = rank_params(model, L, pp_rank)
+    experts = [(nm, sh) for nm, sh in everything if L.ep > 1 and is_expert(nm)]
+    names = [(nm, sh) for nm, sh in everything if not (L.ep > 1 and is_expert(nm))]
     bucket_bytes = int(work.bucket_mb * 2**20)
     zero_axis, n = _dp_cp_name(L), L.dp * L.cp
-    if L.zero_stage == 0:
+    if L.zero_stage == 0 and L.grad_compression == "int8":
+        for bucket in buckets([sh for _, sh in names], r, bucket_bytes):  # int8 reduce-scatter + all-gather
+            _int8_reduce(add, zero_axis, n, -(-sum(_numel(s) for s in bucket) // n), gather=True)
+    elif L.zero_stage == 0:
         _reduce_grads(add, L, [sh for _, sh in names], r, bucket_bytes, pp_rank, hierarchical_node)
     else:
         _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes)
-    if sp:  # norm weights saw only this rank's sequence shard: one flat sum over tp (of ZeRO's rows)
-        norm_elems = sum(_numel(sh) for nm, sh in names if nm.endswith("norm.weight"))
+    if experts:
+        _expert_grads(add, L, experts, r, m, bucket_bytes)
+    if sp:  # replicated weights (norms, routers) saw only this rank's sequence shard: one flat sum
+        # over tp (of ZeRO's rows)
+        repl = [sh for nm, sh in names if nm.endswith("norm.weight") or replicated_ffn(nm)]
         if L.zero_stage > 0:
-            rows = -(-h // n)
-            norm_elems = norm_elems // h * (min((zero_rank + 1) * rows, h) - min(zero_rank * rows, h))
-        add("all_reduce", "tp", t, norm_elems * r)
+            add("all_reduce", "tp", t, sum(_rows_of(sh[0], n, zero_rank) * _numel(sh[1:]) for sh in repl) * r)
+        else:
+            add("all_reduce", "tp", t, sum(map(_numel, repl)) * r)
     add("all_reduce", zero_axis, n, 4)  # the logged loss
-    add("all_reduce", "tp", t, 4)  # gradient norm: tp pieces, ZeRO rows, pipeline stages
-    if L.zero_stage > 0:
-        add("all_reduce", zero_axis, n, 4)
-    add("all_reduce", "pp", L.pp, 4)
+    for part in ([names, experts] if experts else [names]):  # gradient norm, per optimizer part:
+        add("all_reduce", "tp", t, 4)  # tp pieces, then ZeRO rows (experts: ep, then edp rows), stages
+        if part is experts:
+            add("all_reduce", "ep", L.ep, 4)
+        if L.zero_stage > 0:
+            add("all_reduce", "edp" if part is experts else zero_axis, n // L.ep if part is experts else n, 4)
+        add("all_reduce", "pp", L.pp, 4)
+    if model.moe_layer_ids():
+        # the step's MoE statistics (Engine.moe_step_stats): every router's float64 load and the
+        # auxiliary losses' sum, over tp (SP), pp and dp x cp; with bias balancing, the load again
+        load = len(model.moe_layer_ids()) * model.n_experts * 8
+        for axis, size in (("tp", t if sp else 1), ("pp", L.pp), (zero_axis, n)):
+            add("all_reduce", axis, size, load + 8)
+        if model.bias_update_rate > 0:
+            add("all_reduce", zero_axis, n, load)
+            add("all_reduce", "tp", t if sp else 1, load)
     if work.precision == "fp16":
         add("all_reduce", "world", L.world_size, 4)  # any rank overflowed?
     return dict(out)
@@ -247,6 +315,66 @@ def _reduce_grads(add: Adder, layout: Layout, shapes: list[Shape], elem: int, bu
         add("all_gather", f"{name}.intra", intra, pad // intra * elem)
 
 
+def _int8_reduce(add: Adder, axis: str, n: int, shard: int, gather: bool = False) -> None:
+    """int8 gradient compression (:mod:`hybridpar.distributed.compression`): the reduce-scatter
+    of ``n`` blocks of ``shard`` elements is one all-to-all of int8 blocks padded to whole
+    quantisation blocks, each with its fp32 scales; stage 0 then all-gathers the summed blocks."""
+    msg = wire_numel(padded_blocks(shard))
+    add("all_to_all", axis, n, n * msg)
+    if gather:
+        add("all_gather", axis, n, msg)
+
+
+def _reduce_scatter(add: Adder, layout: Layout, axis: str, n: int, shard: int, elem: int) -> None:
+    """ZeRO's gradient reduce-scatter of ``n`` blocks of ``shard`` elements, as compressed."""
+    if layout.grad_compression == "int8":
+        _int8_reduce(add, axis, n, shard)
+    else:
+        payload = 2 if layout.grad_compression in ("bf16", "fp16") else elem
+        add("reduce_scatter", axis, n, n * shard * payload)
+
+
+def _zero_buckets(add: Adder, axis: str, n: int, shapes: list[Shape], elem: int, bucket_bytes: int,
+                  layout: Layout) -> None:
+    """ZeRO-1/2 over ``axis``: the optimizer's order (matrices, then vectors) cut in buckets from
+    the end, each reduce-scattered once (as compressed) and its updated shard all-gathered."""
+    order = [s for s in shapes if len(s) >= 2] + [s for s in shapes if len(s) < 2]
+    for bucket in buckets(order, elem, bucket_bytes):
+        shard = shard_elems(bucket, n)
+        _reduce_scatter(add, layout, axis, n, shard, elem)
+        add("all_gather", axis, n, shard * elem)
+
+
+def _expert_grads(add: Adder, layout: Layout, experts: Named, elem: int, m: int, bucket_bytes: int) -> None:
+    """The routed experts (ep > 1) over ``edp`` (the dp x cp / ep ranks that hold the same
+    experts; nothing when ep = dp x cp): bucketed gradient all-reduces, ZeRO-1/2's buckets, or
+    ZeRO-3's units (each MoE layer's experts: gathered twice per micro-batch, reduce-scattered
+    once)."""
+    n, shapes = layout.dp * layout.cp // layout.ep, [sh for _, sh in experts]
+    if layout.zero_stage == 0:
+        for bucket in buckets(shapes, elem, bucket_bytes):
+            if layout.grad_compression == "int8":
+                _int8_reduce(add, "edp", n, -(-sum(_numel(s) for s in bucket) // n), gather=True)
+            else:
+                add("all_reduce", "edp", n, sum(_numel(s) for s in bucket) * elem)
+    elif layout.zero_stage < 3:
+        _zero_buckets(add, "edp", n, shapes, elem, bucket_bytes, layout)
+    else:
+        units: dict[str, list[Shape]] = {}
+        for nm, sh in experts:
+            units.setdefault(nm.rsplit(".", 1)[0], []).append(sh)
+        for unit in units.values():
+            shard = shard_elems(unit, n)
+            add("all_gather", "edp", n, shard * elem, 2 * m)
+            _reduce_scatter(add, layout, "edp", n, shard, elem)
+
+
+def _rows_of(rows: int, n: int, rank: int) -> int:
+    """Rows ZeRO rank ``rank`` of ``n`` owns of a ``rows``-row parameter (``ceil`` blocks)."""
+    block = -(-rows // n)
+    return min((rank + 1) * block, rows) - min(rank * block, rows)
+
+
 def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem: int, m: int,
           bucket_bytes: int) -> None:
     """ZeRO over dp x cp, of the parameters this pipeline rank trains (tp pieces): stages 1/2
@@ -256,28 +384,27 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
     axis, n = _dp_cp_name(layout), layout.dp * layout.cp
     named = [(nm, s) for nm, s in model_params(model, layout.tp) if nm in names]
     if layout.zero_stage < 3:
-        order = [s for _, s in named if len(s) >= 2] + [s for _, s in named if len(s) < 2]
-        for bucket in buckets(order, elem, bucket_bytes):
-            shard = shard_elems(bucket, n)
-            add("reduce_scatter", axis, n, n * shard * elem)
-            add("all_gather", axis, n, shard * elem)
+        _zero_buckets(add, axis, n, [s for _, s in named], elem, bucket_bytes, layout)
         return
     tied = model.tie_embeddings
     root = [s for nm, s in named if nm in ("norm.weight", "output.weight") or (tied and nm.startswith("tok_"))]
     units = [root] + ([] if tied else [[named[0][1]]])
-    units += [[s for _, s in _layer_params(model, layout.tp, i)] for i in range(model.n_layers)]
+    dense = layout.ep == 1  # with ep > 1 the experts are units of their own over edp (_expert_grads)
+    units += [[s for nm, s in _layer_params(model, layout.tp, i, layout.ep) if dense or not is_expert(nm)]
+              for i in range(model.n_layers)]
     for unit in units:
         shard = shard_elems(unit, n)
         add("all_gather", axis, n, shard * elem, 2 * m)
-        add("reduce_scatter", axis, n, n * shard * elem)
+        _reduce_scatter(add, layout, axis, n, shard, elem)
 
 
 def comm_bytes_per_axis(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int = 0, *,
-                        zero_rank: int = 0, hierarchical_node: int = 0) -> dict[str, int]:
+                        zero_rank: int = 0, hierarchical_node: int = 0,
+                        ep_load: float | None = None) -> dict[str, int]:
     """``{axis: payload bytes}`` of one training step on pipeline rank ``pp_rank``: what
     ``topo.comm.counter.bytes(axis=axis)`` reads after one ``Trainer.train_step``."""
     out: dict[str, int] = defaultdict(int)
     for (_, axis), nbytes in comm_bytes(model, layout, work, pp_rank, zero_rank=zero_rank,
-                                        hierarchical_node=hierarchical_node).items():
+                                        hierarchical_node=hierarchical_node, ep_load=ep_load).items():
         out[axis] += nbytes
     return dict(out)

@@ -461,8 +461,11 @@ def load(path: Path, model: nn.Module, optimizer: ZeroOptimizer, cfg: Config, to
     that was saved) from a complete checkpoint; returns its step."""
     path = Path(path)
     info = read_info(require_complete(path))
-    check_compatible(read_config(path), cfg, path)
+    saved = read_config(path)
+    check_compatible(saved, cfg, path)
     state = _train_state(model, optimizer, extra)
+    if saved.parallel != cfg.parallel or saved.parallel.grad_compression != "int8":
+        state.pop("residuals", None)  # each rank's own error feedback: only the same layout has it
     own_names = [list(group["params"]) for group in state["optim"]["param_groups"]]
     try:
         with single_process_quiet():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,9 +22,12 @@ from hybridpar.config import Config
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.models.hf import init_from_hf
+from hybridpar.models.lazy import Narrowed
+from hybridpar.models.moe import moe_layers, update_balance_bias
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import enable_context_parallel
+from hybridpar.parallel.experts import expert_param_names, expert_units
 from hybridpar.parallel.pipeline import build_schedule, partition_model
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
@@ -35,8 +39,9 @@ from hybridpar.parallel.recompute import apply_recompute
 from hybridpar.parallel.shard import OuterSplit
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import set_sequence_parallel
-from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
+from hybridpar.parallel.zero import COMPRESSION_DTYPES, ZeroOptimizer, decay_groups
 from hybridpar.parallel.zero3 import shard_model
+from hybridpar.parallel.zero_experts import ExpertSplitOptimizer
 from hybridpar.training.generate import sample
 from hybridpar.training.precision import autocast
 from hybridpar.training.step import StepEngine
@@ -57,8 +62,12 @@ class Engine(StepEngine):
         model.init_weights(t.seed)
         self.sequence_parallel = p.sequence_parallel and topo.tp.size > 1
         family.parallelize(model, topo.tp, self.sequence_parallel)  # no-op at tp=1
-        if t.init_from:  # shape checked against cfg.model; each tp rank reads only its slices
-            init_from_hf(model, t.init_from, m, read=lambda name, lazy: plan.read_shard(name, lazy, topo.tp))
+        if family.parallelize_moe is not None:  # MoE layers: experts over ep (and tp), token counts
+            tokens = [topo.cp, *([topo.tp] if self.sequence_parallel else [])]
+            family.parallelize_moe(model, topo.tp, topo.ep, tokens, self.sequence_parallel)
+        self.expert_names = expert_param_names(model) if topo.ep.size > 1 else set()
+        if t.init_from:  # shape checked against cfg.model; each tp (and ep) rank reads only its slices
+            init_from_hf(model, t.init_from, m, read=self._read_shard)
         self.cp = (enable_context_parallel(model, topo.cp, family.attention_modules(model))
                    if topo.cp.size > 1 else None)
         # after cp: selective reruns ring attention's core too
@@ -100,16 +109,31 @@ class Engine(StepEngine):
         prefetch = device.type == "cuda"
         ids = {id(q) for q in train}
         names = {n for n, q in model.named_parameters() if id(q) in ids}
-        sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer)
-                   if p.zero_stage == 3 else None)
+        experts = [(n, q) for n, q in model.named_parameters() if n in self.expert_names]
+        expert_ids = frozenset(id(q) for _, q in experts)
+        sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer,
+                               skip=expert_ids) if p.zero_stage == 3 else None)
+        split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts: their rows over ep, then tp's split
+        expert_sharded = (shard_model(model, topo.edp, expert_units(model), prefetch=prefetch, outer=split,
+                                      skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
+                          if p.zero_stage == 3 and experts else None)
         named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
         hierarchy = None
         if p.zero_stage == 0 and p.hierarchical_dp and topo.dp_cp.size > 1:  # node boundaries from the launcher
             node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
             hierarchy = topo.node_split(topo.dp_cp, node)
-        optimizer = ZeroOptimizer(decay_groups(named, t.weight_decay), topo.dp_cp, stage=p.zero_stage,
-                                  offload=p.offload_optimizer, bucket_bytes=bucket, sharded=sharded,
-                                  outer=outer, hierarchy=hierarchy, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        opts = dict(stage=p.zero_stage, offload=p.offload_optimizer, bucket_bytes=bucket,
+                    reduce_dtype=COMPRESSION_DTYPES[p.grad_compression], offload_to=p.offload_to,
+                    offload_dir=p.offload_dir or None, offload_params=p.offload_params,
+                    lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        dense = [(n, q) for n, q in named if n not in self.expert_names]
+        optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.dp_cp, sharded=sharded, outer=outer,
+                                  hierarchy=hierarchy, **opts)
+        if self.expert_names:  # experts average over the ranks holding the same ones (edp)
+            experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
+            optimizer = ExpertSplitOptimizer(optimizer, ZeroOptimizer(decay_groups(experts, t.weight_decay), topo.edp,
+                                                                      sharded=expert_sharded, outer=split, **opts),
+                                             topo.ep)
         self.params = [q for _, q in named if q.requires_grad]
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
@@ -117,6 +141,66 @@ class Engine(StepEngine):
         # the loss is looked up per call, so a subclass or a test may replace self.loss
         super().__init__(topo, optimizer, plan, owned, loss=lambda *batch: self.loss(*batch), runner=runner,
                          tp_partial=partial, after_pipeline=lambda: sync_tied_embedding_grads(self.chunks, topo))
+        self.on_grad_scale = self._set_aux_scale
+        self.moe = moe_layers(model)
+
+    # ------------------------------------------------------------------ mixture of experts
+    def _set_aux_scale(self, scale: float) -> None:
+        aux = getattr(self.model, "moe_aux", None)
+        if aux is not None:
+            aux.grad_scale = scale
+
+    def _read_shard(self, name: str, lazy: Any) -> Tensor:
+        """This rank's part of HF tensor ``name``: its experts (ep) of their tp piece."""
+        if name in self.expert_names:
+            ep, n = self.topo.ep, self.cfg.model.n_experts // self.topo.ep.size
+            lazy = Narrowed(lazy, 0, ep.rank * n, (ep.rank + 1) * n)  # read only these experts' rows
+        return self.plan.read_shard(name, lazy, self.topo.tp)
+
+    def update(self, max_norm: float) -> Tensor:
+        """The optimizer step, then (MoE with ``bias_update_rate``) the balancing bias update."""
+        norm = super().update(max_norm)
+        rate = self.cfg.model.bias_update_rate
+        if rate > 0 and self.moe:
+            axes = [self.topo.dp_cp, *([self.topo.tp] if self.sequence_parallel else [])]
+
+            def total(load: Tensor) -> Tensor:
+                for axis in axes:
+                    self.topo.comm.all_reduce(load, axis)
+                return load
+
+            update_balance_bias(self.model, rate, total)
+        return norm
+
+    def moe_step_stats(self, microbatches: int) -> dict[str, Any] | None:
+        """The last step's MoE statistics over all ranks (None for a dense model), and reset of
+        the counters; collective (every rank, every step). ``expert_load``: tokens routed to each
+        expert per MoE layer (every layer, whichever stage holds it); ``expert_load_imbalance``:
+        the worst layer's max/mean load; ``dropped_tokens``: routed slots short of tokens x k
+        (0: the layers are dropless); ``aux_loss``: the auxiliary losses' sum over layers, mean
+        over micro-batches."""
+        if not self.moe:
+            return None
+        topo, sp = self.topo, self.sequence_parallel
+        load = torch.stack([moe.router.load for moe in self.moe])  # unrun layers (other stages): zeros
+        aux = torch.tensor([self.model.moe_aux.value], dtype=torch.float64)
+        for moe in self.moe:
+            moe.router.load.zero_()
+        self.model.moe_aux.reset()
+        if sp:  # each tp rank routed its sequence chunk
+            topo.comm.all_reduce(load, topo.tp)
+            topo.comm.all_reduce(aux, topo.tp)
+        for axis in (topo.pp, topo.dp_cp):
+            topo.comm.all_reduce(load, axis)
+        topo.comm.all_reduce(aux, topo.pp)
+        topo.comm.all_reduce(aux, topo.dp_cp, op="avg")
+        t, m = self.cfg.train, self.cfg.model
+        slots = t.global_batch * t.seq_len * m.experts_per_token
+        per_layer = (load.max(1).values / load.mean(1)).tolist()
+        return {"aux_loss": float(aux) / microbatches, "expert_load_imbalance": max(per_layer),
+                "expert_imbalance_per_layer": per_layer,
+                "dropped_tokens": int(slots * len(self.moe) - load.sum().item()),
+                "expert_load": load.long().tolist()}
 
     # ------------------------------------------------------------------ loss
     def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -151,8 +235,17 @@ class Engine(StepEngine):
         self._share_pipeline_weights()
         if self.optimizer.sharded is not None:  # ZeRO rows -> tp pieces -> full
             pieces = self.optimizer.sharded.gather_full_state_dict()
-            return {n: self.plan.gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()}
-        return self.plan.gather_full_state_dict(self.model, self.topo.tp, self.cfg.model.vocab_size)
+            if self.expert_names and self.optimizer.experts.sharded is not None:  # experts: over edp
+                gathered = self.optimizer.experts.sharded.gather_full_state_dict()
+                pieces.update({n: gathered[n] for n in self.expert_names})
+            keep = set(self.model.state_dict())  # not the non-persistent buffers (MoE routers' step counts)
+            full = {n: self.plan.gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()
+                    if n in keep}
+        else:
+            full = self.plan.gather_full_state_dict(self.model, self.topo.tp, self.cfg.model.vocab_size)
+        for name in self.expert_names:  # experts: every ep rank's
+            full[name] = self.topo.comm.all_gather(full[name], self.topo.ep, 0)
+        return full
 
     # ------------------------------------------------------------------ sampling, timeline
     def sample(self, prompt: list[int], max_new_tokens: int, seed: int) -> list[int]:

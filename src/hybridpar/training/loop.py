@@ -10,8 +10,9 @@
   ``sample.txt``, the loss plot, the final log lines).
 
 :func:`log_due` says which steps ``metrics.jsonl`` records, :func:`step_record` what it records
-for one (the keys are a public contract: ``step loss lr grad_norm tokens_per_s mfu mem_bytes
-step_time_s`` and, when they apply, ``skipped loss_scale val_loss``).
+for one (the keys are a public contract: ``step world loss lr grad_norm tokens_per_s mfu mem_bytes
+step_time_s`` and, when they apply, ``skipped loss_scale val_loss``; MoE models add ``aux_loss
+expert_load_imbalance expert_imbalance_per_layer dropped_tokens expert_load``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool = False  # no optimizer update: fp16 overflow or a skipped non-finite loss
+    moe: dict[str, Any] | None = None  # MoE models: the step's expert statistics (Engine.moe_step_stats)
 
 
 @dataclass(frozen=True)
@@ -94,17 +96,20 @@ def log_due(step: int, log_every: int, last_step: int) -> bool:
 
 
 def step_record(step: int, result: StepResult, rate: Throughput, mem_bytes: int,
-                loss_scale: float | None) -> dict[str, Any]:
+                loss_scale: float | None, world: int = 1) -> dict[str, Any]:
     """One line of ``metrics.jsonl`` (``val_loss`` is added by the caller when it evaluates);
-    the key order is the file's."""
+    the key order is the file's. ``world``: the processes that trained the step (an elastic
+    job's changes between restarts)."""
     record: dict[str, Any] = {
-        "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+        "step": step, "world": world, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
         "tokens_per_s": rate.tokens_per_s, "mfu": rate.mfu, "mem_bytes": mem_bytes, "step_time_s": rate.step_time_s,
     }
     if result.skipped:
         record["skipped"] = True
     if loss_scale is not None:  # fp16 only
         record["loss_scale"] = loss_scale
+    if result.moe is not None:  # MoE models
+        record.update(result.moe)
     return record
 
 
@@ -209,6 +214,10 @@ class RunReport:
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         log.write(f"--- sample ---\n{sample}\n--------------")
         log.write(self.details(summary["traffic_bytes_per_step"], summary["peak_memory_bytes_per_rank"], timeline))
+        if "expert_imbalance" in summary:
+            per_layer = " ".join(f"{v:.2f}" for v in summary["expert_imbalance_per_layer"])
+            log.write(f"experts: load max/mean {summary['expert_imbalance']:.2f} (worst layer, mean over steps); "
+                      f"per layer {per_layer}; dropped tokens {summary['dropped_tokens']}")
         val_loss = summary["val_loss"]
         val = f"validation {val_loss:.4f}" if val_loss == val_loss else "no validation (train.eval_every = 0)"
         log.write(f"loss {losses.first:.4f} (step {losses.first_step}) -> {losses.last:.4f} "

@@ -51,6 +51,9 @@ class MetricsLogger:
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float):
                 self._tb.add_scalar(key, value, record["step"])
+            elif isinstance(value, list) and value and all(isinstance(v, int | float) for v in value):
+                for i, v in enumerate(value):  # e.g. expert_imbalance_per_layer/3
+                    self._tb.add_scalar(f"{key}/{i}", v, record["step"])
         post = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}",
                 "mfu": f"{100 * record['mfu']:.1f}%", "mem": f"{record['mem_bytes'] / 2**20:.0f}MiB"}
         if "val_loss" in record:

@@ -12,7 +12,6 @@ import contextlib
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from hybridpar.distributed.mesh import Axis
 
@@ -50,12 +49,15 @@ class LossScaler:
         self.clean_steps = 0
         self.skipped = 0
 
-    def unscale_or_skip(self, params: list[nn.Parameter], world: Axis) -> bool:
-        """After backward: on overflow anywhere, zero the gradients, shrink the scale and return
-        False (skip the step); otherwise divide the gradients by the scale and return True."""
+    def unscale_or_skip(self, grads: list[torch.Tensor], world: Axis, replicas: int = 1) -> bool:
+        """After backward and the data-parallel reduction, on the gradients this rank holds
+        (whole, or its ZeRO shard of them): on overflow on any rank, zero them, shrink the scale
+        and return False (skip the step); otherwise multiply them by ``replicas / scale`` and
+        return True (``replicas``: the gradients were scaled by ``scale / replicas``, i.e. each
+        of ``replicas`` data-parallel ranks scaled as one process scales the whole batch, then
+        they were averaged). Every rank of ``world`` takes the same decision (one max-all-reduce)."""
         if not self.enabled:
             return True
-        grads = [p.grad for p in params if p.grad is not None]
         if any_nonfinite(grads, world):
             for g in grads:
                 g.zero_()
@@ -63,7 +65,7 @@ class LossScaler:
             self.clean_steps = 0
             self.skipped += 1
             return False
-        inv = 1.0 / self.scale
+        inv = replicas / self.scale
         for g in grads:
             g.mul_(inv)
         self.clean_steps += 1

@@ -26,6 +26,7 @@ from hybridpar.parallel.data import GradientReducer
 from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
 from hybridpar.parallel.tensor_plan import TensorPlan, sum_over
 from hybridpar.parallel.zero import ZeroOptimizer
+from hybridpar.parallel.zero_experts import ExpertSplitOptimizer, norm_parts
 from hybridpar.training.optim import clip_by_total_norm
 
 __all__ = ["StepEngine"]
@@ -57,10 +58,14 @@ class StepEngine:
         self.loss_fn, self.runner, self.after_pipeline = loss, runner, after_pipeline
         self.tp_partial_names = set(tp_partial)
         self.last_pipeline_step: PipelineStepResult | None = None
+        #: told each step's gradient scale before its backward (MoE auxiliary losses use it)
+        self.on_grad_scale: Callable[[float], None] | None = None
 
     @property
     def zero(self) -> ZeroOptimizer | None:
-        return self.optimizer if isinstance(self.optimizer, ZeroOptimizer) else None
+        """The data-parallel optimizer (a :class:`ZeroOptimizer`, or two of them as one under
+        expert parallelism); None for a plain torch optimizer."""
+        return self.optimizer if isinstance(self.optimizer, ZeroOptimizer | ExpertSplitOptimizer) else None
 
     @property
     def reducer(self) -> GradientReducer | None:
@@ -77,6 +82,8 @@ class StepEngine:
         ``grad_scale * d(sum of micro-batch losses)`` (default ``1 / M``: the gradient of the
         mean loss), then are reduced over data parallelism and completed over tp
         (:meth:`finish`). Returns the ``[M]`` losses."""
+        if self.on_grad_scale is not None:
+            self.on_grad_scale(1.0 / len(batches) if grad_scale is None else grad_scale)
         if self.runner is not None:
             with self.no_sync():
                 self.last_pipeline_step = self.runner.run(list(batches), grad_scale=grad_scale)
@@ -116,18 +123,25 @@ class StepEngine:
             sum_over(self.topo.tp, [g for n, g in grads if n in self.tp_partial_names])
 
     # ------------------------------------------------------------------ the update
+    def gradients(self) -> list[Tensor]:
+        """The reduced gradient tensors this rank holds, after :meth:`finish`: whole ones, or
+        its ZeRO shard of them (in place scaling reaches what the optimizer steps)."""
+        if self.zero is not None:
+            return self.zero.grad_tensors()
+        return [p.grad for _, p in self.owned if p.grad is not None]
+
     def grad_norm(self) -> Tensor:
         """Global gradient L2 norm: every parameter counted exactly once over tp, pp and ZeRO
         shards (data-parallel replicas hold equal, already averaged gradients)."""
         owned = {n for n, _ in self.owned}
         if self.zero is None:
-            named = [(n, p.grad) for n, p in self.owned if p.grad is not None]
-            shards = []
-        else:  # this rank's rows of its tp pieces
-            named = [(n, g) for n, g in self.zero.named_grads() if n in owned]
-            shards = [self.zero.axis] if self.zero.mode != 0 else []
+            parts = [([(n, p.grad) for n, p in self.owned if p.grad is not None], [])]
+        else:  # this rank's rows of its tp pieces; experts (ep) are a part of their own
+            parts = self.zero.norm_parts() if hasattr(self.zero, "norm_parts") else norm_parts(self.zero)
         device = self.owned[0][1].device if self.owned else self.topo.device
-        return self.plan.global_grad_norm(named, self.topo.tp, [*shards, self.topo.pp], device)
+        squares = [self.plan.global_grad_norm([(n, g) for n, g in named if n in owned], self.topo.tp,
+                                              [*axes, self.topo.pp], device).square() for named, axes in parts]
+        return torch.stack(squares).sum().sqrt()
 
     def clip(self, total_norm: Tensor, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from hybridpar.distributed.lifecycle import StopRequest
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
-from hybridpar.training import checkpoint
+from hybridpar.training import checkpoint, elastic
+from hybridpar.training.elastic import LayoutChange
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.loop import (
@@ -46,8 +48,9 @@ class Trainer:
     """Trains ``cfg.model`` under the layout in ``topo`` on ``cfg.train.data``."""
 
     def __init__(self, cfg: Config, topo: Topology, device: torch.device | None = None,
-                 stop: StopRequest | None = None) -> None:
+                 stop: StopRequest | None = None, elastic: LayoutChange | None = None) -> None:
         self.cfg = cfg
+        self.elastic = elastic  # an elastic job's layout for this world: recorded in layouts.json
         self.stop = stop  # a signal asks for a checkpoint and a clean stop after the current step
         self.topo = topo
         self.device = device or torch.device("cpu")
@@ -61,6 +64,8 @@ class Trainer:
         self.cp, self.reducer = self.engine.cp, self.engine.reducer  # reducer: stage 0 only
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.skipped_nonfinite = 0
+        self.expert_imbalance: list[list[float]] = []  # MoE: per step, each layer's max/mean expert load
+        self.dropped_tokens = 0  # MoE: routed slots no expert computed (0: the layers are dropless)
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
 
@@ -102,15 +107,30 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=False)
         batches = self.micro_batches(step, t.global_batch, self.train_data)
-        loss = self.engine.forward_backward(batches, self.scaler.scale / len(batches)).mean().float()
+        # fp16: each rank scales its micro-batches as one process scales all M x replicas of them,
+        # so the same values overflow fp16 under every layout; the dp average is then 1/replicas
+        # of the scaled sum, which unscaling undoes (fp32/bf16: the plain 1/M mean, no rescaling)
+        replicas = self.topo.dp_cp.size if self.scaler.enabled else 1
+        loss = self.engine.forward_backward(batches, self.scaler.scale / (len(batches) * replicas)).mean().float()
+        moe = self.engine.moe_step_stats(len(batches))  # MoE: expert load, auxiliary losses (collective)
+        if moe is not None:
+            self.expert_imbalance.append(moe["expert_imbalance_per_layer"])
+            self.dropped_tokens += moe["dropped_tokens"]
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
-        if not self.scaler.unscale_or_skip(self.params, self.topo.world):
+        scale = self.scaler.scale
+        clean = self.scaler.unscale_or_skip(self.engine.gradients(), self.topo.world, replicas)
+        if self.scaler.scale != scale and self.engine.zero is not None:  # int8 error feedback: scaled units
+            if clean:
+                self.engine.zero.scale_residuals(self.scaler.scale / scale)
+            else:
+                self.engine.zero.reset_residuals()  # computed from non-finite gradients
+        if not clean:
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         if not torch.isfinite(loss):
             self._on_nonfinite(step, float(loss))
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         norm = self.engine.update(t.grad_clip)  # global norm, clip, optimizer step
-        return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr)
+        return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr, moe=moe)
 
     def _on_nonfinite(self, step: int, loss: float) -> None:
         """Apply ``train.nonfinite``: stop naming the step and the last good checkpoint, or
@@ -160,10 +180,18 @@ class Trainer:
         t = self.cfg.train
         # measured before a resume: the matmul benchmark draws from the RNG the checkpoint restores
         peak, peak_src = devices.peak_flops(self.device, t.precision)
+        loading = time.perf_counter()
         start = self._start(resume)
+        loaded_s = time.perf_counter() - loading
         log = MetricsLogger(self.run_dir, t.steps, self.is_logger, start_step=start)
         if resume is not None:
-            log.write(f"resumed from {resume} at step {start}")
+            log.write(f"resumed from {resume} at step {start} (loaded in {loaded_s:.2f} s)")
+        if self.elastic is not None and self.is_logger:
+            changes = elastic.record(self.run_dir, self.elastic, start)
+            if len(changes) > 1 and changes[-1]["step"] == start:
+                before = changes[-2]
+                log.write(f"elastic: world {before['world']} -> {self.elastic.world} at step {start}: layout "
+                          f"{before['layout']} -> {self.elastic.layout} ({self.elastic.reason})")
         log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
         losses, traffic = LossRange(first_step=start + 1), LastStepTraffic(self.topo.comm.counter, t.steps)
         evaluation = Evaluation(t.eval_every, t.steps, self.evaluate)
@@ -179,7 +207,7 @@ class Trainer:
             evaluating = evaluation.due(step)
             if log_due(step, t.log_every, t.steps) or evaluating:
                 record = step_record(step, result, meter.read(), devices.memory_bytes(self.device),
-                                     self.scaler.scale if self.scaler.enabled else None)
+                                     self.scaler.scale if self.scaler.enabled else None, self.topo.world_size)
                 if evaluating:
                     record["val_loss"] = evaluation.run()
                 log.step(record)
@@ -220,8 +248,15 @@ class Trainer:
         memory = self._memory_per_rank()
         if len(self.data.components) > 1:
             summary["tokens_per_dataset"] = self.data.tokens_drawn(t.steps * t.global_batch, t.seq_len)
+        if self.elastic is not None:
+            summary["layout_changes"] = elastic.history(self.run_dir)
         summary["traffic_bytes_per_step"] = traffic
         summary["peak_memory_bytes_per_rank"] = memory
+        if self.expert_imbalance:  # MoE: max/mean tokens per expert over the run's steps
+            per_layer = torch.tensor(self.expert_imbalance).mean(0).tolist()
+            summary["expert_imbalance"] = max(per_layer)
+            summary["expert_imbalance_per_layer"] = per_layer
+            summary["dropped_tokens"] = self.dropped_tokens
         sample = self.sample_text()
         report = RunReport(self.run_dir, self.is_logger, self.layout_name(), self.topo.world_size,
                            self.device.type, self.cfg.parallel.pipeline_schedule)
@@ -239,13 +274,13 @@ class Trainer:
         return self.tokenizer.decode(tokens)
 
     def layout_name(self) -> str:
-        p = self.cfg.parallel
-        recompute = f" recompute={p.recompute}" if p.recompute != "none" else ""
-        return f"dp{p.dp} tp{p.tp} pp{p.pp} cp{p.cp} zero{p.zero_stage}{recompute}"
+        return elastic.layout_name(self.cfg.parallel)
 
     def describe(self) -> str:
         t, m = self.cfg.train, self.cfg.model
-        return (f"hybridpar: model {m.preset} ({m.num_params() / 1e6:.2f}M params), layout {self.layout_name()} "
+        experts = (f", {m.n_experts} experts top-{m.experts_per_token} in {len(m.moe_layer_ids())} layers"
+                   if m.n_experts else "")
+        return (f"hybridpar: model {m.preset} ({m.num_params() / 1e6:.2f}M params{experts}), layout {self.layout_name()} "
                 f"on {self.topo.world_size} x {self.device.type}, {t.steps} steps x {t.global_batch} seqs x "
                 f"{t.seq_len} tokens, micro-batch {t.micro_batch}, {t.precision}")
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from hybridpar.config import ModelConfig
 from hybridpar.models.family import HFError, HFMapping, bad_value
+from hybridpar.models.lazy import shape_of, slice_bounds
 
 __all__ = ["GPT2HF", "gpt2_config_from_hf", "to_hf_config_dict"]
 
@@ -56,10 +57,6 @@ _SHAPE_KEYS = {"dim": ("n_embd", "hidden_size"), "n_layers": ("n_layer", "num_hi
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both GELU's tanh approximation
 
 
-def _shape(x: Any) -> list[int]:
-    return list(x.shape) if isinstance(x, Tensor) else list(x.get_shape())
-
-
 class ConvPart:
     """A lazily read HF ``Conv1D`` tensor (or the ``[start, stop)`` output columns of one: the q,
     k or v third of ``c_attn``) seen as our ``nn.Linear`` tensor: a weight transposed to
@@ -68,7 +65,7 @@ class ConvPart:
 
     def __init__(self, src: Any, start: int, stop: int) -> None:
         self.src, self.start, self.stop = src, start, stop
-        self.shape = _shape(src)
+        self.shape = shape_of(src)
 
     def get_shape(self) -> list[int]:
         out = self.stop - self.start
@@ -76,16 +73,7 @@ class ConvPart:
 
     def __getitem__(self, index: Any) -> Tensor:
         ours = self.get_shape()
-        index = index if isinstance(index, tuple) else (index,)
-        if len(index) > len(ours) or not all(isinstance(i, slice) for i in index):
-            raise TypeError(f"ConvPart takes up to {len(ours)} slices, got {index!r}")
-        bounds = []
-        for d, size in enumerate(ours):
-            a, b, step = (index[d] if d < len(index) else slice(None)).indices(size)
-            if step != 1:
-                raise TypeError(f"ConvPart reads contiguous slices only, got step {step}")
-            bounds.append((a, max(a, b)))
-        (r0, r1), *rest = bounds
+        (r0, r1), *rest = slice_bounds(index, ours, "ConvPart")
         rows = slice(self.start + r0, self.start + r1)  # our rows = HF's output columns
         if len(ours) == 1:
             return self.src[rows]
@@ -208,9 +196,9 @@ class GPT2HF(HFMapping):
             m = _HF_RE.fullmatch(bare)
             if m is not None and m.group(2) == "attn.c_attn":
                 layer, kind = m.group(1), m.group(3)
-                size = _shape(value)[-1]
+                size = shape_of(value)[-1]
                 if size % 3:
-                    raise HFError(f"{key} has shape {_shape(value)}: its last dim must be 3 * n_embd (q | k | v)")
+                    raise HFError(f"{key} has shape {shape_of(value)}: its last dim must be 3 * n_embd (q | k | v)")
                 third = size // 3
                 for i, ours in enumerate(_QKV):
                     yield f"layers.{layer}.{ours}.{kind}", ConvPart(value, i * third, (i + 1) * third)
@@ -222,7 +210,7 @@ class GPT2HF(HFMapping):
                 continue
             conv = m is not None and _LAYER[_LAYER_INV[m.group(2)]][1]
             if conv and m.group(3) == "weight":
-                shape = _shape(value)
+                shape = shape_of(value)
                 if len(shape) != 2:
                     raise HFError(f"{key} has shape {shape}; a Conv1D weight is [in, out]")
                 yield name, ConvPart(value, 0, shape[1])

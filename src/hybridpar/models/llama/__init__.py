@@ -24,6 +24,7 @@ from hybridpar.models.llama.parallelize import (
     attention_modules,
     blocks,
     parallelize_llama,
+    parallelize_moe,
     zero3_units,
 )
 from hybridpar.models.llama.pipeline import LlamaChunk
@@ -37,7 +38,7 @@ def llama_family(name: str, hf: LlamaHF) -> Family:
     """A family with Llama's math and plan and ``hf``'s Hugging Face mapping (the Llama-like
     families Qwen2, Qwen3 and Mistral differ from Llama only there and in their config features)."""
     return Family(name=name, build=Llama, tp=PLAN, parallelize=parallelize_llama, attention_modules=attention_modules, blocks=blocks,
-                  zero3_units=zero3_units, make_chunk=LlamaChunk, hf=hf)
+                  zero3_units=zero3_units, make_chunk=LlamaChunk, hf=hf, parallelize_moe=parallelize_moe)
 
 
 FAMILY = llama_family("llama", LlamaHF())

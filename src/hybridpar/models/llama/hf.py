@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridpar.config import ModelConfig
-from hybridpar.models.family import HFError, HFMapping, bad_value
+from hybridpar.models.family import HFError, HFMapping, bad_value, unexportable
 
 __all__ = ["LlamaHF", "from_hf_key", "hf_key", "llama_config_from_hf", "llama_hf_config", "to_hf_config_dict"]
 
@@ -52,9 +52,10 @@ def _rope_type(rope: Any) -> str | None:
 
 
 def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family: str,
-                         qkv_bias: bool = False, qk_norm: bool = False) -> ModelConfig:
+                         qkv_bias: bool = False, qk_norm: bool = False, default_theta: float = 10000.0) -> ModelConfig:
     """The :class:`ModelConfig` of a Llama-like ``config.json`` ``c`` (read from ``where``);
-    :class:`HFError` naming key and value for what the model cannot represent exactly."""
+    :class:`HFError` naming key and value for what the model cannot represent exactly.
+    ``default_theta``: the RoPE base transformers uses for this family when ``c`` names none."""
     for key in ("rope_scaling", "rope_parameters"):
         kind = _rope_type(c.get(key))
         if kind not in (None, "default"):
@@ -70,7 +71,7 @@ def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family:
     if missing:
         raise HFError(f"{where} lacks {', '.join(missing)}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))  # HF's default when absent
+    theta = c.get("rope_theta", rope.get("rope_theta", default_theta))
     shape = {field: c[key] for key, field in _SHAPE_KEYS.items()}
     heads = shape["n_heads"]
     head_dim = c.get("head_dim") or shape["dim"] // heads
@@ -81,9 +82,13 @@ def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family:
                        qkv_bias=qkv_bias, qk_norm=qk_norm, kv_channels=kv_channels)
 
 
-def llama_hf_config(cfg: ModelConfig, model_type: str, architecture: str) -> dict[str, Any]:
+def llama_hf_config(cfg: ModelConfig, model_type: str, architecture: str, moe: bool = False) -> dict[str, Any]:
     """``config.json`` for a Llama-like model; ``rope_theta`` both flat (transformers 4.x) and
-    as ``rope_parameters`` (5.x)."""
+    as ``rope_parameters`` (5.x). A model with experts is refused unless the family states them
+    (``moe``: Mixtral, Qwen3-MoE)."""
+    if cfg.n_experts and not moe:
+        raise unexportable("n_experts", cfg.n_experts, architecture, f"{model_type} has no mixture-of-experts "
+                           "layers; train with --model.family mixtral or qwen3_moe to export experts")
     return {
         "architectures": [architecture],
         "model_type": model_type,

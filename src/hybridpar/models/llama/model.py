@@ -29,6 +29,7 @@ from hybridpar.models.common import (
     rotate_half,
     segment_positions,
 )
+from hybridpar.models.moe import AuxLossScale, MoE
 
 __all__ = [
     "Attention",
@@ -121,14 +122,21 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``."""
+    """One pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``; the FFN is a
+    mixture of experts (:class:`~hybridpar.models.moe.MoE`) in the layers ``cfg.moe_layer_ids()``
+    names (Mixtral, Qwen3-MoE)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0, aux_scale: AuxLossScale | None = None) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+        self.feed_forward: nn.Module
+        if layer in cfg.moe_layer_ids():
+            shared = FeedForward(cfg.dim, cfg.n_shared_experts * cfg.expert_hidden) if cfg.n_shared_experts else None
+            self.feed_forward = MoE(cfg, aux_scale or AuxLossScale(), shared)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
         h = self.attention_norm(x)
@@ -147,7 +155,8 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.moe_aux = AuxLossScale()  # MoE layers' auxiliary losses: backward scale and running value
+        self.layers = nn.ModuleList(Block(cfg, i, self.moe_aux) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = (
             None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

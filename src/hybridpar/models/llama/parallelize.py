@@ -22,6 +22,10 @@ embedding and the final norm add two more activation-sized collectives (4L + 2 i
 
 from __future__ import annotations
 
+import functools
+
+from torch import Tensor, nn
+
 from hybridpar.distributed.mesh import Axis
 from hybridpar.models.common import (
     attention_modules,
@@ -31,6 +35,8 @@ from hybridpar.models.common import (
     zero3_units,
 )
 from hybridpar.models.llama.model import Llama
+from hybridpar.models.moe import MoE, moe_layers
+from hybridpar.parallel.experts import ExpertParallel
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -38,9 +44,10 @@ from hybridpar.parallel.tensor import (
     pad_dim,
     padded_size,
 )
-from hybridpar.parallel.tensor_plan import TensorPlan, enter_tp_region
+from hybridpar.parallel.tensor_plan import TensorPlan, enter_tp_region, enter_tp_region_before
 
-__all__ = ["PLAN", "attention_modules", "blocks", "check_tp_shape", "parallelize_llama", "zero3_units"]
+__all__ = ["PLAN", "attention_modules", "blocks", "check_tp_shape", "parallelize_llama", "parallelize_moe",
+           "zero3_units"]
 
 PLAN = TensorPlan(
     shard_dims={
@@ -48,6 +55,9 @@ PLAN = TensorPlan(
         "attention.wq.bias": 0, "attention.wk.bias": 0, "attention.wv.bias": 0,
         "attention.wo.weight": 1,
         "feed_forward.w1.weight": 0, "feed_forward.w3.weight": 0, "feed_forward.w2.weight": 1,
+        # MoE layers: every expert split like the dense MLP (stacked [E, H, D] / [E, D, H])
+        "experts.w1": 1, "experts.w3": 1, "experts.w2": 2,
+        "shared_experts.w1.weight": 0, "shared_experts.w3.weight": 0, "shared_experts.w2.weight": 1,
         "tok_embeddings.weight": 0, "output.weight": 0,
     },
     vocab_params=("tok_embeddings.weight", "output.weight"),
@@ -72,9 +82,13 @@ def parallelize_llama(model: Llama, axis: Axis, sequence_parallel: bool = False)
                                      column_parallel(attn.wv, axis, sp))
         attn.wo = RowParallelLinear.from_full(attn.wo.weight.detach(), axis, sequence_parallel=sp)
         attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
-        ffn.w1, ffn.w3 = column_parallel(ffn.w1, axis, sp), column_parallel(ffn.w3, axis, sp)
-        ffn.w2 = RowParallelLinear.from_full(ffn.w2.weight.detach(), axis, sequence_parallel=sp)
         enter_tp_region(block.attention_norm, axis, sp)
+        if isinstance(ffn, MoE):  # routed outside the tp region; the experts enter it (parallelize_moe)
+            if ffn.shared_experts is not None:
+                _split_mlp(ffn.shared_experts, axis, sp)
+                enter_tp_region_before(ffn.shared_experts, axis, sp)
+            continue
+        _split_mlp(ffn, axis, sp)
         enter_tp_region(block.ffn_norm, axis, sp)
     model.tok_embeddings = VocabParallelEmbedding.from_full(model.tok_embeddings.weight.detach(),
                                                             axis, sequence_parallel=sp)
@@ -83,3 +97,32 @@ def parallelize_llama(model: Llama, axis: Axis, sequence_parallel: bool = False)
         full = pad_dim(model.output.weight.detach(), 0, padded_size(cfg.vocab_size, tp))
         model.output = ColumnParallelLinear.from_full(full, axis, sync_input=False, sequence_parallel=sp)
     return model
+
+
+def _split_mlp(ffn: nn.Module, axis: Axis, sp: bool) -> None:
+    """A SwiGLU MLP's Megatron split: ``w1``/``w3`` by columns, ``w2`` by rows."""
+    ffn.w1, ffn.w3 = column_parallel(ffn.w1, axis, sp), column_parallel(ffn.w3, axis, sp)
+    ffn.w2 = RowParallelLinear.from_full(ffn.w2.weight.detach(), axis, sequence_parallel=sp)
+
+
+def parallelize_moe(model: Llama, tp: Axis, ep: Axis, token_axes: list[Axis], sequence_parallel: bool) -> Llama:
+    """The MoE layers' parallel plan (after :func:`parallelize_llama`): each layer's experts
+    become this rank's :class:`~hybridpar.parallel.experts.ExpertParallel` (``E / ep`` experts,
+    tp-split like the dense MLP: every tp rank runs its slice of every token's experts instead
+    of duplicating them, for the same all-reduce the dense MLP pays), and the router learns the
+    ranks its micro-batch's tokens are spread over (``token_axes``: cp, and tp under SP), so the
+    balancing loss counts every token once. A no-op for a dense model."""
+    sp = sequence_parallel and tp.size > 1
+    for moe in moe_layers(model):
+        moe.router.sum_counts = functools.partial(_sum_over, [a for a in token_axes if a.size > 1])
+        moe.router.token_share = tp.size if sp else 1
+        if tp.size > 1 or ep.size > 1:
+            e = moe.experts
+            moe.experts = ExpertParallel(e.w1.detach(), e.w3.detach(), e.w2.detach(), e.n_experts, tp, ep, sp)
+    return model
+
+
+def _sum_over(axes: list[Axis], counts: Tensor) -> Tensor:
+    for axis in axes:
+        axis.comm.all_reduce(counts, axis)
+    return counts
