@@ -15,6 +15,7 @@ a swapped gate/up or a wrong weight changes the logits far beyond the tolerance,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -28,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_families import hf_lib, one_line_error, rel_err
 
-from hybridpar.config import load_config
+from hybridpar.config import ConfigError, load_config, model_preset
 from hybridpar.models.family import HFError
 from hybridpar.models.hf import (
     check_same_shape,
@@ -469,10 +470,12 @@ def test_unexportable_models_are_refused(tmp_path, tmp_path_factory, spec, key, 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_dense_family_with_experts_is_not_exported(tmp_path, family):
-    """A Llama-like MoE model of a dense family (e.g. the tiny-moe preset) has no Hugging Face
-    counterpart: one line says which families have one."""
-    cfg = load_config(None, ["--model.preset", "tiny-moe", "--model.n_layers", "2", "--model.family", family,
-                             *(["--model.qk_norm", "true"] if family == "qwen3" else [])]).model
+    """A Llama-like MoE model of a dense family has no Hugging Face counterpart: a run's config is
+    refused by the model-moe-shape rule, and a ModelConfig built by hand (no validation) is refused
+    on export, each in one line naming the MoE families."""
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts family"):
+        load_config(None, ["--model.preset", "tiny-moe", "--model.family", family])
+    cfg = dataclasses.replace(model_preset("tiny-moe"), family=family, n_layers=2, qk_norm=family == "qwen3")
     with pytest.raises(HFError) as e:
         save_hf(family_of(cfg).build(cfg).state_dict(), cfg, tmp_path / "out")
     msg = one_line_error(e)
