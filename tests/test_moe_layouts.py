@@ -91,6 +91,21 @@ def test_moe_layout_matches_single_process(name, dist_run, tmp_path_factory):
         torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_training_moves_the_balancing_bias_by_the_step_load(tmp_path):
+    """With ``model.bias_update_rate`` each optimizer step moves every router's bias by
+    ``rate * sign(mean - load)`` of that step's load (the one metrics.jsonl reports)."""
+    rate = 0.01
+    cfg = config(str(tmp_path), [], ("--model.bias_update_rate", str(rate)))
+    with ParallelDims().build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        result = trainer.train_step(1)
+        for moe, load in zip(trainer.engine.moe, result.moe["expert_load"], strict=True):
+            load = torch.tensor(load, dtype=torch.float64)
+            expected = rate * torch.sign(load.mean() - load).float()
+            assert expected.abs().sum() > 0  # the routing is unbalanced: the bias must move
+            torch.testing.assert_close(moe.router.expert_bias, expected, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------- checkpoints across ep
 
 SAVED_AT, TOTAL = 2, 4

@@ -170,7 +170,7 @@ def test_bias_update_rule():
         moe.router.load.copy_(load)
         moe.router.expert_bias.normal_(generator=torch.Generator().manual_seed(seed))
         before.append(moe.router.expert_bias.clone())
-    update_balance_bias(model, 0.1, lambda load: load + other.double())
+    update_balance_bias(list(model), torch.stack([load + other for load in loads]).double(), 0.1)
     for moe, load, old in zip(model, loads, before, strict=True):
         total = load + other
         sign = torch.where(total < total.mean(), 1.0, torch.where(total > total.mean(), -1.0, 0.0))

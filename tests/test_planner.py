@@ -14,9 +14,8 @@ from hybridpar.planner.memory import (
     korthikanti_layer_bytes,
     layer_activation_bytes,
     model_state_bytes,
-    numel,
-    rank_param_shapes,
 )
+from hybridpar.planner.shapes import numel, rank_param_shapes
 
 
 def test_zero_paper_model_states():

@@ -170,7 +170,7 @@ def test_moe_parameter_shapes_equal_the_model():
     """The planner's named parameter shapes of an MoE model (with shared experts and a dense
     layer) are the runtime model's ``named_parameters()``, in order."""
     from hybridpar.models.llama import Llama
-    from hybridpar.planner.memory import rank_named_shapes
+    from hybridpar.planner.shapes import rank_named_shapes
 
     cfg = load_config(None, [*SMALL, *MOE, "--model.n_shared_experts", "1", "--model.moe_layers", "1,2,3"]).model
     model = Llama(cfg)
@@ -222,7 +222,8 @@ def test_expert_states_shard_over_edp():
     """Parameters, gradients and optimizer state: dense ones sharded over dp x cp, experts
     (E/ep of them per rank) over edp = dp x cp / ep, whole [E/ep, ...] row blocks."""
     from hybridpar.planner.layout import model_key
-    from hybridpar.planner.memory import plan_memory, rank_numel
+    from hybridpar.planner.memory import plan_memory
+    from hybridpar.planner.shapes import rank_numel
 
     model = model_preset("mixtral-8x7b")
     work = Workload(64, 4096, half_params=False)
@@ -414,7 +415,8 @@ def test_grouped_mm_with_no_rows_keeps_the_graph_to_its_input():
 def test_zero_shards_over_dp_and_cp():
     """ZeRO's axis is dp x cp (the runtime's dp_cp): at dp2 x cp2 the optimizer state is the
     4-way shard, as at dp4 (the memory model used to shard over dp alone)."""
-    from hybridpar.planner.memory import numel, plan_memory, rank_param_shapes
+    from hybridpar.planner.memory import plan_memory
+    from hybridpar.planner.shapes import numel, rank_param_shapes
 
     model, work = model_preset("llama3-8b"), Workload(64, 4096, half_params=False)
     shapes = rank_param_shapes(model, 2, 1, 1, 0)

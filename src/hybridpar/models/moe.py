@@ -173,9 +173,8 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_balance_bias(model: nn.Module, rate: float, sum_load: Callable[[Tensor], Tensor]) -> None:
+def update_balance_bias(layers: list[MoE], load: Tensor, rate: float) -> None:
     """DeepSeek-V3's bias update after an optimizer step: ``bias += rate * sign(mean - load)``
-    per layer, ``load`` summed over the ranks that hold different tokens (``sum_load``)."""
-    for moe in moe_layers(model):
-        load = sum_load(moe.router.load.clone())
-        moe.router.expert_bias += rate * torch.sign(load.mean() - load).to(moe.router.expert_bias.dtype)
+    per layer, with ``load [layers, experts]`` the step's tokens per expert over all ranks."""
+    for moe, counts in zip(layers, load, strict=True):
+        moe.router.expert_bias += rate * torch.sign(counts.mean() - counts).to(moe.router.expert_bias.dtype)

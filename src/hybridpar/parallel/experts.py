@@ -40,7 +40,7 @@ from hybridpar.distributed.autograd import (
 )
 from hybridpar.distributed.mesh import Axis
 
-__all__ = ["ExpertParallel", "combine", "expert_param_names", "expert_units", "sort_by_expert", "swiglu_experts"]
+__all__ = ["ExpertParallel", "combine", "expert_param_names", "expert_units", "sum_over_axes", "sort_by_expert", "swiglu_experts"]
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -104,7 +104,6 @@ class ExpertParallel(nn.Module):
         self.w2 = nn.Parameter(w2[experts, :, cols].clone())
         self.n_experts, self.per_rank = n_experts, per
         self.tp, self.ep, self.sequence_parallel = tp, ep, sequence_parallel and tpn > 1
-        self.last_sent_rows = 0  # rows this rank sent to other ep ranks in the last forward (dispatch)
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
         """``x [B, T', D]`` (T' = T / tp under SP), ``weights``/``idx`` ``[B, T', k]`` -> ``[B, T', D]``."""
@@ -135,7 +134,6 @@ class ExpertParallel(nn.Module):
         theirs = ep.comm.all_to_all(mine.clone(), ep, [1] * ep.size, [1] * ep.size)  # [ep, per]
         send = mine.sum(1).tolist()
         recv = theirs.sum(1).tolist()
-        self.last_sent_rows = sum(n for r, n in enumerate(send) if r != ep.rank)
         got = all_to_all(rows, ep, send, recv)  # source-major, each source's rows by local expert
         # regroup expert-major (expert 0 from every source, then expert 1, ...) and back
         sizes = theirs.reshape(-1).tolist()  # (source, local expert) blocks in arrival order
@@ -153,6 +151,13 @@ class ExpertParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts {self.per_rank} of {self.n_experts} (ep {self.ep.size}), tp {self.tp.size}"
+
+
+def sum_over_axes(axes: list[Axis], t: Tensor) -> Tensor:
+    """``t`` summed in place over each of ``axes`` in turn (counts of routed tokens: no autograd)."""
+    for axis in axes:
+        axis.comm.all_reduce(t, axis)
+    return t
 
 
 def expert_units(model: nn.Module) -> list[nn.Module]:

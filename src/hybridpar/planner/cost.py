@@ -58,8 +58,9 @@ from hybridpar.parallel.pipeline.schedules import rank_stages
 from hybridpar.planner import pipesim
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
-from hybridpar.planner.memory import padded, rank_numel, rank_state_numels, v_shaped
+from hybridpar.planner.memory import rank_state_numels
 from hybridpar.planner.moe import dispatch_rows, rank_load
+from hybridpar.planner.shapes import padded, rank_numel, v_shaped
 
 TILE = 128  # GEMM tile edge used for quantisation (cuBLAS/CUTLASS bf16 tiles are 128-256 wide)
 FLASH_EFFICIENCY = 0.7  # FlashAttention-2 forward reaches ~70% of A100 peak (Dao 2023, fig. 4)

@@ -35,7 +35,7 @@ routing weights (and under SP the expert ids) enter the tp region, the router su
 cp (and tp under SP), and over ``ep`` the counts, the dispatched rows and the combined rows go
 forward and their gradients back (the busiest rank's ``load``, or ``ep_load`` given); the routed
 experts' gradients go over ``edp`` (their own ZeRO optimizer); once per step the trainer's MoE
-statistics (loads, auxiliary loss) and, with bias balancing, the loads again.
+statistics (loads, auxiliary loss), once per step (the bias update reuses the load).
 
 ZeRO-3 with pp > 1 (which ``validate`` rejects) is not modelled.
 """
@@ -51,8 +51,8 @@ from hybridpar.distributed.compression import wire_numel
 from hybridpar.parallel.data import cut_buckets
 from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.planner.layout import Layout, Workload
-from hybridpar.planner.memory import layer_partition, layer_shapes, padded, v_shaped
 from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
+from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, v_shaped
 
 Shape = tuple[int, ...]
 Named = list[tuple[str, Shape]]
@@ -62,7 +62,7 @@ AXES = ("tp", "cp", "pp", "dp")
 
 
 def _layer_params(model: ModelConfig, tp: int, i: int, ep: int = 1) -> Named:
-    """Layer ``i``'s parameters in registration order (:func:`~hybridpar.planner.memory.layer_shapes`)."""
+    """Layer ``i``'s parameters in registration order (:func:`~hybridpar.planner.shapes.layer_shapes`)."""
     return [(f"layers.{i}.{n}", s) for n, s in layer_shapes(model, tp, i, ep)]
 
 
@@ -283,13 +283,10 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
         add("all_reduce", "pp", L.pp, 4)
     if model.moe_layer_ids():
         # the step's MoE statistics (Engine.moe_step_stats): every router's float64 load and the
-        # auxiliary losses' sum, over tp (SP), pp and dp x cp; with bias balancing, the load again
+        # auxiliary losses' sum, over tp (SP), pp and dp x cp (the bias update reuses that load)
         load = len(model.moe_layer_ids()) * model.n_experts * 8
         for axis, size in (("tp", t if sp else 1), ("pp", L.pp), (zero_axis, n)):
             add("all_reduce", axis, size, load + 8)
-        if model.bias_update_rate > 0:
-            add("all_reduce", zero_axis, n, load)
-            add("all_reduce", "tp", t if sp else 1, load)
     if work.precision == "fp16":
         add("all_reduce", "world", L.world_size, 4)  # any rank overflowed?
     return dict(out)

@@ -27,7 +27,7 @@ from hybridpar.models.moe import moe_layers, update_balance_bias
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import enable_context_parallel
-from hybridpar.parallel.experts import expert_param_names, expert_units
+from hybridpar.parallel.experts import expert_param_names, expert_units, sum_over_axes
 from hybridpar.parallel.pipeline import build_schedule, partition_model
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
@@ -141,14 +141,17 @@ class Engine(StepEngine):
         # the loss is looked up per call, so a subclass or a test may replace self.loss
         super().__init__(topo, optimizer, plan, owned, loss=lambda *batch: self.loss(*batch), runner=runner,
                          tp_partial=partial, after_pipeline=lambda: sync_tied_embedding_grads(self.chunks, topo))
-        self.on_grad_scale = self._set_aux_scale
+        self.on_grad_scale = self._start_step
         self.moe = moe_layers(model)
+        self._load: Tensor | None = None  # this step's expert load over all ranks, once collected
 
     # ------------------------------------------------------------------ mixture of experts
-    def _set_aux_scale(self, scale: float) -> None:
+    def _start_step(self, scale: float) -> None:
+        """A step's backward is about to run with gradient scale ``scale``."""
         aux = getattr(self.model, "moe_aux", None)
         if aux is not None:
             aux.grad_scale = scale
+        self._load = None
 
     def _read_shard(self, name: str, lazy: Any) -> Tensor:
         """This rank's part of HF tensor ``name``: its experts (ep) of their tp piece."""
@@ -157,41 +160,42 @@ class Engine(StepEngine):
             lazy = Narrowed(lazy, 0, ep.rank * n, (ep.rank + 1) * n)  # read only these experts' rows
         return self.plan.read_shard(name, lazy, self.topo.tp)
 
+    def _step_load(self) -> Tensor:
+        """``[MoE layers, experts]``: tokens routed to each expert this step over all ranks (each
+        tp rank routed its sequence chunk under SP; a layer runs on one pp stage); collective,
+        once per step, and the routers' counters restart."""
+        if self._load is None:
+            topo = self.topo
+            load = torch.stack([moe.router.load for moe in self.moe])  # other stages' layers: zeros
+            for moe in self.moe:
+                moe.router.load.zero_()
+            axes = [topo.tp] if self.sequence_parallel else []
+            self._load = sum_over_axes([*axes, topo.pp, topo.dp_cp], load)
+        return self._load
+
     def update(self, max_norm: float) -> Tensor:
-        """The optimizer step, then (MoE with ``bias_update_rate``) the balancing bias update."""
+        """The optimizer step, then (MoE with ``bias_update_rate``) the balancing bias update
+        from the step's load over all ranks."""
         norm = super().update(max_norm)
         rate = self.cfg.model.bias_update_rate
         if rate > 0 and self.moe:
-            axes = [self.topo.dp_cp, *([self.topo.tp] if self.sequence_parallel else [])]
-
-            def total(load: Tensor) -> Tensor:
-                for axis in axes:
-                    self.topo.comm.all_reduce(load, axis)
-                return load
-
-            update_balance_bias(self.model, rate, total)
+            update_balance_bias(self.moe, self._step_load(), rate)
         return norm
 
     def moe_step_stats(self, microbatches: int) -> dict[str, Any] | None:
-        """The last step's MoE statistics over all ranks (None for a dense model), and reset of
-        the counters; collective (every rank, every step). ``expert_load``: tokens routed to each
-        expert per MoE layer (every layer, whichever stage holds it); ``expert_load_imbalance``:
-        the worst layer's max/mean load; ``dropped_tokens``: routed slots short of tokens x k
-        (0: the layers are dropless); ``aux_loss``: the auxiliary losses' sum over layers, mean
-        over micro-batches."""
+        """The step's MoE statistics over all ranks (None for a dense model); collective (every
+        rank, every step, after the backward). ``expert_load``: tokens routed to each expert per
+        MoE layer (every layer, whichever stage holds it); ``expert_load_imbalance``: the worst
+        layer's max/mean load; ``dropped_tokens``: routed slots short of tokens x k (0: the
+        layers are dropless); ``aux_loss``: the auxiliary losses' sum over layers, mean over
+        micro-batches."""
         if not self.moe:
             return None
-        topo, sp = self.topo, self.sequence_parallel
-        load = torch.stack([moe.router.load for moe in self.moe])  # unrun layers (other stages): zeros
+        topo = self.topo
+        load = self._step_load()
         aux = torch.tensor([self.model.moe_aux.value], dtype=torch.float64)
-        for moe in self.moe:
-            moe.router.load.zero_()
         self.model.moe_aux.reset()
-        if sp:  # each tp rank routed its sequence chunk
-            topo.comm.all_reduce(load, topo.tp)
-            topo.comm.all_reduce(aux, topo.tp)
-        for axis in (topo.pp, topo.dp_cp):
-            topo.comm.all_reduce(load, axis)
+        sum_over_axes([topo.tp] if self.sequence_parallel else [], aux)  # SP: each tp rank's share
         topo.comm.all_reduce(aux, topo.pp)
         topo.comm.all_reduce(aux, topo.dp_cp, op="avg")
         t, m = self.cfg.train, self.cfg.model

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 
-from torch import Tensor, nn
+from torch import nn
 
 from hybridpar.distributed.mesh import Axis
 from hybridpar.models.common import (
@@ -36,7 +36,7 @@ from hybridpar.models.common import (
 )
 from hybridpar.models.llama.model import Llama
 from hybridpar.models.moe import MoE, moe_layers
-from hybridpar.parallel.experts import ExpertParallel
+from hybridpar.parallel.experts import ExpertParallel, sum_over_axes
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -114,15 +114,10 @@ def parallelize_moe(model: Llama, tp: Axis, ep: Axis, token_axes: list[Axis], se
     balancing loss counts every token once. A no-op for a dense model."""
     sp = sequence_parallel and tp.size > 1
     for moe in moe_layers(model):
-        moe.router.sum_counts = functools.partial(_sum_over, [a for a in token_axes if a.size > 1])
+        moe.router.sum_counts = functools.partial(sum_over_axes, token_axes)
         moe.router.token_share = tp.size if sp else 1
         if tp.size > 1 or ep.size > 1:
             e = moe.experts
             moe.experts = ExpertParallel(e.w1.detach(), e.w3.detach(), e.w2.detach(), e.n_experts, tp, ep, sp)
     return model
 
-
-def _sum_over(axes: list[Axis], counts: Tensor) -> Tensor:
-    for axis in axes:
-        axis.comm.all_reduce(counts, axis)
-    return counts

@@ -1,0 +1,92 @@
+"""The parameter shapes each rank holds under a layout: the runtime's tensor-parallel split
+(vocabulary padded to a multiple of tp), pipeline partition, and expert sharding, stated once for
+the planner's memory (:mod:`.memory`), traffic (:mod:`.traffic`) and time (:mod:`.cost`) models."""
+
+from __future__ import annotations
+
+import functools
+
+from hybridpar.config import ModelConfig
+from hybridpar.parallel.pipeline.partition import Partition, partition_layers
+from hybridpar.parallel.pipeline.schedules import Schedule
+from hybridpar.planner.layout import ModelKey, model_of
+from hybridpar.planner.moe import ffn_shapes, is_expert
+
+__all__ = ["layer_partition", "layer_shapes", "numel", "padded", "rank_named_shapes", "rank_numel",
+           "rank_param_shapes", "v_shaped"]
+
+
+def padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@functools.lru_cache(maxsize=1024)
+def layer_partition(n_layers: int, pp: int, virtual_stages: int, v_shape: bool = False) -> Partition:
+    """The runtime's partition (equal layer counts, :func:`partition_model`'s default; ``v_shape``:
+    ZBV's placement), cached."""
+    return partition_layers(n_layers, pp, virtual_stages, v_shape=v_shape)
+
+
+def v_shaped(schedule: str) -> bool:
+    """Whether ``schedule`` places its chunks as a V (ZBV)."""
+    return schedule == Schedule.ZBV.value
+
+
+def layer_shapes(model: ModelConfig, tp: int, layer: int, ep: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """Layer ``layer``'s parameters (names after ``layers.<i>.``) in registration order,
+    tp-local (and for MoE experts ep-local) shapes: norms, q/k/v/o, the feed-forward
+    (:func:`hybridpar.planner.moe.ffn_shapes`: the dense MLP or an MoE layer's router and experts)."""
+    h, hd = model.dim, model.head_dim
+    q, kv = model.n_heads * hd // tp, model.n_kv_heads * hd // tp
+    return [("attention_norm.weight", (h,)), ("attention.wq.weight", (q, h)), ("attention.wk.weight", (kv, h)),
+            ("attention.wv.weight", (kv, h)), ("attention.wo.weight", (h, q)), ("ffn_norm.weight", (h,)),
+            *((f"feed_forward.{n}", s) for n, s in ffn_shapes(model, layer, tp, ep))]
+
+
+def rank_named_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
+                      ep: int = 1, v_shape: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the parameters pipeline rank ``pp_rank`` holds under tensor
+    parallelism ``tp`` (and expert parallelism ``ep``): the runtime's Megatron split
+    (vocabulary padded to a multiple of tp), partition by layer count, and a tied embedding's
+    mirror on the last stage when that is on another rank than the first (pp > 1, not ZBV's V)."""
+    h = model.dim
+    vocab = padded(model.vocab_size, tp) // tp
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for chunk in layer_partition(model.n_layers, pp, virtual_stages, v_shape).for_rank(pp_rank):
+        if chunk.embedding:
+            out.append(("tok_embeddings.weight", (vocab, h)))
+        for i in chunk.layers:
+            out += [(f"layers.{i}.{n}", s) for n, s in layer_shapes(model, tp, i, ep)]
+        if chunk.head:
+            out.append(("norm.weight", (h,)))
+            if not model.tie_embeddings or (pp > 1 and not v_shape):
+                out.append(("output.weight" if not model.tie_embeddings else "tok_embeddings.weight", (vocab, h)))
+    return out
+
+
+def rank_param_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int,
+                      pp_rank: int, ep: int = 1, v_shape: bool = False) -> list[tuple[int, ...]]:
+    """Shapes of :func:`rank_named_shapes`."""
+    return [s for _, s in rank_named_shapes(model, tp, pp, virtual_stages, pp_rank, ep, v_shape)]
+
+
+def numel(shapes: list[tuple[int, ...]], shards: int = 1) -> int:
+    """Elements of the worst rank when every shape is split ``shards`` ways along dim 0."""
+    total = 0
+    for s in shapes:
+        rest = 1
+        for d in s[1:]:
+            rest *= d
+        total += -(-s[0] // shards) * rest
+    return total
+
+
+@functools.lru_cache(maxsize=16384)
+def rank_numel(key: ModelKey, tp: int, pp: int, virtual_stages: int, pp_rank: int,
+               shards: int = 1, ep: int = 1, part: str = "all", v_shape: bool = False) -> int:
+    """``numel(rank_param_shapes(...), shards)`` for the model with :func:`model_key` ``key``;
+    ``part``: ``"all"``, ``"dense"`` (all but the routed experts) or ``"experts"``."""
+    named = rank_named_shapes(model_of(key), tp, pp, virtual_stages, pp_rank, ep, v_shape)
+    if part != "all":
+        named = [(n, s) for n, s in named if is_expert(n) == (part == "experts")]
+    return numel([s for _, s in named], shards)
