@@ -26,6 +26,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +38,7 @@ from hybridpar.parallel.pipeline.schedules import (
     ActionKind,
     Message,
     PipelineSchedule,
+    Schedule,
     ScheduleError,
     build_forward_schedule,
     needed_message,
@@ -100,6 +102,9 @@ class PipelineRunner:
     ``forward_context`` (e.g. an autocast factory) wraps each forward, not the backward.
     """
 
+    #: whether :meth:`run` starts the next step's micro-batches (``upcoming``) within this one
+    reads_ahead = False
+
     def __init__(self, chunks: Sequence[nn.Module], topo: Topology, schedule: PipelineSchedule,
                  loss_fn: LossFn, act_shape: Sequence[int], act_dtype: torch.dtype = torch.float32,
                  forward_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
@@ -107,6 +112,9 @@ class PipelineRunner:
             raise ScheduleError(f"schedule is for pp = {schedule.pp} but the mesh has pp = {topo.pp.size}")
         if len(chunks) != schedule.virtual_stages:
             raise ScheduleError(f"{len(chunks)} chunks given for {schedule.virtual_stages} virtual stages")
+        if schedule.kind is Schedule.TWO_BW and not self.reads_ahead:
+            raise ScheduleError("the 2bw schedule runs across steps with two weight versions: use "
+                                "hybridpar.parallel.pipeline.twobw.TwoBWRunner")
         self.topo, self.schedule, self.loss_fn = topo, schedule, loss_fn
         self.rank = topo.pp.rank
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
@@ -123,12 +131,13 @@ class PipelineRunner:
         self.split = WeightGradSplit(list(chunks)) if schedule.split_backward else None
 
     # ------------------------------------------------------------------ entry point
-    def run(self, microbatches: Sequence[tuple[Tensor, Tensor]],
-            grad_scale: float | None = None) -> PipelineStepResult:
+    def run(self, microbatches: Sequence[tuple[Tensor, Tensor]], grad_scale: float | None = None,
+            upcoming: Sequence[tuple[Tensor, Tensor]] | None = None) -> PipelineStepResult:
         """Forward and backward of all ``(inputs, targets)`` micro-batches (every pp rank passes
         the same list; the first stage reads inputs, the last targets; an optional third item,
         packed documents, goes to every stage's chunk as ``docs``). Gradients accumulate
-        into ``.grad`` scaled by ``grad_scale`` (default ``1 / M``)."""
+        into ``.grad`` scaled by ``grad_scale`` (default ``1 / M``). ``upcoming``: the next step's
+        micro-batches, read only by a runner that starts them early (:attr:`reads_ahead`, 2BW)."""
         self._scale = 1.0 / self.schedule.microbatches if grad_scale is None else grad_scale
         return self._execute(self.schedule, microbatches)
 
@@ -146,8 +155,17 @@ class PipelineRunner:
         if len(microbatches) != m:
             raise ScheduleError(f"schedule has {m} micro-batches, run() got {len(microbatches)}")
         step = _Step(microbatches, store=not schedule.forward_only)
+        self._run_actions(schedule.ranks[self.rank], step)
+        if step.saved or step.recvs or step.local:
+            raise RuntimeError(f"pipeline rank {self.rank} ended with {len(step.saved)} stored "
+                               f"activations and {len(step.recvs) + len(step.local)} unconsumed inputs")
+        return PipelineStepResult(self._gather_losses(step, m), step.peak, tuple(step.intervals),
+                                  step.peak_deferred_bytes)
+
+    def _run_actions(self, acts: Sequence[Action], step: _Step) -> None:
+        """Run one rank's action list in order (module doc), then wait for its sends."""
         t0 = time.perf_counter()
-        acts, i = schedule.ranks[self.rank], 0
+        i = 0
         while i < len(acts):
             if acts[i].kind.is_compute:
                 step.intervals.append(self._compute(acts[i], step, t0))
@@ -160,11 +178,7 @@ class PipelineRunner:
             i = j
         for pending, _ in step.sends:
             pending.wait()
-        if step.saved or step.recvs or step.local:
-            raise RuntimeError(f"pipeline rank {self.rank} ended with {len(step.saved)} stored "
-                               f"activations and {len(step.recvs) + len(step.local)} unconsumed inputs")
-        return PipelineStepResult(self._gather_losses(step), step.peak, tuple(step.intervals),
-                                  step.peak_deferred_bytes)
+        step.sends.clear()
 
     # ------------------------------------------------------------------ communication
     def _peer(self, stage: int) -> int:
@@ -223,7 +237,7 @@ class PipelineRunner:
         deferred = Deferred() if self.split is not None and step.store else None
         with self.forward_context(), (self.split.forward(deferred) if deferred is not None
                                       else contextlib.nullcontext()):
-            out = self.chunks[s](x) if not extra else self.chunks[s](x, docs=extra[0])
+            out = self._call_chunk(a, x, extra)
             if s == self.last_stage:
                 loss = self.loss_fn(out, targets.to(self.topo.device))
         if s == self.last_stage:
@@ -237,6 +251,12 @@ class PipelineRunner:
         if step.store:
             step.saved[(m, s)] = _Saved(inp, out, deferred)
             step.peak = max(step.peak, len(step.saved))
+
+    def _call_chunk(self, a: Action, x: Tensor, extra: Sequence[Any]) -> Tensor:
+        """Stage ``a.stage``'s chunk on ``x`` (and the packed documents, if any): the one place a
+        chunk runs, so a runner that keeps weight versions (:mod:`.twobw`) can choose its weights."""
+        chunk = self.chunks[a.stage]
+        return chunk(x) if not extra else chunk(x, docs=extra[0])
 
     def _backward(self, a: Action, grad: Tensor | None, step: _Step) -> None:
         m, s = a.microbatch, a.stage
@@ -265,8 +285,8 @@ class PipelineRunner:
         step.saved.pop((a.microbatch, a.stage)).deferred.weight_grads()
 
     # ------------------------------------------------------------------ results
-    def _gather_losses(self, step: _Step) -> Tensor:
-        m = len(step.microbatches)
+    def _gather_losses(self, step: _Step, m: int) -> Tensor:
+        """The M losses of the last stage's micro-batches 0..m-1, on every pp rank."""
         if self.schedule.rank_of(self.last_stage) == self.rank:
             losses = torch.stack([step.losses[i].float() for i in range(m)])
         else:
