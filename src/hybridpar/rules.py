@@ -358,7 +358,7 @@ def _interleaved(cfg: Config, world: int | None) -> str | None:
     return None
 
 
-@rule("2bw-microbatches")
+@rule("pp-2bw-microbatches")
 def _two_bw_microbatches(cfg: Config, world: int | None) -> str | None:
     p, t = cfg.parallel, cfg.train
     if p.pipeline_schedule != "2bw":
@@ -397,7 +397,7 @@ def _two_bw_conflict(cfg: Config) -> tuple[str, str, str] | None:
     return None
 
 
-@rule("2bw-composition")
+@rule("pp-2bw-composition")
 def _two_bw_composition(cfg: Config, world: int | None) -> str | None:
     if cfg.parallel.pipeline_schedule != "2bw" or (conflict := _two_bw_conflict(cfg)) is None:
         return None
@@ -484,14 +484,14 @@ def _first_of(prefix: str, model: ModelConfig, tp: int = 1) -> str | None:
 
 
 def schedule_error(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> str | None:
-    """The message of the first pipeline-schedule rule (``virtual-*``, ``interleaved-*``, ``2bw-microbatches``) that
+    """The message of the first pipeline-schedule rule (``virtual-*``, ``interleaved-*``, ``pp-2bw-microbatches``) that
     ``microbatches`` micro-batches on ``pp`` ranks x ``virtual_stages`` break, or None: what
     :func:`hybridpar.parallel.pipeline.build_schedule` checks."""
     from hybridpar.config import Config, ParallelConfig, TrainConfig
 
     cfg = Config(parallel=ParallelConfig(pp=pp, virtual_stages=virtual_stages, pipeline_schedule=schedule),
                  train=TrainConfig(global_batch=microbatches, micro_batch=1))
-    return _first_named(("virtual-", "interleaved-", "2bw-microbatches"), cfg)
+    return _first_named(("virtual-", "interleaved-", "pp-2bw-microbatches"), cfg)
 
 
 def partition_error(n_layers: int, pp: int, virtual_stages: int) -> str | None:
