@@ -241,3 +241,17 @@ def test_checkpoint_resumes_bit_for_bit(name, dist_run, tmp_path):
     assert resumed[0]["state"].keys() == whole[0]["state"].keys()
     for k, v in whole[0]["state"].items():
         assert torch.equal(resumed[0]["state"][k], v), k
+
+
+def _fit(rank: int, world: int, tmp: str) -> dict:
+    cfg = config(tmp, ["--parallel.pp", "2", *TWO_BW, "--train.eval_every", "2", "--train.sample_tokens", "4"])
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        return Trainer(cfg, topo).fit()
+
+
+def test_a_whole_run(dist_run, tmp_path):
+    """``fit`` end to end: validation, the last step's recorded timeline (its ranks ran different
+    numbers of actions: the last step drains), the checkpoint, the report."""
+    summary = dist_run(2, _fit, str(tmp_path))[0]
+    assert summary["steps"] == STEPS and summary["val_loss"] == summary["val_loss"]
+    assert (tmp_path / "pipeline_timeline.png").is_file() and checkpoint.latest_checkpoint(tmp_path) is not None

@@ -294,13 +294,17 @@ class PipelineRunner:
         return self.topo.comm.broadcast(losses, self.topo.pp, src=self.schedule.rank_of(self.last_stage))
 
     def gather_timeline(self, result: PipelineStepResult) -> Timeline:
-        """Every pp rank's recorded intervals (collective on the pp axis)."""
-        rows = torch.tensor([[_KINDS.index(iv.action.kind), iv.action.microbatch, iv.action.stage,
-                              iv.start, iv.end] for iv in result.intervals], dtype=torch.float64,
-                            device=self.topo.device)
+        """Every pp rank's recorded intervals (collective on the pp axis). Ranks may have run
+        different numbers of actions (2BW's first and last steps): rows are padded to the longest."""
+        count = torch.tensor([len(result.intervals)], dtype=torch.float64, device=self.topo.device)
+        longest = int(self.topo.comm.all_reduce(count, self.topo.pp, op="max").item())
+        rows = torch.full((longest, 5), -1.0, dtype=torch.float64, device=self.topo.device)
+        for i, iv in enumerate(result.intervals):
+            rows[i] = torch.tensor([_KINDS.index(iv.action.kind), iv.action.microbatch, iv.action.stage,
+                                    iv.start, iv.end], dtype=torch.float64)
         every = self.topo.comm.all_gather(rows, self.topo.pp, dim=0).cpu().view(self.schedule.pp, -1, 5)
         return Timeline(tuple(
             tuple(Interval(Action(_KINDS[int(k)], int(mb), int(s)), float(t0), float(t1))
-                  for k, mb, s, t0, t1 in rank.tolist())
+                  for k, mb, s, t0, t1 in rank.tolist() if k >= 0)
             for rank in every)).shifted()
 
