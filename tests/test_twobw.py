@@ -255,3 +255,16 @@ def test_a_whole_run(dist_run, tmp_path):
     summary = dist_run(2, _fit, str(tmp_path))[0]
     assert summary["steps"] == STEPS and summary["val_loss"] == summary["val_loss"]
     assert (tmp_path / "pipeline_timeline.png").is_file() and checkpoint.latest_checkpoint(tmp_path) is not None
+
+
+@pytest.mark.numerics
+def test_checkpoint_reshards_to_another_layout(dist_run, tmp_path):
+    """Saved after step 2 under pp2 x tp2 + SP (the second version as tp pieces), continued under
+    pp4: the single-process rule's losses and weights, to the tolerances above."""
+    ref = reference(str(tmp_path / "ref"), ())
+    saved, loaded = LAYOUTS["pp2-tp2-sp"][1], LAYOUTS["pp4"][1]
+    dist_run(4, _run, str(tmp_path), saved, 2)
+    resumed = dist_run(4, _resume, str(tmp_path), loaded, 2)
+    assert resumed[0]["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
+    for k, v in resumed[0]["state"].items():
+        torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
