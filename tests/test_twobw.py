@@ -258,10 +258,10 @@ def test_a_whole_run(dist_run, tmp_path):
 
 
 @pytest.mark.numerics
-def test_checkpoint_reshards_to_another_layout(dist_run, tmp_path):
+def test_checkpoint_reshards_to_another_layout(dist_run, tmp_path, tmp_path_factory):
     """Saved after step 2 under pp2 x tp2 + SP (the second version as tp pieces), continued under
     pp4: the single-process rule's losses and weights, to the tolerances above."""
-    ref = reference(str(tmp_path / "ref"), ())
+    ref = reference(str(tmp_path_factory.getbasetemp() / "twobw"), ())
     saved, loaded = LAYOUTS["pp2-tp2-sp"][1], LAYOUTS["pp4"][1]
     dist_run(4, _run, str(tmp_path), saved, 2)
     resumed = dist_run(4, _resume, str(tmp_path), loaded, 2)
