@@ -268,3 +268,29 @@ def test_checkpoint_reshards_to_another_layout(dist_run, tmp_path, tmp_path_fact
     assert resumed[0]["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
     for k, v in resumed[0]["state"].items():
         torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+
+def _sync_then_2bw(rank: int, world: int, tmp: str) -> tuple[list[float], list[float]]:
+    cfg = config(tmp, ["--parallel.pp", "2", "--train.steps", str(STEPS)])  # 1F1B
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        sync = []
+        for s in range(1, STEPS + 1):
+            sync.append(trainer.train_step(s).loss)
+            if s == 2:
+                trainer.save_checkpoint(s)
+    cfg = config(tmp, ["--parallel.pp", "2", *TWO_BW])
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        trainer = Trainer(cfg, topo)
+        trainer.load_checkpoint(checkpoint.step_dir(trainer.run_dir, 2))
+        return sync, [trainer.train_step(s).loss for s in range(3, STEPS + 1)]
+
+
+@pytest.mark.numerics
+def test_a_synchronous_checkpoint_continues_as_2bw(dist_run, tmp_path):
+    """A 1F1B checkpoint holds one weight version: 2BW continues from it as from initial weights
+    (V_3 = V_4 = the loaded W_2), so step 3 is 1F1B's step 3 and step 4's batch runs on W_2 too."""
+    sync, two_bw = dist_run(2, _sync_then_2bw, str(tmp_path))[0]
+    assert two_bw[0] == pytest.approx(sync[2], rel=1e-6)
+    assert abs(two_bw[1] - sync[3]) > 1e-3

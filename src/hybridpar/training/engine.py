@@ -194,11 +194,13 @@ class Engine(StepEngine):
         synchronous schedules."""
         if not isinstance(self.runner, TwoBWRunner):
             return {}
-        model = self.optimizer.checkpoint_state(self.model)["model"]
-        versions = self.runner.versions
-        return {name: DTensor.from_local(t, model[name].device_mesh, model[name].placements, run_check=False,
-                                         shape=model[name].shape, stride=model[name].stride())
-                if isinstance(model[name], DTensor) else t for name, t in zip(versions.names, versions.stale, strict=True)}
+        placed = self.optimizer.checkpoint_state(self.model)["model"]  # the newest, as checkpoints hold it
+        out: dict[str, Tensor] = {}
+        for name, t in zip(self.runner.versions.names, self.runner.versions.stale, strict=True):
+            ref = placed[name]
+            out[name] = (DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
+                                            stride=ref.stride()) if isinstance(ref, DTensor) else t)
+        return out
 
     def load_weight_versions(self, state: dict[str, Tensor] | None) -> None:
         """2BW after a checkpoint load: the stale version from ``state`` (a
