@@ -41,7 +41,10 @@ s+1's warm-up forwards from V_{s+1}, so it continues bit for bit.
 
 Each step still ends with collectives over pp (the loss broadcast, the global gradient norm), so
 the stages start every step together: a steady step takes ``M (F + B) + (pp - 1) B`` on equal
-stages (1F1B: ``(M + pp - 1)(F + B)``), the backward chain of the cut.
+stages (1F1B: ``(M + pp - 1)(F + B)``), the backward chain of the cut. (Without them the stream
+would still idle one B per step: the activation a step hands to the next leaves after the rank's
+last backward.) A step whose update is skipped (``train.nonfinite = "skip"``) still rotates the
+versions: V_{s+2} = V_{s+1}.
 """
 
 from __future__ import annotations
