@@ -17,7 +17,9 @@ balanced and on real (unbalanced) routing, side by side.
    Each on (a) forced balanced routing (slot ``j`` of token ``i`` goes to expert ``(i k + j) mod
    E``, weights ``1/k``) and (b) the trained router's top-k on the real tokens.
 
-Reported per (ep, routing): median step time of each and the ratio ours / plain (target <= 1.0),
+Reported per (ep, routing): median step time of each (a step's time is its slowest rank's) and
+the ratio ours / plain (target <= 1.0): the median over steps of the two runs made back to back in
+that step (paired, so slow phases of the machine hit both; ``ratio_of_medians`` is also kept),
 all-to-all wire bytes per rank per step (ours from the counter, plain from its splits), the
 imbalance (max / mean tokens per expert, and the busiest rank's rows over the mean), and the
 slowdown of real over balanced routing. Outputs of the two implementations are compared
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -129,6 +132,9 @@ def plain(x: Tensor, weights: Tensor, idx: Tensor, w1: Tensor, w3: Tensor, w2: T
 
 def worker(rank: int, world: int, data_path: str, steps: int, out: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    # one intra-op thread per rank where cores allow: oversubscribed OpenMP threads spin against
+    # each other and make both layers' times erratic (the comparison, not either layer, is measured)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(0)
     data = torch.load(data_path, weights_only=True)
     k, n_experts = int(data["k"]), data["w1"].shape[0]
@@ -173,11 +179,13 @@ def worker(rank: int, world: int, data_path: str, steps: int, out: Any) -> None:
             counts = torch.bincount(idx.reshape(-1), minlength=n_experts).double()
             dist.all_reduce(counts)
             per_rank = counts.view(world, per).sum(1)
-            med = {n: torch.tensor(statistics.median(v)) for n, v in times.items()}
-            for t in med.values():  # the slowest rank's median bounds the step
+            per_step = {n: torch.tensor(v) for n, v in times.items()}
+            for t in per_step.values():  # the slowest rank bounds each step
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            rows[kind] = {"ours_s": float(med["ours"]), "plain_s": float(med["plain"]),
-                          "ratio": float(med["ours"] / med["plain"]), "ours_wire_bytes": ours_wire,
+            med = {n: statistics.median(t.tolist()) for n, t in per_step.items()}
+            paired = statistics.median((per_step["ours"] / per_step["plain"]).tolist())
+            rows[kind] = {"ours_s": med["ours"], "plain_s": med["plain"], "ratio": paired,
+                          "ratio_of_medians": med["ours"] / med["plain"], "ours_wire_bytes": ours_wire,
                           "plain_wire_bytes": plain_wire, "max_abs_diff": diff,
                           "expert_imbalance": float(counts.max() / counts.mean()),
                           "rank_imbalance": float(per_rank.max() / per_rank.mean())}
