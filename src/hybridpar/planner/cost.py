@@ -53,14 +53,13 @@ import math
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
-from hybridpar.parallel.pipeline.partition import partition_model
 from hybridpar.parallel.pipeline.schedules import rank_stages
 from hybridpar.planner import pipesim
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
 from hybridpar.planner.memory import rank_state_numels
 from hybridpar.planner.moe import dispatch_rows, rank_load
-from hybridpar.planner.shapes import padded, rank_numel, v_shaped
+from hybridpar.planner.shapes import layer_partition, padded, rank_numel, v_shaped
 
 TILE = 128  # GEMM tile edge used for quantisation (cuBLAS/CUTLASS bf16 tiles are 128-256 wide)
 FLASH_EFFICIENCY = 0.7  # FlashAttention-2 forward reaches ~70% of A100 peak (Dao 2023, fig. 4)
@@ -343,7 +342,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     head_f = gemm_time(tok, vocab, model.dim, g, ab) + 3 * tok * vocab * (ab + 4) / g.hbm_bw
     emb_f = cluster.collective_time("all_reduce", tok * model.dim * ab, t, 1)  # vocab-parallel embedding
     vs = pp > 1 and v_shaped(L.pipeline_schedule)
-    part = partition_model(model, pp, v, v_shape=vs)
+    part = layer_partition(model_key(model), pp, v, vs)  # the runtime's, cached
     stage_cost = []
     for c in part.chunks:
         cost = sum(lts[i in moe_ids].f + lts[i in moe_ids].b + lts[i in moe_ids].w for i in c.layers)

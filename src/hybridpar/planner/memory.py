@@ -421,7 +421,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v,
                sequence_parallel=sp, recompute=rec, micro_batch=mb, ep=ep)
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
-    chunks = layer_partition(model.n_layers, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
+    chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
     sizes = [chunk_bytes(model, L, work, c) for c in chunks]
     v = len(chunks)
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
@@ -523,14 +523,14 @@ def _total(st: ModelStates, acts: float, logits: float, comm: float) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def candidate_ranks(n_layers: int, pp: int, virtual_stages: int, kind: str,
+def candidate_ranks(key: ModelKey, pp: int, virtual_stages: int, kind: str,
                     microbatches: int) -> tuple[int, ...]:
     """The pipeline ranks that can hold the most memory. Ranks whose chunks have the same layer
     counts, embedding and head hold the same parameters and buffers; of those, a rank each of
     whose peak vectors (:func:`live_chunk_counts`) another rank's covers holds no more of
     anything, and is dropped (of ranks covering each other, the first is kept, as ``max``
     keeps the first of equal totals)."""
-    part = layer_partition(n_layers, pp, virtual_stages, v_shaped(kind))
+    part = layer_partition(key, pp, virtual_stages, v_shaped(kind))
     groups: dict[tuple, list[tuple[int, tuple[tuple[int, ...], ...]]]] = {}
     for r in range(pp):
         sig = tuple((len(c.layers), c.embedding, c.head) for c in part.for_rank(r))
@@ -550,9 +550,9 @@ def candidate_ranks(n_layers: int, pp: int, virtual_stages: int, kind: str,
 
 def plan_memory(model: ModelConfig, layout: Layout, work: Workload) -> MemoryReport:
     """The pipeline rank with the largest total (the one that OOMs first), not the average."""
-    ranks = (0,) if layout.pp == 1 else candidate_ranks(
-        model.n_layers, layout.pp, layout.virtual_stages, layout.pipeline_schedule, layout.microbatches(work.global_batch))
     key, comm = model_key(model), comm_buffer_bytes(model, layout, work)
+    ranks = (0,) if layout.pp == 1 else candidate_ranks(
+        key, layout.pp, layout.virtual_stages, layout.pipeline_schedule, layout.microbatches(work.global_batch))
     if len(ranks) == 1:
         return _rank_memory(model, key, layout, work, ranks[0], comm)
     totals = []

@@ -50,7 +50,7 @@ from hybridpar.distributed.compression import padded as padded_blocks
 from hybridpar.distributed.compression import wire_numel
 from hybridpar.parallel.data import cut_buckets
 from hybridpar.parallel.pipeline.schedules import stage_rank
-from hybridpar.planner.layout import Layout, Workload
+from hybridpar.planner.layout import Layout, Workload, model_key
 from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
 from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, v_shaped
 
@@ -85,7 +85,7 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> Named:
         return model_params(model, layout.tp, layout.ep)
     vocab = padded(model.vocab_size, layout.tp) // layout.tp
     out: Named = []
-    for c in layer_partition(model.n_layers, layout.pp, layout.virtual_stages,
+    for c in layer_partition(model_key(model), layout.pp, layout.virtual_stages,
                              v_shaped(layout.pipeline_schedule)).for_rank(pp_rank):
         tied_here = c.head and model.tie_embeddings
         if (c.embedding or tied_here) and all(n != "tok_embeddings.weight" for n, _ in out):
@@ -197,7 +197,7 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
     m = L.microbatches(work.global_batch)
     d = b * s * h  # one full-length hidden state of a micro-batch on this rank
-    chunks = layer_partition(model.n_layers, L.pp, L.virtual_stages, v_shaped(L.pipeline_schedule)).for_rank(pp_rank)
+    chunks = layer_partition(model_key(model), L.pp, L.virtual_stages, v_shaped(L.pipeline_schedule)).for_rank(pp_rank)
     kv = 2 * b * s * model.n_kv_heads * model.head_dim // t  # one stacked K/V block
     moe_ids = set(model.moe_layer_ids())
     load = rank_load(work.moe_imbalance, L.ep, model.n_experts) if ep_load is None else ep_load
