@@ -8,8 +8,10 @@ output head, forms the root unit). A unit's full parameters exist only while it 
 * forward: gathered just before the unit's forward (one all-gather per unit), freed right after
   it; the next unit's gather is started ahead (prefetch) so it overlaps this unit's compute;
 * backward: gathered again when the gradient of the unit's output arrives, the previous unit
-  prefetched, and freed once every parameter's gradient has been accumulated; the gradients are
-  then reduce-scattered (asynchronously) into this rank's shard and the full gradients dropped.
+  prefetched once half of this unit's gradient elements are in (past the step's memory peak, at
+  the start of the unit's backward), and freed once every parameter's gradient has been
+  accumulated; the gradients are then reduce-scattered (asynchronously; one reduction in flight,
+  waited before the next unit's backward) into this rank's shard and the full gradients dropped.
 
 So per micro-batch each parameter crosses the wire in two all-gathers and one reduce-scatter:
 under the ring model 3 (n-1)/n x bytes, 1.5x the 2 (n-1)/n x bytes of an all-reduce.
@@ -77,6 +79,8 @@ class Unit:
         self.grads = GradShard(self.layout, self.full, axis, reduce_dtype=reduce_dtype)
         self.trainable = {i for i, p in enumerate(self.full) if p.requires_grad}
         self.arrived: set[int] = set()
+        self.trainable_numel = sum(self.full[i].numel() for i in self.trainable)
+        self.ahead: Unit | None = None  # backward: the unit to prefetch once half our gradients are in
         self.state = "full"
         self._buf: torch.Tensor | None = None
         self._pending: Pending | None = None
@@ -174,6 +178,7 @@ class ShardedModel:
         self.prefetch = prefetch
         self.units: list[Unit] = []  # root first, then the given units in forward order
         self._hooks: list[RemovableHandle] = []
+        self._inflight: Unit | None = None  # the unit whose reduce-scatter runs (one at a time)
         device = next((p.device.type for p in model.parameters()), "cpu")
         self._pieces = ShardMesh(axis, outer, device)
         self.active = axis.size > 1
@@ -240,22 +245,52 @@ class ShardedModel:
         return hook
 
     def _pre_backward(self, unit: Unit) -> None:
+        self._drain()  # the unit before's reduction: out of the way before this unit's backward grows memory
         self._read_ahead(self._neighbour(unit, self.backward_order))
         unit.wait()
         prev = self._neighbour(unit, self.backward_order)
         if prev is not None and self.prefetch:
-            prev.unshard()
+            unit.ahead = prev  # started by _grad_hook once half of this unit's gradients are in
+
+    def _grad_arrived(self, unit: Unit) -> None:
+        """Backward prefetch, issued once half of ``unit``'s gradient elements are in rather than
+        at its start: a unit's backward begins at the step's memory peak (its activations and
+        everyone's accumulated gradients alive) and frees activations as it goes, so the next
+        unit's gather buffer lands after the peak, with half the backward left to overlap it.
+        (``benchmarks/zero.py``: this is what keeps ZeRO-3's peak with prefetch <= FSDP2's.)"""
+        nxt = unit.ahead
+        if nxt is not None and 2 * sum(unit.full[i].numel() for i in unit.arrived) >= unit.trainable_numel:
+            unit.ahead = None
+            nxt.unshard()
 
     def _grad_hook(self, unit: Unit, i: int):
         def hook(_p: torch.Tensor) -> None:
             unit.grads.note_grad()
-            if self.sync:
-                unit.grads.on_grad(i)
             unit.arrived.add(i)
+            self._grad_arrived(unit)
             if unit.trainable <= unit.arrived:
                 unit.arrived.clear()
                 unit.reshard()
+                if self.sync:
+                    self._reduce(unit)
         return hook
+
+    def _reduce(self, unit: Unit) -> None:
+        """Start ``unit``'s gradient reduce-scatter once all its gradients are in and its full
+        parameters are freed (as FSDP2's post-backward: the staging buffer never meets them),
+        after waiting for the one before: it has had the unit's whole backward to finish, and
+        waiting frees its staging buffer, so one is alive at a time instead of every unit's
+        until the end of backward. (Measured by ``benchmarks/zero.py``'s peak, with prefetch.)"""
+        self._drain()
+        unit.grads.note_grad()
+        unit.grads.launch()
+        self._inflight = unit
+
+    def _drain(self) -> None:
+        """Wait for the reduction in flight (if any) and free its staging buffer."""
+        if self._inflight is not None:
+            self._inflight.grads.finish()
+            self._inflight = None
 
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
@@ -269,9 +304,11 @@ class ShardedModel:
 
     def finish(self) -> None:
         """Free anything still gathered, reduce-scatter what has not been, and wait for all of it."""
+        self._inflight = None
         for unit in self.forward_order:
             unit.reshard()
             unit.arrived.clear()
+            unit.ahead = None
         for unit in self.backward_order:
             unit.grads.finish()
             for shard, grad in zip(unit.shards, unit.grads.views(), strict=True):
@@ -394,7 +431,6 @@ class StageSharded(ShardedModel):
         self._reads: dict[int, list[Unit]] = {}  # id(chunk) -> the units it reads
         self._held: set[int] = set()  # ids of units released only by finish()
         self._users: dict[int, set[int]] = {}  # id(unit) -> local chunks gathered and not yet done
-        self._inflight: Unit | None = None  # the unit whose reduce-scatter runs (one at a time)
         if not self.active:
             return
         first: dict[int, int] = {}
@@ -435,17 +471,12 @@ class StageSharded(ShardedModel):
                 continue
             unit.reshard()
             if backward and self.sync and any(p.grad is not None for p in unit.full):
-                if self._inflight is not None:  # done by now, as a rule: its staging buffer goes
-                    self._inflight.grads.finish()
-                unit.grads.note_grad()
-                unit.grads.launch()
-                self._inflight = unit
+                self._reduce(unit)
 
     def finish(self) -> None:
         """Reshard held units and reduce every gradient not reduced yet (``no_sync`` steps,
         held units), then wait for all of it."""
         self._users.clear()
-        self._inflight = None
         for unit in self.units:
             if any(p.grad is not None for p in unit.full):
                 unit.grads.note_grad()
