@@ -216,7 +216,8 @@ def _resume(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
 @pytest.mark.parametrize("saved, loaded", [("tp2", "tp4"), ("dp2-tp2", "one"), ("tp4-sp", "tp2"),
                                            ("dp4-zero3-offload", "dp2-zero1"), ("dp2-tp2-zero3", "dp2-tp2-pp2-zero2"),
                                            ("dp2-zero3-offload-disk-params", "dp2-zero2-offload-disk"),
-                                           ("dp2-tp2-pp2-zero2", "tp2")])
+                                           ("dp2-tp2-pp2-zero2", "tp2"), ("dp2-pp2-zbv-zero3", "dp2-zero1"),
+                                           ("dp2-tp2-zero3", "dp2-pp2-interleaved-zero3")])
 def test_checkpoint_reshards_across_layouts(saved, loaded, dist_run, tmp_path):
     """Saved at step 2 under one layout, continued under another: same as never changing."""
     ref = reference(str(tmp_path / "ref"))
