@@ -294,3 +294,18 @@ def test_a_synchronous_checkpoint_continues_as_2bw(dist_run, tmp_path):
     sync, two_bw = dist_run(2, _sync_then_2bw, str(tmp_path))[0]
     assert two_bw[0] == pytest.approx(sync[2], rel=1e-6)
     assert abs(two_bw[1] - sync[3]) > 1e-3
+
+
+def test_planner_counts_the_second_weight_version():
+    """The planner's memory model holds one more copy of each stage's parameters for 2BW than for
+    1F1B (the runtime keeps two storages per parameter), and the same activations."""
+    from hybridpar.config import ModelConfig
+    from hybridpar.planner.layout import Layout, Workload
+    from hybridpar.planner.memory import rank_memory
+
+    work = Workload(global_batch=16, seq_len=128, precision="fp32")
+    for rank in (0, 1):
+        one, two = (rank_memory(ModelConfig(), Layout(dp=1, tp=1, pp=2, cp=1, pipeline_schedule=s), work, rank)
+                    for s in ("1f1b", "2bw"))
+        assert two.components["params"] == 2 * one.components["params"]
+        assert two.components["activations"] == one.components["activations"]
