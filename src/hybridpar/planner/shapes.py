@@ -34,13 +34,18 @@ def v_shaped(schedule: str) -> bool:
 
 def layer_shapes(model: ModelConfig, tp: int, layer: int, ep: int = 1) -> list[tuple[str, tuple[int, ...]]]:
     """Layer ``layer``'s parameters (names after ``layers.<i>.``) in registration order,
-    tp-local (and for MoE experts ep-local) shapes: norms, q/k/v/o, the feed-forward
+    tp-local (and for MoE experts ep-local) shapes: norms, q/k/v/o (with Qwen2's q/k/v biases and
+    Qwen3's q/k norms), the feed-forward
     (:func:`hybridpar.planner.moe.ffn_shapes`: the dense MLP or an MoE layer's router and experts)."""
     h, hd = model.dim, model.head_dim
     q, kv = model.n_heads * hd // tp, model.n_kv_heads * hd // tp
-    return [("attention_norm.weight", (h,)), ("attention.wq.weight", (q, h)), ("attention.wk.weight", (kv, h)),
-            ("attention.wv.weight", (kv, h)), ("attention.wo.weight", (h, q)), ("ffn_norm.weight", (h,)),
-            *((f"feed_forward.{n}", s) for n, s in ffn_shapes(model, layer, tp, ep))]
+    out: list[tuple[str, tuple[int, ...]]] = [("attention_norm.weight", (h,))]
+    for name, rows in (("wq", q), ("wk", kv), ("wv", kv)):  # Qwen2's biases split like their rows
+        out += [(f"attention.{name}.weight", (rows, h))] + ([(f"attention.{name}.bias", (rows,))] if model.qkv_bias else [])
+    out.append(("attention.wo.weight", (h, q)))
+    if model.qk_norm:  # Qwen3's per-head norms, whole on every tp rank
+        out += [("attention.q_norm.weight", (hd,)), ("attention.k_norm.weight", (hd,))]
+    return [*out, ("ffn_norm.weight", (h,)), *((f"feed_forward.{n}", s) for n, s in ffn_shapes(model, layer, tp, ep))]
 
 
 def rank_named_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
