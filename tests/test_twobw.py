@@ -45,6 +45,7 @@ LAYOUTS = {  # (model flags, layout flags): the reference is the single process 
     "dp2-pp2": ([], ["--parallel.dp", "2", "--parallel.pp", "2"]),
     "pp2-tp2-sp": ([], ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
     "pp2-tied": (["--model.tie_embeddings", "true"], ["--parallel.pp", "2"]),
+    "pp2-cp2": ([], ["--parallel.pp", "2", "--parallel.cp", "2"]),
 }
 CASES = [(2, 2), (2, 4), (3, 3), (3, 5), (4, 4), (4, 8)]  # (pp, micro-batches per step)
 
@@ -145,7 +146,6 @@ def test_simulated_steady_step(pp, m):
     (["--parallel.virtual_stages", "2"], r"virtual_stages = 2 needs parallel.pipeline_schedule = 'interleaved'"),
     (["--parallel.recompute", "full"], r"recompute = 'full' is not supported: recomputation"),
     (["--train.precision", "fp16"], r"precision = 'fp16' is not supported.*use bf16 or fp32"),
-    (["--parallel.cp", "2"], r"cp = 2 is not supported"),
     (["--model.family", "mixtral", "--model.n_experts", "4"], r"n_experts = 4, parallel.ep = 1 is not supported"),
 ])
 def test_refusals_are_config_errors_before_any_process_group(flags, match):
