@@ -21,6 +21,12 @@ noise hits both alike.
   ZB-H1, each <= 1.0x torch's matching schedule, simulator (with the F/B/W durations and p2p
   latency measured in the same run) within 5% of the measured makespan.
 
+Both modes also run PipeDream-2BW (:mod:`hybridpar.parallel.pipeline.twobw`) beside our 1F1B, in
+alternation: its steady step (a batch, plus the next batch's warm-up forwards) against a 1F1B step
+of the same M micro-batches. Every step starts on all ranks together (a barrier here, the gradient
+norm's collectives in training), so 2BW saves 1F1B's warm-up bubble but keeps the cut's backward
+chain: M (F + B) + (pp - 1) B against (M + pp - 1)(F + B), 14/15 = 0.93 at pp=2, M=4, B = 2F.
+
 Reports the best-of-N makespan (interference only adds time; medians are shown too), ours /
 torch, and hybridpar's simulator prediction vs the measured makespan.
 
@@ -64,7 +70,9 @@ from hybridpar.parallel.pipeline import (
     simulate,
 )
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
+from hybridpar.parallel.pipeline.schedules import build_two_bw_step
 from hybridpar.parallel.pipeline.timeline import plot_timeline
+from hybridpar.parallel.pipeline.twobw import TwoBWRunner
 
 WIDTH = 16  # activation [1, WIDTH] floats: the transfers are negligible next to the sleeps
 KINDS = [(Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, 2), (Schedule.ZB_H1, 1),
@@ -232,6 +240,18 @@ def worker(rank: int, pp: int, args: argparse.Namespace, out: Any) -> None:
                     times["ours"].append(ours_t)
                     times["torch"].append(torch_t)
             results[name] = {**times, "timelines": [runner.gather_timeline(r) for r in recorded[1:]]}
+        # PipeDream-2BW beside our 1F1B, alternating: steady steps (each trains a batch and runs the
+        # next one's warm-up forwards); the first, with no warm-up carried in, is not timed
+        two_bw, one = TwoBWRunner(chunks(1), topo, m, _loss, act_shape=shape), runners[Schedule.ONE_F_ONE_B][0]
+        times = {"2bw": [], "1f1b": []}
+        recorded = []
+        for rep in range(args.reps + 1):
+            mine = _timed(lambda out=recorded: out.append(two_bw.run(mbs, upcoming=mbs)))
+            sync = _timed(lambda: one.run(mbs))
+            if rep:
+                times["2bw"].append(mine)
+                times["1f1b"].append(sync)
+        results["2bw"] = {**times, "timelines": [two_bw.gather_timeline(r) for r in recorded[1:]]}
     if rank == 0:
         out.put(results)
     dist.destroy_process_group()
@@ -300,6 +320,26 @@ def summarize(name: str, r: dict, sched: Any, args: argparse.Namespace) -> dict[
     return row
 
 
+def summarize_two_bw(r: dict, args: argparse.Namespace) -> dict[str, Any]:
+    """PipeDream-2BW's steady step against our 1F1B step, measured alternately in the same run,
+    and what the simulator predicts for their ratio with the F and B durations recorded there
+    (each step starts on every rank together: 2BW's bubble is only the cut's backward chain)."""
+    pp, m = args.pp, args.microbatches
+    costs = [measured_costs(tl, split=False) for tl in r["timelines"]]
+    predicted = statistics.median(
+        simulate(build_two_bw_step(pp, m, head=False, tail=True), dataclasses.replace(c, p2p=0.0)).makespan
+        / simulate(build_schedule(Schedule.ONE_F_ONE_B, pp, 1, m), dataclasses.replace(c, p2p=0.0)).makespan
+        for c in costs)
+    return {"two_bw_s": round(min(r["2bw"]), 5), "one_f_one_b_s": round(min(r["1f1b"]), 5),
+            "two_bw_median_s": round(statistics.median(r["2bw"]), 5),
+            "one_f_one_b_median_s": round(statistics.median(r["1f1b"]), 5),
+            "two_bw_over_1f1b": round(min(r["2bw"]) / min(r["1f1b"]), 4),
+            "two_bw_over_1f1b_paired_median": round(statistics.median(
+                a / b for a, b in zip(r["2bw"], r["1f1b"], strict=True)), 4),
+            "simulated_ratio_at_measured_durations": round(predicted, 4),
+            "measured_costs_ms": {k: round(1e3 * getattr(costs[0], k), 3) for k in ("f", "b", "w")}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=4)
@@ -339,6 +379,11 @@ def main() -> None:
           "p2p latency vs the recorded makespan (medians over runs). F/B/W: mean recorded durations per "
           "action (a chunk's; B is the whole backward where it is not split). dualpipev (torch only) is "
           "compared with our zbv.")
+    two = summarize_two_bw(res["2bw"], args)
+    print(f"2bw (PipeDream-2BW, steady step) vs our 1f1b, run alternately: {1e3 * two['two_bw_s']:.1f} ms "
+          f"({1e3 * two['two_bw_median_s']:.0f}) vs {1e3 * two['one_f_one_b_s']:.1f} ms ({1e3 * two['one_f_one_b_median_s']:.0f}): "
+          f"{two['two_bw_over_1f1b']:.3f} best/best, {two['two_bw_over_1f1b_paired_median']:.3f} paired median; "
+          f"simulated {two['simulated_ratio_at_measured_durations']:.3f} with the measured F/B")
     matching = {k: v for k, v in s.items() if k != "dualpipev"}
     if args.compute:
         targets = {
@@ -346,6 +391,7 @@ def main() -> None:
             "zbv_at_most_zb_h1": s["zbv"]["ours_s"] <= s["zb-h1"]["ours_s"],
             "each_at_most_torch": all(v["ours_over_torch"] <= 1.0 for v in matching.values()),
             "simulator_within_5pct": all(abs(v["sim_error"]) <= 0.05 for v in matching.values()),
+            "2bw_at_most_1f1b": two["two_bw_over_1f1b_paired_median"] <= 1.0,
         }
     else:
         targets = {
@@ -360,7 +406,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "pipeline", "mode": "compute" if args.compute else "sleep", "pp": pp,
                       "microbatches": m, "t_f_s": args.t_f, "t_b_s": None if args.compute else args.t_b,
                       "blocks_per_stage": args.blocks or None, "reps": args.reps, "load_average": round(load, 2),
-                      "schedules": s, "targets": targets}))
+                      "schedules": s, "two_bw": two, "targets": targets}))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 from hybridpar.errors import UserError
 
 Precision = Literal["fp32", "bf16", "fp16"]
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "2bw"]
 Recompute = Literal["none", "selective", "full"]
 GradCompression = Literal["none", "bf16", "fp16", "int8"]
 OffloadTarget = Literal["cpu", "disk"]

@@ -358,6 +358,50 @@ def _interleaved(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("pp-2bw-microbatches")
+def _two_bw_microbatches(cfg: Config, world: int | None) -> str | None:
+    p, t = cfg.parallel, cfg.train
+    if p.pipeline_schedule != "2bw":
+        return None
+    if p.pp < 2:
+        return (f"parallel.pipeline_schedule = '2bw' needs parallel.pp >= 2 (got {p.pp}): PipeDream-2BW overlaps "
+                "consecutive steps across pipeline stages; raise pp or use pipeline_schedule = '1f1b'")
+    micro = t.global_batch // (p.dp * t.micro_batch)
+    if micro < p.pp:
+        return (f"PipeDream-2BW needs at least parallel.pp = {p.pp} micro-batches per step, got train.global_batch / "
+                f"(dp * train.micro_batch) = {t.global_batch} / ({p.dp} * {t.micro_batch}) = {micro}; raise "
+                f"global_batch to {p.pp * p.dp * t.micro_batch} or lower micro_batch")
+    return None
+
+
+def _two_bw_conflict(cfg: Config) -> tuple[str, str, str] | None:
+    """What 2BW does not compose with in ``cfg``, as (the values, why, the fix); None if nothing."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    if p.zero_stage > 0:
+        return (f"parallel.zero_stage = {p.zero_stage}", "ZeRO-1/2 step views into each parameter's storage and "
+                "ZeRO-3 re-gathers parameters for every forward, while 2BW keeps two weight versions and moves the "
+                "optimizer between their storages", "use zero_stage = 0 (plain data parallelism)")
+    if p.recompute != "none":
+        return (f"parallel.recompute = {p.recompute!r}", "recomputation re-runs a forward inside backward, where "
+                "it would read the newest weights instead of the version its micro-batch used", "set recompute = 'none'")
+    if t.precision == "fp16":
+        return ("train.precision = 'fp16'", "a loss-scale overflow skips a step whose successor's forwards already "
+                "ran on the stage", "use bf16 or fp32")
+    if m.n_experts > 0 or p.ep > 1:
+        return (f"model.n_experts = {m.n_experts}, parallel.ep = {p.ep}", "MoE layers count each step's expert load "
+                "and auxiliary loss in their forwards, and 2BW runs the next step's first forwards inside this step",
+                "use a dense model or another schedule")
+    return None
+
+
+@rule("pp-2bw-composition")
+def _two_bw_composition(cfg: Config, world: int | None) -> str | None:
+    if cfg.parallel.pipeline_schedule != "2bw" or (conflict := _two_bw_conflict(cfg)) is None:
+        return None
+    value, why, fix = conflict
+    return f"parallel.pipeline_schedule = '2bw' with {value} is not supported: {why}; {fix}"
+
+
 @rule("cp-zigzag-seq-len")
 def _cp_seq(cfg: Config, world: int | None) -> str | None:
     p, t = cfg.parallel, cfg.train
@@ -438,14 +482,14 @@ def _first_of(prefix: str, model: ModelConfig, tp: int = 1) -> str | None:
 
 
 def schedule_error(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> str | None:
-    """The message of the first pipeline-schedule rule (``virtual-*``, ``interleaved-*``) that
+    """The message of the first pipeline-schedule rule (``virtual-*``, ``interleaved-*``, ``pp-2bw-microbatches``) that
     ``microbatches`` micro-batches on ``pp`` ranks x ``virtual_stages`` break, or None: what
     :func:`hybridpar.parallel.pipeline.build_schedule` checks."""
     from hybridpar.config import Config, ParallelConfig, TrainConfig
 
     cfg = Config(parallel=ParallelConfig(pp=pp, virtual_stages=virtual_stages, pipeline_schedule=schedule),
                  train=TrainConfig(global_batch=microbatches, micro_batch=1))
-    return _first_named(("virtual-", "interleaved-"), cfg)
+    return _first_named(("virtual-", "interleaved-", "pp-2bw-microbatches"), cfg)
 
 
 def partition_error(n_layers: int, pp: int, virtual_stages: int) -> str | None:

@@ -338,7 +338,7 @@ def live_chunk_counts(kind: str, pp: int, virtual_stages: int, microbatches: int
     order, where ``alive_c`` counts micro-batches of local chunk ``c`` between their F and their
     first backward action, and ``held_c`` those between B and W (ZB-H1: deferred weight gradients).
 
-    GPipe and 1F1B have closed forms (``M`` and ``min(pp - rank, M)``); the others walk
+    GPipe, 1F1B and 2BW have closed forms (``M`` and ``min(pp - rank, M)``); the others walk
     :func:`compute_order`, capped at ``2 pp`` micro-batches (ZB-H1) or ``4 pp`` (interleaved):
     past the warm-up the steady state repeats every micro-batch (every ``pp`` with
     interleaving), so the peaks of longer runs are the same."""
@@ -348,7 +348,7 @@ def live_chunk_counts(kind: str, pp: int, virtual_stages: int, microbatches: int
         return ((1, 0),)
     if kind_ is Schedule.GPIPE:
         return ((m, 0),)
-    if kind_ is Schedule.ONE_F_ONE_B:
+    if kind_ in (Schedule.ONE_F_ONE_B, Schedule.TWO_BW):  # 2BW: a step's carried warm-up forwards included
         return ((min(pp - rank, m), 0),)
     cap = min(m, (4 if kind_ is Schedule.INTERLEAVED else 2) * pp)
     actions = compute_order(kind_, pp, v, cap, rank)
@@ -499,6 +499,8 @@ def _rank_parts(key: ModelKey, L: Layout, work: Workload,
                  pipelined=L.pp > 1)
     if L.grad_compression == "int8" and L.dp * L.cp > 1:  # error feedback: fp32, gradient-sized
         st = dataclasses.replace(st, grads=st.grads + int8_residual_bytes(full, L.dp * L.cp, L.zero_stage))
+    if L.pipeline_schedule == "2bw" and L.pp > 1:  # PipeDream-2BW: the stage's second weight version
+        st = dataclasses.replace(st, params=st.params + work.param_bytes * full)
     return st, _rank_activations(key, _activation_fields(L), work, pp_rank)
 
 

@@ -66,7 +66,8 @@ def compile_schedule(kind: str, pp: int, virtual_stages: int, microbatches: int)
             else:
                 row.append(_COMM[k](mb, s, mid))
         ops.append(tuple(row))
-    return CompiledSchedule(sched.kind.value, pp, n, sched.split_backward, 2 * n * microbatches, tuple(ops))
+    ids = 1 + max(a.microbatch for acts in sched.ranks for a in acts)  # 2BW's steady step: the next batch's too
+    return CompiledSchedule(sched.kind.value, pp, n, sched.split_backward, 2 * n * ids, tuple(ops))
 
 
 _COMM = {  # send/recv action -> op; the message's destination stage and payload as Action.message

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from hybridpar.config import Config
 from hybridpar.distributed.mesh import Topology
@@ -36,6 +37,7 @@ from hybridpar.parallel.pipeline.stages import (
     sync_tied_embedding_grads,
     tied_embedding_weight,
 )
+from hybridpar.parallel.pipeline.twobw import TwoBWRunner
 from hybridpar.parallel.recompute import apply_recompute
 from hybridpar.parallel.shard import OuterSplit
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
@@ -86,12 +88,14 @@ class Engine(StepEngine):
                 self.cp.plan = self.cp.plan_for(t.seq_len, device)
                 for chunk in self.chunks:
                     chunk.positions = zigzag_positions(t.seq_len, topo.cp).to(device)
-            schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, t.grad_accum // p.dp)
             # what crosses a stage boundary: this rank's share of the sequence (cp, then SP)
             seq = t.seq_len // topo.cp.size // (topo.tp.size if self.sequence_parallel else 1)
-            runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits,
-                                    act_shape=(t.micro_batch, seq, m.dim),
-                                    forward_context=lambda: autocast(t.precision, device))
+            stage = dict(act_shape=(t.micro_batch, seq, m.dim), forward_context=lambda: autocast(t.precision, device))
+            if p.pipeline_schedule == "2bw":  # asynchronous: two weight versions, one step of delay
+                runner = TwoBWRunner(self.chunks, topo, t.grad_accum // p.dp, self.loss_from_logits, **stage)
+            else:
+                schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, t.grad_accum // p.dp)
+                runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits, **stage)
             owned = owned_named_parameters(self.chunks)
             train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
         else:
@@ -189,6 +193,33 @@ class Engine(StepEngine):
         if rate > 0 and self.moe:
             update_balance_bias(self.moe, self._step_load(), rate)
         return norm
+
+    # ------------------------------------------------------------------ 2BW's second weight version
+    def weight_versions_state(self) -> dict[str, Tensor]:
+        """2BW: the stale weight version (the one the next step's batch runs on, module doc of
+        :mod:`hybridpar.parallel.pipeline.twobw`) by parameter name, placed as a checkpoint places
+        the model's weights (tp pieces as DTensors, so another layout can read it); empty for the
+        synchronous schedules."""
+        if not isinstance(self.runner, TwoBWRunner):
+            return {}
+        placed = self.optimizer.checkpoint_state(self.model)["model"]  # the newest, as checkpoints hold it
+        out: dict[str, Tensor] = {}
+        for name, t in zip(self.runner.versions.names, self.runner.versions.stale, strict=True):
+            ref = placed[name]
+            out[name] = (DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
+                                            stride=ref.stride()) if isinstance(ref, DTensor) else t)
+        return out
+
+    def load_weight_versions(self, state: dict[str, Tensor] | None) -> None:
+        """2BW after a checkpoint load: the stale version from ``state`` (a
+        :meth:`weight_versions_state` filled by the load), or, from a synchronous schedule's
+        checkpoint (None), equal to the loaded weights, as at a start."""
+        if not isinstance(self.runner, TwoBWRunner):
+            return
+        versions = self.runner.versions
+        if state is None:
+            state = dict(zip(versions.names, versions.newest, strict=True))
+        versions.load_stale({n: t.to_local() if isinstance(t, DTensor) else t for n, t in state.items()})
 
     def moe_step_stats(self, microbatches: int) -> dict[str, Any] | None:
         """The step's MoE statistics over all ranks (None for a dense model); collective (every

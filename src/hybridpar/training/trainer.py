@@ -68,6 +68,7 @@ class Trainer:
         self.dropped_tokens = 0  # MoE: routed slots no expert computed (0: the layers are dropless)
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
+        self._ahead: tuple[int, list[tuple]] | None = None  # 2BW: the next step's micro-batches, read early
 
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int,
@@ -106,12 +107,17 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=False)
-        batches = self.micro_batches(step, t.global_batch, self.train_data)
+        batches = self._ahead[1] if self._ahead is not None and self._ahead[0] == step else self.micro_batches(
+            step, t.global_batch, self.train_data)
+        upcoming = None  # 2BW starts the next step's batch within this step (none after the last step)
+        if self.engine.reads_ahead and step < t.steps:
+            upcoming = self.micro_batches(step + 1, t.global_batch, self.train_data)
+            self._ahead = (step + 1, upcoming)
         # fp16: each rank scales its micro-batches as one process scales all M x replicas of them,
         # so the same values overflow fp16 under every layout; the dp average is then 1/replicas
         # of the scaled sum, which unscaling undoes (fp32/bf16: the plain 1/M mean, no rescaling)
         replicas = self.topo.dp_cp.size if self.scaler.enabled else 1
-        loss = self.engine.forward_backward(batches, self.scaler.scale / (len(batches) * replicas)).mean().float()
+        loss = self.engine.forward_backward(batches, self.scaler.scale / (len(batches) * replicas), upcoming).mean().float()
         moe = self.engine.moe_step_stats(len(batches))  # MoE: expert load, auxiliary losses (collective)
         if moe is not None:
             self.expert_imbalance.append(moe["expert_imbalance_per_layer"])
@@ -164,7 +170,10 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> int:
         """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
         extra = self._extra_state()
+        if "weight_versions" in extra and checkpoint.read_config(path).parallel.pipeline_schedule != "2bw":
+            del extra["weight_versions"]  # saved by a synchronous schedule: 2BW starts afresh from it
         step = checkpoint.load(path, self.model, self.optimizer, self.cfg, self.topo, extra=extra)
+        self.engine.load_weight_versions(extra.get("weight_versions"))
         self.scaler.load_state_dict({k: v.item() for k, v in extra["scaler"].items()})
         self.skipped_nonfinite = int(extra["skipped_nonfinite"])
         return step
@@ -172,7 +181,9 @@ class Trainer:
     def _extra_state(self) -> dict[str, Any]:
         """Trainer state beyond model and optimizer, as tensors (DCP stores them safely)."""
         scaler = {k: torch.tensor(v, dtype=torch.float64) for k, v in self.scaler.state_dict().items()}
-        return {"scaler": scaler, "skipped_nonfinite": torch.tensor(self.skipped_nonfinite)}
+        versions = self.engine.weight_versions_state()  # 2BW: the second weight version
+        return {"scaler": scaler, "skipped_nonfinite": torch.tensor(self.skipped_nonfinite),
+                **({"weight_versions": versions} if versions else {})}
 
     def fit(self, resume: Path | None = None) -> dict[str, Any]:
         """Run steps up to ``train.steps`` with logging, evaluation, checkpoints, plot and sample,

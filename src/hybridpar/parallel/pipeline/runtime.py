@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,7 @@ from hybridpar.parallel.pipeline.schedules import (
     ActionKind,
     Message,
     PipelineSchedule,
+    Schedule,
     ScheduleError,
     build_forward_schedule,
     needed_message,
@@ -116,6 +117,9 @@ class PipelineRunner:
     ``forward_context`` (e.g. an autocast factory) wraps each forward, not the backward.
     """
 
+    #: whether :meth:`run` starts the next step's micro-batches (``upcoming``) within this one
+    reads_ahead = False
+
     def __init__(self, chunks: Sequence[nn.Module], topo: Topology, schedule: PipelineSchedule,
                  loss_fn: LossFn, act_shape: Sequence[int], act_dtype: torch.dtype = torch.float32,
                  forward_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
@@ -123,6 +127,9 @@ class PipelineRunner:
             raise ScheduleError(f"schedule is for pp = {schedule.pp} but the mesh has pp = {topo.pp.size}")
         if len(chunks) != schedule.virtual_stages:
             raise ScheduleError(f"{len(chunks)} chunks given for {schedule.virtual_stages} virtual stages")
+        if schedule.kind is Schedule.TWO_BW and not self.reads_ahead:
+            raise ScheduleError("the 2bw schedule runs across steps with two weight versions: use "
+                                "hybridpar.parallel.pipeline.twobw.TwoBWRunner")
         self.topo, self.schedule, self.loss_fn = topo, schedule, loss_fn
         self.rank = topo.pp.rank
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
@@ -141,12 +148,13 @@ class PipelineRunner:
         self.stage_hooks: StageHooks | None = None
 
     # ------------------------------------------------------------------ entry point
-    def run(self, microbatches: Sequence[tuple[Tensor, Tensor]],
-            grad_scale: float | None = None) -> PipelineStepResult:
+    def run(self, microbatches: Sequence[tuple[Tensor, Tensor]], grad_scale: float | None = None,
+            upcoming: Sequence[tuple[Tensor, Tensor]] | None = None) -> PipelineStepResult:
         """Forward and backward of all ``(inputs, targets)`` micro-batches (every pp rank passes
         the same list; the first stage reads inputs, the last targets; an optional third item,
         packed documents, goes to every stage's chunk as ``docs``). Gradients accumulate
-        into ``.grad`` scaled by ``grad_scale`` (default ``1 / M``)."""
+        into ``.grad`` scaled by ``grad_scale`` (default ``1 / M``). ``upcoming``: the next step's
+        micro-batches, read only by a runner that starts them early (:attr:`reads_ahead`, 2BW)."""
         self._scale = 1.0 / self.schedule.microbatches if grad_scale is None else grad_scale
         return self._execute(self.schedule, microbatches)
 
@@ -164,8 +172,17 @@ class PipelineRunner:
         if len(microbatches) != m:
             raise ScheduleError(f"schedule has {m} micro-batches, run() got {len(microbatches)}")
         step = _Step(microbatches, store=not schedule.forward_only)
+        self._run_actions(schedule.ranks[self.rank], step)
+        if step.saved or step.recvs or step.local:
+            raise RuntimeError(f"pipeline rank {self.rank} ended with {len(step.saved)} stored "
+                               f"activations and {len(step.recvs) + len(step.local)} unconsumed inputs")
+        return PipelineStepResult(self._gather_losses(step, m), step.peak, tuple(step.intervals),
+                                  step.peak_deferred_bytes)
+
+    def _run_actions(self, acts: Sequence[Action], step: _Step) -> None:
+        """Run one rank's action list in order (module doc), then wait for its sends."""
         t0 = time.perf_counter()
-        acts, i = schedule.ranks[self.rank], 0
+        i = 0
         first: dict[int, int] = {}  # stage -> index of its first and last compute action
         last: dict[int, int] = {}
         for k, a in enumerate(acts):
@@ -190,11 +207,7 @@ class PipelineRunner:
             i = j
         for pending, _ in step.sends:
             pending.wait()
-        if step.saved or step.recvs or step.local:
-            raise RuntimeError(f"pipeline rank {self.rank} ended with {len(step.saved)} stored "
-                               f"activations and {len(step.recvs) + len(step.local)} unconsumed inputs")
-        return PipelineStepResult(self._gather_losses(step), step.peak, tuple(step.intervals),
-                                  step.peak_deferred_bytes)
+        step.sends.clear()
 
     # ------------------------------------------------------------------ communication
     def _peer(self, stage: int) -> int:
@@ -253,7 +266,7 @@ class PipelineRunner:
         deferred = Deferred() if self.split is not None and step.store else None
         with self.forward_context(), (self.split.forward(deferred) if deferred is not None
                                       else contextlib.nullcontext()):
-            out = self.chunks[s](x) if not extra else self.chunks[s](x, docs=extra[0])
+            out = self._call_chunk(a, x, extra)
             if s == self.last_stage:
                 loss = self.loss_fn(out, targets.to(self.topo.device))
         if s == self.last_stage:
@@ -267,6 +280,12 @@ class PipelineRunner:
         if step.store:
             step.saved[(m, s)] = _Saved(inp, out, deferred)
             step.peak = max(step.peak, len(step.saved))
+
+    def _call_chunk(self, a: Action, x: Tensor, extra: Sequence[Any]) -> Tensor:
+        """Stage ``a.stage``'s chunk on ``x`` (and the packed documents, if any): the one place a
+        chunk runs, so a runner that keeps weight versions (:mod:`.twobw`) can choose its weights."""
+        chunk = self.chunks[a.stage]
+        return chunk(x) if not extra else chunk(x, docs=extra[0])
 
     def _backward(self, a: Action, grad: Tensor | None, step: _Step) -> None:
         m, s = a.microbatch, a.stage
@@ -295,8 +314,8 @@ class PipelineRunner:
         step.saved.pop((a.microbatch, a.stage)).deferred.weight_grads()
 
     # ------------------------------------------------------------------ results
-    def _gather_losses(self, step: _Step) -> Tensor:
-        m = len(step.microbatches)
+    def _gather_losses(self, step: _Step, m: int) -> Tensor:
+        """The M losses of the last stage's micro-batches 0..m-1, on every pp rank."""
         if self.schedule.rank_of(self.last_stage) == self.rank:
             losses = torch.stack([step.losses[i].float() for i in range(m)])
         else:
@@ -304,13 +323,17 @@ class PipelineRunner:
         return self.topo.comm.broadcast(losses, self.topo.pp, src=self.schedule.rank_of(self.last_stage))
 
     def gather_timeline(self, result: PipelineStepResult) -> Timeline:
-        """Every pp rank's recorded intervals (collective on the pp axis)."""
-        rows = torch.tensor([[_KINDS.index(iv.action.kind), iv.action.microbatch, iv.action.stage,
-                              iv.start, iv.end] for iv in result.intervals], dtype=torch.float64,
-                            device=self.topo.device)
+        """Every pp rank's recorded intervals (collective on the pp axis). Ranks may have run
+        different numbers of actions (2BW's first and last steps): rows are padded to the longest."""
+        count = torch.tensor([len(result.intervals)], dtype=torch.float64, device=self.topo.device)
+        longest = int(self.topo.comm.all_reduce(count, self.topo.pp, op="max").item())
+        rows = torch.full((longest, 5), -1.0, dtype=torch.float64, device=self.topo.device)
+        for i, iv in enumerate(result.intervals):
+            rows[i] = torch.tensor([_KINDS.index(iv.action.kind), iv.action.microbatch, iv.action.stage,
+                                    iv.start, iv.end], dtype=torch.float64)
         every = self.topo.comm.all_gather(rows, self.topo.pp, dim=0).cpu().view(self.schedule.pp, -1, 5)
         return Timeline(tuple(
             tuple(Interval(Action(_KINDS[int(k)], int(mb), int(s)), float(t0), float(t1))
-                  for k, mb, s, t0, t1 in rank.tolist())
+                  for k, mb, s, t0, t1 in rank.tolist() if k >= 0)
             for rank in every)).shifted()
 

@@ -52,6 +52,7 @@ class Schedule(enum.Enum):
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
     ZBV = "zbv"
+    TWO_BW = "2bw"  # PipeDream-2BW: asynchronous, one step of gradient delay (see :mod:`.twobw`)
 
     @classmethod
     def parse(cls, name: str | Schedule) -> Schedule:
@@ -228,9 +229,10 @@ def promised_in_flight(kind: Schedule, pp: int, virtual_stages: int, microbatche
                        rank: int) -> int:
     """Peak number of (micro-batch, chunk) activations rank ``rank`` holds at once.
 
-    GPipe: M. 1F1B: ``min(pp - rank, M)``. Interleaved (counted in chunks, each 1/V of a
-    stage): ``min(V*M, 2*(pp - rank - 1) + (V - 1)*pp + 1)``, or ``V*M`` when M == pp (all
-    forwards first, as Megatron does). ZBV (in chunks, each half a stage):
+    GPipe: M. 1F1B, and 2BW (a step's carried warm-up forwards included): ``min(pp - rank, M)``.
+    Interleaved (counted in chunks, each 1/V of a stage):
+    ``min(V*M, 2*(pp - rank - 1) + (V - 1)*pp + 1)``, or ``V*M`` when M == pp (all forwards
+    first, as Megatron does). ZBV (in chunks, each half a stage):
     ``min(2pp, 2M, M + 1 + rank)``: ``2pp`` on every rank once ``M >= 2pp - 1``, as much as
     1F1B's first stage holds.
     ZB-H1 keeps a record from F until W (the chunk's
@@ -241,7 +243,7 @@ def promised_in_flight(kind: Schedule, pp: int, virtual_stages: int, microbatche
     m, v = microbatches, virtual_stages
     if kind is Schedule.GPIPE:
         return m
-    if kind is Schedule.ONE_F_ONE_B:
+    if kind in (Schedule.ONE_F_ONE_B, Schedule.TWO_BW):
         return min(pp - rank, m)
     if kind is Schedule.ZB_H1:
         return min(pp, m)
@@ -386,23 +388,80 @@ def _zbv(pp: int, m: int, rank: int) -> list[Action]:
     return [a for a in out if a.microbatch < m]
 
 
+def _two_bw(pp: int, m: int, rank: int, head: bool = True, tail: bool = False) -> list[Action]:
+    """One PipeDream-2BW step of rank ``rank``: a cut of one continuous 1F1B stream. ``head``:
+    the step runs this batch's ``pp - 1 - rank`` warm-up forwards itself (the first step after
+    a start or a resume; otherwise the previous step ran them). Then 1F1B pairs: the forward of
+    each pair runs this batch's remaining micro-batches, then, with ``tail``, the next batch's
+    first ``pp - 1 - rank`` (numbered ``m + i``); the backward runs this batch's in order.
+    Without ``tail`` (the last step) the Bs left over drain the pipeline as in 1F1B, so
+    ``head and not tail`` is exactly 1F1B."""
+    warmup = min(pp - 1 - rank, m)
+    out = [_f(i, rank) for i in range(warmup)] if head else []
+    forwards = list(range(warmup, m)) + (list(range(m, m + warmup)) if tail else [])
+    for i, mb in enumerate(forwards):
+        out += [_f(mb, rank), _b(i, rank)]
+    return out + [_b(i, rank) for i in range(len(forwards), m)]
+
+
+def two_bw_carried(pp: int, m: int) -> tuple[Message, ...]:
+    """The activations a 2BW step with a tail leaves for the next one: rank r's last warm-up
+    forward of the next batch (micro-batch ``m + pp - 2 - r``, for r < pp - 1) feeds rank
+    r + 1's first forward of the next step; it is sent at the head of that step (numbered there
+    as micro-batch ``pp - 2 - r`` of its own batch), so every step's messages stay inside it."""
+    return tuple(Message(Payload.ACT, m + pp - 2 - r, r, r + 1) for r in range(pp - 1))
+
+
+def build_two_bw_step(pp: int, microbatches: int, head: bool, tail: bool) -> PipelineSchedule:
+    """The action lists of one 2BW step (:func:`_two_bw`; the rules: :func:`check_schedule_args`).
+    Micro-batches ``>= microbatches`` are the next batch's. Without ``head`` each rank first
+    sends what the previous step left (:func:`two_bw_carried`); with ``tail`` those activations
+    are produced but not sent."""
+    check_schedule_args(Schedule.TWO_BW, pp, 1, microbatches)
+    m = microbatches
+    carried = two_bw_carried(pp, m)
+    first = () if head else tuple(Message(c.payload, c.microbatch - m, c.src, c.dst) for c in carried)
+    compute = [_two_bw(pp, m, r, head, tail) for r in range(pp)]
+    ranks = _insert_comms(compute, pp, pp, sent_first=first, held=frozenset(carried) if tail else frozenset())
+    return PipelineSchedule(Schedule.TWO_BW, pp, 1, m, ranks)
+
+
+def two_bw_stream(pp: int, microbatches: int, steps: int) -> PipelineSchedule:
+    """``steps`` consecutive 2BW steps (the first with a head, the last without a tail) as one
+    schedule of ``steps * microbatches`` micro-batches, step k's numbered from ``k * microbatches``:
+    the continuous stream the steps are cut from, for :func:`~.simulate.check_schedule` and
+    :func:`~.simulate.simulate`."""
+    m = microbatches
+    rows: list[list[Action]] = [[] for _ in range(pp)]
+    for k in range(steps):
+        step = build_two_bw_step(pp, m, head=k == 0, tail=k < steps - 1)
+        for r, acts in enumerate(step.ranks):
+            rows[r] += [Action(a.kind, a.microbatch + k * m, a.stage) for a in acts]
+    return PipelineSchedule(Schedule.TWO_BW, pp, 1, steps * m, tuple(tuple(r) for r in rows))
+
+
 # ----------------------------------------------------------------------------- communication
 
 
-def _insert_comms(compute: list[list[Action]], pp: int, num_stages: int,
-                  v_shape: bool = False) -> tuple[tuple[Action, ...], ...]:
+def _insert_comms(compute: list[list[Action]], pp: int, num_stages: int, v_shape: bool = False,
+                  sent_first: Sequence[Message] = (), held: frozenset[Message] = frozenset()
+                  ) -> tuple[tuple[Action, ...], ...]:
     """Add send/recv actions to per-rank compute orders (see the module docstring): each send
     right after its producer; each receive ``PREFETCH`` computes before its consumer, moved
     earlier where needed so receives from one peer are posted in that peer's send order.
-    Messages between two stages of one rank get neither."""
+    Messages between two stages of one rank get neither. ``sent_first``: messages produced
+    before these lists (2BW's previous step), sent first thing; ``held``: produced here but
+    sent by the next lists."""
     def remote(msg: Message | None) -> bool:
         return msg is not None and stage_rank(msg.src, pp, v_shape) != stage_rank(msg.dst, pp, v_shape)
 
     sends: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src rank, dst rank) -> FIFO
+    for msg in sent_first:
+        sends[(stage_rank(msg.src, pp, v_shape), stage_rank(msg.dst, pp, v_shape))].append(msg)
     for r, acts in enumerate(compute):
         for a in acts:
             msg = produced_message(a, num_stages)
-            if remote(msg):
+            if remote(msg) and msg not in held:
                 sends[(r, stage_rank(msg.dst, pp, v_shape))].append(msg)
     out = []
     for r, acts in enumerate(compute):
@@ -419,14 +478,15 @@ def _insert_comms(compute: list[list[Action]], pp: int, num_stages: int,
                     raise ScheduleError(f"rank {r} never consumes {msg} that rank {src} sends")
                 nxt = min(max(0, consumer[msg] - PREFETCH), nxt)
                 slots[nxt].append(msg)
-        seq: list[Action] = []
+        seq = [Action(ActionKind.SEND_ACT if msg.payload is Payload.ACT else ActionKind.SEND_GRAD,
+                      msg.microbatch, msg.src) for msg in sent_first if stage_rank(msg.src, pp, v_shape) == r]
         for i, a in enumerate(acts):
             for msg in reversed(slots[i]):  # appended newest-first per source
                 kind = ActionKind.RECV_ACT if msg.payload is Payload.ACT else ActionKind.RECV_GRAD
                 seq.append(Action(kind, msg.microbatch, msg.dst))
             seq.append(a)
             msg = produced_message(a, num_stages)
-            if remote(msg):
+            if remote(msg) and msg not in held:
                 kind = ActionKind.SEND_ACT if msg.payload is Payload.ACT else ActionKind.SEND_GRAD
                 seq.append(Action(kind, a.microbatch, a.stage))
         out.append(tuple(seq))
@@ -436,8 +496,12 @@ def _insert_comms(compute: list[list[Action]], pp: int, num_stages: int,
 def build_schedule(kind: Schedule | str, pp: int, virtual_stages: int = 1,
                    microbatches: int = 1) -> PipelineSchedule:
     """The per-rank action lists of schedule ``kind`` for ``pp`` ranks, ``virtual_stages`` chunks
-    per rank and ``microbatches`` micro-batches (rules: :func:`check_schedule_args`)."""
+    per rank and ``microbatches`` micro-batches (rules: :func:`check_schedule_args`). For 2BW: its
+    steady step (:func:`build_two_bw_step` with a head and a tail: what every step but the first
+    and the last runs)."""
     kind = Schedule.parse(kind)
+    if kind is Schedule.TWO_BW:
+        return build_two_bw_step(pp, microbatches, head=False, tail=True)
     check_schedule_args(kind, pp, virtual_stages, microbatches)
     m, v = microbatches, virtual_stages
     if kind is Schedule.GPIPE:
@@ -457,9 +521,13 @@ def build_schedule(kind: Schedule | str, pp: int, virtual_stages: int = 1,
 def compute_order(kind: Schedule | str, pp: int, virtual_stages: int, microbatches: int,
                   rank: int) -> list[Action]:
     """Rank ``rank``'s compute actions (F, B, W) in the order :func:`build_schedule` gives them,
-    without the send/recv actions (cheap: for memory models that only need the order)."""
+    without the send/recv actions (cheap: for memory models that only need the order). 2BW:
+    its first step with a tail (its peak of stored activations is every step's: a steady step
+    starts holding the warm-up forwards the previous one ran)."""
     kind = Schedule.parse(kind)
     check_schedule_args(kind, pp, virtual_stages, microbatches)
+    if kind is Schedule.TWO_BW:
+        return _two_bw(pp, microbatches, rank, head=True, tail=True)
     if kind is Schedule.GPIPE:
         return _gpipe(pp, microbatches, rank)
     if kind is Schedule.ONE_F_ONE_B:

@@ -25,6 +25,7 @@ from hybridpar.parallel.pipeline.schedules import (
     Message,
     Payload,
     PipelineSchedule,
+    Schedule,
     ScheduleError,
     needed_message,
     produced_message,
@@ -177,8 +178,12 @@ def textbook_bubble(sched: PipelineSchedule) -> float:
     idle time: ``(pp - 1)(F + B - W)`` instead of ``(pp - 1)(F + B + W)``) and
     ``2(M + pp - 1) + 1`` below that (the F and B chains through all stages, then one W). ZBV
     with F = B = W = 1 per stage (1/2 per chunk): ``3M + max((pp - 1) / 2, 2(pp - 1) - (M - 1))``,
-    half of ZB-H1's idle time once M is large enough (about ``2pp - 2``)."""
+    half of ZB-H1's idle time once M is large enough (about ``2pp - 2``). 2BW's steady step (its
+    stages start each step together) with F = 1, B + W = 2: makespan ``3M + 2(pp - 1)``, the
+    backward chain of the cut only."""
     p, v, m = sched.pp, sched.virtual_stages, sched.microbatches
+    if sched.kind is Schedule.TWO_BW:
+        return 1.0 - 3 * m / (3 * m + 2 * (p - 1))
     if sched.v_shape:
         return 1.0 - 3 * m / (3 * m + max((p - 1) / 2, 2 * (p - 1) - (m - 1)))
     if sched.split_backward:
