@@ -244,6 +244,7 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 0  # keep the newest K complete checkpoints, delete older ones; 0 = keep all
+    async_checkpoint: bool = False  # stage checkpoints in host memory and write them in the background
     run_dir: str = "runs/default"
     data: str = "builtin"
     sample_tokens: int = 200

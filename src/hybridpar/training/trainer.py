@@ -25,6 +25,7 @@ from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
 from hybridpar.training import checkpoint, elastic
+from hybridpar.training.background import BackgroundWriter
 from hybridpar.training.elastic import LayoutChange
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
@@ -68,6 +69,9 @@ class Trainer:
         self.dropped_tokens = 0  # MoE: routed slots no expert computed (0: the layers are dropless)
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
+        # train.async_checkpoint: saves are staged in host memory and written by a thread
+        self.writer = BackgroundWriter(topo, t.timeout_s) if t.async_checkpoint else None
+        self.checkpoint_stalls: list[tuple[int, float]] = []  # (step, seconds training waited to save it)
 
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int,
@@ -157,9 +161,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def save_checkpoint(self, step: int) -> Path:
-        """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this)."""
+        """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this); with
+        ``train.async_checkpoint`` it is staged now and complete once ``self.writer.wait()``
+        returns (or a later poll at a step boundary)."""
         return checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,
-                               self.cfg, step, self.topo, self.tokenizer, extra=self._extra_state())
+                               self.cfg, step, self.topo, self.tokenizer, extra=self._extra_state(),
+                               writer=self.writer)
 
     def load_checkpoint(self, path: Path) -> int:
         """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
@@ -196,28 +203,34 @@ class Trainer:
         losses, traffic = LossRange(first_step=start + 1), LastStepTraffic(self.topo.comm.counter, t.steps)
         evaluation = Evaluation(t.eval_every, t.steps, self.evaluate)
         checkpoints = Checkpointing(t.checkpoint_every, t.steps, self.save_checkpoint, self.run_dir, self.stop,
-                                    self.topo.world, self.device)
+                                    self.topo.world, self.device, self.writer)
+        self.checkpoint_stalls = checkpoints.stalls
         meter = ThroughputMeter(self.device, t.global_batch * t.seq_len, self.cfg.model.flops_per_token(t.seq_len),
                                 peak, self.topo.world_size)
-        for step in range(start + 1, t.steps + 1):
-            with traffic.measure(step):  # the summary reports the last step's traffic per axis
-                result = self.train_step(step)
-            meter.count_step()
-            losses.observe(step, result.loss)
-            evaluating = evaluation.due(step)
-            if log_due(step, t.log_every, t.steps) or evaluating:
-                record = step_record(step, result, meter.read(), devices.memory_bytes(self.device),
-                                     self.scaler.scale if self.scaler.enabled else None, self.topo.world_size)
-                if evaluating:
-                    record["val_loss"] = evaluation.run()
-                log.step(record)
-                meter.restart()  # evaluating and logging are not training time
-            else:
-                log.step(None)
-            saved = checkpoints.save_if_due(step)
-            if saved:
-                meter.restart_clock()  # saving is not training time
-            checkpoints.stop_if_requested(step, saved, log)  # raises Preempted
+        with checkpoints.writing(t.timeout_s):  # the end waits for a background save in flight
+            for step in range(start + 1, t.steps + 1):
+                with traffic.measure(step):  # the summary reports the last step's traffic per axis
+                    result = self.train_step(step)
+                meter.count_step()
+                losses.observe(step, result.loss)
+                evaluating = evaluation.due(step)
+                if log_due(step, t.log_every, t.steps) or evaluating:
+                    record = step_record(step, result, meter.read(), devices.memory_bytes(self.device),
+                                         self.scaler.scale if self.scaler.enabled else None, self.topo.world_size)
+                    if evaluating:
+                        record["val_loss"] = evaluation.run()
+                    log.step(record)
+                    meter.restart()  # evaluating and logging are not training time
+                else:
+                    log.step(None)
+                saved = checkpoints.save_if_due(step)
+                if saved:
+                    meter.restart_clock()  # saving is not training time
+                checkpoints.stop_if_requested(step, saved, log)  # raises Preempted
+        if self.writer is not None and len(checkpoints.stalls) > 1:  # the last save is waited for at the end
+            waits = [s for _, s in checkpoints.stalls[:-1]]
+            log.write(f"checkpoints written in the background: training waited {1e3 * sum(waits) / len(waits):.1f} ms "
+                      f"per checkpoint ({len(waits)} before the last)")
         log.close()
         return self._finish(log, losses, evaluation.val_loss, traffic.bytes)
 
