@@ -24,6 +24,7 @@ from hybridpar.config import load_config
 from hybridpar.distributed.lifecycle import Preempted, StopRequest
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
+from hybridpar.training.background import HostStager
 from hybridpar.training.checkpoint import CheckpointError
 from hybridpar.training.safe_metadata import SafeReader
 from hybridpar.training.trainer import Trainer
@@ -88,6 +89,28 @@ def test_async_checkpoint_equals_the_sync_one_and_resumes_bit_for_bit(tmp_path, 
 
 
 # ----------------------------------------------------------------------------- one process
+
+
+def test_a_slow_background_copy_still_saves_the_state_of_its_step(tmp_path, monkeypatch):
+    """The thread copies the live state while the next step's forward and backward run; that
+    step's optimizer update waits for the copy (``hold``). With a copy slower than a step, the
+    checkpoint still holds the state of its own step, tensor for tensor the synchronous one."""
+    real = HostStager.stage
+
+    def slow(self, state):
+        time.sleep(1.0)  # the next step runs meanwhile, up to its optimizer update
+        return real(self, state)
+
+    monkeypatch.setattr(HostStager, "stage", slow)
+    for name, extra in (("sync", ()), ("async", ASYNC)):
+        torch.manual_seed(0)
+        make(tmp_path, name, "--train.steps", "4", "--train.checkpoint_every", "2", *extra).fit()
+    for step in (2, 4):
+        sync, _ = saved_tensors(checkpoint.step_dir(tmp_path / "sync", step))
+        done, _ = saved_tensors(checkpoint.step_dir(tmp_path / "async", step))
+        assert set(done) == set(sync)
+        for k, v in sync.items():
+            assert torch.equal(done[k], v), (step, k)
 
 
 def test_resume_after_a_crash_from_an_async_checkpoint_is_bit_for_bit(tmp_path, monkeypatch):

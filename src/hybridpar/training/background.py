@@ -1,14 +1,17 @@
 """Checkpoints off the critical path (``train.async_checkpoint``).
 
 A synchronous save stops training for as long as the files take to write, fsync and hash. Here
-the step boundary only copies the state into host memory, and a thread writes that copy while
-training goes on:
+a thread copies the state into host memory and writes that copy while training goes on:
 
 1. :meth:`BackgroundWriter.submit` (main thread, every rank at the same step) waits for the
-   previous save (at most one is in flight), copies the state into host buffers
-   (:class:`HostStager`: copies, so the next steps may change the live tensors; the buffers are
-   reused from save to save) and starts the thread.
-2. The thread runs the same atomic writer as a synchronous save
+   previous save (at most one is in flight) and starts the thread on the live state.
+2. The thread first copies the state into host buffers (:class:`HostStager`; reused from save to
+   save, so after the first save it allocates nothing). The live weights and optimizer state do
+   not change until the next optimizer step, so the copy overlaps the next step's forward and
+   backward: the trainer calls :meth:`BackgroundWriter.hold` before anything that changes them
+   (the optimizer step; with int8 gradient compression, whose error-feedback residuals are part
+   of the state, the next backward), which waits only if the copy is not done yet.
+3. The thread then runs the same atomic writer as a synchronous save
    (:func:`hybridpar.training.checkpoint.write_checkpoint`) on a process group of its own
    (:meth:`~hybridpar.distributed.mesh.Topology.side_axis`; the training's groups carry the
    step's collectives at the same time): DCP writes and fsyncs every rank's shards into
@@ -16,7 +19,7 @@ training goes on:
    fsyncs ``complete.json`` and renames the directory to ``step-N``. A crash at any moment before
    that rename leaves ``.tmp-step-N``, which ``--resume`` never picks (the next save removes it):
    the previous checkpoint stays the latest.
-3. At each later step boundary :meth:`BackgroundWriter.poll` asks every rank (one tiny
+4. At each later step boundary :meth:`BackgroundWriter.poll` asks every rank (one tiny
    all-reduce on the world, only while a save is in flight) whether its writer is done; a
    failure on any rank is raised there, on every rank at the same step, as one
    :class:`~hybridpar.training.safe_metadata.CheckpointError`. The next save, the end of
@@ -96,7 +99,10 @@ class BackgroundWriter:
         self._thread: threading.Thread | None = None
         self._path: Path | None = None
         self._error: BaseException | None = None
-        self.last_write_s = 0.0  # how long the last finished background write took
+        self._staged = threading.Event()  # set once the thread has copied the live state
+        self._staged.set()
+        self.last_write_s = 0.0  # how long the last finished background write took (copy included)
+        self.held_s = 0.0  # how long training waited in hold() for the last save's copy
 
     @property
     def in_flight(self) -> Path | None:
@@ -110,20 +116,33 @@ class BackgroundWriter:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, path: Path, state: Any, write: Write) -> Path:
-        """Wait for the save in flight, stage ``state`` in host memory and start
-        ``write(staged, axis)`` on the writer's thread; returns ``path`` (complete once
-        :meth:`wait` returns). Collective: every rank calls it at the same step."""
+        """Wait for the save in flight, then start the writer's thread: it copies ``state``
+        (the live tensors: leave them unchanged until :meth:`hold` returns) into host memory and
+        runs ``write(copy, axis)``; returns ``path`` (complete once :meth:`wait` returns).
+        Collective: every rank calls it at the same step."""
         self.wait()
-        staged = self.stager.stage(state)
-        self._path, self._error = Path(path), None
-        self._thread = threading.Thread(target=self._run, args=(write, staged), daemon=True,
+        self._path, self._error, self.held_s = Path(path), None, 0.0
+        self._staged.clear()
+        self._thread = threading.Thread(target=self._run, args=(write, state), daemon=True,
                                         name=f"hybridpar-checkpoint-{Path(path).name}")
         self._thread.start()
         return Path(path)
 
-    def _run(self, write: Write, staged: Any) -> None:
+    def hold(self) -> None:
+        """Before the live state changes (an optimizer step): wait until the save in flight has
+        copied it (at once when it has, or when none is in flight). Local, no collective."""
+        if not self._staged.is_set():
+            start = time.perf_counter()
+            self._staged.wait()
+            self.held_s += time.perf_counter() - start
+
+    def _run(self, write: Write, state: Any) -> None:
         start = time.perf_counter()
         try:
+            try:
+                staged = self.stager.stage(state)
+            finally:
+                self._staged.set()  # a failed copy must not leave training waiting
             write(staged, self.axis)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread (poll / wait)
             self._error = e
@@ -152,6 +171,7 @@ class BackgroundWriter:
         thread, self._thread, self._path = self._thread, None, None
         if thread is not None:
             thread.join(timeout_s)
+        self._staged.set()
 
     def _settle(self, thread: threading.Thread, block: bool) -> None:
         """Agree with every rank whether the save in flight is over (joining ``thread`` first

@@ -138,7 +138,8 @@ class Checkpointing:
     With a ``writer`` (``train.async_checkpoint``) ``save`` only stages the state and the
     writer's thread writes it: each step boundary polls it (its failure is raised there), and
     the end of training (:meth:`writing`) and a stop on a signal wait for the save in flight.
-    ``stalls``: ``(step, seconds)`` training waited at each save."""
+    ``stalls``: ``(step, seconds)`` training waited for each save: the save itself, or (in the
+    background) its start and any wait for its copy of the state (:meth:`BackgroundWriter.hold`)."""
 
     def __init__(self, every: int, last_step: int, save: Callable[[int], Path], run_dir: Path,
                  stop: StopRequest | None, world: Axis, device: torch.device,
@@ -149,6 +150,7 @@ class Checkpointing:
         self.stop, self.world, self.device = stop, world, device
         self.writer = writer
         self.stalls: list[tuple[int, float]] = []
+        self._started_s = 0.0  # how long starting the last background save took
 
     def due(self, step: int) -> bool:
         return step == self.last_step or (self.every > 0 and step % self.every == 0)
@@ -158,12 +160,19 @@ class Checkpointing:
         that every rank has finished (raising its failure)."""
         start = time.perf_counter()
         if self.writer is not None:
+            self._count_hold()
             self.writer.poll()
         if not self.due(step):
             return False
         self._save(step)
-        self.stalls.append((step, time.perf_counter() - start))
+        self._started_s = time.perf_counter() - start
+        self.stalls.append((step, self._started_s))
         return True
+
+    def _count_hold(self) -> None:
+        """Add the training's wait for the last background save's copy to its stall."""
+        if self.writer is not None and self.stalls:
+            self.stalls[-1] = (self.stalls[-1][0], self._started_s + self.writer.held_s)
 
     @contextlib.contextmanager
     def writing(self, timeout_s: float) -> Iterator[None]:
@@ -177,6 +186,7 @@ class Checkpointing:
             raise
         if self.writer is not None:
             self.writer.wait()
+            self._count_hold()
 
     def stop_if_requested(self, step: int, saved: bool, log: MetricsLogger) -> None:
         """Before the last step, ask every rank whether a signal arrived; if so, make sure step

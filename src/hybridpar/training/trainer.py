@@ -115,12 +115,16 @@ class Trainer:
         # so the same values overflow fp16 under every layout; the dp average is then 1/replicas
         # of the scaled sum, which unscaling undoes (fp32/bf16: the plain 1/M mean, no rescaling)
         replicas = self.topo.dp_cp.size if self.scaler.enabled else 1
+        if self.writer is not None and self.cfg.parallel.grad_compression == "int8":
+            self.writer.hold()  # the backward's reduction changes the error-feedback residuals it saves
         loss = self.engine.forward_backward(batches, self.scaler.scale / (len(batches) * replicas)).mean().float()
         moe = self.engine.moe_step_stats(len(batches))  # MoE: expert load, auxiliary losses (collective)
         if moe is not None:
             self.expert_imbalance.append(moe["expert_imbalance_per_layer"])
             self.dropped_tokens += moe["dropped_tokens"]
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
+        if self.writer is not None:
+            self.writer.hold()  # a checkpoint being copied in the background: the state changes below
         scale = self.scaler.scale
         clean = self.scaler.unscale_or_skip(self.engine.gradients(), self.topo.world, replicas)
         if self.scaler.scale != scale and self.engine.zero is not None:  # int8 error feedback: scaled units
