@@ -13,9 +13,17 @@ rotates through them step by step, so noise hits them alike. Reported per system
   DDP through a counting comm hook), next to the formula;
 * median step time and the ratio ours / PyTorch (targets: memory <= FSDP2, time <= 1.10).
 
-``zero3`` prefetches the next unit's gather (one more unit of memory, overlap); ``zero3-np``
-does not, which is what FSDP2 does on CPU (its prefetch rides on CUDA streams), so that pair
-compares like with like in memory.
+``zero3`` prefetches the next unit's gather (overlap); ``zero3-np`` does not. FSDP2 on CPU
+prefetches in backward only (its forward prefetch is opt-in). Where ZeRO-3's peak came from
+(a per-aten-op malloc sampler like this script's, recording the units' states at the peak): it sits in the first
+layer's backward of the last micro-batch, where the prefetched unit's gather buffer, every
+earlier unit's reduce-scatter staging buffer (kept until the end of backward) and the unit's own
+staging buffer, filled while its full parameters were still gathered, stacked on the activations
+and the accumulated gradients: 1.07-1.08x FSDP2. Now a unit reduce-scatters after its
+parameters are freed, one reduction is in flight at a time (waited before the next unit's
+backward), and the backward prefetch starts once half of the unit's gradients are in (after
+the peak): 0.95-0.99x with prefetch over four runs here (malloc counts include gloo's own
+threads' buffers, so FSDP2's peak alone varies by about 3% run to run).
 
 Both ZeRO-3 and FSDP2 reshard every unit after forward, the root included
 (``reshard_after_forward=True``), so both move 2 all-gathers per micro-batch + 1 reduce-scatter.

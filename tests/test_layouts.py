@@ -95,6 +95,15 @@ LAYOUTS = {
     "dp2-pp2-zb-zero2": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1",
                          "--parallel.zero_stage", "2"],
     "dp2-tp2-pp2-zero2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "2"],
+    # ZeRO-3 x pp: each chunk gathered once per step, reduce-scattered after its last backward (or W)
+    "dp2-pp2-zero3": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "3"],
+    "dp2-pp2-interleaved-zero3": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.pipeline_schedule",
+                                  "interleaved", "--parallel.virtual_stages", "2", "--parallel.zero_stage", "3"],
+    "dp2-pp2-zb-zero3": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1",
+                         "--parallel.zero_stage", "3"],
+    "dp2-pp2-zbv-zero3": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.pipeline_schedule", "zbv",
+                          "--parallel.virtual_stages", "2", "--parallel.zero_stage", "3"],
+    "dp2-tp2-pp2-zero3": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "3"],
     # activation recomputation reruns forwards (their collectives included) inside backward
     "recompute-full": ["--parallel.recompute", "full"],
     "dp2-tp2-sp-recompute-full": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
@@ -207,7 +216,8 @@ def _resume(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
 @pytest.mark.parametrize("saved, loaded", [("tp2", "tp4"), ("dp2-tp2", "one"), ("tp4-sp", "tp2"),
                                            ("dp4-zero3-offload", "dp2-zero1"), ("dp2-tp2-zero3", "dp2-tp2-pp2-zero2"),
                                            ("dp2-zero3-offload-disk-params", "dp2-zero2-offload-disk"),
-                                           ("dp2-tp2-pp2-zero2", "tp2")])
+                                           ("dp2-tp2-pp2-zero2", "tp2"), ("dp2-pp2-zbv-zero3", "dp2-zero1"),
+                                           ("dp2-tp2-zero3", "dp2-pp2-interleaved-zero3")])
 def test_checkpoint_reshards_across_layouts(saved, loaded, dist_run, tmp_path):
     """Saved at step 2 under one layout, continued under another: same as never changing."""
     ref = reference(str(tmp_path / "ref"))

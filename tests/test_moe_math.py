@@ -19,6 +19,7 @@ import torch
 from hybridpar.compat import grouped_mm, grouped_mm_loop
 from hybridpar.config import ModelConfig
 from hybridpar.models.moe import AuxLossScale, Experts, MoE, Router, update_balance_bias
+from hybridpar.parallel.experts import swiglu_experts
 
 pytestmark = pytest.mark.numerics  # kernels compared with references
 
@@ -180,6 +181,36 @@ def test_bias_update_rule():
 
 
 # ----------------------------------------------------------------------------- expert matmuls
+
+
+@pytest.mark.parametrize(("counts", "experts"), [([3, 0, 2, 4, 1, 2], [0, 1, 2, 0, 1, 2]), ([0, 5, 0, 3], [0, 1, 0, 1]),
+                                                 ([0, 0], [0, 1])],
+                         ids=["two-sources", "empty-segments", "no-rows"])
+def test_swiglu_segments_equal_row_by_row(counts, experts):
+    """Segments as an ep rank receives them ((source, local expert) blocks, an expert owning
+    several) give each row its expert's SwiGLU, with the gradients of that row-by-row definition;
+    float64, so the bound (1e-9 on values of order 1) is ~1e6 times the rounding of the K <= 24
+    dot products. With no rows the graph still reaches x and the weights (zero gradients)."""
+    gen = torch.Generator().manual_seed(len(counts))
+    n, d, h, n_exp = sum(counts), 16, 24, 3
+    x0 = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    w0 = [torch.randn(n_exp, *shape, generator=gen, dtype=torch.float64) * 0.3 for shape in ((h, d), (h, d), (d, h))]
+    dy = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    expert_of_row = [e for c, e in zip(counts, experts, strict=True) for _ in range(c)]
+
+    def row_by_row(x, w1, w3, w2):
+        rows = [w2[e] @ (torch.nn.functional.silu(w1[e] @ x[i]) * (w3[e] @ x[i])) for i, e in enumerate(expert_of_row)]
+        return torch.stack(rows) if rows else x.new_zeros(0, d) + 0 * (w1.sum() + w3.sum() + w2.sum()) + 0 * x.sum()
+
+    grads = []
+    for fn in (lambda x, *w: swiglu_experts(x, counts, *w, experts=experts), row_by_row):
+        x, ws = x0.clone().requires_grad_(), [w.clone().requires_grad_() for w in w0]
+        y = fn(x, *ws)
+        y.backward(dy)
+        grads.append([y.detach(), x.grad, *(w.grad for w in ws)])
+    for got, want in zip(*grads, strict=True):
+        assert got is not None and want is not None and got.shape == want.shape
+        assert bool(((got - want).abs() <= 1e-9).all())
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 10, 0], [0, 4, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]],

@@ -70,6 +70,7 @@ def test_disk_offload_equals_cpu_offload_exactly(dist_run, tmp_path, world, stag
                 assert disk["memory"]["params_resident"] == 0
         if "disk-params" in r:
             assert r["disk-params"]["memory"]["params"] == r["cpu"]["memory"]["params"]  # the shards, on file
+    assert not any(tmp_path.iterdir())  # every rank's files unlinked at creation: no folders left either
 
 
 def test_planner_proposes_offload_only_when_nothing_else_fits():

@@ -255,6 +255,54 @@ def test_partition_by_cost_is_optimal():
     assert sum(len(c.layers) for c in part.chunks) == 8
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_min_max_split_equals_exhaustive_search(seed):
+    """Against every way to cut the layers: the largest stage is the least possible, and of the
+    splits that reach it, ours is the evenest (least sum of squares). Integer weights: exact."""
+    import itertools
+    import random
+
+    from hybridpar.parallel.pipeline.partition import _min_max_split
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    k = rng.randint(1, n)
+    weights = [float(rng.randint(1, 9)) for _ in range(n)]
+    first, last = float(rng.choice([0, 3, 12])), float(rng.choice([0, 5, 20]))
+
+    def sums(sizes):
+        bounds = [0, *itertools.accumulate(sizes)]
+        return [sum(weights[bounds[g]:bounds[g + 1]]) + (first if g == 0 else 0) + (last if g == k - 1 else 0)
+                for g in range(k)]
+
+    every = [[b - a for a, b in zip((0, *cuts), (*cuts, n), strict=True)]
+             for cuts in itertools.combinations(range(1, n), k - 1)]
+    best = min((max(sums(c)), sum(x * x for x in sums(c))) for c in every)
+    got = _min_max_split(weights, k, first, last)
+    assert len(got) == k and min(got) >= 1 and sum(got) == n
+    assert (max(sums(got)), sum(x * x for x in sums(got))) == best
+
+
+def test_default_partition_balances_matmul_flops():
+    """The runtime's default: a head worth ~3.6 layers of FLOPs and MoE layers (2 of 8 experts
+    active) that cost more than dense ones move layers to the light stages; equal layer counts
+    would leave the head stage the slowest."""
+    cfg = ModelConfig(dim=64, n_layers=12, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=2048)
+    layer, head = cfg.layer_flops(0, seq_len=0), cfg.head_flops()
+    assert 3 < head / layer < 4
+    part = partition_model(cfg, 4)
+    assert part.balance is Balance.FLOPS
+    sizes = [len(c.layers) for c in part.chunks]
+    assert sizes[-1] == 1 and sum(sizes) == 12  # the head stage: one layer + head (4.6 layers' worth)
+    assert max(c.weight for c in part.chunks) == layer + head < 3 * layer + head  # 3 + head: the even split's
+    moe = ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=256, family="mixtral",
+                      n_experts=8, experts_per_token=2, moe_ffn_hidden=128, moe_layers="0,1,2,3")
+    sizes = [len(c.layers) for c in partition_model(moe, 2).chunks]
+    assert sizes[0] < sizes[1]  # the MoE half is heavier per layer
+    # a hand-set split wins over any balance
+    assert [len(c.layers) for c in partition_model(cfg, 4, layer_counts=[3, 3, 3, 3]).chunks] == [3, 3, 3, 3]
+
+
 def test_partition_needs_a_layer_per_chunk():
     with pytest.raises(ScheduleError, match=r"model.n_layers = 4 < parallel.pp \* virtual_stages = 4 \* 2 = 8"):
         partition_layers(4, 4, 2)

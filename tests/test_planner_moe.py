@@ -179,6 +179,28 @@ def test_moe_parameter_shapes_equal_the_model():
     assert sum(q.numel() for q in model.parameters()) == cfg.num_params()
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
+def test_parameter_shapes_equal_the_model_with_qkv_bias_and_qk_norm(family):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms are in the planner's shapes, in the
+    runtime model's order, also tensor-parallel (tp = 2: biases split, norms whole)."""
+    from hybridpar.models.registry import family_of
+    from hybridpar.planner.shapes import rank_named_shapes
+
+    extra = [*MOE] if family == "qwen3_moe" else []
+    cfg = load_config(None, [*SMALL, *extra, "--model.family", family,
+                             *(["--model.qkv_bias", "true"] if family == "qwen2" else ["--model.qk_norm", "true"])]).model
+    model = family_of(cfg).build(cfg)
+    got = [(n, tuple(q.shape)) for n, q in model.named_parameters()]
+    assert got == rank_named_shapes(cfg, 1, 1, 1, 0)
+    assert sum(q.numel() for q in model.parameters()) == cfg.num_params()
+    tp2 = dict(rank_named_shapes(cfg, 2, 1, 1, 0))
+    hd = cfg.head_dim
+    if cfg.qkv_bias:
+        assert tp2["layers.0.attention.wq.bias"] == (cfg.n_heads * hd // 2,)
+    if cfg.qk_norm:
+        assert tp2["layers.0.attention.q_norm.weight"] == (hd,)
+
+
 def test_imbalance_from_run(tmp_path):
     """summary.json first (the mean over layers of expert_imbalance_per_layer, else the worst
     layer's expert_imbalance); else metrics.jsonl's per-step values averaged over the logged

@@ -211,7 +211,8 @@ COMM_LAYOUTS = ["dp2", "tp2-sp", "cp2", "pp2-interleaved", "dp2-zero3", "dp4-hie
                 "dp2-tp2-sp-zero1", "dp2-cp2-zero2", "dp2-tp2-pp2-zero2", "dp2-tp2-pp2-interleaved-sp",
                 "dp2-tp2-pp2-cp2-zb", "dp2-pp2-zbv-tp2", "dp2-tp2-sp-recompute-full", "cp2-recompute-selective", "pp2-zb-recompute-full",
                 "pp2-cp2-tp2-sp", "dp2-int8", "dp2-cp2-zero2-int8", "dp2-tp2-zero3-int8", "dp2-zero1-bf16",
-                "dp2-zero3-fp16", "dp2-zero3-offload-disk-params"]
+                "dp2-zero3-fp16", "dp2-zero3-offload-disk-params", "dp2-pp2-interleaved-zero3", "dp2-pp2-zbv-zero3",
+                "dp2-tp2-pp2-zero3"]
 # Gradient compression changes the result, so these are not in the invariance matrix; their
 # traffic is (and fp16's overflow flag with ZeRO, whose layouts test_layouts runs at another scale).
 COMPRESSED = {"dp2-zero3-fp16": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--train.precision", "fp16"],

@@ -33,7 +33,8 @@ def test_rule_names_are_unique_and_named_by_area():
     (["--parallel.pp", "16"], "pp-layer-per-chunk"),
     (["--parallel.cp", "2", "--parallel.sequence_parallel", "true", "--parallel.tp", "2", "--train.seq_len", "132"],
      "sp-seq-len"),
-    (["--parallel.zero_stage", "3", "--parallel.pp", "2"], "zero3-without-pp"),
+    (["--parallel.zero_stage", "3", "--parallel.pp", "2", "--parallel.dp", "2", "--parallel.ep", "2",
+      "--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2"], "zero3-pp-experts"),
     (["--model.family", "gpt2"], "model-gpt2-shape"),
 ])
 def test_validate_raises_the_first_broken_rules_message(overrides, rule):

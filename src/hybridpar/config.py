@@ -115,19 +115,24 @@ class ModelConfig:
         moe = sum(self._ffn_params(i) - 3 * self.dim * self.ffn_hidden for i in self.moe_layer_ids())
         return self.n_layers * self.layer_params() + moe + embed + head + final_norm + positions
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x matmul parameters + 12 x n_layers x dim x seq_len.
+    def layer_flops(self, layer: int, seq_len: int) -> float:
+        """Training FLOPs per token of decoder layer ``layer``: 6 x its matmul parameters a token
+        uses (an MoE layer's routed + shared experts and router, not all experts) + 12 x dim x
+        seq_len for the attention scores (forward + backward = 3x forward, PaLM appendix B)."""
+        attn = 2 * self.dim * self.n_heads * self.head_dim + 2 * self.dim * self.n_kv_heads * self.head_dim
+        mlp = (2 * self.dim * self.ffn_hidden if self.family == "gpt2" else self.active_ffn_params(layer))
+        return 6.0 * (attn + mlp) + 12.0 * self.dim * seq_len
 
-        Forward + backward = 3x forward (PaLM, appendix B). The embedding lookup is no matmul;
-        the output head is (tied or not). Attention scores count in full, as in PaLM.
-        """
-        matmul_params = self.n_layers * (2 * self.dim * self.n_heads * self.head_dim
-                                         + 2 * self.dim * self.n_kv_heads * self.head_dim
-                                         + (2 if self.family == "gpt2" else 3) * self.dim * self.ffn_hidden)
-        # MoE layers: the experts a token is routed to (plus shared ones and the router), not all
-        matmul_params += sum(self.active_ffn_params(i) - 3 * self.dim * self.ffn_hidden for i in self.moe_layer_ids())
-        matmul_params += self.vocab_size * self.dim  # the head, tied or not
-        return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
+    def head_flops(self) -> float:
+        """Training FLOPs per token of the output head (a matmul, tied or not); the embedding
+        lookup is none."""
+        return 6.0 * self.vocab_size * self.dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul parameters + 12 x n_layers x dim x seq_len, the sum
+        of :meth:`layer_flops` over the layers and :meth:`head_flops`. Attention scores count in
+        full, as in PaLM."""
+        return sum(self.layer_flops(i, seq_len) for i in range(self.n_layers)) + self.head_flops()
 
 
 # Published shapes. gpt3-175b is expressed with a SwiGLU MLP whose hidden size (8/3 * 4 * dim)
@@ -212,7 +217,7 @@ class ParallelConfig(LayoutChoice):
     node_size: int = 0  # ranks per node for hierarchical_dp; 0 = the launcher's LOCAL_WORLD_SIZE
     offload_dir: str = ""  # offload_to = "disk": where the files go; "" = the system temporary directory
     auto: bool = False  # train: the planner picks dp/tp/pp/cp, ZeRO stage, schedule, micro-batch for the world size
-    stage_layers: str = ""  # pipeline: layers per stage in model order by hand, e.g. "4,8,8,6"; "" = even split
+    stage_layers: str = ""  # pipeline: layers per stage in model order by hand, e.g. "4,8,8,6"; "" = balanced by FLOPs
 
     def layer_counts(self) -> list[int] | None:
         """``stage_layers`` as integers (None when unset); ValueError when it is not a list of ints."""

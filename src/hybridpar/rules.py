@@ -415,15 +415,16 @@ def _compression(cfg: Config, world: int | None) -> str | None:
     return None
 
 
-@rule("zero3-without-pp")
-def _zero3_pp(cfg: Config, world: int | None) -> str | None:
-    # ZeRO-3 under pp would re-gather every unit's parameters for each micro-batch's forward and
-    # backward (2M all-gathers per stage per step) while a stage already holds 1/pp of the model:
-    # stages 1 and 2 shard what dominates there (optimizer state, gradients).
+@rule("zero3-pp-experts")
+def _zero3_pp_experts(cfg: Config, world: int | None) -> str | None:
+    # ZeRO-3 under pp gathers each stage's parameters once per step (parallel/zero3.py,
+    # StageSharded); the routed experts' own ZeRO-3 (over dp x cp / ep) still gathers per unit and
+    # micro-batch with module hooks, which pipeline chunks do not drive.
     p = cfg.parallel
-    if p.zero_stage == 3 and p.pp > 1:
-        return (f"parallel.zero_stage = 3 with parallel.pp = {p.pp} is not supported: ZeRO-3 would re-gather "
-                "each stage's parameters for every micro-batch; use zero_stage = 1 or 2 with pp")
+    if p.zero_stage == 3 and p.pp > 1 and p.ep > 1:
+        return (f"parallel.zero_stage = 3 with parallel.pp = {p.pp} and parallel.ep = {p.ep} is not supported: the "
+                "routed experts' ZeRO-3 shards are not gathered per pipeline stage; use parallel.ep = 1, or "
+                "parallel.zero_stage = 1 or 2")
     return None
 
 

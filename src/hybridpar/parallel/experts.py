@@ -1,7 +1,7 @@
 """Expert computation and expert parallelism for mixture-of-experts layers (generic: no model).
 
-:func:`swiglu_experts` is the experts' math on tokens sorted by expert: one grouped matmul per
-weight (:func:`hybridpar.compat.grouped_mm`). :class:`ExpertParallel` is the parallel version
+:func:`swiglu_experts` is the experts' math on tokens in per-expert segments: one grouped matmul
+per weight (:func:`hybridpar.compat.grouped_mm`) on accelerators, segment by segment on CPU. :class:`ExpertParallel` is the parallel version
 of a model's ``experts`` module: it takes the routed tokens (``x [B, T, D]``, top-k ``weights``
 and expert ``idx``, computed outside the tensor-parallel region), and
 
@@ -11,7 +11,7 @@ and expert ``idx``, computed outside the tensor-parallel region), and
 2. dispatches each (token, slot) to the ep rank holding its expert with one all-to-all of
    variable splits (the per-expert counts go first, in a small all-to-all of their own);
 3. runs this rank's experts (``E / ep`` of them, each a tp shard: ``w1``/``w3`` split along the
-   hidden dim, ``w2`` along its input, exactly as the dense MLP) as grouped matmuls;
+   hidden dim, ``w2`` along its input, exactly as the dense MLP) on the rows as they arrive;
 4. returns the results with the reverse all-to-all, weights them, sums each token's ``k``
    slots, and leaves the tp region: all-reduce (reduce-scatter under SP) of the partial sums.
 
@@ -49,14 +49,45 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def swiglu_experts(x: Tensor, counts: list[int], w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
-    """``w2_e(silu(w1_e x) * w3_e x)`` for rows ``x [N, D]`` sorted by expert (``counts[e]`` rows
-    for expert ``e``), with stacked weights ``w1, w3 [E, H, D]`` and ``w2 [E, D, H]``."""
+def swiglu_experts(x: Tensor, counts: list[int], w1: Tensor, w3: Tensor, w2: Tensor,
+                   experts: list[int] | None = None) -> Tensor:
+    """``w2_e(silu(w1_e x) * w3_e x)`` for rows ``x [N, D]`` in segments: ``counts[i]`` rows for
+    expert ``experts[i]`` (default: segment ``e`` is expert ``e``), with stacked weights
+    ``w1, w3 [E, H, D]`` and ``w2 [E, D, H]``. An expert may own several segments (under ep, one
+    per source rank), so rows are used in the order they arrive, never regrouped.
+
+    On accelerators each weight is one grouped matmul over all segments. On CPU each segment runs
+    its whole SwiGLU before the next: its intermediates (``[n, H]``) stay in cache, where op by op
+    over all rows they would go through memory (measured: the elementwise SwiGLU then costs about
+    as much as a matmul).
+    """
+    experts = list(range(len(counts))) if experts is None else experts
+    if len(experts) != len(counts):
+        raise ValueError(f"swiglu_experts: {len(counts)} segment sizes for {len(experts)} segment experts")
     dt = _compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        xs = x.to(dt)
-        h = F.silu(grouped_mm(xs, w1.to(dt), counts)) * grouped_mm(xs, w3.to(dt), counts)
-        return grouped_mm(h, w2.to(dt), counts)
+        xs, w1, w3, w2 = x.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
+        if x.device.type == "cpu":
+            return _swiglu_segments(xs, counts, experts, w1, w3, w2)
+        if experts != list(range(w1.shape[0])):  # grouped_mm takes one weight per segment
+            sel = torch.tensor(experts, device=w1.device)
+            w1, w3, w2 = w1[sel], w3[sel], w2[sel]
+        h = F.silu(grouped_mm(xs, w1, counts)) * grouped_mm(xs, w3, counts)
+        return grouped_mm(h, w2, counts)
+
+
+def _swiglu_segments(x: Tensor, counts: list[int], experts: list[int], w1: Tensor, w3: Tensor,
+                     w2: Tensor) -> Tensor:
+    """:func:`swiglu_experts` segment by segment (split / unbind / cat: one copy each way in
+    backward, not one full-size gradient per segment)."""
+    if not any(counts):
+        # keep the graph to the weights and to x: a rank whose experts got no rows must still run
+        # the backward of the all-to-all that delivered them (its peers wait in it)
+        return x.new_zeros((0, w2.shape[1])) + 0 * (w1.sum() + w3.sum() + w2.sum()) + 0 * x.sum()
+    w1s, w3s, w2s = w1.unbind(0), w3.unbind(0), w2.unbind(0)
+    parts = [F.linear(F.silu(F.linear(rows, w1s[e])) * F.linear(rows, w3s[e]), w2s[e])
+             for rows, n, e in zip(x.split(counts), counts, experts, strict=True) if n]
+    return torch.cat(parts)
 
 
 def sort_by_expert(idx: Tensor, n_experts: int) -> tuple[Tensor, Tensor, list[int]]:
@@ -135,19 +166,9 @@ class ExpertParallel(nn.Module):
         send = mine.sum(1).tolist()
         recv = theirs.sum(1).tolist()
         got = all_to_all(rows, ep, send, recv)  # source-major, each source's rows by local expert
-        # regroup expert-major (expert 0 from every source, then expert 1, ...) and back
-        sizes = theirs.reshape(-1).tolist()  # (source, local expert) blocks in arrival order
-        blocks = torch.arange(len(sizes)).view(ep.size, per).t().reshape(-1).tolist()
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + n)
-        perm = torch.cat([torch.arange(starts[i], starts[i] + sizes[i]) for i in blocks]) if got.shape[0] else \
-            torch.zeros(0, dtype=torch.int64)
-        local_counts = theirs.sum(0).tolist()
-        y = swiglu_experts(got[perm.to(got.device)], local_counts, w1, w3, w2)
-        back = torch.empty_like(perm)
-        back[perm] = torch.arange(perm.numel())
-        return all_to_all(y[back.to(y.device)], ep, recv, send)
+        # computed as they arrived, in (source, local expert) segments: no regrouping either way
+        y = swiglu_experts(got, theirs.reshape(-1).tolist(), w1, w3, w2, experts=list(range(per)) * ep.size)
+        return all_to_all(y, ep, recv, send)
 
     def extra_repr(self) -> str:
         return f"experts {self.per_rank} of {self.n_experts} (ep {self.ep.size}), tp {self.tp.size}"

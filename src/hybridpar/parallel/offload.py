@@ -11,8 +11,9 @@ the kernel's page cache included. Before a group is needed, ``MADV_WILLNEED`` st
 kernel's asynchronous read-ahead of its file, one group ahead of the update (and, for ZeRO-3
 parameter shards, one unit ahead of the gather), so reading overlaps the previous group's work.
 
-Files are created in ``offload_dir`` (default: the system temporary directory), one folder per
-rank, and unlinked at once: the space is returned when the process exits, even after a crash.
+Files are created in ``offload_dir`` (default: ``hybridpar-offload`` in the system temporary
+directory) under unique names (``rank<r>-<name>-<random>``) and unlinked at once: the space is
+returned when the process exits, even after a crash, and nothing is left in the directory.
 :meth:`DiskArena.resident_bytes` asks the kernel (``mincore``) how much of a file is in memory.
 """
 
@@ -42,9 +43,9 @@ _LIBC = _libc()
 class DiskArena:
     """One memory-mapped fp32 file of ``numel`` elements: :attr:`tensor` views all of it."""
 
-    def __init__(self, path: Path, numel: int) -> None:
+    def __init__(self, directory: Path, prefix: str, numel: int) -> None:
         self.nbytes = max(_PAGE, 4 * numel)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)  # O_EXCL, mode 0600
         os.unlink(path)  # the space lives as long as the mapping: nothing left behind on exit
         os.ftruncate(self._fd, self.nbytes)
         self._map = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -73,17 +74,18 @@ class DiskArena:
 
 
 class DiskStore:
-    """Where one rank's offload files go: ``<offload_dir>/rank<r>-<pid>/<name>``."""
+    """Where one rank's offload files go: ``<offload_dir>/rank<r>-<name>-<random>``, each
+    unlinked as soon as it is open (no per-rank folder to leave behind)."""
 
     def __init__(self, offload_dir: str | os.PathLike[str] | None, rank: int) -> None:
-        root = Path(offload_dir) if offload_dir else Path(tempfile.gettempdir()) / "hybridpar-offload"
-        self.dir = root / f"rank{rank}-{os.getpid()}"
+        self.dir = Path(offload_dir) if offload_dir else Path(tempfile.gettempdir()) / "hybridpar-offload"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
         self.arenas: list[DiskArena] = []
 
     def arena(self, name: str, numel: int) -> DiskArena:
         """A new file-backed region of ``numel`` fp32 elements (zeros)."""
-        out = DiskArena(self.dir / name, numel)
+        out = DiskArena(self.dir, f"rank{self.rank}-{name}-", numel)
         self.arenas.append(out)
         return out
 

@@ -11,7 +11,8 @@ stage  what each dp rank keeps                      traffic per step (ring model
 2      full params, 1/N of grads and optimizer      same as stage 1
 3      1/N of everything (see :mod:`.zero3`)        2 all-gathers per micro-batch + one
                                                     reduce-scatter = 1.5x an all-reduce
-                                                    ((2M + 1) / 2 x with M micro-batches)
+                                                    ((2M + 1) / 2 x with M micro-batches;
+                                                    under pp one all-gather per step: 1x)
 =====  ==========================================  =====================================
 
 Traffic is counted as ring-model wire bytes (:func:`hybridpar.distributed.comm.wire_bytes`):

@@ -8,8 +8,10 @@ output head, forms the root unit). A unit's full parameters exist only while it 
 * forward: gathered just before the unit's forward (one all-gather per unit), freed right after
   it; the next unit's gather is started ahead (prefetch) so it overlaps this unit's compute;
 * backward: gathered again when the gradient of the unit's output arrives, the previous unit
-  prefetched, and freed once every parameter's gradient has been accumulated; the gradients are
-  then reduce-scattered (asynchronously) into this rank's shard and the full gradients dropped.
+  prefetched once half of this unit's gradient elements are in (past the step's memory peak, at
+  the start of the unit's backward), and freed once every parameter's gradient has been
+  accumulated; the gradients are then reduce-scattered (asynchronously; one reduction in flight,
+  waited before the next unit's backward) into this rank's shard and the full gradients dropped.
 
 So per micro-batch each parameter crosses the wire in two all-gathers and one reduce-scatter:
 under the ring model 3 (n-1)/n x bytes, 1.5x the 2 (n-1)/n x bytes of an all-reduce.
@@ -19,13 +21,18 @@ the final micro-batch. Freed parameters keep their tensor objects, whose storage
 zero, so tensors saved by autograd are refilled in place when the unit is gathered for
 backward. Writes go through ``.data`` so autograd's version counters see no change.
 
+Under pipeline parallelism (:func:`shard_stages`, :class:`StageSharded`) the units are the
+rank's pipeline chunks instead, gathered once per step by the pipeline runner's stage hooks and
+kept through all micro-batches (FSDP's ``reshard_after_forward=False`` under pipelining): per
+step each parameter crosses the wire in one all-gather and one reduce-scatter.
+
 The model must be sharded after its weights are initialized or loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +79,8 @@ class Unit:
         self.grads = GradShard(self.layout, self.full, axis, reduce_dtype=reduce_dtype)
         self.trainable = {i for i, p in enumerate(self.full) if p.requires_grad}
         self.arrived: set[int] = set()
+        self.trainable_numel = sum(self.full[i].numel() for i in self.trainable)
+        self.ahead: Unit | None = None  # backward: the unit to prefetch once half our gradients are in
         self.state = "full"
         self._buf: torch.Tensor | None = None
         self._pending: Pending | None = None
@@ -131,8 +140,35 @@ class Unit:
         return [self.shard_flat, *self.full, self._buf], self.grads.held_tensors()
 
 
+Entry = tuple[nn.Module, str, str, nn.Parameter]  # (owning module, attribute, model name, parameter)
+
+
+def _group_parameters(model: nn.Module, group_of: Callable[[nn.Module], int | None],
+                      skip: frozenset[int] = frozenset()) -> dict[int, list[Entry]]:
+    """The model's parameters by ``group_of(owning module)`` (None: left alone), in
+    registration order; a parameter registered on two modules is refused."""
+    groups: dict[int, list[Entry]] = {}
+    owner_of: dict[int, str] = {}
+    for name, mod in model.named_modules():
+        key = group_of(mod)
+        for attr, p in own_parameters(mod):
+            if p is None or id(p) in skip or key is None:  # skip: another ShardedModel's (experts over edp)
+                continue
+            fqn = f"{name}.{attr}" if name else attr
+            if id(p) in owner_of:
+                raise ValueError(f"parameter {fqn} is shared with {owner_of[id(p)]}; ZeRO-3 needs each "
+                                 "parameter registered once (a tied head should reuse the embedding's weight in forward)")
+            owner_of[id(p)] = fqn
+            groups.setdefault(key, []).append((mod, attr, fqn, p))
+    return groups
+
+
 class ShardedModel:
     """Handle returned by :func:`shard_model`: hooks, units, and state-dict helpers."""
+
+    #: whether gradients are reduced by the pipeline runner's stage hooks (:class:`StageSharded`)
+    #: rather than by per-parameter hooks that ``no_sync`` silences
+    reduces_per_stage = False
 
     def __init__(self, model: nn.Module, axis: Axis, units: list[nn.Module],
                  reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
@@ -142,6 +178,7 @@ class ShardedModel:
         self.prefetch = prefetch
         self.units: list[Unit] = []  # root first, then the given units in forward order
         self._hooks: list[RemovableHandle] = []
+        self._inflight: Unit | None = None  # the unit whose reduce-scatter runs (one at a time)
         device = next((p.device.type for p in model.parameters()), "cpu")
         self._pieces = ShardMesh(axis, outer, device)
         self.active = axis.size > 1
@@ -158,23 +195,11 @@ class ShardedModel:
                 if m is not u and id(m) in unit_ids:
                     raise ValueError(f"ZeRO-3 unit {prefix[id(u)]!r} contains unit {prefix[id(m)]!r}; units must not nest")
                 inside[id(m)] = u
-        groups: dict[int, list[tuple[nn.Module, str, str, nn.Parameter]]] = {id(u): [] for u in [model, *units]}
-        owner_of: dict[int, str] = {}
-        for name, mod in model.named_modules():
-            for attr, p in own_parameters(mod):
-                if p is None or id(p) in skip:  # another ShardedModel's (experts over edp)
-                    continue
-                fqn = f"{name}.{attr}" if name else attr
-                unit = inside.get(id(mod), model)
-                if id(p) in owner_of:
-                    raise ValueError(f"parameter {fqn} is shared with {owner_of[id(p)]}; ZeRO-3 needs each "
-                                     "parameter registered once (a tied head should reuse the embedding's weight in forward)")
-                owner_of[id(p)] = fqn
-                groups[id(unit)].append((mod, attr, fqn, p))
+        groups = _group_parameters(model, lambda mod: id(inside.get(id(mod), model)), skip)
         for u in [model, *units]:
-            if groups[id(u)]:
+            if groups.get(id(u)):
                 self.units.append(Unit(prefix[id(u)] or "<root>", groups[id(u)], axis, reduce_dtype))
-        by_module = dict(zip([id(u) for u in [model, *units] if groups[id(u)]], self.units, strict=True))
+        by_module = dict(zip([id(u) for u in [model, *units] if groups.get(id(u))], self.units, strict=True))
         order = [by_module[id(u)] for u in units if id(u) in by_module]
         root = by_module.get(id(model))
         self.forward_order = ([root] if root else []) + order
@@ -220,22 +245,52 @@ class ShardedModel:
         return hook
 
     def _pre_backward(self, unit: Unit) -> None:
+        self._drain()  # the unit before's reduction: out of the way before this unit's backward grows memory
         self._read_ahead(self._neighbour(unit, self.backward_order))
         unit.wait()
         prev = self._neighbour(unit, self.backward_order)
         if prev is not None and self.prefetch:
-            prev.unshard()
+            unit.ahead = prev  # started by _grad_hook once half of this unit's gradients are in
+
+    def _grad_arrived(self, unit: Unit) -> None:
+        """Backward prefetch, issued once half of ``unit``'s gradient elements are in rather than
+        at its start: a unit's backward begins at the step's memory peak (its activations and
+        everyone's accumulated gradients alive) and frees activations as it goes, so the next
+        unit's gather buffer lands after the peak, with half the backward left to overlap it.
+        (``benchmarks/zero.py``: this is what keeps ZeRO-3's peak with prefetch <= FSDP2's.)"""
+        nxt = unit.ahead
+        if nxt is not None and 2 * sum(unit.full[i].numel() for i in unit.arrived) >= unit.trainable_numel:
+            unit.ahead = None
+            nxt.unshard()
 
     def _grad_hook(self, unit: Unit, i: int):
         def hook(_p: torch.Tensor) -> None:
             unit.grads.note_grad()
-            if self.sync:
-                unit.grads.on_grad(i)
             unit.arrived.add(i)
+            self._grad_arrived(unit)
             if unit.trainable <= unit.arrived:
                 unit.arrived.clear()
                 unit.reshard()
+                if self.sync:
+                    self._reduce(unit)
         return hook
+
+    def _reduce(self, unit: Unit) -> None:
+        """Start ``unit``'s gradient reduce-scatter once all its gradients are in and its full
+        parameters are freed (as FSDP2's post-backward: the staging buffer never meets them),
+        after waiting for the one before: it has had the unit's whole backward to finish, and
+        waiting frees its staging buffer, so one is alive at a time instead of every unit's
+        until the end of backward. (Measured by ``benchmarks/zero.py``'s peak, with prefetch.)"""
+        self._drain()
+        unit.grads.note_grad()
+        unit.grads.launch()
+        self._inflight = unit
+
+    def _drain(self) -> None:
+        """Wait for the reduction in flight (if any) and free its staging buffer."""
+        if self._inflight is not None:
+            self._inflight.grads.finish()
+            self._inflight = None
 
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
@@ -249,9 +304,11 @@ class ShardedModel:
 
     def finish(self) -> None:
         """Free anything still gathered, reduce-scatter what has not been, and wait for all of it."""
+        self._inflight = None
         for unit in self.forward_order:
             unit.reshard()
             unit.arrived.clear()
+            unit.ahead = None
         for unit in self.backward_order:
             unit.grads.finish()
             for shard, grad in zip(unit.shards, unit.grads.views(), strict=True):
@@ -344,6 +401,107 @@ class ShardedModel:
             params += p
             grads += g
         return params, grads
+
+
+class StageSharded(ShardedModel):
+    """ZeRO-3 under pipeline parallelism (FSDP's ``reshard_after_forward=False`` within a step):
+    one unit per pipeline chunk of this rank (its parameters under the model's names; a
+    parameter two local chunks share, like ZBV's tied embedding, belongs to the first). The
+    :class:`~hybridpar.parallel.pipeline.runtime.PipelineRunner` calls :meth:`before_first` ahead
+    of a chunk's first action of a step, which gathers the units the chunk reads (one all-gather
+    each), and :meth:`after_last` after its last one (the last B, or W with a split backward),
+    which reshards them once no other local chunk still reads them. So each chunk's parameters
+    cross the wire once per step, not twice per micro-batch; gradients accumulate unsharded over
+    the micro-batches and each unit is reduce-scattered once, asynchronously, right after its
+    last backward (inside ``no_sync``: at :meth:`finish`). No module or gradient hooks: the
+    runner's schedule knows when a chunk is first and last used, autograd does not.
+
+    ``hold``: ids of parameters something reads after the pipeline (a tied embedding whose two
+    copies' gradients are summed over pp): their units stay gathered, gradients unreduced,
+    until :meth:`finish`."""
+
+    reduces_per_stage = True
+
+    def __init__(self, model: nn.Module, axis: Axis, chunks: Sequence[nn.Module],
+                 reduce_dtype: torch.dtype | None = None, outer: OuterSplit | None = None,
+                 hold: frozenset[int] = frozenset()) -> None:
+        super().__init__(model, axis, [], reduce_dtype, prefetch=False, outer=outer, skip=frozenset(
+            id(p) for p in model.parameters()))  # the base builds nothing: every parameter skipped
+        self.forward_order, self.backward_order = [], []
+        self._reads: dict[int, list[Unit]] = {}  # id(chunk) -> the units it reads
+        self._held: set[int] = set()  # ids of units released only by finish()
+        self._users: dict[int, set[int]] = {}  # id(unit) -> local chunks gathered and not yet done
+        if not self.active:
+            return
+        first: dict[int, int] = {}
+        for v, chunk in enumerate(chunks):
+            for m in chunk.modules():
+                first.setdefault(id(m), v)
+        groups = _group_parameters(model, lambda mod: first.get(id(mod)))
+        group_of = {id(e[3]): v for v, entries in groups.items() for e in entries}
+        reads = [sorted({group_of[id(p)] for p in chunk.parameters() if id(p) in group_of}) for chunk in chunks]
+        by_group: dict[int, Unit] = {}
+        for v, chunk in enumerate(chunks):
+            if v in groups:
+                stage = getattr(getattr(chunk, "spec", None), "stage", v)
+                by_group[v] = Unit(f"stage{stage}", groups[v], axis, reduce_dtype)
+                self.units.append(by_group[v])
+                if any(id(e[3]) in hold for e in groups[v]):
+                    self._held.add(id(by_group[v]))
+        self.forward_order, self.backward_order = list(self.units), list(self.units)
+        self._reads = {id(chunk): [by_group[g] for g in gs] for chunk, gs in zip(chunks, reads, strict=True)}
+
+    def before_first(self, chunk: nn.Module) -> None:
+        """Before ``chunk``'s first action of a step: gather what it reads (all gathers in flight
+        at once), unless already gathered for another local chunk."""
+        units = self._reads.get(id(chunk), [])
+        for unit in units:
+            unit.unshard()
+        for unit in units:
+            unit.wait()
+            self._users.setdefault(id(unit), set()).add(id(chunk))
+
+    def after_last(self, chunk: nn.Module, backward: bool) -> None:
+        """After ``chunk``'s last action of a step (``backward``: the step trained it): reshard
+        each unit no other local chunk still reads and start its gradient reduce-scatter."""
+        for unit in self._reads.get(id(chunk), []):
+            users = self._users.get(id(unit), set())
+            users.discard(id(chunk))
+            if users or (backward and id(unit) in self._held):
+                continue
+            unit.reshard()
+            if backward and self.sync and any(p.grad is not None for p in unit.full):
+                self._reduce(unit)
+
+    def finish(self) -> None:
+        """Reshard held units and reduce every gradient not reduced yet (``no_sync`` steps,
+        held units), then wait for all of it."""
+        self._users.clear()
+        for unit in self.units:
+            if any(p.grad is not None for p in unit.full):
+                unit.grads.note_grad()
+        super().finish()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit gathered for the block (sampling through the whole model), then resharded."""
+        for unit in self.units:
+            unit.unshard()
+        try:
+            for unit in self.units:
+                unit.wait()
+            yield
+        finally:
+            for unit in self.units:
+                unit.reshard()
+
+
+def shard_stages(model: nn.Module, axis: Axis, chunks: Sequence[nn.Module], reduce_dtype: torch.dtype | None = None,
+                 outer: OuterSplit | None = None, hold: frozenset[int] = frozenset()) -> StageSharded:
+    """ZeRO-3 of the pipeline ``chunks`` this rank runs (module doc of :class:`StageSharded`);
+    hand the result to the runner as its ``stage_hooks``. Parameters outside the chunks (other
+    stages') are left alone."""
+    return StageSharded(model, axis, chunks, reduce_dtype, outer, hold)
 
 
 def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],

@@ -27,7 +27,7 @@ SP, the same wire bytes), on the critical path; data parallelism all-reduces the
 gradients once per step in ``bucket_mb`` buckets (ring: ``2(n-1)/n`` of the bytes), overlapped
 with the last micro-batch's backward only without pipelining (the runtime reduces after the
 flush when pp > 1) and never the last bucket, which fills when backward ends; ZeRO-3 adds
-parameter all-gathers per micro-batch; pipeline p2p sends one activation per stage boundary per
+parameter all-gathers per micro-batch (under pp: one per chunk and step); pipeline p2p sends one activation per stage boundary per
 micro-batch; ring attention passes K/V ``cp - 1`` times per layer, hidden behind attention compute
 when it can be. Each axis uses NVLink if its ring fits in a node (tp innermost, then cp, dp, pp)
 and the network otherwise (:meth:`Cluster.axis_bandwidth`).
@@ -53,14 +53,13 @@ import math
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
-from hybridpar.parallel.pipeline.partition import partition_model
 from hybridpar.parallel.pipeline.schedules import rank_stages
 from hybridpar.planner import pipesim
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
 from hybridpar.planner.memory import rank_state_numels
 from hybridpar.planner.moe import dispatch_rows, rank_load
-from hybridpar.planner.shapes import padded, rank_numel, v_shaped
+from hybridpar.planner.shapes import layer_partition, padded, rank_numel, v_shaped
 
 TILE = 128  # GEMM tile edge used for quantisation (cuBLAS/CUTLASS bf16 tiles are 128-256 wide)
 FLASH_EFFICIENCY = 0.7  # FlashAttention-2 forward reaches ~70% of A100 peak (Dao 2023, fig. 4)
@@ -343,7 +342,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     head_f = gemm_time(tok, vocab, model.dim, g, ab) + 3 * tok * vocab * (ab + 4) / g.hbm_bw
     emb_f = cluster.collective_time("all_reduce", tok * model.dim * ab, t, 1)  # vocab-parallel embedding
     vs = pp > 1 and v_shaped(L.pipeline_schedule)
-    part = partition_model(model, pp, v, v_shape=vs)
+    part = layer_partition(model_key(model), pp, v, vs)  # the runtime's, cached
     stage_cost = []
     for c in part.chunks:
         cost = sum(lts[i in moe_ids].f + lts[i in moe_ids].b + lts[i in moe_ids].w for i in c.layers)
@@ -394,7 +393,12 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     last_backward = (stage_lt.b + stage_lt.w) / v * max(scale)
     hide = overlap_fraction(g)
     exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed (below): not hidden again by backward
-    if L.zero_stage == 3:
+    if L.zero_stage == 3 and pp > 1:
+        # under pp (hybridpar.parallel.zero3.StageSharded) each of the rank's v chunks is gathered once
+        # per step, before its first forward, and reduce-scattered once after its last backward
+        dp_comm = v * (cluster.collective_time("all_gather", param_total / v / n, n, t)
+                       + cluster.collective_time("reduce_scatter", reduced / v, n, t))
+    elif L.zero_stage == 3:
         # one all-gather per unit (each block, the embedding, the root) forward and backward, one
         # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero3).
         # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
@@ -419,7 +423,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
         if L.offload_to == "disk":  # each group's file read (ahead) and written back: masters, host grads, m, v
             opt += shard * 2 * 16 / g.disk_bw
     if L.offload_params and L.zero_stage == 3:  # every gather first brings the shard to the device
-        per_step = 2 * m * shard * work.param_bytes
+        per_step = (1 if pp > 1 else 2 * m) * shard * work.param_bytes  # pp: one gather per chunk and step
         opt += per_step / g.host_bw + (per_step * 4 / work.param_bytes + shard * 4) / g.disk_bw * (
             L.offload_to == "disk")  # from the file (fp32), and written back after the step
     step = span + dp_exposed + opt + quantize

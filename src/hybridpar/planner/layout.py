@@ -107,8 +107,9 @@ ModelKey = tuple  # a model shape's field values, hashable: the key of cached re
 
 def model_key(model: ModelConfig) -> ModelKey:
     """``model``'s current field values as a tuple (equal shapes, equal keys): the key of cached
-    results (``ModelConfig`` itself is mutable, so not hashable). :func:`model_of` inverts it."""
-    return dataclasses.astuple(model)
+    results (``ModelConfig`` itself is mutable, so not hashable). :func:`model_of` inverts it.
+    Shallow (its fields are scalars and strings): the planner asks for it thousands of times."""
+    return tuple(getattr(model, f.name) for f in dataclasses.fields(model))
 
 
 def model_of(key: ModelKey) -> ModelConfig:

@@ -10,6 +10,10 @@ runs they equal its live tensor bytes. Bytes per parameter (P = parameters on th
 ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over dp x cp (the runtime's ZeRO axis), stage 2 also the
 gradients, stage 3 also the parameters; each parameter is split along dim 0 into ``ceil(rows/N)``
 row blocks (:mod:`hybridpar.parallel.shard`), so the worst rank holds the rounded-up block.
+ZeRO-3 under pipeline parallelism gathers each chunk once per step and keeps it until its last
+backward, gradients accumulating unsharded (:class:`hybridpar.parallel.zero3.StageSharded`): at
+the peak, before the first chunk is released, the rank holds its shards plus the full parameters
+and gradients of all its chunks.
 Offload moves the optimizer state, with the fp32 masters and host gradient copy it keeps, to
 host memory (reported as ``cpu_gib``), or with ``offload_to = "disk"`` to files (``disk_gib``,
 resident only while a group updates); ``offload_params`` moves the ZeRO-3 shards there too. int8 gradient
@@ -96,16 +100,19 @@ class ModelStates:
 
 
 def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: bool,
-            offload_to: str = "cpu", offload_params: bool = False) -> ModelStates:
+            offload_to: str = "cpu", offload_params: bool = False, pipelined: bool = False) -> ModelStates:
     opt_per = 8 if param_bytes == 4 else 12  # Adam m, v (+ fp32 master with half params)
     params = param_bytes * (shard if zero_stage >= 3 else full)
     grads = param_bytes * (shard if zero_stage >= 2 else full)
     opt = opt_per * (shard if zero_stage >= 1 else full)
+    if zero_stage == 3 and pipelined:  # ZeRO-3 x pp at its peak (before the first chunk's release):
+        params += param_bytes * full  # the rank's chunks gathered for the whole step,
+        grads = param_bytes * full  # their gradients accumulated unsharded over the micro-batches
     if not offload:
         return ModelStates(params, grads, opt, 0)
     # offload keeps fp32 masters and a host gradient copy with the state (parallel/zero_stages.py)
     host = opt + (0 if param_bytes == 2 else 4 * shard) + 4 * shard
-    moved = params if offload_params and zero_stage == 3 else 0  # the shards, off the device
+    moved = param_bytes * shard if offload_params and zero_stage == 3 else 0  # the shards, off the device
     if offload_to == "disk":
         return ModelStates(params - moved, grads, 0, 0, host + moved)
     return ModelStates(params - moved, grads, 0, host + moved)
@@ -421,7 +428,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v,
                sequence_parallel=sp, recompute=rec, micro_batch=mb, ep=ep)
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
-    chunks = layer_partition(model.n_layers, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
+    chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
     sizes = [chunk_bytes(model, L, work, c) for c in chunks]
     v = len(chunks)
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
@@ -452,7 +459,7 @@ def comm_buffer_bytes(model: ModelConfig, layout: Layout, work: Workload) -> flo
     comm = 0.0
     if L.dp * L.cp > 1 and L.zero_stage < 3:
         comm += 2 * work.bucket_mb * 2**20  # the gradient bucket being reduced and the one filling
-    if L.zero_stage == 3:  # one gathered layer in use and the prefetched next one
+    if L.zero_stage == 3 and L.pp == 1:  # one gathered layer in use and the prefetched next one (pp: in params)
         kinds = {0, *model.moe_layer_ids()[:1]}  # a dense layer (if any) and an MoE layer
         layer = max(sum(_prod(sh) for _, sh in layer_shapes(model, t, i, L.ep)) for i in kinds)
         comm += 2 * work.param_bytes * layer
@@ -488,7 +495,8 @@ def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, p
 def _rank_parts(key: ModelKey, L: Layout, work: Workload,
                 pp_rank: int) -> tuple[ModelStates, tuple[float, float, int]]:
     full, shard = rank_state_numels(key, L, pp_rank)
-    st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer, L.offload_to, L.offload_params)
+    st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer, L.offload_to, L.offload_params,
+                 pipelined=L.pp > 1)
     if L.grad_compression == "int8" and L.dp * L.cp > 1:  # error feedback: fp32, gradient-sized
         st = dataclasses.replace(st, grads=st.grads + int8_residual_bytes(full, L.dp * L.cp, L.zero_stage))
     return st, _rank_activations(key, _activation_fields(L), work, pp_rank)
@@ -523,14 +531,14 @@ def _total(st: ModelStates, acts: float, logits: float, comm: float) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def candidate_ranks(n_layers: int, pp: int, virtual_stages: int, kind: str,
+def candidate_ranks(key: ModelKey, pp: int, virtual_stages: int, kind: str,
                     microbatches: int) -> tuple[int, ...]:
     """The pipeline ranks that can hold the most memory. Ranks whose chunks have the same layer
     counts, embedding and head hold the same parameters and buffers; of those, a rank each of
     whose peak vectors (:func:`live_chunk_counts`) another rank's covers holds no more of
     anything, and is dropped (of ranks covering each other, the first is kept, as ``max``
     keeps the first of equal totals)."""
-    part = layer_partition(n_layers, pp, virtual_stages, v_shaped(kind))
+    part = layer_partition(key, pp, virtual_stages, v_shaped(kind))
     groups: dict[tuple, list[tuple[int, tuple[tuple[int, ...], ...]]]] = {}
     for r in range(pp):
         sig = tuple((len(c.layers), c.embedding, c.head) for c in part.for_rank(r))
@@ -550,9 +558,9 @@ def candidate_ranks(n_layers: int, pp: int, virtual_stages: int, kind: str,
 
 def plan_memory(model: ModelConfig, layout: Layout, work: Workload) -> MemoryReport:
     """The pipeline rank with the largest total (the one that OOMs first), not the average."""
-    ranks = (0,) if layout.pp == 1 else candidate_ranks(
-        model.n_layers, layout.pp, layout.virtual_stages, layout.pipeline_schedule, layout.microbatches(work.global_batch))
     key, comm = model_key(model), comm_buffer_bytes(model, layout, work)
+    ranks = (0,) if layout.pp == 1 else candidate_ranks(
+        key, layout.pp, layout.virtual_stages, layout.pipeline_schedule, layout.microbatches(work.global_batch))
     if len(ranks) == 1:
         return _rank_memory(model, key, layout, work, ranks[0], comm)
     totals = []

@@ -7,9 +7,9 @@ from __future__ import annotations
 import functools
 
 from hybridpar.config import ModelConfig
-from hybridpar.parallel.pipeline.partition import Partition, partition_layers
+from hybridpar.parallel.pipeline.partition import Partition, partition_model
 from hybridpar.parallel.pipeline.schedules import Schedule
-from hybridpar.planner.layout import ModelKey, model_of
+from hybridpar.planner.layout import ModelKey, model_key, model_of
 from hybridpar.planner.moe import ffn_shapes, is_expert
 
 __all__ = ["layer_partition", "layer_shapes", "numel", "padded", "rank_named_shapes", "rank_numel",
@@ -21,10 +21,10 @@ def padded(n: int, multiple: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def layer_partition(n_layers: int, pp: int, virtual_stages: int, v_shape: bool = False) -> Partition:
-    """The runtime's partition (equal layer counts, :func:`partition_model`'s default; ``v_shape``:
-    ZBV's placement), cached."""
-    return partition_layers(n_layers, pp, virtual_stages, v_shape=v_shape)
+def layer_partition(key: ModelKey, pp: int, virtual_stages: int, v_shape: bool = False) -> Partition:
+    """The runtime's partition of model ``key`` (:func:`partition_model`'s default, balanced by
+    matmul FLOPs; ``v_shape``: ZBV's placement), cached."""
+    return partition_model(model_of(key), pp, virtual_stages, v_shape=v_shape)
 
 
 def v_shaped(schedule: str) -> bool:
@@ -34,25 +34,30 @@ def v_shaped(schedule: str) -> bool:
 
 def layer_shapes(model: ModelConfig, tp: int, layer: int, ep: int = 1) -> list[tuple[str, tuple[int, ...]]]:
     """Layer ``layer``'s parameters (names after ``layers.<i>.``) in registration order,
-    tp-local (and for MoE experts ep-local) shapes: norms, q/k/v/o, the feed-forward
+    tp-local (and for MoE experts ep-local) shapes: norms, q/k/v/o (with Qwen2's q/k/v biases and
+    Qwen3's q/k norms), the feed-forward
     (:func:`hybridpar.planner.moe.ffn_shapes`: the dense MLP or an MoE layer's router and experts)."""
     h, hd = model.dim, model.head_dim
     q, kv = model.n_heads * hd // tp, model.n_kv_heads * hd // tp
-    return [("attention_norm.weight", (h,)), ("attention.wq.weight", (q, h)), ("attention.wk.weight", (kv, h)),
-            ("attention.wv.weight", (kv, h)), ("attention.wo.weight", (h, q)), ("ffn_norm.weight", (h,)),
-            *((f"feed_forward.{n}", s) for n, s in ffn_shapes(model, layer, tp, ep))]
+    out: list[tuple[str, tuple[int, ...]]] = [("attention_norm.weight", (h,))]
+    for name, rows in (("wq", q), ("wk", kv), ("wv", kv)):  # Qwen2's biases split like their rows
+        out += [(f"attention.{name}.weight", (rows, h))] + ([(f"attention.{name}.bias", (rows,))] if model.qkv_bias else [])
+    out.append(("attention.wo.weight", (h, q)))
+    if model.qk_norm:  # Qwen3's per-head norms, whole on every tp rank
+        out += [("attention.q_norm.weight", (hd,)), ("attention.k_norm.weight", (hd,))]
+    return [*out, ("ffn_norm.weight", (h,)), *((f"feed_forward.{n}", s) for n, s in ffn_shapes(model, layer, tp, ep))]
 
 
 def rank_named_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
                       ep: int = 1, v_shape: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes of the parameters pipeline rank ``pp_rank`` holds under tensor
     parallelism ``tp`` (and expert parallelism ``ep``): the runtime's Megatron split
-    (vocabulary padded to a multiple of tp), partition by layer count, and a tied embedding's
+    (vocabulary padded to a multiple of tp), its pipeline partition, and a tied embedding's
     mirror on the last stage when that is on another rank than the first (pp > 1, not ZBV's V)."""
     h = model.dim
     vocab = padded(model.vocab_size, tp) // tp
     out: list[tuple[str, tuple[int, ...]]] = []
-    for chunk in layer_partition(model.n_layers, pp, virtual_stages, v_shape).for_rank(pp_rank):
+    for chunk in layer_partition(model_key(model), pp, virtual_stages, v_shape).for_rank(pp_rank):
         if chunk.embedding:
             out.append(("tok_embeddings.weight", (vocab, h)))
         for i in chunk.layers:

@@ -37,7 +37,8 @@ forward and their gradients back (the busiest rank's ``load``, or ``ep_load`` gi
 experts' gradients go over ``edp`` (their own ZeRO optimizer); once per step the trainer's MoE
 statistics (loads, auxiliary loss), once per step (the bias update reuses the load).
 
-ZeRO-3 with pp > 1 (which ``validate`` rejects) is not modelled.
+ZeRO-3 with pp > 1 gathers each of the rank's chunks once per step and reduce-scatters it once
+(:class:`hybridpar.parallel.zero3.StageSharded`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from hybridpar.distributed.compression import padded as padded_blocks
 from hybridpar.distributed.compression import wire_numel
 from hybridpar.parallel.data import cut_buckets
 from hybridpar.parallel.pipeline.schedules import stage_rank
-from hybridpar.planner.layout import Layout, Workload
+from hybridpar.planner.layout import Layout, Workload, model_key
 from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
 from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, v_shaped
 
@@ -83,19 +84,29 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> Named:
     chunk order, a tied embedding's mirror once), as the gradient reducer sees them."""
     if layout.pp == 1:
         return model_params(model, layout.tp, layout.ep)
+    return [np for chunk in rank_chunk_params(model, layout, pp_rank) for np in chunk]
+
+
+def rank_chunk_params(model: ModelConfig, layout: Layout, pp_rank: int) -> list[Named]:
+    """:func:`rank_params` per local pipeline chunk (pp > 1), a parameter two chunks share (ZBV's
+    tied embedding) in the first: ZeRO-3's units under pp (``StageSharded``)."""
     vocab = padded(model.vocab_size, layout.tp) // layout.tp
-    out: Named = []
-    for c in layer_partition(model.n_layers, layout.pp, layout.virtual_stages,
+    out: list[Named] = []
+    seen = False  # the embedding weight, once
+    for c in layer_partition(model_key(model), layout.pp, layout.virtual_stages,
                              v_shaped(layout.pipeline_schedule)).for_rank(pp_rank):
+        chunk: Named = []
         tied_here = c.head and model.tie_embeddings
-        if (c.embedding or tied_here) and all(n != "tok_embeddings.weight" for n, _ in out):
-            out.append(("tok_embeddings.weight", (vocab, model.dim)))
+        if (c.embedding or tied_here) and not seen:
+            chunk.append(("tok_embeddings.weight", (vocab, model.dim)))
+            seen = True
         for i in c.layers:
-            out += _layer_params(model, layout.tp, i, layout.ep)
+            chunk += _layer_params(model, layout.tp, i, layout.ep)
         if c.head:
-            out.append(("norm.weight", (model.dim,)))
+            chunk.append(("norm.weight", (model.dim,)))
             if not model.tie_embeddings:
-                out.append(("output.weight", (vocab, model.dim)))
+                chunk.append(("output.weight", (vocab, model.dim)))
+        out.append(chunk)
     return out
 
 
@@ -184,8 +195,6 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     ``ep_load``: the routed rows this rank's experts receive relative to the mean (MoE with
     ep > 1; :mod:`hybridpar.planner.moe`), default the busiest rank's under ``work.moe_imbalance``."""
     L, t = layout, layout.tp
-    if L.zero_stage == 3 and L.pp > 1:
-        raise NotImplementedError("ZeRO-3 with pipeline parallelism is not modelled")
     out: dict[tuple[str, str], int] = defaultdict(int)
 
     def add(op: str, axis: str, size: int, nbytes: float, times: int = 1) -> None:
@@ -197,7 +206,7 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
     m = L.microbatches(work.global_batch)
     d = b * s * h  # one full-length hidden state of a micro-batch on this rank
-    chunks = layer_partition(model.n_layers, L.pp, L.virtual_stages, v_shaped(L.pipeline_schedule)).for_rank(pp_rank)
+    chunks = layer_partition(model_key(model), L.pp, L.virtual_stages, v_shaped(L.pipeline_schedule)).for_rank(pp_rank)
     kv = 2 * b * s * model.n_kv_heads * model.head_dim // t  # one stacked K/V block
     moe_ids = set(model.moe_layer_ids())
     load = rank_load(work.moe_imbalance, L.ep, model.n_experts) if ep_load is None else ep_load
@@ -263,7 +272,7 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     elif L.zero_stage == 0:
         _reduce_grads(add, L, [sh for _, sh in names], r, bucket_bytes, pp_rank, hierarchical_node)
     else:
-        _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes)
+        _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes, pp_rank)
     if experts:
         _expert_grads(add, L, experts, r, m, bucket_bytes)
     if sp:  # replicated weights (norms, routers) saw only this rank's sequence shard: one flat sum
@@ -373,15 +382,22 @@ def _rows_of(rows: int, n: int, rank: int) -> int:
 
 
 def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem: int, m: int,
-          bucket_bytes: int) -> None:
+          bucket_bytes: int, pp_rank: int = 0) -> None:
     """ZeRO over dp x cp, of the parameters this pipeline rank trains (tp pieces): stages 1/2
     bucket the optimizer's order (matrices, then vectors, reversed), reduce-scatter each bucket
     once and all-gather the updated shards; stage 3 gathers every unit (root: norm and head;
-    embedding; each layer) twice per micro-batch and reduce-scatters it once."""
+    embedding; each layer) twice per micro-batch and reduce-scatters it once; under pp its units
+    are the rank's chunks, each gathered and reduce-scattered once per step."""
     axis, n = _dp_cp_name(layout), layout.dp * layout.cp
     named = [(nm, s) for nm, s in model_params(model, layout.tp) if nm in names]
     if layout.zero_stage < 3:
         _zero_buckets(add, axis, n, [s for _, s in named], elem, bucket_bytes, layout)
+        return
+    if layout.pp > 1:
+        for chunk in rank_chunk_params(model, layout, pp_rank):
+            shard = shard_elems([s for _, s in chunk], n)
+            add("all_gather", axis, n, shard * elem)
+            _reduce_scatter(add, layout, axis, n, shard, elem)
         return
     tied = model.tie_embeddings
     root = [s for nm, s in named if nm in ("norm.weight", "output.weight") or (tied and nm.startswith("tok_"))]

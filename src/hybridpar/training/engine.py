@@ -34,13 +34,14 @@ from hybridpar.parallel.pipeline.stages import (
     build_stage_modules,
     owned_named_parameters,
     sync_tied_embedding_grads,
+    tied_embedding_weight,
 )
 from hybridpar.parallel.recompute import apply_recompute
 from hybridpar.parallel.shard import OuterSplit
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import set_sequence_parallel
 from hybridpar.parallel.zero import COMPRESSION_DTYPES, ZeroOptimizer, decay_groups
-from hybridpar.parallel.zero3 import shard_model
+from hybridpar.parallel.zero3 import ShardedModel, StageSharded, shard_model, shard_stages
 from hybridpar.parallel.zero_experts import ExpertSplitOptimizer
 from hybridpar.training.generate import sample
 from hybridpar.training.precision import autocast
@@ -111,8 +112,15 @@ class Engine(StepEngine):
         names = {n for n, q in model.named_parameters() if id(q) in ids}
         experts = [(n, q) for n, q in model.named_parameters() if n in self.expert_names]
         expert_ids = frozenset(id(q) for _, q in experts)
-        sharded = (shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer,
-                               skip=expert_ids) if p.zero_stage == 3 else None)
+        sharded: ShardedModel | None = None
+        if p.zero_stage == 3 and runner is not None:  # per stage, gathered once per step (runner's hooks)
+            tied = tied_embedding_weight(self.chunks)  # its two copies' gradients are summed after the pipeline
+            sharded = shard_stages(model, topo.dp_cp, self.chunks, outer=outer,
+                                   hold=frozenset() if tied is None else frozenset({id(tied)}))
+            runner.stage_hooks = sharded
+        elif p.zero_stage == 3:
+            sharded = shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer,
+                                  skip=expert_ids)
         split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts: their rows over ep, then tp's split
         expert_sharded = (shard_model(model, topo.edp, expert_units(model), prefetch=prefetch, outer=split,
                                       skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
@@ -236,9 +244,9 @@ class Engine(StepEngine):
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's weights as one process would hold them (collective: every rank
         calls it; pipeline stages share, tensor and ZeRO-3 shards are gathered)."""
-        self._share_pipeline_weights()
-        if self.optimizer.sharded is not None:  # ZeRO rows -> tp pieces -> full
+        if self.optimizer.sharded is not None:  # ZeRO rows -> (pp: each stage's, shared) tp pieces -> full
             pieces = self.optimizer.sharded.gather_full_state_dict()
+            self._share_pipeline_weights(pieces)
             if self.expert_names and self.optimizer.experts.sharded is not None:  # experts: over edp
                 gathered = self.optimizer.experts.sharded.gather_full_state_dict()
                 pieces.update({n: gathered[n] for n in self.expert_names})
@@ -246,6 +254,7 @@ class Engine(StepEngine):
             full = {n: self.plan.gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()
                     if n in keep}
         else:
+            self._share_pipeline_weights()
             full = self.plan.gather_full_state_dict(self.model, self.topo.tp, self.cfg.model.vocab_size)
         for name in self.expert_names:  # experts: every ep rank's
             full[name] = self.topo.comm.all_gather(full[name], self.topo.ep, 0)
@@ -255,20 +264,23 @@ class Engine(StepEngine):
     def sample(self, prompt: list[int], max_new_tokens: int, seed: int) -> list[int]:
         """Sample on every rank together: pp stages first share their weights, tp ranks gather
         logits (same seed, same tokens), cp ranks attend locally."""
-        self._share_pipeline_weights()
+        sharded = self.optimizer.sharded
+        whole = sharded.gathered() if isinstance(sharded, StageSharded) else contextlib.nullcontext()
         tp, vocab = self.topo.tp, self.cfg.model.vocab_size
         paused = self.cp.paused() if self.cp is not None else contextlib.nullcontext()
         set_sequence_parallel(self.model, False)  # any prompt length
         try:
-            with paused:
+            with whole, paused:
+                self._share_pipeline_weights()
                 return sample(self.model, prompt, max_new_tokens, self.cfg.model.max_seq_len, seed=seed,
                               forward=lambda x: gather_logits(self.model(x), tp, vocab))
         finally:
             set_sequence_parallel(self.model, self.sequence_parallel)
 
     @torch.no_grad()
-    def _share_pipeline_weights(self) -> None:
-        """Broadcast each stage's trained weights over pp so every rank holds the whole model."""
+    def _share_pipeline_weights(self, tensors: dict[str, Tensor] | None = None) -> None:
+        """Broadcast each stage's trained weights over pp so every rank holds the whole model:
+        the model's parameters, or ``tensors`` (name -> full tensor, ZeRO-3's gathered ones)."""
         if self.runner is None:
             return
         pp = self.topo.pp
@@ -279,7 +291,7 @@ class Engine(StepEngine):
             for name, _ in owned_named_parameters(chunks):
                 owner.setdefault(name, r)
         for name, param in self.model.named_parameters():
-            self.topo.comm.broadcast(param.data, pp, src=owner[name])
+            self.topo.comm.broadcast(param.data if tensors is None else tensors[name], pp, src=owner[name])
 
     def save_timeline(self, path: Path, is_logger: bool) -> tuple[Path, float] | None:
         """Draw the last pipeline step as recorded (collective over pp; rank 0 writes); returns

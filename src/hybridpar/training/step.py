@@ -85,7 +85,11 @@ class StepEngine:
         if self.on_grad_scale is not None:
             self.on_grad_scale(1.0 / len(batches) if grad_scale is None else grad_scale)
         if self.runner is not None:
-            with self.no_sync():
+            # stages 0-2 reduce after the whole schedule; ZeRO-3's stage hooks right after each
+            # chunk's last backward (the runner knows it, per-parameter hooks do not)
+            sharded = getattr(self.zero, "sharded", None)
+            quiet = contextlib.nullcontext() if getattr(sharded, "reduces_per_stage", False) else self.no_sync()
+            with quiet:
                 self.last_pipeline_step = self.runner.run(list(batches), grad_scale=grad_scale)
             if self.after_pipeline is not None:
                 self.after_pipeline()

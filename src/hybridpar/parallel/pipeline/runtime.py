@@ -18,6 +18,10 @@ input and output gradient and frees the rest of the chunk's graph. W computes th
 gradients from those alone, accumulating into ``.grad`` and firing each parameter's
 post-accumulate-grad hooks once (the gradient reducer and ZeRO rely on those). The gradients equal
 the unsplit backward's bit for bit (the argument is in :mod:`.wsplit`).
+
+``stage_hooks`` (:class:`StageHooks`) hear of each chunk's first and last compute action of a
+step: ZeRO-3 gathers a chunk's parameters before the first and reshards them (and reduce-scatters
+their gradients) after the last, the last B, or W with a split backward.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +52,17 @@ from hybridpar.parallel.pipeline.wsplit import Deferred, WeightGradSplit
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 _KINDS = list(ActionKind)
+
+
+class StageHooks(Protocol):
+    """Told when a chunk is first and last used in a step (ZeRO-3's per-stage gathers:
+    :class:`hybridpar.parallel.zero3.StageSharded`)."""
+
+    def before_first(self, chunk: nn.Module) -> None:
+        """Before the chunk's first compute action of a step."""
+
+    def after_last(self, chunk: nn.Module, backward: bool) -> None:
+        """After its last one (``backward``: the step ran its backward, not only forwards)."""
 
 
 @dataclass
@@ -121,6 +137,8 @@ class PipelineRunner:
         self.last_stage = schedule.num_stages - 1
         self._scale = 1.0 / schedule.microbatches
         self.split = WeightGradSplit(list(chunks)) if schedule.split_backward else None
+        #: told before each chunk's first and after its last compute action of a step (or None)
+        self.stage_hooks: StageHooks | None = None
 
     # ------------------------------------------------------------------ entry point
     def run(self, microbatches: Sequence[tuple[Tensor, Tensor]],
@@ -148,9 +166,21 @@ class PipelineRunner:
         step = _Step(microbatches, store=not schedule.forward_only)
         t0 = time.perf_counter()
         acts, i = schedule.ranks[self.rank], 0
+        first: dict[int, int] = {}  # stage -> index of its first and last compute action
+        last: dict[int, int] = {}
+        for k, a in enumerate(acts):
+            if a.kind.is_compute:
+                first.setdefault(a.stage, k)
+                last[a.stage] = k
+        hooks = self.stage_hooks
         while i < len(acts):
             if acts[i].kind.is_compute:
+                s = acts[i].stage
+                if hooks is not None and first[s] == i:
+                    hooks.before_first(self.chunks[s])
                 step.intervals.append(self._compute(acts[i], step, t0))
+                if hooks is not None and last[s] == i:
+                    hooks.after_last(self.chunks[s], backward=step.store)
                 i += 1
                 continue
             j = i

@@ -49,7 +49,7 @@ def build_stage_modules(model: nn.Module, make_chunk: MakeChunk, pp_rank: int, p
                         v_shape: bool = False) -> list[nn.Module]:
     """The chunks pipeline rank ``pp_rank`` runs, in local-chunk order (chunk v is global stage
     ``v * pp + pp_rank``; with ``v_shape``, ZBV's stages ``pp_rank`` and ``2pp - 1 - pp_rank``).
-    ``partition`` defaults to equal layer counts."""
+    ``partition`` defaults to :func:`partition_model`'s (balanced by matmul FLOPs)."""
     if partition is None:
         partition = partition_model(model.cfg, pp, virtual_stages, v_shape=v_shape)
     if (partition.pp, partition.virtual_stages) != (pp, virtual_stages):
