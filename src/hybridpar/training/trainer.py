@@ -69,7 +69,7 @@ class Trainer:
         self.dropped_tokens = 0  # MoE: routed slots no expert computed (0: the layers are dropless)
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
-        # train.async_checkpoint: saves are staged in host memory and written by a thread
+        # train.async_checkpoint: a thread copies each save to host memory and writes it
         self.writer = BackgroundWriter(topo, t.timeout_s) if t.async_checkpoint else None
         self.checkpoint_stalls: list[tuple[int, float]] = []  # (step, seconds training waited to save it)
 
@@ -166,8 +166,9 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def save_checkpoint(self, step: int) -> Path:
         """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this); with
-        ``train.async_checkpoint`` it is staged now and complete once ``self.writer.wait()``
-        returns (or a later poll at a step boundary)."""
+        ``train.async_checkpoint`` a thread copies and writes it: the next ``train_step`` holds its
+        optimizer update until the copy is done, and the checkpoint is complete once
+        ``self.writer.wait()`` returns (or a later poll at a step boundary)."""
         return checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,
                                self.cfg, step, self.topo, self.tokenizer, extra=self._extra_state(),
                                writer=self.writer)
