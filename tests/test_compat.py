@@ -161,3 +161,25 @@ def test_flash_attention_cpu_matches_sdpa_and_autograd():
     # the tolerance is far tighter than a wrong kernel call: without the causal mask it fails
     wrong, _ = fwd(q, k, v, 0.0, False, scale=scale)
     assert (wrong.double() - ref.detach()).abs().max() > 100 * tol_out
+
+
+# ----------------------------------------------------------------------------- DTensor
+
+
+def _dtensor_like_on_rank(rank: int, world: int) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    live = DTensor.from_local(torch.arange(6.0).view(2, 3) + 6 * rank, mesh, [Shard(0)], run_check=False)
+    copy = live.to_local().clone()
+    staged = compat.dtensor_like(copy, live)
+    assert isinstance(staged, DTensor) and staged.to_local().data_ptr() == copy.data_ptr()  # kept, not copied
+    assert staged.device_mesh is mesh and staged.placements == live.placements and staged.shape == live.shape
+    live.to_local().add_(100)  # the live piece moves on; the staged one does not
+    assert torch.equal(staged.full_tensor(), torch.arange(6.0 * world).view(2 * world, 3))
+    return True
+
+
+def test_dtensor_like_wraps_a_copy_with_the_same_placements(dist_run):
+    assert dist_run(2, _dtensor_like_on_rank) == [True, True]

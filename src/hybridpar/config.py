@@ -249,6 +249,7 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 0  # keep the newest K complete checkpoints, delete older ones; 0 = keep all
+    async_checkpoint: bool = False  # copy checkpoints to host memory and write them in a background thread
     run_dir: str = "runs/default"
     data: str = "builtin"
     sample_tokens: int = 200

@@ -196,6 +196,7 @@ class Topology:
         self.world = Axis("world", self.world_size, self.rank, tuple(range(self.world_size)),
                           world_group, self.comm)
         self._flat_groups: list[dist.ProcessGroup] = []
+        self._side: dict[str, Axis] = {}
         self.dp_cp = self._flat_axis(("dp", "cp"))
         self.ep, self.edp = self._expert_axes()
 
@@ -266,6 +267,21 @@ class Topology:
                     group = g
         return Axis(name, len(mine), mine.index(self.rank), tuple(mine), group, self.comm)
 
+    def side_axis(self, name: str, timeout_s: float | None = None) -> Axis:
+        """An axis over every rank on a gloo process group of its own, with its own traffic
+        counter, made once per ``name`` (collective the first time: every rank asks, in the same
+        order). For collectives issued from another thread while training runs (the background
+        checkpoint writer): on the training's groups they could interleave with the step's own
+        and mismatch; gloo, because they carry host-memory tensors (NCCL runs beside it)."""
+        if name not in self._side:
+            group = None
+            if self.world_size > 1:
+                timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+                group = dist.new_group(list(range(self.world_size)), backend="gloo", timeout=timeout)
+                self._flat_groups.append(group)
+            self._side[name] = Axis(name, self.world_size, self.rank, tuple(range(self.world_size)), group, Comm())
+        return self._side[name]
+
     def axis(self, name: str) -> Axis:
         _check_axis(name)
         return self._axes[name]
@@ -297,6 +313,7 @@ class Topology:
                 if group is not world:
                     dist.destroy_process_group(group)
         self._flat_groups.clear()
+        self._side.clear()
         self.mesh = None
 
     def __enter__(self) -> Topology:

@@ -40,10 +40,11 @@ from torch.distributed.tensor import DTensor
 
 from hybridpar.config import Config, ConfigError, config_from_dict
 from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, save_tokenizer
-from hybridpar.distributed.mesh import Topology
+from hybridpar.distributed.mesh import Axis, Topology
 from hybridpar.fsutil import dir_mode, publish_modes
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.zero import ZeroOptimizer
+from hybridpar.training.background import BackgroundWriter
 from hybridpar.training.durable import (
     _causes,
     _disk_full,
@@ -294,23 +295,31 @@ _SMALL_FILES = 1 << 20  # room for .metadata, config.json and the tokenizer on t
 
 
 def save(path: Path, model: nn.Module, optimizer: ZeroOptimizer, cfg: Config, step: int,
-         topo: Topology, tokenizer: Tokenizer | None = None, extra: dict[str, Any] | None = None) -> Path:
+         topo: Topology, tokenizer: Tokenizer | None = None, extra: dict[str, Any] | None = None,
+         writer: BackgroundWriter | None = None) -> Path:
     """Write a complete checkpoint for ``step`` at ``path`` atomically (all ranks call this):
     the model and optimizer pieces this rank holds, the run's config and its tokenizer (so
     ``generate`` and ``convert`` need no dataset). See :func:`write_checkpoint`. With
     ``train.keep_checkpoints = K > 0`` the older complete checkpoints beyond the newest K are
-    deleted once this one is complete."""
+    deleted once this one is complete. With a ``writer`` (``train.async_checkpoint``) the
+    writer's thread copies the state to host memory (leave it unchanged until
+    :meth:`BackgroundWriter.hold` returns) and writes the copy while training goes on: ``path``
+    is complete only once :meth:`BackgroundWriter.wait` (or a later ``poll``) returns."""
     def files(tmp: Path) -> None:
         _write_durable(tmp / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
 
-    return write_checkpoint(path, _train_state(model, optimizer, extra), topo, step, files,
-                            keep=cfg.train.keep_checkpoints)
+    state = _train_state(model, optimizer, extra)
+    keep = cfg.train.keep_checkpoints
+    if writer is None:
+        return write_checkpoint(path, state, topo, step, files, keep=keep)
+    return writer.submit(path, state, lambda staged, axis: write_checkpoint(path, staged, topo, step, files,
+                                                                            keep=keep, axis=axis))
 
 
 def write_checkpoint(path: Path, state: dict[str, Any], topo: Topology, step: int,
-                     files: Callable[[Path], None], keep: int = 0) -> Path:
+                     files: Callable[[Path], None], keep: int = 0, axis: Axis | None = None) -> Path:
     """The one atomic sharded checkpoint writer (the trainer's and ``initialize()``'s engine's):
     every rank writes its pieces of ``state`` with ``torch.distributed.checkpoint``, rank 0 adds
     the small files (``files(tmp)``) and the manifest. Collective.
@@ -319,8 +328,10 @@ def write_checkpoint(path: Path, state: dict[str, Any], topo: Topology, step: in
     manifest) is written and fsynced, then the directory is renamed in (an existing ``path`` is
     moved aside first and deleted after). A checkpoint that does not fit on the disk (estimated
     before writing, or a write that fails) raises one CheckpointError, leaves no temporary
-    directory and keeps every earlier checkpoint."""
+    directory and keeps every earlier checkpoint. ``axis`` (default ``topo.world``): the ranks'
+    process group for DCP and the agreements (the background writer's own, off the training's)."""
     path = Path(path)
+    axis = topo.world if axis is None else axis
     root = path.parent
     tmp = path.with_name(f"{TMP}{path.name}")
     failure: str | None = None
@@ -334,32 +345,32 @@ def write_checkpoint(path: Path, state: dict[str, Any], topo: Topology, step: in
             os.chmod(tmp, dir_mode())
         except OSError as e:
             failure = f"checkpoint {path} could not be written: {_reason(e)}"
-    need = _needed_bytes(state, topo)
+    need = _needed_bytes(state, axis)
     if topo.rank == 0 and failure is None:
         free = _free_bytes(root)
         if free is not None and free < need:
             failure = (f"not enough disk space for checkpoint {path}: it needs about {_size(need)}, "
                        f"{root} has {_size(free)} free; free some space, keep fewer checkpoints "
                        "(train.keep_checkpoints) or use another train.run_dir")
-    _agree(topo, failure, path, tmp)
+    _agree(axis, failure, path, tmp)
     error: BaseException | None = None
     try:
         with single_process_quiet():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(topo),
-                     no_dist=topo.world_size == 1)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=_group(axis),
+                     no_dist=axis.size == 1)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         error = e
-    _agree(topo, error, path, tmp, need)
+    _agree(axis, error, path, tmp, need)
     if topo.rank == 0:
         try:
             files(tmp)
             _publish(tmp, path, step, topo.world_size)
         except (OSError, RuntimeError) as e:
             error = e
-    _agree(topo, error, path, tmp, need)
+    _agree(axis, error, path, tmp, need)
     if topo.rank == 0 and keep > 0:
         _retain(root, path, keep)
-    topo.comm.barrier()
+    axis.comm.barrier(axis)
     return path
 
 
@@ -399,16 +410,16 @@ def _retain(root: Path, saved: Path, keep: int) -> None:
     _fsync_dir(root)
 
 
-def _agree(topo: Topology, error: BaseException | str | None, path: Path, tmp: Path, need: int = 0) -> None:
+def _agree(axis: Axis, error: BaseException | str | None, path: Path, tmp: Path, need: int = 0) -> None:
     """Every rank learns whether any rank failed (one all-reduce); if so, rank 0 removes the
     temporary directory and every rank raises: a CheckpointError for a disk that is full or
     refuses the write, the original exception for anything else (a bug)."""
-    flags = torch.tensor([0 if error is None else topo.rank + 1], dtype=torch.int64)
-    topo.comm.all_reduce(flags, topo.world, op="max")
+    flags = torch.tensor([0 if error is None else axis.rank + 1], dtype=torch.int64)
+    axis.comm.all_reduce(flags, axis, op="max")
     failed = int(flags[0])
     if not failed:
         return
-    if topo.rank == 0:
+    if axis.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(error, str):
         raise CheckpointError(error)
@@ -428,15 +439,15 @@ def _agree(topo: Topology, error: BaseException | str | None, path: Path, tmp: P
     raise error
 
 
-def _needed_bytes(state: Any, topo: Topology) -> int:
+def _needed_bytes(state: Any, axis: Axis) -> int:
     """Estimated size of the checkpoint from the state's tensors: the pieces of sharded tensors
     summed over ranks, replicated tensors (written once) counted once; plus room for the small
     files."""
     sharded, plain = _tensor_bytes(state)
     counts = torch.tensor([sharded], dtype=torch.int64)
-    topo.comm.all_reduce(counts, topo.world, op="sum")
+    axis.comm.all_reduce(counts, axis, op="sum")
     biggest = torch.tensor([plain], dtype=torch.int64)
-    topo.comm.all_reduce(biggest, topo.world, op="max")
+    axis.comm.all_reduce(biggest, axis, op="max")
     return int(counts[0]) + int(biggest[0]) + _SMALL_FILES
 
 
@@ -469,7 +480,7 @@ def load(path: Path, model: nn.Module, optimizer: ZeroOptimizer, cfg: Config, to
     own_names = [list(group["params"]) for group in state["optim"]["param_groups"]]
     try:
         with single_process_quiet():
-            dcp.load(state, storage_reader=SafeReader(str(path)), process_group=_group(topo),
+            dcp.load(state, storage_reader=SafeReader(str(path)), process_group=_group(topo.world),
                      no_dist=topo.world_size == 1)
     except CheckpointError:
         raise
@@ -570,6 +581,6 @@ def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
             for f in sorted(folder.iterdir()) if f.is_file() and f.name != COMPLETE}
 
 
-def _group(topo: Topology) -> Any:
-    """The process group spanning every rank (None in a single process: DCP then needs none)."""
-    return topo.world.group if topo.world_size > 1 else None
+def _group(axis: Axis) -> Any:
+    """The process group of ``axis`` (every rank; None in a single process: DCP then needs none)."""
+    return axis.group if axis.size > 1 else None

@@ -2,8 +2,9 @@
 
 * :class:`ThroughputMeter`: tokens/s, MFU and step time over the steps since the last logged one;
 * :class:`Evaluation`: when validation runs (``train.eval_every``) and its latest loss;
-* :class:`Checkpointing`: when a checkpoint is saved (``train.checkpoint_every``, the last step)
-  and the stop on a signal every rank agreed to (:class:`~hybridpar.distributed.lifecycle.Preempted`);
+* :class:`Checkpointing`: when a checkpoint is saved (``train.checkpoint_every``, the last step),
+  how long training waited for each, the save in flight (``train.async_checkpoint``) and the stop
+  on a signal every rank agreed to (:class:`~hybridpar.distributed.lifecycle.Preempted`);
 * :class:`LastStepTraffic`: the wire bytes per axis of the run's last step;
 * :class:`LossRange`: the first and the last loss of this run (or of this resumed part);
 * :class:`RunReport`: the end-of-run files and lines on rank 0 (``summary.json``,
@@ -32,6 +33,7 @@ from hybridpar.distributed.comm import CommCounter
 from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
 from hybridpar.distributed.mesh import Axis
 from hybridpar.training import checkpoint
+from hybridpar.training.background import BackgroundWriter
 from hybridpar.training.metrics import MetricsLogger, atomic_write_text
 
 
@@ -131,24 +133,60 @@ class Evaluation:
 
 class Checkpointing:
     """Saves every ``every`` steps and at the last step; stops the run early when a signal asked
-    for it and every rank agreed (:meth:`StopRequest.agreed`, collective over ``world``)."""
+    for it and every rank agreed (:meth:`StopRequest.agreed`, collective over ``world``).
+
+    With a ``writer`` (``train.async_checkpoint``) ``save`` only stages the state and the
+    writer's thread writes it: each step boundary polls it (its failure is raised there), and
+    the end of training (:meth:`writing`) and a stop on a signal wait for the save in flight.
+    ``stalls``: ``(step, seconds)`` training waited for each save: the save itself, or (in the
+    background) its start and any wait for its copy of the state (:meth:`BackgroundWriter.hold`)."""
 
     def __init__(self, every: int, last_step: int, save: Callable[[int], Path], run_dir: Path,
-                 stop: StopRequest | None, world: Axis, device: torch.device) -> None:
+                 stop: StopRequest | None, world: Axis, device: torch.device,
+                 writer: BackgroundWriter | None = None) -> None:
         self.every, self.last_step = every, last_step
         self._save = save  # collective: every rank writes its shard
         self.run_dir = run_dir
         self.stop, self.world, self.device = stop, world, device
+        self.writer = writer
+        self.stalls: list[tuple[int, float]] = []
+        self._started_s = 0.0  # how long starting the last background save took
 
     def due(self, step: int) -> bool:
         return step == self.last_step or (self.every > 0 and step % self.every == 0)
 
     def save_if_due(self, step: int) -> bool:
-        """Save step ``step`` if it is due; returns whether it was saved."""
+        """Save step ``step`` if it is due; returns whether it was saved. Ends a background save
+        that every rank has finished (raising its failure)."""
+        start = time.perf_counter()
+        if self.writer is not None:
+            self._count_hold()
+            self.writer.poll()
         if not self.due(step):
             return False
         self._save(step)
+        self._started_s = time.perf_counter() - start
+        self.stalls.append((step, self._started_s))
         return True
+
+    def _count_hold(self) -> None:
+        """Add the training's wait for the last background save's copy to its stall."""
+        if self.writer is not None and self.stalls:
+            self.stalls[-1] = (self.stalls[-1][0], self._started_s + self.writer.held_s)
+
+    @contextlib.contextmanager
+    def writing(self, timeout_s: float) -> Iterator[None]:
+        """Wrap the training loop: at its end wait for the background save in flight (raising
+        its failure); if the loop fails, give that save up to ``timeout_s`` to finish."""
+        try:
+            yield
+        except BaseException:
+            if self.writer is not None:
+                self.writer.abandon(timeout_s)
+            raise
+        if self.writer is not None:
+            self.writer.wait()
+            self._count_hold()
 
     def stop_if_requested(self, step: int, saved: bool, log: MetricsLogger) -> None:
         """Before the last step, ask every rank whether a signal arrived; if so, make sure step
@@ -158,6 +196,8 @@ class Checkpointing:
 
     def _preempt(self, step: int, saved: bool, signum: int, log: MetricsLogger) -> NoReturn:
         path = checkpoint.step_dir(self.run_dir, step) if saved else self._save(step)
+        if self.writer is not None:
+            self.writer.wait()  # the checkpoint is complete before the job says so and exits
         log.write(f"stopping after step {step}: {signal_name(signum)} received; checkpoint {path}")
         log.close()
         raise Preempted(signum, step, path)

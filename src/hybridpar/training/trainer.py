@@ -25,6 +25,7 @@ from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
 from hybridpar.training import checkpoint, elastic
+from hybridpar.training.background import BackgroundWriter
 from hybridpar.training.elastic import LayoutChange
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
@@ -69,6 +70,9 @@ class Trainer:
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
         self._ahead: tuple[int, list[tuple]] | None = None  # 2BW: the next step's micro-batches, read early
+        # train.async_checkpoint: a thread copies each save to host memory and writes it
+        self.writer = BackgroundWriter(topo, t.timeout_s) if t.async_checkpoint else None
+        self.checkpoint_stalls: list[tuple[int, float]] = []  # (step, seconds training waited to save it)
 
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int,
@@ -117,12 +121,18 @@ class Trainer:
         # so the same values overflow fp16 under every layout; the dp average is then 1/replicas
         # of the scaled sum, which unscaling undoes (fp32/bf16: the plain 1/M mean, no rescaling)
         replicas = self.topo.dp_cp.size if self.scaler.enabled else 1
+        if self.writer is not None and (self.cfg.parallel.grad_compression == "int8" or self.engine.reads_ahead):
+            # the backward changes what a save in flight copies: int8's error-feedback residuals,
+            # 2BW's second weight version (rewritten at the end of the pipeline's step)
+            self.writer.hold()
         loss = self.engine.forward_backward(batches, self.scaler.scale / (len(batches) * replicas), upcoming).mean().float()
         moe = self.engine.moe_step_stats(len(batches))  # MoE: expert load, auxiliary losses (collective)
         if moe is not None:
             self.expert_imbalance.append(moe["expert_imbalance_per_layer"])
             self.dropped_tokens += moe["dropped_tokens"]
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
+        if self.writer is not None:
+            self.writer.hold()  # a checkpoint being copied in the background: the state changes below
         scale = self.scaler.scale
         clean = self.scaler.unscale_or_skip(self.engine.gradients(), self.topo.world, replicas)
         if self.scaler.scale != scale and self.engine.zero is not None:  # int8 error feedback: scaled units
@@ -163,9 +173,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def save_checkpoint(self, step: int) -> Path:
-        """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this)."""
+        """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this); with
+        ``train.async_checkpoint`` a thread copies and writes it: the next ``train_step`` holds its
+        optimizer update until the copy is done, and the checkpoint is complete once
+        ``self.writer.wait()`` returns (or a later poll at a step boundary)."""
         return checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,
-                               self.cfg, step, self.topo, self.tokenizer, extra=self._extra_state())
+                               self.cfg, step, self.topo, self.tokenizer, extra=self._extra_state(),
+                               writer=self.writer)
 
     def load_checkpoint(self, path: Path) -> int:
         """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
@@ -207,28 +221,34 @@ class Trainer:
         losses, traffic = LossRange(first_step=start + 1), LastStepTraffic(self.topo.comm.counter, t.steps)
         evaluation = Evaluation(t.eval_every, t.steps, self.evaluate)
         checkpoints = Checkpointing(t.checkpoint_every, t.steps, self.save_checkpoint, self.run_dir, self.stop,
-                                    self.topo.world, self.device)
+                                    self.topo.world, self.device, self.writer)
+        self.checkpoint_stalls = checkpoints.stalls
         meter = ThroughputMeter(self.device, t.global_batch * t.seq_len, self.cfg.model.flops_per_token(t.seq_len),
                                 peak, self.topo.world_size)
-        for step in range(start + 1, t.steps + 1):
-            with traffic.measure(step):  # the summary reports the last step's traffic per axis
-                result = self.train_step(step)
-            meter.count_step()
-            losses.observe(step, result.loss)
-            evaluating = evaluation.due(step)
-            if log_due(step, t.log_every, t.steps) or evaluating:
-                record = step_record(step, result, meter.read(), devices.memory_bytes(self.device),
-                                     self.scaler.scale if self.scaler.enabled else None, self.topo.world_size)
-                if evaluating:
-                    record["val_loss"] = evaluation.run()
-                log.step(record)
-                meter.restart()  # evaluating and logging are not training time
-            else:
-                log.step(None)
-            saved = checkpoints.save_if_due(step)
-            if saved:
-                meter.restart_clock()  # saving is not training time
-            checkpoints.stop_if_requested(step, saved, log)  # raises Preempted
+        with checkpoints.writing(t.timeout_s):  # the end waits for a background save in flight
+            for step in range(start + 1, t.steps + 1):
+                with traffic.measure(step):  # the summary reports the last step's traffic per axis
+                    result = self.train_step(step)
+                meter.count_step()
+                losses.observe(step, result.loss)
+                evaluating = evaluation.due(step)
+                if log_due(step, t.log_every, t.steps) or evaluating:
+                    record = step_record(step, result, meter.read(), devices.memory_bytes(self.device),
+                                         self.scaler.scale if self.scaler.enabled else None, self.topo.world_size)
+                    if evaluating:
+                        record["val_loss"] = evaluation.run()
+                    log.step(record)
+                    meter.restart()  # evaluating and logging are not training time
+                else:
+                    log.step(None)
+                saved = checkpoints.save_if_due(step)
+                if saved:
+                    meter.restart_clock()  # saving is not training time
+                checkpoints.stop_if_requested(step, saved, log)  # raises Preempted
+        if self.writer is not None and len(checkpoints.stalls) > 1:  # the last save is waited for at the end
+            waits = [s for _, s in checkpoints.stalls[:-1]]
+            log.write(f"checkpoints written in the background: training waited {1e3 * sum(waits) / len(waits):.1f} ms "
+                      f"per checkpoint ({len(waits)} before the last)")
         log.close()
         return self._finish(log, losses, evaluation.val_loss, traffic.bytes)
 
