@@ -309,3 +309,41 @@ def test_planner_counts_the_second_weight_version():
                     for s in ("1f1b", "2bw"))
         assert two.components["params"] == 2 * one.components["params"]
         assert two.components["activations"] == one.components["activations"]
+
+
+def _save_with_a_slow_copy(rank: int, world: int, tmp: str, flags: list[str]) -> None:
+    """Train with a save after step 2 whose background copy takes longer than a step."""
+    import time
+
+    from hybridpar.training.background import HostStager
+
+    real = HostStager.stage
+
+    def slow(self, state):  # noqa: ANN001, ANN202
+        time.sleep(1.0)  # step 3 runs meanwhile: its pipeline step rewrites the older weight version
+        return real(self, state)
+
+    HostStager.stage = slow
+    try:
+        _run(rank, world, tmp, flags, save_at=2)
+    finally:
+        HostStager.stage = real
+
+
+def test_an_async_checkpoint_holds_the_second_weight_version_of_its_step(dist_run, tmp_path):
+    """``train.async_checkpoint``: the copy of a save runs beside the next step, whose pipeline
+    rewrites the older weight version at its end; the step waits for the copy before its
+    backward, so the checkpoint holds its own step's two versions, tensor for tensor the
+    synchronous save's."""
+    from test_async_checkpoint import saved_tensors
+
+    model, layout = LAYOUTS["dp2-pp2"]
+    flags = [*model, *layout]
+    world = config(str(tmp_path), flags).parallel.world_size
+    dist_run(world, _run, str(tmp_path / "sync"), flags, 2)
+    dist_run(world, _save_with_a_slow_copy, str(tmp_path / "async"), [*flags, "--train.async_checkpoint", "true"])
+    sync, _ = saved_tensors(checkpoint.step_dir(config(str(tmp_path / "sync"), flags).train.run_dir, 2))
+    done, _ = saved_tensors(checkpoint.step_dir(config(str(tmp_path / "async"), flags).train.run_dir, 2))
+    assert any("weight_versions" in k for k in sync) and set(done) == set(sync)
+    for k, v in sync.items():  # not the RNG states: the pooled workers' generators carry earlier tests' draws
+        assert k.startswith("rng.") or torch.equal(done[k], v), k
