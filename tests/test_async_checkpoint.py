@@ -70,6 +70,7 @@ def _sync_async_resumed(rank: int, world: int, tmp: str, layout: tuple[str, ...]
     return [k for k, v in whole.items() if not torch.equal(resumed[k], v)]
 
 
+@pytest.mark.numerics  # exact comparisons: run under every ATEN_CPU_CAPABILITY in CI
 @pytest.mark.parametrize("layout", [("--parallel.dp", "2", "--parallel.zero_stage", "1"), ("--parallel.tp", "2")],
                          ids=["dp2-zero1", "tp2"])
 def test_async_checkpoint_equals_the_sync_one_and_resumes_bit_for_bit(tmp_path, dist_run, layout):
@@ -91,6 +92,7 @@ def test_async_checkpoint_equals_the_sync_one_and_resumes_bit_for_bit(tmp_path, 
 # ----------------------------------------------------------------------------- one process
 
 
+@pytest.mark.numerics  # exact comparisons: run under every ATEN_CPU_CAPABILITY in CI
 def test_a_slow_background_copy_still_saves_the_state_of_its_step(tmp_path, monkeypatch):
     """The thread copies the live state while the next step's forward and backward run; that
     step's optimizer update waits for the copy (``hold``). With a copy slower than a step, the
@@ -113,6 +115,7 @@ def test_a_slow_background_copy_still_saves_the_state_of_its_step(tmp_path, monk
             assert torch.equal(done[k], v), (step, k)
 
 
+@pytest.mark.numerics  # exact comparisons: run under every ATEN_CPU_CAPABILITY in CI
 def test_resume_after_a_crash_from_an_async_checkpoint_is_bit_for_bit(tmp_path, monkeypatch):
     """A crash at step 5 (the save of step 3 may still be in flight: the failing loop gives it
     time to finish) resumes from step 3 to the uninterrupted run's weights and losses."""
@@ -176,6 +179,7 @@ def test_a_failed_background_write_is_raised_at_the_next_step_and_keeps_the_prev
 KILLED = 77
 
 
+@pytest.mark.numerics  # exact comparisons: run under every ATEN_CPU_CAPABILITY in CI
 def test_a_process_killed_before_the_marker_leaves_the_previous_checkpoint(tmp_path):
     """A child trains with async checkpoints and dies (``os._exit``, like SIGKILL) in the writer
     thread just before step 6's complete.json: its shards are on disk in ``.tmp-step-000006``,

@@ -166,6 +166,8 @@ def _run(rank: int, world: int, tmp: str, flags: list[str], save_at: int = 0) ->
             losses.append(trainer.train_step(s).loss)
             if s == save_at:
                 trainer.save_checkpoint(s)
+        if trainer.writer is not None:  # train.async_checkpoint: the save is complete only once written
+            trainer.writer.wait()
         state = trainer.engine.full_state_dict()  # collective
         return {"losses": losses, "state": state if rank == 0 else None}
 
@@ -330,6 +332,7 @@ def _save_with_a_slow_copy(rank: int, world: int, tmp: str, flags: list[str]) ->
         HostStager.stage = real
 
 
+@pytest.mark.numerics
 def test_an_async_checkpoint_holds_the_second_weight_version_of_its_step(dist_run, tmp_path):
     """``train.async_checkpoint``: the copy of a save runs beside the next step, whose pipeline
     rewrites the older weight version at its end; the step waits for the copy before its

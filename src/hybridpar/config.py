@@ -276,6 +276,11 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step on each data-parallel replica: each pipeline's M."""
+        return self.train.global_batch // (self.parallel.dp * self.train.micro_batch)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -460,7 +465,7 @@ def config_warnings(cfg: Config) -> list[str]:
     out = []
     if p.sequence_parallel and p.tp == 1:
         out.append("parallel.sequence_parallel = true has no effect with parallel.tp = 1; ignored")
-    micro = cfg.train.global_batch // (p.dp * cfg.train.micro_batch)
+    micro = cfg.microbatches
     if p.pp > 1 and micro < p.pp:
         idle = (p.pp - 1) / (micro + p.pp - 1)
         out.append(f"{micro} micro-batches per step < parallel.pp = {p.pp}: the pipeline is bubble-dominated "

@@ -337,7 +337,7 @@ def _interleaved_pp(cfg: Config, world: int | None) -> str | None:
 @rule("microbatches-match-batch")
 def _microbatches(cfg: Config, world: int | None) -> str | None:
     p, t = cfg.parallel, cfg.train
-    micro = t.global_batch // (p.dp * t.micro_batch)  # micro-batches per step on each rank
+    micro = cfg.microbatches
     if p.microbatches not in (0, micro):
         return (f"parallel.microbatches = {p.microbatches} but global_batch / (dp * micro_batch) = "
                 f"{t.global_batch} / ({p.dp} * {t.micro_batch}) = {micro}; set train.micro_batch = "
@@ -347,8 +347,8 @@ def _microbatches(cfg: Config, world: int | None) -> str | None:
 
 @rule("interleaved-microbatches-divisible")
 def _interleaved(cfg: Config, world: int | None) -> str | None:
-    p, t = cfg.parallel, cfg.train
-    micro = t.global_batch // (p.dp * t.micro_batch)  # micro-batches per step on each pipeline
+    p = cfg.parallel
+    micro = cfg.microbatches
     rem = micro % p.pp
     if p.pipeline_schedule == "interleaved" and rem:
         down, up = micro - rem, micro - rem + p.pp
@@ -366,7 +366,7 @@ def _two_bw_microbatches(cfg: Config, world: int | None) -> str | None:
     if p.pp < 2:
         return (f"parallel.pipeline_schedule = '2bw' needs parallel.pp >= 2 (got {p.pp}): PipeDream-2BW overlaps "
                 "consecutive steps across pipeline stages; raise pp or use pipeline_schedule = '1f1b'")
-    micro = t.global_batch // (p.dp * t.micro_batch)
+    micro = cfg.microbatches
     if micro < p.pp:
         return (f"PipeDream-2BW needs at least parallel.pp = {p.pp} micro-batches per step, got train.global_batch / "
                 f"(dp * train.micro_batch) = {t.global_batch} / ({p.dp} * {t.micro_batch}) = {micro}; raise "

@@ -92,9 +92,9 @@ class Engine(StepEngine):
             seq = t.seq_len // topo.cp.size // (topo.tp.size if self.sequence_parallel else 1)
             stage = dict(act_shape=(t.micro_batch, seq, m.dim), forward_context=lambda: autocast(t.precision, device))
             if p.pipeline_schedule == "2bw":  # asynchronous: two weight versions, one step of delay
-                runner = TwoBWRunner(self.chunks, topo, t.grad_accum // p.dp, self.loss_from_logits, **stage)
+                runner = TwoBWRunner(self.chunks, topo, cfg.microbatches, self.loss_from_logits, **stage)
             else:
-                schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, t.grad_accum // p.dp)
+                schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, cfg.microbatches)
                 runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits, **stage)
             owned = owned_named_parameters(self.chunks)
             train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too

@@ -105,8 +105,8 @@ def _from_config(path: str) -> dict[str, object]:
     from hybridpar.config import load_config
 
     cfg = load_config(path, [])
-    p, t = cfg.parallel, cfg.train
-    micro = p.microbatches or t.global_batch // (p.dp * t.micro_batch)
+    p = cfg.parallel
+    micro = p.microbatches or cfg.microbatches
     return {"pp": p.pp, "microbatches": micro, "schedule": p.pipeline_schedule,
             "virtual_stages": p.virtual_stages}
 
