@@ -69,7 +69,7 @@ from hybridpar.parallel.pipeline import (
     build_schedule,
     simulate,
 )
-from hybridpar.parallel.pipeline.runtime import PipelineRunner
+from hybridpar.parallel.pipeline.runtime import PipelineRunner, fused_backward
 from hybridpar.parallel.pipeline.schedules import build_two_bw_step
 from hybridpar.parallel.pipeline.timeline import plot_timeline
 from hybridpar.parallel.pipeline.twobw import TwoBWRunner
@@ -257,16 +257,20 @@ def worker(rank: int, pp: int, args: argparse.Namespace, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def measured_costs(timeline: Timeline, split: bool) -> Costs:
+def measured_costs(timeline: Timeline, split: bool, fused: frozenset[tuple[int, int]] = frozenset()) -> Costs:
     """Per-action costs as this machine really ran them: mean recorded F, B, W durations (sleeps
     overshoot under load) and, as p2p latency, the median delay between a producer's end and its
-    consumer's start on the next stage where the consumer was idle waiting for it."""
+    consumer's start on the next stage where the consumer was idle waiting for it. ``fused``: the
+    (micro-batch, stage) pairs whose B ran the full backward and whose W nothing (the runner's
+    :func:`fused_backward`, back to back in the schedule, as the simulator runs them): their B and
+    W durations are left out of the means."""
     durations: dict[ActionKind, list[float]] = defaultdict(list)
     when, free_at = {}, {}
     for row in timeline.ranks:
         prev_end = 0.0
         for iv in row:
-            durations[iv.action.kind].append(iv.end - iv.start)
+            if iv.action.kind is ActionKind.F or (iv.action.microbatch, iv.action.stage) not in fused:
+                durations[iv.action.kind].append(iv.end - iv.start)
             key = (iv.action.kind, iv.action.microbatch, iv.action.stage)
             when[key], free_at[key] = iv, prev_end
             prev_end = iv.end
@@ -288,14 +292,15 @@ def summarize(name: str, r: dict, sched: Any, args: argparse.Namespace) -> dict[
     ours, theirs = min(r["ours"]), min(r["torch"])
     # Simulator check, per repetition: the schedule simulated with that run's measured costs
     # against that run's recorded makespan.
-    costs = [measured_costs(tl, sched.split_backward) for tl in r["timelines"]]
+    fused = frozenset().union(*(fused_backward(sched, rank) for rank in range(pp)))
+    costs = [measured_costs(tl, sched.split_backward, fused) for tl in r["timelines"]]
     sim_err = statistics.median(simulate(sched, c).makespan / tl.makespan - 1
                                 for c, tl in zip(costs, r["timelines"], strict=True))
     # Overhead over the schedule's own ideal at this machine's real action durations (sleeps
     # overshoot under load): the same simulation with free transfers.
     over_meas = statistics.median(tl.makespan / simulate(sched, dataclasses.replace(c, p2p=0.0)).makespan
                                   for c, tl in zip(costs, r["timelines"], strict=True))
-    cal = measured_costs(r["timelines"][0], sched.split_backward)
+    cal = measured_costs(r["timelines"][0], sched.split_backward, fused)
     if args.plot:
         plot_timeline(r["timelines"][0], Path(args.plot) / f"pipeline-{name}.png",
                       f"recorded {sched.kind.value} pp={pp} V={v} M={m}")
