@@ -245,8 +245,8 @@ class PipelineRunner:
         """Post a run of consecutive send/recv actions: all sends first, in one batch (a peer
         may be waiting for them), then each receive in its own batch (so a compute waits only
         for its own input)."""
-        sends = [("send", step.outbox.pop(a.message()), self._peer(a.message().dst))
-                 for a in actions if a.kind.is_send]
+        sends = [("send", step.outbox.pop(msg), self._peer(msg.dst))
+                 for msg in (a.message() for a in actions if a.kind.is_send)]
         # let go of what earlier sends held once they are through (an activation whose backward
         # is done, an input gradient) instead of keeping all M of them to the end of the step
         step.sends = [(pending, held) for pending, held in step.sends if not pending.done()]
