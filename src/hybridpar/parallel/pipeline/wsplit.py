@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
+from hybridpar.compat import saved_tensor_hooks_active
 from hybridpar.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 LINEAR_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
@@ -124,11 +125,12 @@ class _Bridge(torch.autograd.Function):
 
 
 class _Source(torch.autograd.Function):
-    """The start of an inner graph under autocast: ``x'`` as a differentiable tensor whose graph
-    holds no reference to it. A leaf's grad accumulator would keep the full-precision ``x`` alive
-    until W, where the autocast linear saves only its half copy. ``anchor`` only makes the output
-    require grad; no gradient ever reaches it. (Without autocast the linear saves ``x'`` itself, so
-    :meth:`WeightGradSplit.defer` starts from a plain leaf, one custom Function call cheaper.)"""
+    """The start of an inner graph whose linear saves something else than ``x'`` (an autocast
+    half copy, a contiguous copy): ``x'`` as a differentiable tensor whose graph holds no reference
+    to it, where a leaf's grad accumulator would keep ``x`` alive until W as well. ``anchor`` only
+    makes the output require grad; no gradient ever reaches it. (Where the linear saves ``x'``
+    itself, :meth:`WeightGradSplit.defer` starts from a plain leaf, one custom Function call
+    cheaper.)"""
 
     @staticmethod
     def forward(ctx: Any, anchor: Tensor, x: Tensor) -> Tensor:
@@ -232,23 +234,32 @@ class WeightGradSplit:
         """``F.linear(x, weight, bias)`` as a deferred linear (module docstring). Runs once per
         linear layer per micro-batch, so it keeps to few Python and autograd calls: between GEMMs
         each costs several times what it does in a tight loop (on the compute benchmark's stages,
-        4 linear layers, a deferred forward took ~0.6 ms more than the plain ~24 ms one, against
-        ~0.2 ms at toy sizes; the hooks and mode alone ~0.14 ms)."""
-        if torch.is_autocast_enabled(x.device.type):
-            inp = _Source.apply(_ANCHOR, x.detach())
-        else:
-            inp = x.detach().requires_grad_()
+        4 linear layers, a deferred forward took ~0.5 ms more than the plain ~24 ms one with pack
+        hooks, ~0.35 ms without, against ~0.2 ms at toy sizes; the hooks and mode alone ~0.1 ms).
+
+        ``x'`` is a plain leaf when the linear saves it as it is (contiguous, no autocast): then it
+        holds nothing the linear does not, and what W keeps is ``x'``'s storage. Otherwise (a cast
+        or a contiguous copy is saved) it comes from :class:`_Source`, and pack hooks record the
+        storages saved; they also run whenever other saved-tensor hooks are active (a checkpoint's,
+        which would drop the tensors W needs), so that the inner graph saves for real."""
         params = (weight,) if bias is None else (weight, bias)
-        saved: list[torch.UntypedStorage] = []
         own = {p.untyped_storage().data_ptr() for p in params}
+        leaf = x.is_contiguous() and not torch.is_autocast_enabled(x.device.type)
+        inp = x.detach().requires_grad_() if leaf else _Source.apply(_ANCHOR, x.detach())
+        if leaf and not saved_tensor_hooks_active():
+            out = F.linear(inp, weight, bias)  # saves x' (or a view of it) and the weight
+            storage = inp.untyped_storage()
+            saved = [] if storage.data_ptr() in own else [storage]
+        else:
+            saved = []
 
-        def pack(t: Tensor) -> Any:
-            if t.untyped_storage().data_ptr() not in own:
-                saved.append(t.untyped_storage())
-            return _pack(t)
+            def pack(t: Tensor) -> Any:
+                if t.untyped_storage().data_ptr() not in own:
+                    saved.append(t.untyped_storage())
+                return _pack(t)
 
-        with saved_tensors_hooks(pack, _unpack):  # saved for real, also inside a checkpoint
-            out = F.linear(inp, weight, bias)
+            with saved_tensors_hooks(pack, _unpack):  # saved for real, also inside a checkpoint
+                out = F.linear(inp, weight, bias)
         lin = _Linear(GradientEdge(out.grad_fn, out.output_nr), inp, params, saved)
         if self.record is not None:
             self.record.linears.append(lin)
