@@ -19,7 +19,22 @@ noise hits both alike.
   has a core of its own: run it with pp <= the free cores. Targets: ZB-H1 <= 0.92x our 1F1B at
   pp=2, M=4 (T_F = T_B = T_W gives (3M + p - 1) / (3M + 3(p - 1)) = 0.87 ideally), ZBV <= our
   ZB-H1, each <= 1.0x torch's matching schedule, simulator (with the F/B/W durations and p2p
-  latency measured in the same run) within 5% of the measured makespan.
+  latency measured in the same run) within 5% of the measured makespan. Both runtimes share each
+  rank's process, so both run on the heap :func:`hybridpar.distributed.device.keep_host_heap`
+  keeps (set when the first runner is built); the B and W of a pair the runner fuses
+  (:func:`hybridpar.parallel.pipeline.runtime.fused_backward`) stay out of the mean B and W.
+
+  Measured here (2 cores, --pp 2 --microbatches 4, four runs started on an idle machine; in the
+  last one other processes used under 1 s of CPU during its 70 s): ZB-H1 0.86-0.91x our 1F1B,
+  ZBV 0.93-0.99x our ZB-H1; against torch, best over best, GPipe 0.98-0.99, 1F1B 0.98-1.005,
+  interleaved 0.97-0.99, ZB-H1 0.97-1.01, ZBV 0.98-1.01 (DualPipeV 0.96-0.98 next to our ZBV):
+  parity within the run-to-run noise of about 1%. Two causes made ZBV no faster than ZB-H1 and
+  ~2% slower than torch's before: glibc's malloc handed the memory a step freed back to the
+  kernel, and each step took ~10,000 pages back with page faults (20-30 ms of system time per
+  650 ms ZBV step, mostly in W, whose weight-gradient temporaries are allocated while little is
+  freed); and the W split's per-linear bookkeeping, ~1.5 ms per 4 linear layers per micro-batch
+  over F, B and W (torch's forward has none), now skipped where B and W run back to back and
+  cheaper in F elsewhere.
 
 Both modes also run PipeDream-2BW (:mod:`hybridpar.parallel.pipeline.twobw`) beside our 1F1B, in
 alternation: its steady step (a batch, plus the next batch's warm-up forwards) against a 1F1B step
