@@ -183,3 +183,24 @@ def _dtensor_like_on_rank(rank: int, world: int) -> bool:
 
 def test_dtensor_like_wraps_a_copy_with_the_same_placements(dist_run):
     assert dist_run(2, _dtensor_like_on_rank) == [True, True]
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def test_compile_stats_count_graphs_breaks_and_time():
+    torch.compiler.reset()
+    before = compat.compile_stats()
+
+    def f(x):
+        y = torch.sin(x) * 2
+        torch._dynamo.graph_break()  # one break: two graphs
+        return y + 1
+
+    g = torch.compile(f, backend="aot_eager")
+    x = torch.randn(4, requires_grad=True)
+    g(x).sum().backward()
+    after = compat.compile_stats()
+    assert after.graphs - before.graphs == 2
+    assert after.graph_breaks - before.graph_breaks == 1
+    assert after.seconds > before.seconds
