@@ -461,21 +461,18 @@ def test_pruned_search_equals_exhaustive():
         assert (top.fitting, len(top.too_big)) == (every.fitting, len(every.too_big))
 
 
-def test_plan_answers_in_about_a_second():
+def test_plan_searches_the_big_cases():
     """`hybridpar plan` for llama3-70b on 64 H100 and llama3-405b on 1024 (global batch 512,
-    8192 tokens): the search itself takes about a second (asserted loosely: shared CI cores)."""
-    import time
-
+    8192 tokens) ranks five layouts, best first (how long it takes: benchmarks/planner_search.py)."""
     from hybridpar.config import model_preset
     from hybridpar.planner.hardware import GPUS, Cluster
     from hybridpar.planner.layout import Workload
     from hybridpar.planner.search import search
 
     for name, gpus in (("llama3-70b", 64), ("llama3-405b", 1024)):
-        start = time.process_time()
         result = search(model_preset(name), Workload(512, 8192), Cluster.of(GPUS["H100-SXM"], gpus, 8), top=5)
-        elapsed = time.process_time() - start
-        assert len(result.ranked) == 5 and elapsed < 5.0, f"{name} on {gpus}: {elapsed:.2f} s"
+        times = [r.cost.step_time_s for r in result.ranked]
+        assert len(result.ranked) == 5 and times == sorted(times), name
 
 
 def _equal_times(fast_zero3: bool):
