@@ -488,8 +488,9 @@ def _equal_times(fast_zero3: bool):
 
 
 def test_ties_prefer_less_memory(monkeypatch):
-    """When step times tie, the layout with less memory wins: ZeRO-2 over ZeRO-1 over ZeRO-0
-    (and the ranking orders equal times by memory)."""
+    """When step times tie, the layout with less memory wins: ZeRO-2 over ZeRO-1 over ZeRO-0 with
+    one micro-batch per rank (and the ranking orders equal times by memory); with gradient
+    accumulation ZeRO-2 holds the full gradients and their shard, so ZeRO-1 wins."""
     from hybridpar.config import model_preset
     from hybridpar.planner import search as search_mod
     from hybridpar.planner.hardware import GPUS, Cluster
@@ -498,13 +499,16 @@ def test_ties_prefer_less_memory(monkeypatch):
     model, work = model_preset("llama3-8b"), Workload(64, 4096)
     cluster = Cluster.of(GPUS["H100-SXM"], 16, 8)
     monkeypatch.setattr(search_mod, "step_cost", _equal_times(fast_zero3=False))
-    best, tried = search_mod.complete(model, {"dp": 4, "tp": 4}, work, cluster)
+    accumulating, _ = search_mod.complete(model, {"dp": 4, "tp": 4}, work, cluster)
+    assert accumulating.layout.microbatches(64) > 1 and accumulating.layout.zero_stage == 1
+    best, tried = search_mod.complete(model, {"dp": 4, "tp": 4, "micro_batch": 16}, work, cluster)
     assert best.layout.zero_stage == 2  # (with equal times a recompute layout may win: it holds less)
     zero = {z: search_mod.evaluate(model, dataclasses.replace(best.layout, zero_stage=z), work, cluster)
             for z in (0, 1, 2)}
     assert all(ev.fits for ev in zero.values())
     assert zero[2].memory.total < zero[1].memory.total < zero[0].memory.total
-    assert search_mod.best_for_axes(model, {"dp": 4, "tp": 4}, work, cluster).layout == best.layout
+    assert search_mod.best_for_axes(model, {"dp": 4, "tp": 4, "micro_batch": 16}, work, cluster).layout == best.layout
+    assert search_mod.best_for_axes(model, {"dp": 4, "tp": 4}, work, cluster).layout == accumulating.layout
     monkeypatch.setattr(search_mod, "step_cost", _equal_times(fast_zero3=True))
     ranked = search_mod.search(model, work, cluster).ranked
     for a, b in zip(ranked, ranked[1:], strict=False):
