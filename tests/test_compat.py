@@ -203,3 +203,24 @@ def test_saved_tensor_hooks_active_sees_checkpoint_and_explicit_hooks():
     checkpoint(block, torch.ones(3, requires_grad=True), use_reentrant=False).sum().backward()
     block(torch.ones(3))
     assert seen == [True, True, False]  # forward and recomputation under checkpoint, then plain
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def test_compile_stats_count_graphs_breaks_and_time():
+    torch.compiler.reset()
+    before = compat.compile_stats()
+
+    def f(x):
+        y = torch.sin(x) * 2
+        torch._dynamo.graph_break()  # one break: two graphs
+        return y + 1
+
+    g = torch.compile(f, backend="aot_eager")
+    x = torch.randn(4, requires_grad=True)
+    g(x).sum().backward()
+    after = compat.compile_stats()
+    assert after.graphs - before.graphs == 2
+    assert after.graph_breaks - before.graph_breaks == 1
+    assert after.seconds > before.seconds

@@ -165,3 +165,40 @@ def test_interleaving_with_uneven_stages_405b(capsys):
                "2048", "--seq-len", "8192", "--json", "--layout", "dp=128,tp=8,pp=16,cp=1"])
     lay = json.loads(capsys.readouterr().out)["layout"]
     assert rc == 0 and lay["fits"] and lay["pipeline_schedule"] == "interleaved" and lay["virtual_stages"] > 1
+
+
+def test_plan_says_why_its_best_layout_wins(capsys):
+    """The search's best layout comes with its reasons: the margin over the runner-up (the same
+    numbers as the table), the pipeline partition (the runtime's, with uneven layer counts) and
+    the other schedules on the same axes, each slower than the chosen one."""
+    from hybridpar.cli import main
+    from hybridpar.planner.layout import model_key
+    from hybridpar.planner.shapes import layer_partition
+
+    rc = main(["plan", "--model", "llama3-70b", "--gpu", "H100-SXM", "--gpus", "64", "--global-batch", "64",
+               "--seq-len", "4096", "--json", "--top", "3"])
+    doc = json.loads(capsys.readouterr().out)
+    best, runner_up = doc["layouts"][:2]
+    why = doc["why"]
+    assert rc == 0 and why[0].startswith(f"why dp={best['dp']},tp={best['tp']},pp={best['pp']},cp={best['cp']} ")
+    assert f"{best['step_time_s']:.3f} s per step" in why[0] and f"{runner_up['step_time_s']:.3f} s (+" in why[0]
+    if best["pp"] > 1:
+        part = layer_partition(model_key(model_preset("llama3-70b")), best["pp"], best["virtual_stages"],
+                               best["pipeline_schedule"] == "zbv")
+        stages = next(x for x in why if x.strip().startswith("stages:"))
+        assert f"80 layers in {len(part.chunks)} chunks" in stages
+        schedule = next(x for x in why if x.strip().startswith("schedule:"))
+        times = [float(t.split(" s (")[0].rsplit(" ", 1)[1]) for t in schedule.split("on the same axes ")[1].split("; ")]
+        assert times and min(times) >= best["step_time_s"]
+
+
+def test_plan_layout_explains_uneven_stages_405b(capsys):
+    from hybridpar.cli import main
+
+    rc = main(["plan", "--model", "llama3-405b", "--gpu", "H100-SXM", "--gpus", "16384", "--global-batch",
+               "2048", "--seq-len", "8192", "--layout", "dp=32,tp=4,pp=16,cp=8,pipeline_schedule=interleaved,"
+               "virtual_stages=4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "stages: 126 layers in 64 chunks (126 does not divide by 64)" in out
+    assert "schedule: interleaved x4, bubble" in out and "on the same axes 1f1b" in out

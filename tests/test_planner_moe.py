@@ -248,7 +248,7 @@ def test_expert_states_shard_over_edp():
     from hybridpar.planner.shapes import rank_numel
 
     model = model_preset("mixtral-8x7b")
-    work = Workload(64, 4096, half_params=False)
+    work = Workload(8, 4096, half_params=False)  # one micro-batch per dp rank: ZeRO-2 keeps only the shard
     key = model_key(model)
     dense, experts = rank_numel(key, 8, 1, 1, 0, 1, 1, "dense"), rank_numel(key, 8, 1, 1, 0, 1, 1, "experts")
     assert experts == 32 * 8 * 3 * 4096 * 14336 // 8
@@ -263,6 +263,9 @@ def test_expert_states_shard_over_edp():
         assert mem.components["params"] == 4 * held
         assert mem.components["grads"] == 4 * (shard if zero >= 2 else held)
         assert mem.components["optimizer"] == 8 * (shard if zero else held)
+        if zero == 2:  # 8 micro-batches: the full gradients add up in no_sync, then reduce into the shard
+            accumulating = plan_memory(model, Layout(dp=8, tp=8, ep=ep, zero_stage=zero), Workload(64, 4096, half_params=False))
+            assert accumulating.components["grads"] == 4 * (held + shard)
 
 
 ACT_CASES = {  # layout, routing, bf16

@@ -461,21 +461,18 @@ def test_pruned_search_equals_exhaustive():
         assert (top.fitting, len(top.too_big)) == (every.fitting, len(every.too_big))
 
 
-def test_plan_answers_in_about_a_second():
+def test_plan_searches_the_big_cases():
     """`hybridpar plan` for llama3-70b on 64 H100 and llama3-405b on 1024 (global batch 512,
-    8192 tokens): the search itself takes about a second (asserted loosely: shared CI cores)."""
-    import time
-
+    8192 tokens) ranks five layouts, best first (how long it takes: benchmarks/planner_search.py)."""
     from hybridpar.config import model_preset
     from hybridpar.planner.hardware import GPUS, Cluster
     from hybridpar.planner.layout import Workload
     from hybridpar.planner.search import search
 
     for name, gpus in (("llama3-70b", 64), ("llama3-405b", 1024)):
-        start = time.process_time()
         result = search(model_preset(name), Workload(512, 8192), Cluster.of(GPUS["H100-SXM"], gpus, 8), top=5)
-        elapsed = time.process_time() - start
-        assert len(result.ranked) == 5 and elapsed < 5.0, f"{name} on {gpus}: {elapsed:.2f} s"
+        times = [r.cost.step_time_s for r in result.ranked]
+        assert len(result.ranked) == 5 and times == sorted(times), name
 
 
 def _equal_times(fast_zero3: bool):
@@ -491,8 +488,9 @@ def _equal_times(fast_zero3: bool):
 
 
 def test_ties_prefer_less_memory(monkeypatch):
-    """When step times tie, the layout with less memory wins: ZeRO-2 over ZeRO-1 over ZeRO-0
-    (and the ranking orders equal times by memory)."""
+    """When step times tie, the layout with less memory wins: ZeRO-2 over ZeRO-1 over ZeRO-0 with
+    one micro-batch per rank (and the ranking orders equal times by memory); with gradient
+    accumulation ZeRO-2 holds the full gradients and their shard, so ZeRO-1 wins."""
     from hybridpar.config import model_preset
     from hybridpar.planner import search as search_mod
     from hybridpar.planner.hardware import GPUS, Cluster
@@ -501,13 +499,16 @@ def test_ties_prefer_less_memory(monkeypatch):
     model, work = model_preset("llama3-8b"), Workload(64, 4096)
     cluster = Cluster.of(GPUS["H100-SXM"], 16, 8)
     monkeypatch.setattr(search_mod, "step_cost", _equal_times(fast_zero3=False))
-    best, tried = search_mod.complete(model, {"dp": 4, "tp": 4}, work, cluster)
+    accumulating, _ = search_mod.complete(model, {"dp": 4, "tp": 4}, work, cluster)
+    assert accumulating.layout.microbatches(64) > 1 and accumulating.layout.zero_stage == 1
+    best, tried = search_mod.complete(model, {"dp": 4, "tp": 4, "micro_batch": 16}, work, cluster)
     assert best.layout.zero_stage == 2  # (with equal times a recompute layout may win: it holds less)
     zero = {z: search_mod.evaluate(model, dataclasses.replace(best.layout, zero_stage=z), work, cluster)
             for z in (0, 1, 2)}
     assert all(ev.fits for ev in zero.values())
     assert zero[2].memory.total < zero[1].memory.total < zero[0].memory.total
-    assert search_mod.best_for_axes(model, {"dp": 4, "tp": 4}, work, cluster).layout == best.layout
+    assert search_mod.best_for_axes(model, {"dp": 4, "tp": 4, "micro_batch": 16}, work, cluster).layout == best.layout
+    assert search_mod.best_for_axes(model, {"dp": 4, "tp": 4}, work, cluster).layout == accumulating.layout
     monkeypatch.setattr(search_mod, "step_cost", _equal_times(fast_zero3=True))
     ranked = search_mod.search(model, work, cluster).ranked
     for a, b in zip(ranked, ranked[1:], strict=False):

@@ -465,3 +465,48 @@ def test_backward_outside_no_sync_accumulates(dist_run, stage, tie):
             torch.testing.assert_close(v, r["no_sync"][k], rtol=1e-5, atol=1e-5)  # sum order differs
     if tie:
         assert len(results[0]["no_sync"]) == CFG.n_layers * 9 + 2  # no output.weight
+
+
+def _gradient_peak(rank: int, world: int, stage: int, micro: int) -> dict:
+    """Gradient bytes held: after each micro-batch's backward, and (sampled after every
+    parameter's gradient hooks, ZeRO's first) at the peak of the step's backward."""
+    with ParallelDims(dp=world).build("cpu") as topo:
+        model, opt, _ = build(topo, stage)
+        samples: list[int] = []
+        for p in model.parameters():  # stage 2: the parameters themselves carry the hooks
+            p.register_post_accumulate_grad_hook(lambda _p: samples.append(opt.memory_bytes()["grads"]))
+        x, y = global_batch(1)
+        share = GLOBAL // world
+        x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        mb = share // micro
+        opt.zero_grad()
+        after = []
+        for i in range(micro):
+            with opt.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                (loss_of(model, x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) / micro).backward()
+            after.append(opt.memory_bytes()["grads"])
+        opt.finish_grads()
+        staging = max(4 * g.layout.n * g.layout.size for g in opt._stage.groups) if stage < 3 else 0
+        return {"after": after, "peak": max(samples + after), "final": opt.memory_bytes()["grads"],
+                "staging": staging}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_memory_with_and_without_accumulation_matches_planner(dist_run, stage):
+    """With one micro-batch per step ZeRO-2 holds its shard plus at most two buckets' staging
+    (the one filling and the one being reduce-scattered: the planner's comm buffers); with
+    accumulation the micro-batches but the last run in no_sync and the full gradients add up
+    locally, which the planner counts as the full gradients plus their shard."""
+    from hybridpar.planner.memory import model_state_bytes
+    from hybridpar.planner.shapes import rank_param_shapes
+
+    shapes = rank_param_shapes(CFG, 1, 1, 1, 0)
+    one = model_state_bytes(shapes, 2, stage, 4).grads
+    many = model_state_bytes(shapes, 2, stage, 4, accumulates=True).grads
+    assert one == 4 * P // 2 and many == 4 * P + 4 * P // 2  # no padding in this model
+    for r in dist_run(2, _gradient_peak, stage, 2):
+        assert r["after"][0] == 4 * P  # inside no_sync: every full gradient, nothing reduced yet
+        assert 4 * P <= r["peak"] <= many and r["final"] == one
+    if stage == 2:
+        for r in dist_run(2, _gradient_peak, stage, 1):
+            assert r["final"] == one and r["peak"] <= one + 2 * r["staging"] < 4 * P

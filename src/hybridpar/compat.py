@@ -12,6 +12,7 @@ Checked on: torch 2.13.0 (CPU build).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -222,3 +223,33 @@ def saved_tensor_hooks_active() -> bool:
     Checked on: torch 2.13.0.
     """
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """What ``torch.compile`` did in this process so far: ``seconds`` compiling (dynamo's frame
+    compiles plus AOT backward compiles), ``graphs`` captured and ``graph_breaks``."""
+
+    seconds: float
+    graphs: int
+    graph_breaks: int
+
+
+def compile_stats() -> CompileStats:
+    """This process's compile time, graph and graph-break counts (``train.compile`` reports them).
+
+    Why private: ``torch._dynamo.utils.calculate_time_spent`` and ``counters`` are what
+    ``TORCH_LOGS`` and ``torch._dynamo.utils.compile_times`` print; torch has no public API for
+    the numbers.
+
+    Checked on: torch 2.13.0.
+    """
+    from torch._dynamo import utils
+
+    spent = utils.calculate_time_spent()
+    return CompileStats(seconds=float(spent.get("total_wall_time", 0.0)),
+                        graphs=int(utils.counters["stats"]["unique_graphs"]),
+                        graph_breaks=int(sum(utils.counters["graph_break"].values())))

@@ -250,6 +250,8 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 0  # keep the newest K complete checkpoints, delete older ones; 0 = keep all
     async_checkpoint: bool = False  # copy checkpoints to host memory and write them in a background thread
+    compile: bool = False  # torch.compile each transformer block (regional compilation)
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # aot_eager: traced graphs, eager kernels
     run_dir: str = "runs/default"
     data: str = "builtin"
     sample_tokens: int = 200

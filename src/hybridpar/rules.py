@@ -12,6 +12,8 @@ Rules run in order: a rule may assume the ones before it hold (positive sizes fi
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -193,6 +195,19 @@ def _train_settings(cfg: Config, world: int | None) -> str | None:
         return f"train.timeout_s = {t.timeout_s} must be > 0 seconds"
     if t.grad_clip < 0:
         return f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)"
+    return None
+
+
+@rule("train-compile-cxx")
+def _compile_cxx(cfg: Config, world: int | None) -> str | None:
+    # inductor writes C++ (CPU kernels, and the host code of GPU ones) and builds it with the
+    # compiler in $CXX or g++; without one the first step would fail deep inside torch
+    t = cfg.train
+    if t.compile and t.compile_backend == "inductor" and not any(
+            shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c):
+        return ("train.compile = true with train.compile_backend = 'inductor' needs a C++ compiler (set $CXX, or "
+                "install g++), and none was found on PATH; install one, or set train.compile_backend = "
+                "'aot_eager' (traced graphs, eager kernels) or train.compile = false")
     return None
 
 

@@ -200,6 +200,11 @@ def _reduce_op(op: str, t: torch.Tensor) -> dist.ReduceOp:
     raise ValueError(f"unknown reduction op={op!r}; use 'sum', 'avg' or 'max'")
 
 
+#: Collectives run outside compiled graphs (``train.compile``): a call is a graph break, never traced,
+#: so dynamo neither guards on the traffic counter nor reorders communication.
+_outside_graphs = torch.compiler.disable(recursive=True)
+
+
 class Comm:
     """Issues collectives and p2p on mesh axes and records their traffic in ``self.counter``."""
 
@@ -211,6 +216,7 @@ class Comm:
         return self.counter.record(op, axis.name, nbytes, peer=peer,
                                    wire=wire_bytes(op, nbytes, axis.size) if wire is None else wire)
 
+    @_outside_graphs
     def all_to_all(self, t: torch.Tensor, axis: Axis, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
         """Rows ``t[sum(send[:r]) : sum(send[:r + 1])]`` go to local rank ``r``; returns the
         rows received, ``recv[s]`` of them from rank ``s``, in source order (variable splits:
@@ -231,6 +237,7 @@ class Comm:
         rec.done = True
         return out
 
+    @_outside_graphs
     def all_reduce(self, t: torch.Tensor, axis: Axis, op: ReduceName = "sum") -> torch.Tensor:
         """In place: every rank of ``axis`` ends with the elementwise sum / mean / max of ``t``
         over the group. Returns ``t``."""
@@ -244,6 +251,7 @@ class Comm:
         rec.done = True
         return t
 
+    @_outside_graphs
     def all_reduce_async(self, t: torch.Tensor, axis: Axis) -> Pending:
         """Start an in-place sum of ``t`` over ``axis`` and return at once; ``wait()`` the result
         before reading ``t``. Lets gradient buckets reduce while backward keeps computing."""
@@ -253,6 +261,7 @@ class Comm:
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
         return Pending([work], [rec])
 
+    @_outside_graphs
     def all_gather(self, t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
         """The shards ``t`` of all ranks of ``axis``, concatenated along ``dim`` in local-rank
         order (same shape on every rank). Returns ``t`` itself on a size-1 axis."""
@@ -267,6 +276,7 @@ class Comm:
         rec.done = True
         return out
 
+    @_outside_graphs
     def reduce_scatter(self, t: torch.Tensor, axis: Axis, dim: int = 0,
                        op: Literal["sum", "avg"] = "sum") -> torch.Tensor:
         """Reduce ``t`` (same shape on every rank) over ``axis`` and return this rank's chunk:
@@ -291,6 +301,7 @@ class Comm:
         rec.done = True
         return out
 
+    @_outside_graphs
     def hierarchical_all_reduce(self, t: torch.Tensor, intra: Axis, inter: Axis) -> torch.Tensor:
         """In place sum of ``t`` over ``intra`` x ``inter`` in three levels: reduce-scatter
         inside the node (``intra``), all-reduce of this rank's 1/intra share across nodes
@@ -307,6 +318,7 @@ class Comm:
         t.view(-1).copy_(full[: flat.numel()])
         return t
 
+    @_outside_graphs
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, axis: Axis, *,
                         async_op: bool = False) -> Pending:
         """Flat all-gather into a caller-owned buffer: ``out`` (``axis.size * shard.numel()``
@@ -319,6 +331,7 @@ class Comm:
         return self._flat(Op.ALL_GATHER, out, shard, axis, async_op,
                           lambda o, i: _all_gather_flat(o, i, group=axis.group, async_op=True))
 
+    @_outside_graphs
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, axis: Axis, *,
                             async_op: bool = False) -> Pending:
         """Flat reduce-scatter (sum) into a caller-owned buffer: ``out`` (``t.numel() /
@@ -346,6 +359,7 @@ class Comm:
             pending.wait()
         return pending
 
+    @_outside_graphs
     def broadcast(self, t: torch.Tensor, axis: Axis, src: int) -> torch.Tensor:
         """In place: every rank of ``axis`` gets the ``t`` of local rank ``src``. Returns ``t``."""
         if axis.size == 1:
@@ -359,6 +373,7 @@ class Comm:
         if peer not in axis.ranks or peer == axis.global_rank(axis.rank):
             raise ValueError(f"peer {peer} is not another rank of the {axis.name} group {list(axis.ranks)}")
 
+    @_outside_graphs
     def send(self, t: torch.Tensor, peer: int, axis: Axis) -> None:
         """Blocking send of ``t`` to global rank ``peer`` (a rank of this ``axis`` group)."""
         if axis.size == 1:
@@ -368,6 +383,7 @@ class Comm:
         dist.send(t.contiguous(), dst=peer, group=axis.group)
         rec.done = True
 
+    @_outside_graphs
     def recv(self, t: torch.Tensor, peer: int, axis: Axis) -> torch.Tensor:
         """Blocking receive into contiguous ``t`` from global rank ``peer``. Returns ``t``."""
         if axis.size == 1:
@@ -380,6 +396,7 @@ class Comm:
         rec.done = True
         return t
 
+    @_outside_graphs
     def batch_p2p(self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor, int]],
                   axis: Axis, *, wait: bool = True) -> Pending:
         """Post all ``(kind, tensor, peer global rank)`` sends and receives at once (no ordering
@@ -416,6 +433,7 @@ class Comm:
             raise ValueError(f"batch_p2p kind {kind!r}; use 'send' or 'recv'")
         return fn, t, peer, self._record(op, axis, _nbytes(t), peer=peer)
 
+    @_outside_graphs
     def barrier(self, axis: Axis | None = None) -> None:
         """Wait until every rank of ``axis`` (all ranks when None) gets here."""
         if axis is None:

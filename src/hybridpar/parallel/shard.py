@@ -266,6 +266,11 @@ class GradShard:
         if not self.keep_full:
             p.grad = None
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a reduce-scatter was started and not finished."""
+        return self._pending is not None
+
     def launch(self) -> None:
         """Pack whatever has not arrived (unused parameters count as zero) and start the sum."""
         if self._pending is not None:

@@ -405,20 +405,34 @@ class ShardedState(_Grouped):
                 if p.requires_grad:
                     self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(grads, i)))
         self._param_pieces = ShardMesh(None, outer, named[0][1].device.type)
+        self._in_flight: GradShard | None = None  # the bucket whose reduce-scatter runs now
 
     def _grad_hook(self, grads: GradShard, i: int) -> Callable[[torch.Tensor], None]:
         def hook(_p: torch.Tensor) -> None:
             grads.note_grad()
             if self.sync:
                 grads.on_grad(i)
+                if grads.in_flight and self._in_flight is not grads:
+                    self._one_in_flight(grads)
         return hook
 
+    def _one_in_flight(self, grads: GradShard) -> None:
+        """A bucket just started its reduce-scatter: end the previous one's (it had this bucket's
+        backward to finish in), so its staging buffer, the size of the bucket's full gradients,
+        is freed. Without this every bucket's staging stayed until the step's end, and ZeRO-2
+        held a full gradient's worth at the peak, like ZeRO-1."""
+        if self._in_flight is not None:
+            self._in_flight.finish()
+        self._in_flight = grads
+
     def zero_grad(self) -> None:
+        self._in_flight = None
         for g in self.groups:
             g.grads.zero()
             self._clear_opt_grads(g)
 
     def finish(self) -> None:
+        self._in_flight = None
         for g in self.groups:
             g.grads.finish()
 

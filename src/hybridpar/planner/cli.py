@@ -7,16 +7,28 @@ Answers in about a second without a GPU: the memory model (:mod:`.memory`), the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
 
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
-from hybridpar.planner.layout import Workload, parse_layout
+from hybridpar.planner.layout import Workload, model_key, parse_layout
 from hybridpar.planner.memory import COMPONENTS
 from hybridpar.planner.moe import DEFAULT_IMBALANCE, imbalance_from_run, rank_load
-from hybridpar.planner.search import Evaluation, complete, expert_degrees, search, with_cost
+from hybridpar.planner.search import (
+    Evaluation,
+    SearchResult,
+    complete,
+    evaluate,
+    expert_degrees,
+    schedules,
+    search,
+    with_cost,
+)
+from hybridpar.planner.shapes import layer_partition, v_shaped
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,6 +130,55 @@ def explain(ev: Evaluation, moe: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _runs(counts: list[int]) -> str:
+    """``[2, 2, 2, 1, 1]`` -> ``"2 x3, 1 x2"`` (run lengths, in order)."""
+    return ", ".join(f"{k} x{len(list(g))}" for k, g in itertools.groupby(counts))
+
+
+def pipeline_reasons(model: ModelConfig, ev: Evaluation, work: Workload, cluster: Cluster) -> list[str]:
+    """How layout ``ev``'s pipeline stages split the layers, and what the other schedules would
+    take on the same axes (nothing without pp)."""
+    L, c = ev.layout, ev.cost
+    if L.pp == 1 or c is None:
+        return []
+    part = layer_partition(model_key(model), L.pp, L.virtual_stages, v_shaped(L.pipeline_schedule))
+    counts = [len(ch.layers) for ch in part.chunks]
+    even = "" if model.n_layers % len(counts) == 0 else f" ({model.n_layers} does not divide by {len(counts)})"
+    lines = [f"stages: {model.n_layers} layers in {len(counts)} chunks{even}, balanced by matmul FLOPs with the "
+             f"embedding first and the head last: layers per chunk {_runs(counts)}; the heaviest chunk is "
+             f"{part.imbalance:.2f}x the mean"]
+    alts = []
+    for sched, v in schedules(model, L.pp, L.microbatches(work.global_batch)):
+        if (sched, v) == (L.pipeline_schedule, L.virtual_stages):
+            continue
+        other = evaluate(model, dataclasses.replace(L, pipeline_schedule=sched, virtual_stages=v), work, cluster)
+        if other.rule is None and other.cost is not None:
+            alts.append(f"{sched}{f' x{v}' if v > 1 else ''} {other.cost.step_time_s:.3f} s (bubble "
+                        f"{100 * other.cost.bubble_fraction:.1f}%{'' if other.fits else ', does not fit'})")
+    name = L.pipeline_schedule + (f" x{L.virtual_stages}" if L.virtual_stages > 1 else "")
+    lines.append(f"schedule: {name}, bubble {100 * c.bubble_fraction:.1f}% of the step"
+                 + (f"; on the same axes {'; '.join(alts)}" if alts else ""))
+    return lines
+
+
+def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Cluster) -> list[str]:
+    """Why the best layout is first: its margin over the next, its memory, how the pipeline
+    stages split the layers, and what the other schedules would take on the same axes."""
+    best = result.ranked[0]
+    L, c, m = best.layout, best.cost, best.memory
+    assert c is not None and m is not None
+    label = f"{L.short()} {L.pipeline_schedule}" + (f" x{L.virtual_stages}" if L.virtual_stages > 1 else "")
+    lines = [f"fastest of {result.fitting} fitting layouts: {c.step_time_s:.3f} s per step"]
+    if len(result.ranked) > 1 and result.ranked[1].cost is not None:
+        nxt = result.ranked[1]
+        lines[0] += (f"; the next, {nxt.layout.short()} {nxt.layout.pipeline_schedule}, {nxt.cost.step_time_s:.3f} s "
+                     f"(+{100 * (nxt.cost.step_time_s / c.step_time_s - 1):.1f}%)")
+    lines.append(f"memory {m.total / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB on the worst pipeline rank "
+                 f"(ZeRO-{L.zero_stage}, recompute {L.recompute})")
+    lines += pipeline_reasons(model, best, work, cluster)
+    return [f"why {label}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
+
+
 def cmd_plan(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     model = load_model(args.model)
@@ -137,6 +198,7 @@ def cmd_plan(argv: list[str]) -> int:
                               "alternatives": [e.to_json() for e in tried if e is not best]}, indent=1))
         else:
             print(explain(best, moe))
+            print("\n".join(pipeline_reasons(model, best, work, cluster)))
             if moe and best.cost is not None:
                 print(explain_ep(model, best, work, cluster, imbalance, source))
         return 0 if best.fits else 1
@@ -146,6 +208,8 @@ def cmd_plan(argv: list[str]) -> int:
                "too_big": [with_cost(e, model, work, cluster).to_json()
                            for e in sorted(result.too_big, key=lambda e: e.shortfall_gib)[:args.top]],
                "rejected": {rule: len(ls) for rule, ls in result.rejected_rules.items()}}
+        if result.ranked:
+            doc["why"] = why(model, result, work, cluster)
         print(json.dumps(doc, indent=1))
         return 0 if result.ranked else 1
     if not result.ranked:
@@ -165,6 +229,7 @@ def cmd_plan(argv: list[str]) -> int:
     print(f"\n{result.fitting} layouts fit; {len(result.too_big)} do not fit; "
           f"{sum(map(len, result.rejected_rules.values()))} break a rule")
     best = result.ranked[0]
+    print("\n".join(why(model, result, work, cluster)))
     if moe:
         print(explain_ep(model, best, work, cluster, imbalance, source))
     if best.note:

@@ -13,7 +13,11 @@ row blocks (:mod:`hybridpar.parallel.shard`), so the worst rank holds the rounde
 ZeRO-3 under pipeline parallelism gathers each chunk once per step and keeps it until its last
 backward, gradients accumulating unsharded (:class:`hybridpar.parallel.zero3.StageSharded`): at
 the peak, before the first chunk is released, the rank holds its shards plus the full parameters
-and gradients of all its chunks.
+and gradients of all its chunks. ZeRO-2 and ZeRO-3 save gradient memory only with one micro-batch
+per step: with gradient accumulation (or ZeRO-2 under pp) the micro-batches but the last run in
+``no_sync`` and their full gradients add up locally, as FSDP's ``no_sync``, so at the peak the rank
+holds the full gradients and the shard they are reduce-scattered into (``tests/test_zero.py``
+measures it).
 Offload moves the optimizer state, with the fp32 masters and host gradient copy it keeps, to
 host memory (reported as ``cpu_gib``), or with ``offload_to = "disk"`` to files (``disk_gib``,
 resident only while a group updates); ``offload_params`` moves the ZeRO-3 shards there too. int8 gradient
@@ -100,7 +104,8 @@ class ModelStates:
 
 
 def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: bool,
-            offload_to: str = "cpu", offload_params: bool = False, pipelined: bool = False) -> ModelStates:
+            offload_to: str = "cpu", offload_params: bool = False, pipelined: bool = False,
+            accumulates: bool = False) -> ModelStates:
     opt_per = 8 if param_bytes == 4 else 12  # Adam m, v (+ fp32 master with half params)
     params = param_bytes * (shard if zero_stage >= 3 else full)
     grads = param_bytes * (shard if zero_stage >= 2 else full)
@@ -108,6 +113,8 @@ def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: b
     if zero_stage == 3 and pipelined:  # ZeRO-3 x pp at its peak (before the first chunk's release):
         params += param_bytes * full  # the rank's chunks gathered for the whole step,
         grads = param_bytes * full  # their gradients accumulated unsharded over the micro-batches
+    elif zero_stage >= 2 and (accumulates or pipelined):  # no_sync: full gradients add up locally over
+        grads = param_bytes * (full + shard)  # the micro-batches; the last one reduce-scatters them into the shard
     if not offload:
         return ModelStates(params, grads, opt, 0)
     # offload keeps fp32 masters and a host gradient copy with the state (parallel/zero_stages.py)
@@ -119,9 +126,10 @@ def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: b
 
 
 def model_state_bytes(shapes: list[tuple[int, ...]], dp: int, zero_stage: int, param_bytes: int,
-                      offload: bool = False) -> ModelStates:
-    """Parameter, gradient and optimizer bytes of one rank holding ``shapes`` (see module doc)."""
-    return _states(numel(shapes), numel(shapes, dp), zero_stage, param_bytes, offload)
+                      offload: bool = False, accumulates: bool = False) -> ModelStates:
+    """Parameter, gradient and optimizer bytes of one rank holding ``shapes`` (see module doc);
+    ``accumulates``: more than one micro-batch per step."""
+    return _states(numel(shapes), numel(shapes, dp), zero_stage, param_bytes, offload, accumulates=accumulates)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -496,7 +504,7 @@ def _rank_parts(key: ModelKey, L: Layout, work: Workload,
                 pp_rank: int) -> tuple[ModelStates, tuple[float, float, int]]:
     full, shard = rank_state_numels(key, L, pp_rank)
     st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer, L.offload_to, L.offload_params,
-                 pipelined=L.pp > 1)
+                 pipelined=L.pp > 1, accumulates=L.microbatches(work.global_batch) > 1)
     if L.grad_compression == "int8" and L.dp * L.cp > 1:  # error feedback: fp32, gradient-sized
         st = dataclasses.replace(st, grads=st.grads + int8_residual_bytes(full, L.dp * L.cp, L.zero_stage))
     if L.pipeline_schedule == "2bw" and L.pp > 1:  # PipeDream-2BW: the stage's second weight version

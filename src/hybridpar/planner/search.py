@@ -218,12 +218,15 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
         done: dict[object, Evaluation] = {}
         order = list(zeros)
         if order == list(ZERO):
-            # ZeRO 0, 1, 2 hold ever less (equal amounts at dp x cp = 1: ZeRO shards over both):
-            # if the least of them does not fit, neither do the others, and it is also the smallest
-            z = 0 if int(fixed["dp"]) * int(fixed["cp"]) == 1 else 2  # type: ignore[call-overload]
-            done[z] = _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)
-            if done[z].rule is None and not done[z].fits:
-                order = [z, 3]
+            # ZeRO-1 holds less than ZeRO-0 (equal at dp x cp = 1: ZeRO shards over both), and
+            # ZeRO-2 less than ZeRO-1 with one micro-batch per step but more with accumulation
+            # (the full gradients plus their shard): if the least of them does not fit, neither
+            # do the others
+            least = [0] if int(fixed["dp"]) * int(fixed["cp"]) == 1 else [1, 2]  # type: ignore[call-overload]
+            for z in least:
+                done[z] = _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)
+            if all(done[z].rule is None and not done[z].fits for z in least):
+                order = [*least, 3]
         fits = []
         for z in order:
             ev = done[z] if z in done else _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)

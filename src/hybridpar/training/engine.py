@@ -26,6 +26,7 @@ from hybridpar.models.hf import init_from_hf
 from hybridpar.models.lazy import Narrowed
 from hybridpar.models.moe import moe_layers, update_balance_bias
 from hybridpar.models.registry import family_of
+from hybridpar.parallel.compile import compile_blocks
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import enable_context_parallel
 from hybridpar.parallel.experts import expert_param_names, expert_units, sum_over_axes
@@ -73,6 +74,8 @@ class Engine(StepEngine):
             init_from_hf(model, t.init_from, m, read=self._read_shard)
         self.cp = (enable_context_parallel(model, topo.cp, family.attention_modules(model))
                    if topo.cp.size > 1 else None)
+        # train.compile: the blocks' math; recomputation (below) reruns the compiled forward
+        self.compiled = compile_blocks(family.blocks(model), t.compile_backend) if t.compile else 0
         # after cp: selective reruns ring attention's core too
         apply_recompute(model, p.recompute, family.blocks(model), family.attention_modules(model))
         self.model = model

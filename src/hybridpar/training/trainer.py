@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hybridpar.compat import compile_stats
 from hybridpar.config import Config
 from hybridpar.data.corpus import WindowSampler
 from hybridpar.data.errors import check_vocab
@@ -73,6 +74,7 @@ class Trainer:
         # train.async_checkpoint: a thread copies each save to host memory and writes it
         self.writer = BackgroundWriter(topo, t.timeout_s) if t.async_checkpoint else None
         self.checkpoint_stalls: list[tuple[int, float]] = []  # (step, seconds training waited to save it)
+        self.compile_s: float | None = None  # train.compile: seconds the first step spent compiling
 
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int,
@@ -230,6 +232,8 @@ class Trainer:
                 with traffic.measure(step):  # the summary reports the last step's traffic per axis
                     result = self.train_step(step)
                 meter.count_step()
+                if step == start + 1 and self.engine.compiled:  # step 1 is logged, so its window ends there
+                    log.write(self.compile_report())
                 losses.observe(step, result.loss)
                 evaluating = evaluation.due(step)
                 if log_due(step, t.log_every, t.steps) or evaluating:
@@ -251,6 +255,17 @@ class Trainer:
                       f"per checkpoint ({len(waits)} before the last)")
         log.close()
         return self._finish(log, losses, evaluation.val_loss, traffic.bytes)
+
+    def compile_report(self) -> str:
+        """``train.compile``: what the first step compiled and how long that took, the most of any
+        rank (ranks compile different pieces: pipeline stages, graph breaks). Collective."""
+        stats = compile_stats()
+        worst = torch.tensor([stats.seconds, stats.graphs, stats.graph_breaks], dtype=torch.float64,
+                             device=self.device)
+        seconds, graphs, breaks = self.topo.comm.all_reduce(worst, self.topo.world, op="max").tolist()
+        self.compile_s = seconds
+        return (f"compiled {self.engine.compiled} blocks ({self.cfg.train.compile_backend}): {seconds:.1f} s "
+                f"compiling in the first step (the slowest rank), {int(graphs)} graphs, {int(breaks)} graph breaks")
 
     def _start(self, resume: Path | None) -> int:
         """Load checkpoint ``resume`` if given and prepare the run directory (rank 0: a fresh
@@ -282,6 +297,8 @@ class Trainer:
         if self.elastic is not None:
             summary["layout_changes"] = elastic.history(self.run_dir)
         summary["traffic_bytes_per_step"] = traffic
+        if self.compile_s is not None:
+            summary["compile_s"] = round(self.compile_s, 2)
         summary["peak_memory_bytes_per_rank"] = memory
         if self.expert_imbalance:  # MoE: max/mean tokens per expert over the run's steps
             per_layer = torch.tensor(self.expert_imbalance).mean(0).tolist()

@@ -158,6 +158,12 @@ def _linear_args(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> t
     return input, weight, bias
 
 
+#: The split runs outside compiled graphs (``train.compile``): a compiled block graph-breaks at each
+#: linear layer's hooks and at its ``F.linear``, so the deferred linears are built eagerly as
+#: above and only the code between them (norms, attention, activations) is compiled.
+_eager = torch.compiler.disable(recursive=True)
+
+
 class _DeferLinear(TorchFunctionMode):
     """Turns ``F.linear`` on a deferrable weight into a deferred linear (active only inside the
     forward of a linear layer, by :class:`WeightGradSplit`'s module hooks)."""
@@ -166,6 +172,7 @@ class _DeferLinear(TorchFunctionMode):
         super().__init__()
         self.split = split
 
+    @_eager
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.linear and torch.is_grad_enabled():
@@ -201,12 +208,14 @@ class WeightGradSplit:
                     self._handles.append(module.register_forward_pre_hook(self._enter))
                     self._handles.append(module.register_forward_hook(self._exit, always_call=True))
 
+    @_eager
     def _enter(self, module: nn.Module, args: Any) -> None:
         if self.active:
             if self._depth == 0:
                 self._mode.__enter__()
             self._depth += 1
 
+    @_eager
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.active and self._depth:
             self._depth -= 1
