@@ -24,17 +24,20 @@ noise hits both alike.
   keeps (set when the first runner is built); the B and W of a pair the runner fuses
   (:func:`hybridpar.parallel.pipeline.runtime.fused_backward`) stay out of the mean B and W.
 
-  Measured here (2 cores, --pp 2 --microbatches 4, four runs started on an idle machine; in the
-  last one other processes used under 1 s of CPU during its 70 s): ZB-H1 0.86-0.91x our 1F1B,
-  ZBV 0.93-0.99x our ZB-H1; against torch, best over best, GPipe 0.98-0.99, 1F1B 0.98-1.005,
-  interleaved 0.97-0.99, ZB-H1 0.97-1.01, ZBV 0.98-1.01 (DualPipeV 0.96-0.98 next to our ZBV):
-  parity within the run-to-run noise of about 1%. Two causes made ZBV no faster than ZB-H1 and
-  ~2% slower than torch's before: glibc's malloc handed the memory a step freed back to the
-  kernel, and each step took ~10,000 pages back with page faults (20-30 ms of system time per
-  650 ms ZBV step, mostly in W, whose weight-gradient temporaries are allocated while little is
-  freed); and the W split's per-linear bookkeeping, ~1.5 ms per 4 linear layers per micro-batch
-  over F, B and W (torch's forward has none), now skipped where B and W run back to back and
-  cheaper in F elsewhere.
+  Measured here (2 cores, --pp 2 --microbatches 4, six runs each started on an idle machine;
+  in the three checked, other processes used under 2 s of CPU during the 70 s): ZB-H1 0.86-0.91x
+  our 1F1B, ZBV 0.93-1.00x our ZB-H1 (best of 5 each; the simulator says 0.96 at equal F, B, W);
+  against torch, best over best, GPipe 0.96-0.99, 1F1B 0.97-1.005, interleaved 0.97-1.02, ZB-H1
+  0.97-1.02, ZBV 0.98-1.01 (DualPipeV 0.96-0.98 next to our ZBV): parity, within the run-to-run
+  noise of about 1.5%. The code before these changes, in four clean runs alternating with them:
+  ZBV 0.95-0.99x ZB-H1, against torch ZBV 0.98-1.03 and DualPipeV 0.99-1.01, the rest alike.
+  What had cost time, from per-action CPU profiles (thread CPU time and page faults per F, B, W):
+  glibc's malloc handed the memory a step freed back to the kernel, and each step took ~10,000
+  pages back with page faults (20-30 ms of system time per 650 ms ZBV step, mostly in W, whose
+  weight-gradient temporaries are allocated while little is freed; torch's runs in the same
+  process were hit too, less); and the W split's per-linear bookkeeping, ~1.5 ms per 4 linear
+  layers per micro-batch over F, B and W (torch's forward has none), now skipped where B and W
+  run back to back and cheaper in F elsewhere.
 
 Both modes also run PipeDream-2BW (:mod:`hybridpar.parallel.pipeline.twobw`) beside our 1F1B, in
 alternation: its steady step (a batch, plus the next batch's warm-up forwards) against a 1F1B step
