@@ -25,7 +25,7 @@ noise hits both alike.
   (:func:`hybridpar.parallel.pipeline.runtime.fused_backward`) stay out of the mean B and W.
 
   Measured here (2 cores, --pp 2 --microbatches 4, six runs each started on an idle machine;
-  in the three checked, other processes used under 2 s of CPU during the 70 s): ZB-H1 0.86-0.91x
+  in the three checked, other processes used at most ~2 s of CPU during the 70 s): ZB-H1 0.86-0.91x
   our 1F1B, ZBV 0.93-1.00x our ZB-H1 (best of 5 each; the simulator says 0.96 at equal F, B, W);
   against torch, best over best, GPipe 0.96-0.99, 1F1B 0.97-1.005, interleaved 0.97-1.02, ZB-H1
   0.97-1.02, ZBV 0.98-1.01 (DualPipeV 0.96-0.98 next to our ZBV): parity, within the run-to-run

@@ -152,7 +152,7 @@ def keep_host_heap() -> bool:
     heap exceeds ``M_TRIM_THRESHOLD`` (dynamic: twice the largest freed mmapped block, a few MB
     for these tensors), and serves blocks above ``M_MMAP_THRESHOLD`` from fresh mappings. A step
     that frees and re-allocates tens of MB of activations and gradients then takes every page back
-    from the kernel with a page fault (zeroed, ~2.5 us per 4 KiB). Measured on the
+    from the kernel with a page fault (zeroed, ~2 us per 4 KiB). Measured on the
     ``benchmarks/pipeline.py --compute`` stages (pp=2, M=4): ~10,000 faults and 20-30 ms of system
     time per 650 ms ZBV step, mostly in W, whose weight-gradient temporaries are allocated while
     little else is being freed; 0-300 with both thresholds fixed at 1 GiB (which also turns the
