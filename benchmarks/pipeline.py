@@ -24,13 +24,14 @@ noise hits both alike.
   keeps (set when the first runner is built); the B and W of a pair the runner fuses
   (:func:`hybridpar.parallel.pipeline.runtime.fused_backward`) stay out of the mean B and W.
 
-  Measured here (2 cores, --pp 2 --microbatches 4, six runs each started on an idle machine;
-  in the three checked, other processes used at most ~2 s of CPU during the 70 s): ZB-H1 0.86-0.91x
+  Measured here (2 cores, --pp 2 --microbatches 4, seven runs each started on an idle machine;
+  in the four checked, other processes used at most ~2 s of CPU during the 70 s): ZB-H1 0.85-0.91x
   our 1F1B, ZBV 0.93-1.00x our ZB-H1 (best of 5 each; the simulator says 0.96 at equal F, B, W);
   against torch, best over best, GPipe 0.96-0.99, 1F1B 0.97-1.005, interleaved 0.97-1.02, ZB-H1
   0.97-1.02, ZBV 0.98-1.01 (DualPipeV 0.96-0.98 next to our ZBV): parity, within the run-to-run
-  noise of about 1.5%. The code before these changes, in four clean runs alternating with them:
-  ZBV 0.95-0.99x ZB-H1, against torch ZBV 0.98-1.03 and DualPipeV 0.99-1.01, the rest alike.
+  noise of about 1.5%; the last run met every target. The code before these changes, in five
+  clean runs alternating with them: ZBV 0.95-0.99x ZB-H1, against torch ZBV 0.98-1.06 and
+  DualPipeV 0.99-1.01, the rest alike; system CPU time over a whole run 5.3-5.8 s (3.2-3.4 s now).
   What had cost time, from per-action CPU profiles (thread CPU time and page faults per F, B, W):
   glibc's malloc handed the memory a step freed back to the kernel, and each step took ~10,000
   pages back with page faults (20-30 ms of system time per 650 ms ZBV step, mostly in W, whose
