@@ -19,7 +19,26 @@ noise hits both alike.
   has a core of its own: run it with pp <= the free cores. Targets: ZB-H1 <= 0.92x our 1F1B at
   pp=2, M=4 (T_F = T_B = T_W gives (3M + p - 1) / (3M + 3(p - 1)) = 0.87 ideally), ZBV <= our
   ZB-H1, each <= 1.0x torch's matching schedule, simulator (with the F/B/W durations and p2p
-  latency measured in the same run) within 5% of the measured makespan.
+  latency measured in the same run) within 5% of the measured makespan. Both runtimes share each
+  rank's process, so both run on the heap :func:`hybridpar.distributed.device.keep_host_heap`
+  keeps (set when the first runner is built); the B and W of a pair the runner fuses
+  (:func:`hybridpar.parallel.pipeline.runtime.fused_backward`) stay out of the mean B and W.
+
+  Measured here (2 cores, --pp 2 --microbatches 4, seven runs each started on an idle machine;
+  in the four checked, other processes used at most ~2 s of CPU during the 70 s): ZB-H1 0.85-0.91x
+  our 1F1B, ZBV 0.93-1.00x our ZB-H1 (best of 5 each; the simulator says 0.96 at equal F, B, W);
+  against torch, best over best, GPipe 0.96-0.99, 1F1B 0.97-1.005, interleaved 0.97-1.02, ZB-H1
+  0.97-1.02, ZBV 0.98-1.01 (DualPipeV 0.96-0.98 next to our ZBV): parity, within the run-to-run
+  noise of about 1.5%; the last run met every target. The code before these changes, in five
+  clean runs alternating with them: ZBV 0.95-0.99x ZB-H1, against torch ZBV 0.98-1.06 and
+  DualPipeV 0.99-1.01, the rest alike; system CPU time over a whole run 5.3-5.8 s (3.2-3.4 s now).
+  What had cost time, from per-action CPU profiles (thread CPU time and page faults per F, B, W):
+  glibc's malloc handed the memory a step freed back to the kernel, and each step took ~10,000
+  pages back with page faults (20-30 ms of system time per 650 ms ZBV step, mostly in W, whose
+  weight-gradient temporaries are allocated while little is freed; torch's runs in the same
+  process were hit too, less); and the W split's per-linear bookkeeping, ~1.5 ms per 4 linear
+  layers per micro-batch over F, B and W (torch's forward has none), now skipped where B and W
+  run back to back and cheaper in F elsewhere.
 
 Both modes also run PipeDream-2BW (:mod:`hybridpar.parallel.pipeline.twobw`) beside our 1F1B, in
 alternation: its steady step (a batch, plus the next batch's warm-up forwards) against a 1F1B step
@@ -69,7 +88,7 @@ from hybridpar.parallel.pipeline import (
     build_schedule,
     simulate,
 )
-from hybridpar.parallel.pipeline.runtime import PipelineRunner
+from hybridpar.parallel.pipeline.runtime import PipelineRunner, fused_backward
 from hybridpar.parallel.pipeline.schedules import build_two_bw_step
 from hybridpar.parallel.pipeline.timeline import plot_timeline
 from hybridpar.parallel.pipeline.twobw import TwoBWRunner
@@ -257,16 +276,20 @@ def worker(rank: int, pp: int, args: argparse.Namespace, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def measured_costs(timeline: Timeline, split: bool) -> Costs:
+def measured_costs(timeline: Timeline, split: bool, fused: frozenset[tuple[int, int]] = frozenset()) -> Costs:
     """Per-action costs as this machine really ran them: mean recorded F, B, W durations (sleeps
     overshoot under load) and, as p2p latency, the median delay between a producer's end and its
-    consumer's start on the next stage where the consumer was idle waiting for it."""
+    consumer's start on the next stage where the consumer was idle waiting for it. ``fused``: the
+    (micro-batch, stage) pairs whose B ran the full backward and whose W nothing (the runner's
+    :func:`fused_backward`, back to back in the schedule, as the simulator runs them): their B and
+    W durations are left out of the means."""
     durations: dict[ActionKind, list[float]] = defaultdict(list)
     when, free_at = {}, {}
     for row in timeline.ranks:
         prev_end = 0.0
         for iv in row:
-            durations[iv.action.kind].append(iv.end - iv.start)
+            if iv.action.kind is ActionKind.F or (iv.action.microbatch, iv.action.stage) not in fused:
+                durations[iv.action.kind].append(iv.end - iv.start)
             key = (iv.action.kind, iv.action.microbatch, iv.action.stage)
             when[key], free_at[key] = iv, prev_end
             prev_end = iv.end
@@ -288,14 +311,15 @@ def summarize(name: str, r: dict, sched: Any, args: argparse.Namespace) -> dict[
     ours, theirs = min(r["ours"]), min(r["torch"])
     # Simulator check, per repetition: the schedule simulated with that run's measured costs
     # against that run's recorded makespan.
-    costs = [measured_costs(tl, sched.split_backward) for tl in r["timelines"]]
+    fused = frozenset().union(*(fused_backward(sched, rank) for rank in range(pp)))
+    costs = [measured_costs(tl, sched.split_backward, fused) for tl in r["timelines"]]
     sim_err = statistics.median(simulate(sched, c).makespan / tl.makespan - 1
                                 for c, tl in zip(costs, r["timelines"], strict=True))
     # Overhead over the schedule's own ideal at this machine's real action durations (sleeps
     # overshoot under load): the same simulation with free transfers.
     over_meas = statistics.median(tl.makespan / simulate(sched, dataclasses.replace(c, p2p=0.0)).makespan
                                   for c, tl in zip(costs, r["timelines"], strict=True))
-    cal = measured_costs(r["timelines"][0], sched.split_backward)
+    cal = measured_costs(r["timelines"][0], sched.split_backward, fused)
     if args.plot:
         plot_timeline(r["timelines"][0], Path(args.plot) / f"pipeline-{name}.png",
                       f"recorded {sched.kind.value} pp={pp} V={v} M={m}")

@@ -185,6 +185,26 @@ def test_dtensor_like_wraps_a_copy_with_the_same_placements(dist_run):
     assert dist_run(2, _dtensor_like_on_rank) == [True, True]
 
 
+def test_saved_tensor_hooks_active_sees_checkpoint_and_explicit_hooks():
+    from torch.utils.checkpoint import checkpoint
+
+    from hybridpar.compat import saved_tensor_hooks_active
+
+    seen = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        seen.append(saved_tensor_hooks_active())
+        return x.sin()
+
+    assert not saved_tensor_hooks_active()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert saved_tensor_hooks_active()
+    assert not saved_tensor_hooks_active()
+    checkpoint(block, torch.ones(3, requires_grad=True), use_reentrant=False).sum().backward()
+    block(torch.ones(3))
+    assert seen == [True, True, False]  # forward and recomputation under checkpoint, then plain
+
+
 # ----------------------------------------------------------------------------- torch.compile
 
 

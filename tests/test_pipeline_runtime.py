@@ -16,7 +16,7 @@ from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.llama import Llama, LlamaChunk
 from hybridpar.parallel.pipeline import ActionKind, ScheduleError, build_schedule
-from hybridpar.parallel.pipeline.runtime import PipelineRunner
+from hybridpar.parallel.pipeline.runtime import PipelineRunner, fused_backward
 from hybridpar.parallel.pipeline.stages import (
     build_stage_modules,
     owned_named_parameters,
@@ -103,12 +103,16 @@ def test_pipeline_step_matches_single_process(dist_run, world, kind, v):
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
     assert [r["peak"] for r in results] == [r["promise"] for r in results]
-    # ZB-H1 keeps from B to W only the deferred linears' inputs and output gradients (formula in
-    # test_pipeline_wsplit); the other schedules keep nothing past B
+    # ZB-H1 and ZBV keep from B to W only the deferred linears' inputs and output gradients (formula
+    # in test_pipeline_wsplit); the other schedules keep nothing past B, nor does a rank whose every
+    # B is followed at once by its W with nothing to send (ZB-H1's first stage: one full backward)
     cfg, per_chunk = _cfg(n_layers, False), n_layers // (world * v)
+    sched = build_schedule(kind, world, v, m)
     assert [r["deferred_bytes"] for r in results] == [
         deferred_bytes(cfg, per_chunk, rank == world - 1 if kind == "zb-h1" else rank == 0, MB * SEQ)
-        if kind in ("zb-h1", "zbv") else 0 for rank in range(world)]
+        if kind in ("zb-h1", "zbv") and len(fused_backward(sched, rank)) < m * v else 0 for rank in range(world)]
+    if kind in ("zb-h1", "zbv"):
+        assert fused_backward(sched, 0) == {(mb, 0) for mb in range(m)}
     # The runtime ran the schedule's compute actions in order, and every p2p byte was counted:
     # each of the S-1 boundaries moves one activation and one gradient per micro-batch.
     assert all(r["order"] == r["computes"] for r in results)

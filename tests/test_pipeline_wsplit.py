@@ -11,6 +11,8 @@ work), and what B keeps for W is exactly each deferred linear's input and output
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,3 +127,34 @@ def test_a_linear_on_an_input_without_grad_is_not_deferred():
     with ws.backward():
         out.backward()
     assert deferred.linears == [] and lin.weight.grad is not None
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "permuted"])
+def test_held_bytes_and_gradients_alike_with_other_saved_tensor_hooks_around(contiguous):
+    """A linear whose input is saved as it is skips the pack hooks unless other saved-tensor hooks
+    are active (a checkpoint's); both ways W keeps the same storages (the input's, or the copy
+    the linear saves of a permuted one, and the output gradient) and the gradients equal plain
+    backward's bit for bit."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 5)
+    x0 = torch.randn(4, 3, 6) if contiguous else torch.randn(6, 3, 4).permute(2, 1, 0)
+    gy = torch.randn(4, 3, 5)
+    x = x0.clone().requires_grad_() if contiguous else x0.detach().requires_grad_()
+    lin(x).backward(gy)
+    ref = (x.grad, lin.weight.grad.clone(), lin.bias.grad.clone())
+    ws = WeightGradSplit([lin])
+    held = []
+    for outer in (False, True):
+        lin.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_() if contiguous else x0.detach().requires_grad_()
+        deferred = Deferred()
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with hooks if outer else contextlib.nullcontext(), ws.forward(deferred):
+            y = lin(x)
+        with ws.backward():
+            y.backward(gy)
+        held.append(deferred.held_bytes())
+        deferred.weight_grads()
+        assert torch.equal(x.grad, ref[0]) and torch.equal(lin.weight.grad, ref[1]) and torch.equal(lin.bias.grad, ref[2])
+    # the input (or its saved copy: same size) and the output gradient, in fp32
+    assert held == [4 * (x0.numel() + gy.numel())] * 2

@@ -211,6 +211,20 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def saved_tensor_hooks_active() -> bool:
+    """Whether a ``torch.autograd.graph.saved_tensors_hooks`` context (e.g. the one
+    ``torch.utils.checkpoint`` opens around a block's forward) is active on this thread, so
+    tensors autograd saves now go through its pack hook instead of being kept as they are.
+
+    Why private: ``torch._C._autograd._top_saved_tensors_default_hooks`` is the only way to ask;
+    the public context manager has no query. The W split (``parallel/pipeline/wsplit``) skips its
+    own pack hooks, one Python call per saved tensor, where none are needed.
+
+    Checked on: torch 2.13.0.
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 # ----------------------------------------------------------------------------- torch.compile
 
 

@@ -24,7 +24,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -400,27 +400,38 @@ class Comm:
     def batch_p2p(self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor, int]],
                   axis: Axis, *, wait: bool = True) -> Pending:
         """Post all ``(kind, tensor, peer global rank)`` sends and receives at once (no ordering
-        deadlocks, e.g. a ring exchange). With ``wait=False`` the caller waits on the result."""
+        deadlocks, e.g. a ring exchange). With ``wait=False`` the caller waits on the result.
+        A single transfer is posted as a plain ``isend``/``irecv`` (what a batch of one amounts to,
+        and what torch.distributed.pipelining posts), without the batch API's checks per call."""
         if axis.size == 1 or not ops:
             return Pending()
-        p2p, records = [], []
-        for kind, t, peer in ops:
-            self._check_peer(peer, axis)
-            if kind == "send":
-                fn, op = dist.isend, Op.SEND
-                t = t.contiguous()
-            elif kind == "recv":
-                fn, op = dist.irecv, Op.RECV
-                if not t.is_contiguous():
-                    raise ValueError("recv needs a contiguous buffer")
-            else:
-                raise ValueError(f"batch_p2p kind {kind!r}; use 'send' or 'recv'")
-            records.append(self._record(op, axis, _nbytes(t), peer=peer))
-            p2p.append(dist.P2POp(fn, t, peer=peer, group=axis.group))
-        pending = Pending(dist.batch_isend_irecv(p2p), records)
+        posted = [self._p2p_op(kind, t, peer, axis) for kind, t, peer in ops]
+        records = [rec for _, _, _, rec in posted]
+        if len(posted) == 1:
+            fn, t, peer, _ = posted[0]
+            works = [fn(t, peer, group=axis.group)]
+        else:
+            works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer=peer, group=axis.group) for fn, t, peer, _ in posted])
+        pending = Pending(works, records)
         if wait:
             pending.wait()
         return pending
+
+    def _p2p_op(self, kind: str, t: torch.Tensor, peer: int, axis: Axis
+                ) -> tuple[Callable[..., Any], torch.Tensor, int, OpRecord]:
+        """One transfer of :meth:`batch_p2p`, checked and counted: (isend or irecv, the tensor,
+        the peer, its record)."""
+        self._check_peer(peer, axis)
+        if kind == "send":
+            fn, op = dist.isend, Op.SEND
+            t = t.contiguous()
+        elif kind == "recv":
+            fn, op = dist.irecv, Op.RECV
+            if not t.is_contiguous():
+                raise ValueError("recv needs a contiguous buffer")
+        else:
+            raise ValueError(f"batch_p2p kind {kind!r}; use 'send' or 'recv'")
+        return fn, t, peer, self._record(op, axis, _nbytes(t), peer=peer)
 
     @_outside_graphs
     def barrier(self, axis: Axis | None = None) -> None:

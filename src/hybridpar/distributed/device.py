@@ -5,6 +5,7 @@ Generic code asks this module instead of calling ``torch.cuda`` so every path al
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import sys
@@ -133,3 +134,50 @@ def memory_bytes(device: torch.device) -> int:
 def local_rank() -> int:
     """This process's index on its node, from the launcher (0 without one)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_HEAP_KEPT = 1 << 30  # mallopt takes an int: 1 GiB
+_USER_MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD")
+KEEP_HOST_HEAP_ENV = "HYBRIDPAR_KEEP_HOST_HEAP"  # "0": leave glibc's malloc at its defaults
+_host_heap_kept: bool | None = None
+
+
+def keep_host_heap() -> bool:
+    """Have glibc's malloc keep the memory a training step frees for the next step instead of
+    returning it to the kernel; True when the setting is in effect (once per process).
+
+    Why: glibc gives freed heap memory back to the kernel once the free space at the top of the
+    heap exceeds ``M_TRIM_THRESHOLD`` (dynamic: twice the largest freed mmapped block, a few MB
+    for these tensors), and serves blocks above ``M_MMAP_THRESHOLD`` from fresh mappings. A step
+    that frees and re-allocates tens of MB of activations and gradients then takes every page back
+    from the kernel with a page fault (zeroed, ~2 us per 4 KiB). Measured on the
+    ``benchmarks/pipeline.py --compute`` stages (pp=2, M=4): ~10,000 faults and 20-30 ms of system
+    time per 650 ms ZBV step, mostly in W, whose weight-gradient temporaries are allocated while
+    little else is being freed; 0-300 with both thresholds fixed at 1 GiB (which also turns the
+    dynamic adjustment off). The cost: the process keeps its peak heap mapped (a training step
+    reaches that peak again every step).
+
+    Only with glibc on Linux, and not when the user tuned malloc (``MALLOC_*_`` variables,
+    ``GLIBC_TUNABLES`` with ``glibc.malloc``), preloads another allocator (``LD_PRELOAD``) or sets
+    ``HYBRIDPAR_KEEP_HOST_HEAP=0``.
+    """
+    global _host_heap_kept
+    if _host_heap_kept is not None:
+        return _host_heap_kept
+    _host_heap_kept = False
+    if not sys.platform.startswith("linux") or os.environ.get(KEEP_HOST_HEAP_ENV) == "0" \
+            or any(os.environ.get(k) for k in _USER_MALLOC_ENV) \
+            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt if hasattr(libc, "gnu_get_libc_version") else None  # glibc only (not musl)
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _host_heap_kept = bool(mallopt(_M_MMAP_THRESHOLD, _HEAP_KEPT)) and bool(mallopt(_M_TRIM_THRESHOLD, _HEAP_KEPT))
+    return _host_heap_kept
