@@ -211,6 +211,19 @@ def _compile_cxx(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("train-compile-capability")
+def _compile_capability(cfg: Config, world: int | None) -> str | None:
+    # torch 2.13's inductor emits at::vec code without its header when ATEN_CPU_CAPABILITY is
+    # "default" (no vector ISA): every CPU kernel then fails to build in the first step
+    t = cfg.train
+    if (t.compile and t.compile_backend == "inductor" and t.device != "cuda"
+            and os.environ.get("ATEN_CPU_CAPABILITY") == "default"):
+        return ("train.compile = true with train.compile_backend = 'inductor' cannot build CPU kernels while "
+                "ATEN_CPU_CAPABILITY=default (torch's inductor emits vector code for it anyway); unset "
+                "ATEN_CPU_CAPABILITY or set it to avx2/avx512, or use train.compile_backend = 'aot_eager'")
+    return None
+
+
 @rule("seq-len-fits-model")
 def _seq_len_fits(cfg: Config, world: int | None) -> str | None:
     t, m = cfg.train, cfg.model
