@@ -71,7 +71,10 @@ class _Linear:
     storages its inner nodes saved and (after B) its output gradient."""
 
     edge: GradientEdge
-    source: Tensor | None  # x', where the inner graph starts (B asks for its gradient)
+    # where x' enters the inner graph (B asks for its gradient): x' itself when the linear saves it
+    # anyway (a plain leaf), else the gradient edge, which does not keep x' alive until B (under
+    # autocast the linear saves only its half copy)
+    source: Tensor | GradientEdge | None
     params: tuple[Tensor, ...]
     saved: list[torch.UntypedStorage]  # what the inner nodes save, parameters left out
     grad: Tensor | None = None
@@ -269,7 +272,8 @@ class WeightGradSplit:
 
             with saved_tensors_hooks(pack, _unpack):  # saved for real, also inside a checkpoint
                 out = F.linear(inp, weight, bias)
-        lin = _Linear(GradientEdge(out.grad_fn, out.output_nr), inp, params, saved)
+        source = inp if leaf else GradientEdge(inp.grad_fn, inp.output_nr)
+        lin = _Linear(GradientEdge(out.grad_fn, out.output_nr), source, params, saved)
         if self.record is not None:
             self.record.linears.append(lin)
         return _Bridge.apply(x, out.detach(), lin)
