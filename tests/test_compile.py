@@ -120,7 +120,7 @@ def _vector_widths() -> list[int]:
 def test_inductor_matches_eager_at_every_vector_width(tmp_path_factory):
     """Inductor's generated kernels at each vector width this CPU has (AVX2 and AVX-512 here),
     chosen with inductor's own setting: under ATEN_CPU_CAPABILITY=default torch 2.13's inductor
-    emits vector code it cannot compile (rule train-compile-capability), so these widths are
+    emits vector code it cannot compile (rule train-compile-inductor), so these widths are
     swept here instead of by the Makefile's numerics passes."""
     tmp = str(tmp_path_factory.getbasetemp() / "layouts")
     ref = reference(tmp)

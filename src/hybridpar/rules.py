@@ -198,29 +198,23 @@ def _train_settings(cfg: Config, world: int | None) -> str | None:
     return None
 
 
-@rule("train-compile-cxx")
-def _compile_cxx(cfg: Config, world: int | None) -> str | None:
+@rule("train-compile-inductor")
+def _compile_inductor(cfg: Config, world: int | None) -> str | None:
     # inductor writes C++ (CPU kernels, and the host code of GPU ones) and builds it with the
-    # compiler in $CXX or g++; without one the first step would fail deep inside torch
+    # compiler in $CXX or g++; and torch 2.13's inductor emits at::vec code without its header
+    # when ATEN_CPU_CAPABILITY is "default" (no vector ISA). Either way the first step would fail
+    # deep inside torch.
     t = cfg.train
-    if t.compile and t.compile_backend == "inductor" and not any(
-            shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c):
-        return ("train.compile = true with train.compile_backend = 'inductor' needs a C++ compiler (set $CXX, or "
-                "install g++), and none was found on PATH; install one, or set train.compile_backend = "
-                "'aot_eager' (traced graphs, eager kernels) or train.compile = false")
-    return None
-
-
-@rule("train-compile-capability")
-def _compile_capability(cfg: Config, world: int | None) -> str | None:
-    # torch 2.13's inductor emits at::vec code without its header when ATEN_CPU_CAPABILITY is
-    # "default" (no vector ISA): every CPU kernel then fails to build in the first step
-    t = cfg.train
-    if (t.compile and t.compile_backend == "inductor" and t.device != "cuda"
-            and os.environ.get("ATEN_CPU_CAPABILITY") == "default"):
-        return ("train.compile = true with train.compile_backend = 'inductor' cannot build CPU kernels while "
-                "ATEN_CPU_CAPABILITY=default (torch's inductor emits vector code for it anyway); unset "
-                "ATEN_CPU_CAPABILITY or set it to avx2/avx512, or use train.compile_backend = 'aot_eager'")
+    if not (t.compile and t.compile_backend == "inductor"):
+        return None
+    prefix = "train.compile = true with train.compile_backend = 'inductor'"
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c):
+        return (f"{prefix} needs a C++ compiler (set $CXX, or install g++), and none was found on PATH; install "
+                "one, or set train.compile_backend = 'aot_eager' (traced graphs, eager kernels) or train.compile = false")
+    if t.device != "cuda" and os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        return (f"{prefix} cannot build CPU kernels while ATEN_CPU_CAPABILITY=default (torch's inductor emits vector "
+                "code for it anyway); unset ATEN_CPU_CAPABILITY or set it to avx2/avx512, or use "
+                "train.compile_backend = 'aot_eager'")
     return None
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
-from hybridpar.planner.layout import Workload, model_key, parse_layout
+from hybridpar.planner.layout import Layout, Workload, model_key, parse_layout
 from hybridpar.planner.memory import COMPONENTS
 from hybridpar.planner.moe import DEFAULT_IMBALANCE, imbalance_from_run, rank_load
 from hybridpar.planner.search import (
@@ -130,6 +130,11 @@ def explain(ev: Evaluation, moe: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _schedule(L: Layout) -> str:
+    """``zb-h1``, ``interleaved x4``: a layout's schedule as the explanations name it."""
+    return L.pipeline_schedule + (f" x{L.virtual_stages}" if L.virtual_stages > 1 else "")
+
+
 def _runs(counts: list[int]) -> str:
     """``[2, 2, 2, 1, 1]`` -> ``"2 x3, 1 x2"`` (run lengths, in order)."""
     return ", ".join(f"{k} x{len(list(g))}" for k, g in itertools.groupby(counts))
@@ -153,10 +158,9 @@ def pipeline_reasons(model: ModelConfig, ev: Evaluation, work: Workload, cluster
             continue
         other = evaluate(model, dataclasses.replace(L, pipeline_schedule=sched, virtual_stages=v), work, cluster)
         if other.rule is None and other.cost is not None:
-            alts.append(f"{sched}{f' x{v}' if v > 1 else ''} {other.cost.step_time_s:.3f} s (bubble "
+            alts.append(f"{_schedule(other.layout)} {other.cost.step_time_s:.3f} s (bubble "
                         f"{100 * other.cost.bubble_fraction:.1f}%{'' if other.fits else ', does not fit'})")
-    name = L.pipeline_schedule + (f" x{L.virtual_stages}" if L.virtual_stages > 1 else "")
-    lines.append(f"schedule: {name}, bubble {100 * c.bubble_fraction:.1f}% of the step"
+    lines.append(f"schedule: {_schedule(L)}, bubble {100 * c.bubble_fraction:.1f}% of the step"
                  + (f"; on the same axes {'; '.join(alts)}" if alts else ""))
     return lines
 
@@ -167,16 +171,15 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
     best = result.ranked[0]
     L, c, m = best.layout, best.cost, best.memory
     assert c is not None and m is not None
-    label = f"{L.short()} {L.pipeline_schedule}" + (f" x{L.virtual_stages}" if L.virtual_stages > 1 else "")
     lines = [f"fastest of {result.fitting} fitting layouts: {c.step_time_s:.3f} s per step"]
     if len(result.ranked) > 1 and result.ranked[1].cost is not None:
         nxt = result.ranked[1]
-        lines[0] += (f"; the next, {nxt.layout.short()} {nxt.layout.pipeline_schedule}, {nxt.cost.step_time_s:.3f} s "
+        lines[0] += (f"; the next, {nxt.layout.short()} {_schedule(nxt.layout)}, {nxt.cost.step_time_s:.3f} s "
                      f"(+{100 * (nxt.cost.step_time_s / c.step_time_s - 1):.1f}%)")
     lines.append(f"memory {m.total / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB on the worst pipeline rank "
                  f"(ZeRO-{L.zero_stage}, recompute {L.recompute})")
     lines += pipeline_reasons(model, best, work, cluster)
-    return [f"why {label}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
+    return [f"why {L.short()} {_schedule(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
 
 
 def cmd_plan(argv: list[str]) -> int:

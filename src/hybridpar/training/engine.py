@@ -20,7 +20,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from hybridpar.config import Config
-from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.models.hf import init_from_hf
@@ -61,8 +60,6 @@ class Engine(StepEngine):
     def __init__(self, cfg: Config, topo: Topology, device: torch.device) -> None:
         self.cfg, self.topo, self.device = cfg, topo, device
         m, p, t = cfg.model, cfg.parallel, cfg.train
-        if device.type == "cpu":  # a step's freed activations serve the next step without page faults
-            keep_host_heap()
         self.family = family = family_of(m)
         self.plan = plan = family.tp
         model = family.build(m).to(device)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import Topology
 from hybridpar.parallel.data import GradientReducer
 from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
@@ -54,6 +55,8 @@ class StepEngine:
                  runner: PipelineRunner | None = None, tp_partial: frozenset[str] | set[str] = frozenset(),
                  after_pipeline: Callable[[], None] | None = None) -> None:
         self.topo, self.optimizer, self.plan = topo, optimizer, plan
+        if topo.device.type == "cpu":  # every front door trains through here: keep a step's freed
+            keep_host_heap()  # heap for the next step instead of faulting it back in
         self.owned = list(owned)
         self.loss_fn, self.runner, self.after_pipeline = loss, runner, after_pipeline
         self.tp_partial_names = set(tp_partial)

@@ -43,7 +43,6 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.distributed.comm import Pending
-from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import Topology
 from hybridpar.parallel.pipeline.schedules import (
     Action,
@@ -173,8 +172,6 @@ class PipelineRunner:
         self.fused = fused_backward(schedule, self.rank)  # run unsplit: see fused_backward
         #: told before each chunk's first and after its last compute action of a step (or None)
         self.stage_hooks: StageHooks | None = None
-        if self.topo.device.type == "cpu":  # a step's freed activations serve the next step without page faults
-            keep_host_heap()
 
     # ------------------------------------------------------------------ entry point
     def run(self, microbatches: Sequence[tuple[Tensor, Tensor]], grad_scale: float | None = None,
