@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from hybridpar.config import load_config
+from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training.trainer import Trainer
 
@@ -51,6 +52,7 @@ TRAIN = ["--train.seq_len", "64", "--train.global_batch", "2", "--train.micro_ba
 def measure(name: str, saves: int, every: int, root: Path) -> dict[str, float]:
     """Alternate ``saves`` synchronous and asynchronous checkpoints of model ``name``."""
     cfg = load_config(None, [*MODELS[name], *TRAIN, "--train.run_dir", str(root / name)])
+    keep_host_heap()  # as the CLI trainer's workers do on CPU
     trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
     writer = trainer.writer
     assert writer is not None

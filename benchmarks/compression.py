@@ -31,6 +31,7 @@ from _spawn import run_ranks
 
 from hybridpar.cli import DEMO_LAYOUT
 from hybridpar.config import load_config
+from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training.trainer import Trainer
 
@@ -43,6 +44,7 @@ def worker(rank: int, world: int, steps: int, overrides: list[str], out) -> None
     cfgs = {m: load_config(None, [*overrides, "--train.steps", str(steps), "--train.run_dir", f"{tmp}/{m}",
                                   "--parallel.grad_compression", m]) for m in MODES}
     with ParallelDims.from_config(cfgs["none"].parallel).build("cpu") as topo:
+        keep_host_heap()  # as the CLI trainer's workers do on CPU
         trainers = {m: Trainer(cfgs[m], topo) for m in MODES}
         counter = topo.comm.counter
         losses: dict[str, list[float]] = {m: [] for m in MODES}

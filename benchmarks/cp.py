@@ -40,7 +40,7 @@ from hybridpar.distributed.mesh import Axis, ParallelDims
 from hybridpar.models.llama import FAMILY, Llama
 from hybridpar.parallel.context import positions_table, zigzag_positions, zigzag_shard
 from hybridpar.parallel.context_model import enable_context_parallel
-from hybridpar.parallel.data import GradientReducer
+from hybridpar.parallel.zero import GradientReducer
 
 MIB = 2**20
 

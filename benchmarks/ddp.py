@@ -24,6 +24,7 @@ from _spawn import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from hybridpar.config import load_config
+from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.llama import Llama
 from hybridpar.training.optim import build_optimizer, lr_at
@@ -53,6 +54,7 @@ def worker(rank: int, world: int, steps: int, overrides: list[str], out: Any) ->
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = load_config(None, ["--parallel.dp", str(world), *overrides])
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+        keep_host_heap()  # as the CLI trainer's workers do on CPU
         ours = Trainer(cfg, topo)
         ref = Llama(cfg.model)
         ref.init_weights(cfg.train.seed)

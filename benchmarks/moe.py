@@ -46,6 +46,7 @@ from _spawn import run_ranks
 from torch import Tensor
 
 from hybridpar.config import load_config
+from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.moe import moe_layers
 from hybridpar.parallel.experts import ExpertParallel
@@ -58,6 +59,7 @@ def trained_layer(train_steps: int, layer: int, tokens: int, run_dir: Path) -> d
     cfg = load_config(None, ["--model.preset", "tiny-moe", "--train.steps", str(train_steps),
                              "--train.run_dir", str(run_dir), "--train.seq_len", "128",
                              "--train.global_batch", "16", "--train.micro_batch", "16"])
+    keep_host_heap()  # as the CLI trainer's workers do on CPU
     with ParallelDims().build("cpu") as topo:
         trainer = Trainer(cfg, topo)
         for step in range(1, train_steps + 1):

@@ -97,6 +97,8 @@ def main() -> None:
     cfg = load_config(None, overrides)
     torch.manual_seed(cfg.train.seed)
     device = devices.pick_device(cfg.train.device)
+    if device.type == "cpu":
+        devices.keep_host_heap()  # as the CLI trainer's workers do on CPU
     loops = {"hybridpar": Trainer(cfg, ParallelDims.from_config(cfg.parallel).build(device.type), device).train_step,
              "plain": PlainLoop(cfg, device).step}
     if args.compile:

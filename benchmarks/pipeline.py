@@ -21,7 +21,7 @@ noise hits both alike.
   ZB-H1, each <= 1.0x torch's matching schedule, simulator (with the F/B/W durations and p2p
   latency measured in the same run) within 5% of the measured makespan. Both runtimes share each
   rank's process, so both run on the heap :func:`hybridpar.distributed.device.keep_host_heap`
-  keeps (set at the worker's start, as a training engine sets it); the B and W of a pair the runner fuses
+  keeps (set at the worker's start, as the CLI trainer's workers set it); the B and W of a pair the runner fuses
   (:func:`hybridpar.parallel.pipeline.runtime.fused_backward`) stay out of the mean B and W.
 
   Measured here (2 cores, --pp 2 --microbatches 4, seven runs each started on an idle machine;
@@ -221,7 +221,7 @@ def _timed(fn) -> float:  # noqa: ANN001
 
 def worker(rank: int, pp: int, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
-    keep_host_heap()  # what a training engine sets on CPU; both runtimes share this process's heap
+    keep_host_heap()  # what the CLI trainer sets on CPU; both runtimes share this process's heap
     dist.init_process_group("gloo", rank=rank, world_size=pp)
     m, t_w = args.microbatches, args.t_b / 2
     shape = (TOKENS, DIM) if args.compute else (1, WIDTH)

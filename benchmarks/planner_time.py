@@ -29,6 +29,7 @@ import torch.distributed as dist
 from _spawn import run_ranks
 
 from hybridpar.config import Config, load_config, validate
+from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.planner.calibrate import calibrate
 from hybridpar.planner.cost import step_cost
@@ -68,6 +69,7 @@ def worker(rank: int, world: int, cfg: Config, steps: int, out: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
+            keep_host_heap()  # as the CLI trainer's workers do on CPU
             trainer = Trainer(cfg, topo)
             times = []
             for step in range(1, steps + 1):
@@ -102,6 +104,7 @@ def breakdown(cfg: Config, profile: str) -> dict[str, dict[str, float]]:
     from hybridpar.planner.cost import gemm_backward_time, gemm_time
 
     torch.set_num_threads(1)
+    keep_host_heap()  # as the CLI trainer's workers do on CPU
     trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
     for step in (1, 2):
         trainer.train_step(step)

@@ -61,8 +61,7 @@ from hybridpar.distributed.comm import wire_bytes
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.llama import Llama
 from hybridpar.models.llama.parallelize import zero3_units as llama_units
-from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
-from hybridpar.parallel.zero3 import shard_model
+from hybridpar.parallel.zero import ZeroOptimizer, decay_groups, shard_model
 
 DEFAULTS = ["--model.dim", "128", "--model.n_layers", "4", "--model.n_heads", "8", "--model.n_kv_heads", "4",
             "--model.ffn_hidden", "384", "--model.vocab_size", "256", "--train.seq_len", "64",

@@ -27,9 +27,8 @@ from hybridpar.distributed.compression import (
     wire_numel,
 )
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.parallel.shard import ShardLayout
-from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
-from hybridpar.parallel.zero3 import shard_model
+from hybridpar.parallel.zero import ZeroOptimizer, decay_groups, shard_model
+from hybridpar.parallel.zero.shard import ShardLayout
 from hybridpar.training.optim import clip_by_total_norm, grad_norm_sq
 
 pytestmark = pytest.mark.numerics

@@ -11,7 +11,7 @@ import torch
 from test_zero import STEPS, build, full_state, train
 
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.parallel.offload import DiskStore
+from hybridpar.parallel.zero.offload import DiskStore
 
 pytestmark = pytest.mark.numerics
 

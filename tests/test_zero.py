@@ -26,9 +26,8 @@ from hybridpar.distributed.comm import wire_bytes
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.llama import Llama
 from hybridpar.models.llama.parallelize import zero3_units as llama_units
-from hybridpar.parallel.shard import ShardLayout
-from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
-from hybridpar.parallel.zero3 import shard_model
+from hybridpar.parallel.zero import ZeroOptimizer, decay_groups, shard_model
+from hybridpar.parallel.zero.shard import ShardLayout
 from hybridpar.training.optim import clip_by_total_norm, grad_norm_sq
 
 pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)

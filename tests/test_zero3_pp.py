@@ -1,4 +1,4 @@
-"""ZeRO-3 under pipeline parallelism (:class:`hybridpar.parallel.zero3.StageSharded`).
+"""ZeRO-3 under pipeline parallelism (:class:`hybridpar.parallel.zero.zero3_pp.StageSharded`).
 
 The comm counter shows each chunk's parameters gathered once per step and its gradients
 reduce-scattered once (not twice per micro-batch: these runs have M = 4 micro-batches per

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "initialize": "hybridpar.api.engine",
     "EngineConfig": "hybridpar.api.engine",
     "ModelEngine": "hybridpar.api.engine",
+    "keep_host_heap": "hybridpar.distributed.device",  # opt-in process-wide malloc tuning (CPU)
     # tensor parallelism
     "ColumnParallelLinear": "hybridpar.parallel.tensor",
     "RowParallelLinear": "hybridpar.parallel.tensor",
@@ -44,8 +45,8 @@ _EXPORTS: dict[str, str] = {
     "build_schedule": "hybridpar.parallel.pipeline",
     # data parallelism / ZeRO
     "ZeroOptimizer": "hybridpar.parallel.zero",
-    "shard_model": "hybridpar.parallel.zero3",
-    "GradientReducer": "hybridpar.parallel.data",
+    "shard_model": "hybridpar.parallel.zero",
+    "GradientReducer": "hybridpar.parallel.zero",
     # configuration of the built-in trainer
     "Config": "hybridpar.config",
     "ModelConfig": "hybridpar.config",

@@ -258,6 +258,8 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
     if under_launcher():
         lifecycle.die_with_parent()
     device = devices.pick_device(cfg.train.device, devices.local_rank())
+    if device.type == "cpu":  # the trainer's process: keep a step's freed heap for the next step
+        devices.keep_host_heap()  # (the library API leaves malloc alone unless asked)
     init_distributed(backend=backend_for(device.type), timeout_s=cfg.train.timeout_s)
     run_dir = Path(cfg.train.run_dir)
     rank = int(os.environ.get("RANK", "0")) if under_launcher() else 0

@@ -483,7 +483,7 @@ def _compression(cfg: Config, world: int | None) -> str | None:
 
 @rule("zero3-pp-experts")
 def _zero3_pp_experts(cfg: Config, world: int | None) -> str | None:
-    # ZeRO-3 under pp gathers each stage's parameters once per step (parallel/zero3.py,
+    # ZeRO-3 under pp gathers each stage's parameters once per step (parallel/zero/zero3_pp.py,
     # StageSharded); the routed experts' own ZeRO-3 (over dp x cp / ep) still gathers per unit and
     # micro-batch with module hooks, which pipeline chunks do not drive.
     p = cfg.parallel

@@ -40,8 +40,7 @@ from hybridpar.api.tp import (
 )
 from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
 from hybridpar.parallel.tensor_plan import TensorPlan
-from hybridpar.parallel.zero import COMPRESSION_DTYPES, ZeroOptimizer, decay_groups
-from hybridpar.parallel.zero3 import shard_model
+from hybridpar.parallel.zero import COMPRESSION_DTYPES, ZeroOptimizer, decay_groups, shard_model
 from hybridpar.training.checkpoint import (
     CheckpointError,
     SafeReader,
@@ -235,8 +234,8 @@ class ModelEngine:
     def full_state_dict(self) -> dict[str, Tensor]:
         """The model's weights as one process would hold them, on every rank (collective:
         ZeRO-3 and tensor-parallel shards are gathered)."""
-        sharded = self.optimizer.sharded
-        sd = sharded.gather_full_state_dict() if sharded is not None else self.module.state_dict()
+        sd = self.optimizer.gather_full_state_dict()  # ZeRO-3's shards gathered; None: whole already
+        sd = sd if sd is not None else self.module.state_dict()
         return full_tensor_parallel_state_dict(sd, self.tp_sharded, self.topo.tp)
 
     def _state(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from hybridpar.distributed.mesh import Topology
 from hybridpar.parallel.pipeline import Balance, build_schedule, partition_layers
 from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
 from hybridpar.parallel.tensor_plan import TensorPlan
-from hybridpar.parallel.zero import ZeroOptimizer
+from hybridpar.parallel.zero import DataParallelOptimizer, LocalOptimizer, ZeroOptimizer
 from hybridpar.training.step import StepEngine
 
 __all__ = ["PipelineModule"]
@@ -97,9 +97,13 @@ class PipelineModule(nn.Module):
         return out
 
     def _core(self, optimizer: ZeroOptimizer | torch.optim.Optimizer | None) -> StepEngine:
-        """The shared step mechanics over this rank's stages and the schedule's runner."""
+        """The shared step mechanics over this rank's stages and the schedule's runner (a plain
+        torch optimizer, or none, as a :class:`~hybridpar.parallel.zero.base.LocalOptimizer`)."""
         plan = TensorPlan.of_names({name: dim for name, (dim, _) in tp_sharded_params(self).items()})
-        return StepEngine(self.topo, optimizer, plan, list(self.named_parameters()), runner=self.runner)
+        named = list(self.named_parameters())
+        dp: DataParallelOptimizer = (optimizer if isinstance(optimizer, ZeroOptimizer)
+                                     else LocalOptimizer(optimizer, named))
+        return StepEngine(self.topo, dp, plan, named, runner=self.runner)
 
     def forward_backward(self, batches: Batch | Sequence[Batch],
                          optimizer: ZeroOptimizer | None = None) -> Tensor:

@@ -394,13 +394,13 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     hide = overlap_fraction(g)
     exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed (below): not hidden again by backward
     if L.zero_stage == 3 and pp > 1:
-        # under pp (hybridpar.parallel.zero3.StageSharded) each of the rank's v chunks is gathered once
+        # under pp (hybridpar.parallel.zero.zero3_pp.StageSharded) each of the rank's v chunks is gathered once
         # per step, before its first forward, and reduce-scattered once after its last backward
         dp_comm = v * (cluster.collective_time("all_gather", param_total / v / n, n, t)
                        + cluster.collective_time("reduce_scatter", reduced / v, n, t))
     elif L.zero_stage == 3:
         # one all-gather per unit (each block, the embedding, the root) forward and backward, one
-        # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero3).
+        # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero.zero3).
         # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
         # collective would run on the same cores), so on a CPU profile nothing hides them.
         units = model.n_layers + (1 if model.tie_embeddings else 2)

@@ -9,9 +9,9 @@ runs they equal its live tensor bytes. Bytes per parameter (P = parameters on th
 
 ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer state over dp x cp (the runtime's ZeRO axis), stage 2 also the
 gradients, stage 3 also the parameters; each parameter is split along dim 0 into ``ceil(rows/N)``
-row blocks (:mod:`hybridpar.parallel.shard`), so the worst rank holds the rounded-up block.
+row blocks (:mod:`hybridpar.parallel.zero.shard`), so the worst rank holds the rounded-up block.
 ZeRO-3 under pipeline parallelism gathers each chunk once per step and keeps it until its last
-backward, gradients accumulating unsharded (:class:`hybridpar.parallel.zero3.StageSharded`): at
+backward, gradients accumulating unsharded (:class:`hybridpar.parallel.zero.zero3_pp.StageSharded`): at
 the peak, before the first chunk is released, the rank holds its shards plus the full parameters
 and gradients of all its chunks. ZeRO-2 and ZeRO-3 save gradient memory only with one micro-batch
 per step: with gradient accumulation (or ZeRO-2 under pp) the micro-batches but the last run in
@@ -117,7 +117,7 @@ def _states(full: int, shard: int, zero_stage: int, param_bytes: int, offload: b
         grads = param_bytes * (full + shard)  # the micro-batches; the last one reduce-scatters them into the shard
     if not offload:
         return ModelStates(params, grads, opt, 0)
-    # offload keeps fp32 masters and a host gradient copy with the state (parallel/zero_stages.py)
+    # offload keeps fp32 masters and a host gradient copy with the state (parallel/zero/stages.py)
     host = opt + (0 if param_bytes == 2 else 4 * shard) + 4 * shard
     moved = param_bytes * shard if offload_params and zero_stage == 3 else 0  # the shards, off the device
     if offload_to == "disk":

@@ -38,7 +38,7 @@ experts' gradients go over ``edp`` (their own ZeRO optimizer); once per step the
 statistics (loads, auxiliary loss), once per step (the bias update reuses the load).
 
 ZeRO-3 with pp > 1 gathers each of the rank's chunks once per step and reduce-scatters it once
-(:class:`hybridpar.parallel.zero3.StageSharded`).
+(:class:`hybridpar.parallel.zero.zero3_pp.StageSharded`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from collections.abc import Callable, Iterable
 from hybridpar.config import ModelConfig
 from hybridpar.distributed.compression import padded as padded_blocks
 from hybridpar.distributed.compression import wire_numel
-from hybridpar.parallel.data import cut_buckets
 from hybridpar.parallel.pipeline.schedules import stage_rank
+from hybridpar.parallel.zero.reducer import cut_buckets
 from hybridpar.planner.layout import Layout, Workload, model_key
 from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
 from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, v_shaped
@@ -123,7 +123,7 @@ def buckets(shapes: Iterable[Shape], elem: int, bucket_bytes: int) -> list[list[
 
 
 def shard_elems(shapes: Iterable[Shape], n: int) -> int:
-    """``S`` of :class:`~hybridpar.parallel.shard.ShardLayout`: every shape's ``ceil(rows/n)``
+    """``S`` of :class:`~hybridpar.parallel.zero.shard.ShardLayout`: every shape's ``ceil(rows/n)``
     row block, summed (the padded flat shard one rank sends or receives)."""
     return sum(-(-s[0] // n) * _numel(s[1:]) for s in shapes)
 

@@ -474,9 +474,7 @@ def load(path: Path, model: nn.Module, optimizer: ZeroOptimizer, cfg: Config, to
     info = read_info(require_complete(path))
     saved = read_config(path)
     check_compatible(saved, cfg, path)
-    state = _train_state(model, optimizer, extra)
-    if saved.parallel != cfg.parallel or saved.parallel.grad_compression != "int8":
-        state.pop("residuals", None)  # each rank's own error feedback: only the same layout has it
+    state = _train_state(model, optimizer, extra, same_layout=saved.parallel == cfg.parallel)
     own_names = [list(group["params"]) for group in state["optim"]["param_groups"]]
     try:
         with single_process_quiet():
@@ -541,12 +539,15 @@ def single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _train_state(model: nn.Module, optimizer: ZeroOptimizer, extra: dict[str, Any] | None) -> dict[str, Any]:
+def _train_state(model: nn.Module, optimizer: ZeroOptimizer, extra: dict[str, Any] | None,
+                 same_layout: bool = True) -> dict[str, Any]:
     """What a checkpoint holds, keyed by parameter name: the parameters this rank trains (all
     of them, or one pipeline stage's), the model's buffers and their optimizer state, as DTensor
     pieces of the full tensors where tp or ZeRO split them, so DCP stores each piece once and
-    any other layout reads the pieces it needs (every ZeRO stage, 0 included, is one path)."""
-    return {**optimizer.checkpoint_state(model), "rng": {"torch_cpu": torch.get_rng_state()},
+    any other layout reads the pieces it needs (every ZeRO stage, 0 included, is one path).
+    ``same_layout``: a load template for a checkpoint of this very layout (the optimizer then
+    includes its per-rank state)."""
+    return {**optimizer.checkpoint_state(model, same_layout), "rng": {"torch_cpu": torch.get_rng_state()},
             "extra": extra if extra is not None else {}}
 
 

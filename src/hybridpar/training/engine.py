@@ -40,12 +40,19 @@ from hybridpar.parallel.pipeline.stages import (
 )
 from hybridpar.parallel.pipeline.twobw import TwoBWRunner
 from hybridpar.parallel.recompute import apply_recompute
-from hybridpar.parallel.shard import OuterSplit
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import set_sequence_parallel
-from hybridpar.parallel.zero import COMPRESSION_DTYPES, ZeroOptimizer, decay_groups
-from hybridpar.parallel.zero3 import ShardedModel, StageSharded, shard_model, shard_stages
-from hybridpar.parallel.zero_experts import ExpertSplitOptimizer
+from hybridpar.parallel.zero import (
+    COMPRESSION_DTYPES,
+    ExpertSplitOptimizer,
+    OuterSplit,
+    ShardedModel,
+    StageSharded,
+    ZeroOptimizer,
+    decay_groups,
+    shard_model,
+    shard_stages,
+)
 from hybridpar.training.generate import sample
 from hybridpar.training.precision import autocast
 from hybridpar.training.step import StepEngine
@@ -278,12 +285,9 @@ class Engine(StepEngine):
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's weights as one process would hold them (collective: every rank
         calls it; pipeline stages share, tensor and ZeRO-3 shards are gathered)."""
-        if self.optimizer.sharded is not None:  # ZeRO rows -> (pp: each stage's, shared) tp pieces -> full
-            pieces = self.optimizer.sharded.gather_full_state_dict()
+        pieces = self.optimizer.gather_full_state_dict()  # ZeRO-3 rows (experts': over edp) -> tp pieces
+        if pieces is not None:  # -> (pp: each stage's, shared) -> full
             self._share_pipeline_weights(pieces)
-            if self.expert_names and self.optimizer.experts.sharded is not None:  # experts: over edp
-                gathered = self.optimizer.experts.sharded.gather_full_state_dict()
-                pieces.update({n: gathered[n] for n in self.expert_names})
             keep = set(self.model.state_dict())  # not the non-persistent buffers (MoE routers' step counts)
             full = {n: self.plan.gather_full(n, t, self.topo.tp, self.cfg.model.vocab_size) for n, t in pieces.items()
                     if n in keep}

@@ -2,9 +2,9 @@
 
 :class:`StepEngine` owns what happens between "here are this step's micro-batches" and "the
 weights moved": forward and backward (through a pipeline schedule when there is one), the data-
-parallel gradient reduction (:class:`~hybridpar.parallel.zero.ZeroOptimizer`, any stage, stage 0
-being plain bucketed data parallelism), completing tensor-parallel partial gradients, the global
-gradient norm (:meth:`~hybridpar.parallel.tensor_plan.TensorPlan.global_grad_norm`), clipping
+parallel gradient reduction (a :class:`~hybridpar.parallel.zero.base.DataParallelOptimizer`:
+ZeRO at any stage, stage 0 being plain bucketed data parallelism), completing tensor-parallel
+partial gradients, the global gradient norm (:meth:`~hybridpar.parallel.tensor_plan.TensorPlan.global_grad_norm`), clipping
 and the optimizer step. The CLI trainer (:class:`hybridpar.training.engine.Engine`, which builds
 a model family under a layout), ``hybridpar.initialize`` (:class:`hybridpar.api.engine.ModelEngine`)
 and :class:`hybridpar.api.pipeline.PipelineModule` are front ends over it, so a fix here
@@ -21,14 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import Topology
-from hybridpar.parallel.data import GradientReducer
 from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
 from hybridpar.parallel.tensor_plan import TensorPlan, sum_over
-from hybridpar.parallel.zero import ZeroOptimizer
-from hybridpar.parallel.zero_experts import ExpertSplitOptimizer, norm_parts
-from hybridpar.training.optim import clip_by_total_norm
+from hybridpar.parallel.zero import DataParallelOptimizer, GradientReducer, LocalOptimizer
 
 __all__ = ["StepEngine"]
 
@@ -41,23 +37,27 @@ class StepEngine:
 
     ``owned``: the parameters this rank counts in the global norm, by name (a pipeline stage's;
     a tied embedding's last-stage mirror left out). ``plan`` says which are split over tp.
-    ``optimizer``: a :class:`ZeroOptimizer` (reduces gradients over its axis), or a plain torch
-    optimizer for a model without data parallelism, or None (forward and backward only).
+    ``optimizer``: a :class:`~hybridpar.parallel.zero.base.DataParallelOptimizer` (a
+    :class:`~hybridpar.parallel.zero.ZeroOptimizer` reduces gradients over its axis; a plain
+    torch optimizer for a model without data parallelism goes in a
+    :class:`~hybridpar.parallel.zero.base.LocalOptimizer`), or None (forward and backward only).
     ``loss(*batch)`` computes a micro-batch's
     loss through the whole model (no ``runner``); with a ``runner`` the pipeline schedule does.
     ``tp_partial``: names whose gradients are partial sums over tp after backward (replicated
     parameters under sequence parallelism, per-head norms). ``after_pipeline`` runs after the
     schedule's backward (e.g. summing a tied embedding's two copies).
+
+    Nothing here changes the process: glibc's heap tuning for CPU training is the caller's
+    choice (:func:`hybridpar.distributed.device.keep_host_heap`; the CLI trainer makes it).
     """
 
-    def __init__(self, topo: Topology, optimizer: ZeroOptimizer | torch.optim.Optimizer | None, plan: TensorPlan,
+    def __init__(self, topo: Topology, optimizer: DataParallelOptimizer | None, plan: TensorPlan,
                  owned: Sequence[tuple[str, nn.Parameter]], *, loss: Loss | None = None,
                  runner: PipelineRunner | None = None, tp_partial: frozenset[str] | set[str] = frozenset(),
                  after_pipeline: Callable[[], None] | None = None) -> None:
-        self.topo, self.optimizer, self.plan = topo, optimizer, plan
-        if topo.device.type == "cpu":  # every front door trains through here: keep a step's freed
-            keep_host_heap()  # heap for the next step instead of faulting it back in
         self.owned = list(owned)
+        self.topo, self.plan = topo, plan
+        self.optimizer: DataParallelOptimizer = optimizer if optimizer is not None else LocalOptimizer(None, self.owned)
         self.loss_fn, self.runner, self.after_pipeline = loss, runner, after_pipeline
         self.tp_partial_names = set(tp_partial)
         self.last_pipeline_step: PipelineStepResult | None = None
@@ -70,19 +70,18 @@ class StepEngine:
         return self.runner is not None and self.runner.reads_ahead
 
     @property
-    def zero(self) -> ZeroOptimizer | None:
-        """The data-parallel optimizer (a :class:`ZeroOptimizer`, or two of them as one under
-        expert parallelism); None for a plain torch optimizer."""
-        return self.optimizer if isinstance(self.optimizer, ZeroOptimizer | ExpertSplitOptimizer) else None
+    def zero(self) -> DataParallelOptimizer:
+        """The data-parallel optimizer (the same object as :attr:`optimizer`)."""
+        return self.optimizer
 
     @property
     def reducer(self) -> GradientReducer | None:
         """ZeRO stage 0's bucketed all-reduce (None for stages 1-3 or a plain optimizer)."""
-        return self.zero.reducer if self.zero is not None else None
+        return self.optimizer.reducer
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Accumulate gradients locally (earlier micro-batches of a step): no communication."""
-        return self.zero.no_sync() if self.zero is not None else contextlib.nullcontext()
+        return self.optimizer.no_sync()
 
     # ------------------------------------------------------------------ forward and backward
     def forward_backward(self, batches: Sequence[Any], grad_scale: float | None = None,
@@ -97,8 +96,7 @@ class StepEngine:
         if self.runner is not None:
             # stages 0-2 reduce after the whole schedule; ZeRO-3's stage hooks right after each
             # chunk's last backward (the runner knows it, per-parameter hooks do not)
-            sharded = getattr(self.zero, "sharded", None)
-            quiet = contextlib.nullcontext() if getattr(sharded, "reduces_per_stage", False) else self.no_sync()
+            quiet = contextlib.nullcontext() if self.optimizer.reduces_per_stage else self.no_sync()
             with quiet:
                 self.last_pipeline_step = self.runner.run(list(batches), grad_scale=grad_scale, upcoming=upcoming)
             if self.after_pipeline is not None:
@@ -128,30 +126,22 @@ class StepEngine:
     def finish(self) -> None:
         """After a step's last backward: wait for the gradient reduction and sum the tp-partial
         gradients over tp (that sum commutes with the data-parallel average)."""
-        if self.zero is None:
-            grads = [(n, p.grad) for n, p in self.owned if p.grad is not None]
-        else:
-            self.zero.finish_grads()
-            grads = self.zero.named_grads() if self.tp_partial_names else []
+        self.optimizer.finish_grads()
         if self.tp_partial_names:
+            grads = self.optimizer.named_grads()
             sum_over(self.topo.tp, [g for n, g in grads if n in self.tp_partial_names])
 
     # ------------------------------------------------------------------ the update
     def gradients(self) -> list[Tensor]:
         """The reduced gradient tensors this rank holds, after :meth:`finish`: whole ones, or
         its ZeRO shard of them (in place scaling reaches what the optimizer steps)."""
-        if self.zero is not None:
-            return self.zero.grad_tensors()
-        return [p.grad for _, p in self.owned if p.grad is not None]
+        return self.optimizer.grad_tensors()
 
     def grad_norm(self) -> Tensor:
         """Global gradient L2 norm: every parameter counted exactly once over tp, pp and ZeRO
         shards (data-parallel replicas hold equal, already averaged gradients)."""
         owned = {n for n, _ in self.owned}
-        if self.zero is None:
-            parts = [([(n, p.grad) for n, p in self.owned if p.grad is not None], [])]
-        else:  # this rank's rows of its tp pieces; experts (ep) are a part of their own
-            parts = self.zero.norm_parts() if hasattr(self.zero, "norm_parts") else norm_parts(self.zero)
+        parts = self.optimizer.norm_parts()  # this rank's rows of its tp pieces; experts (ep) a part of their own
         device = self.owned[0][1].device if self.owned else self.topo.device
         squares = [self.plan.global_grad_norm([(n, g) for n, g in named if n in owned], self.topo.tp,
                                               [*axes, self.topo.pp], device).square() for named, axes in parts]
@@ -159,18 +149,12 @@ class StepEngine:
 
     def clip(self, total_norm: Tensor, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
-        if self.zero is not None:
-            self.zero.clip(total_norm, max_norm)
-        else:
-            clip_by_total_norm([p for _, p in self.owned], total_norm, max_norm)
+        self.optimizer.clip(total_norm, max_norm)
 
     def update(self, max_norm: float) -> Tensor:
         """Clip by the global norm (``max_norm`` 0: no clipping) and step the optimizer; returns
         the norm before clipping."""
-        if self.optimizer is None:
-            raise RuntimeError("StepEngine.update needs an optimizer")
         norm = self.grad_norm()
         self.clip(norm, max_norm)
         self.optimizer.step()
         return norm
-

@@ -82,7 +82,7 @@ def fused_backward(schedule: PipelineSchedule, rank: int) -> frozenset[tuple[int
 
 class StageHooks(Protocol):
     """Told when a chunk is first and last used in a step (ZeRO-3's per-stage gathers:
-    :class:`hybridpar.parallel.zero3.StageSharded`)."""
+    :class:`hybridpar.parallel.zero.zero3_pp.StageSharded`)."""
 
     def before_first(self, chunk: nn.Module) -> None:
         """Before the chunk's first compute action of a step."""

@@ -1,7 +1,7 @@
 """ZeRO-3: parameters sharded per parameter along dim 0 (FSDP2-style), gathered per unit.
 
 :func:`shard_model` replaces every parameter of a model by this rank's rows of it (see
-:mod:`hybridpar.parallel.shard`; uneven sizes are padded). Parameters are grouped into *units*
+:mod:`hybridpar.parallel.zero.shard`; uneven sizes are padded). Parameters are grouped into *units*
 (e.g. the embedding and each transformer block; whatever is left, such as the final norm and
 output head, forms the root unit). A unit's full parameters exist only while it runs:
 
@@ -21,10 +21,8 @@ the final micro-batch. Freed parameters keep their tensor objects, whose storage
 zero, so tensors saved by autograd are refilled in place when the unit is gathered for
 backward. Writes go through ``.data`` so autograd's version counters see no change.
 
-Under pipeline parallelism (:func:`shard_stages`, :class:`StageSharded`) the units are the
-rank's pipeline chunks instead, gathered once per step by the pipeline runner's stage hooks and
-kept through all micro-batches (FSDP's ``reshard_after_forward=False`` under pipelining): per
-step each parameter crosses the wire in one all-gather and one reduce-scatter.
+Under pipeline parallelism the units are the rank's pipeline chunks instead
+(:mod:`hybridpar.parallel.zero.zero3_pp`). A unit and its gather state: :mod:`hybridpar.parallel.zero.unit`.
 
 The model must be sharded after its weights are initialized or loaded.
 """
@@ -32,142 +30,25 @@ The model must be sharded after its weights are initialized or loaded.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hybridpar.compat import (
-    free_storage,
-    own_parameters,
-    restore_storage,
-    set_parameter,
-    spans_whole_storage,
-)
-from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.offload import DiskArena, DiskStore
-from hybridpar.parallel.shard import GradShard, OuterSplit, ShardLayout, ShardMesh
-
-
-class Unit:
-    """The parameters of one module (or the leftovers of the root) and their gather state."""
-
-    def __init__(self, name: str, entries: list[tuple[nn.Module, str, str, nn.Parameter]], axis: Axis,
-                 reduce_dtype: torch.dtype | None) -> None:
-        self.name, self.axis = name, axis
-        self.owners = [(mod, attr) for mod, attr, _, _ in entries]
-        self.fqns = [fqn for _, _, fqn, _ in entries]
-        self.full = [p for _, _, _, p in entries]
-        kinds = {(p.dtype, p.device) for p in self.full}
-        if len(kinds) > 1:
-            raise ValueError(f"ZeRO-3 unit {name!r} mixes parameter dtypes/devices {sorted(map(str, kinds))}; "
-                             "cast the model to one dtype before sharding")
-        self.dtype, self.device = self.full[0].dtype, self.full[0].device
-        self.layout = ShardLayout([p.shape for p in self.full], axis.size, axis.rank)
-        self.shard_flat = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
-        views = self.layout.views(self.shard_flat)
-        with torch.no_grad():
-            for i, (view, p) in enumerate(zip(views, self.full, strict=True)):
-                view.copy_(p.detach()[slice(*self.layout.local_rows(i))])
-        self.shards = [nn.Parameter(v, requires_grad=p.requires_grad) for v, p in zip(views, self.full, strict=True)]
-        for p in self.full:  # give each full parameter its own storage so it can be freed alone
-            if not spans_whole_storage(p):
-                p.data = p.data.clone()
-        self.grads = GradShard(self.layout, self.full, axis, reduce_dtype=reduce_dtype)
-        self.trainable = {i for i, p in enumerate(self.full) if p.requires_grad}
-        self.arrived: set[int] = set()
-        self.trainable_numel = sum(self.full[i].numel() for i in self.trainable)
-        self.ahead: Unit | None = None  # backward: the unit to prefetch once half our gradients are in
-        self.state = "full"
-        self._buf: torch.Tensor | None = None
-        self._pending: Pending | None = None
-        self.arena: DiskArena | None = None  # offload_params to disk: the file holding shard_flat
-        self.reshard()
-
-    def move_shard(self, flat: torch.Tensor, arena: DiskArena | None = None) -> None:
-        """Keep this rank's shard in ``flat`` instead (parameter offload: host memory, or a
-        memory-mapped file ``arena``); the shard parameters keep their identity (optimizers and
-        hooks still hold them), only their storage moves."""
-        flat.copy_(self.shard_flat)
-        self.shard_flat, self.arena = flat, arena
-        for shard, view in zip(self.shards, self.layout.views(flat), strict=True):
-            shard.data = view
-        if arena is not None:
-            arena.evict()
-
-    def _install(self, params: list[nn.Parameter]) -> None:
-        for (mod, attr), p in zip(self.owners, params, strict=True):
-            set_parameter(mod, attr, p)
-
-    def unshard(self) -> None:
-        """Start gathering the full parameters (no-op unless sharded)."""
-        if self.state != "sharded":
-            return
-        self._buf = torch.empty(self.layout.n * self.layout.size, dtype=self.dtype, device=self.device)
-        shard = self.shard_flat.to(self.device, non_blocking=True)  # offloaded: to the compute device
-        self._pending = self.axis.comm.all_gather_into(self._buf, shard, self.axis, async_op=True)
-        self.state = "gathering"
-
-    def wait(self) -> None:
-        """Make the full parameters present and visible to the module."""
-        self.unshard()
-        if self.state == "gathering":
-            self._pending.wait()
-            for i, p in enumerate(self.full):
-                restore_storage(p.data)
-                self.layout.unpack(self._buf, i, p.data)
-            self._buf = self._pending = None
-            self.state = "full"
-            self._install(self.full)
-            if self.arena is not None:  # gathered: the shard is not needed until the next gather
-                self.arena.evict()
-
-    def reshard(self) -> None:
-        """Free the full parameters; the module sees its shards again."""
-        if self.state == "gathering":
-            self.wait()
-        if self.state == "full":
-            self._install(self.shards)
-            for p in self.full:
-                free_storage(p.data)
-            self.state = "sharded"
-
-    def held(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """(parameter tensors, gradient tensors) this unit keeps alive right now."""
-        return [self.shard_flat, *self.full, self._buf], self.grads.held_tensors()
-
-
-Entry = tuple[nn.Module, str, str, nn.Parameter]  # (owning module, attribute, model name, parameter)
-
-
-def _group_parameters(model: nn.Module, group_of: Callable[[nn.Module], int | None],
-                      skip: frozenset[int] = frozenset()) -> dict[int, list[Entry]]:
-    """The model's parameters by ``group_of(owning module)`` (None: left alone), in
-    registration order; a parameter registered on two modules is refused."""
-    groups: dict[int, list[Entry]] = {}
-    owner_of: dict[int, str] = {}
-    for name, mod in model.named_modules():
-        key = group_of(mod)
-        for attr, p in own_parameters(mod):
-            if p is None or id(p) in skip or key is None:  # skip: another ShardedModel's (experts over edp)
-                continue
-            fqn = f"{name}.{attr}" if name else attr
-            if id(p) in owner_of:
-                raise ValueError(f"parameter {fqn} is shared with {owner_of[id(p)]}; ZeRO-3 needs each "
-                                 "parameter registered once (a tied head should reuse the embedding's weight in forward)")
-            owner_of[id(p)] = fqn
-            groups.setdefault(key, []).append((mod, attr, fqn, p))
-    return groups
+from hybridpar.parallel.zero.offload import DiskStore
+from hybridpar.parallel.zero.shard import OuterSplit, ShardMesh
+from hybridpar.parallel.zero.unit import Unit, group_parameters
 
 
 class ShardedModel:
     """Handle returned by :func:`shard_model`: hooks, units, and state-dict helpers."""
 
-    #: whether gradients are reduced by the pipeline runner's stage hooks (:class:`StageSharded`)
-    #: rather than by per-parameter hooks that ``no_sync`` silences
+    #: whether gradients are reduced by the pipeline runner's stage hooks (ZeRO-3 under pp,
+    #: :mod:`hybridpar.parallel.zero.zero3_pp`) rather than by per-parameter hooks that
+    #: ``no_sync`` silences
     reduces_per_stage = False
 
     def __init__(self, model: nn.Module, axis: Axis, units: list[nn.Module],
@@ -195,7 +76,7 @@ class ShardedModel:
                 if m is not u and id(m) in unit_ids:
                     raise ValueError(f"ZeRO-3 unit {prefix[id(u)]!r} contains unit {prefix[id(m)]!r}; units must not nest")
                 inside[id(m)] = u
-        groups = _group_parameters(model, lambda mod: id(inside.get(id(mod), model)), skip)
+        groups = group_parameters(model, lambda mod: id(inside.get(id(mod), model)), skip)
         for u in [model, *units]:
             if groups.get(id(u)):
                 self.units.append(Unit(prefix[id(u)] or "<root>", groups[id(u)], axis, reduce_dtype))
@@ -403,107 +284,6 @@ class ShardedModel:
         return params, grads
 
 
-class StageSharded(ShardedModel):
-    """ZeRO-3 under pipeline parallelism (FSDP's ``reshard_after_forward=False`` within a step):
-    one unit per pipeline chunk of this rank (its parameters under the model's names; a
-    parameter two local chunks share, like ZBV's tied embedding, belongs to the first). The
-    :class:`~hybridpar.parallel.pipeline.runtime.PipelineRunner` calls :meth:`before_first` ahead
-    of a chunk's first action of a step, which gathers the units the chunk reads (one all-gather
-    each), and :meth:`after_last` after its last one (the last B, or W with a split backward),
-    which reshards them once no other local chunk still reads them. So each chunk's parameters
-    cross the wire once per step, not twice per micro-batch; gradients accumulate unsharded over
-    the micro-batches and each unit is reduce-scattered once, asynchronously, right after its
-    last backward (inside ``no_sync``: at :meth:`finish`). No module or gradient hooks: the
-    runner's schedule knows when a chunk is first and last used, autograd does not.
-
-    ``hold``: ids of parameters something reads after the pipeline (a tied embedding whose two
-    copies' gradients are summed over pp): their units stay gathered, gradients unreduced,
-    until :meth:`finish`."""
-
-    reduces_per_stage = True
-
-    def __init__(self, model: nn.Module, axis: Axis, chunks: Sequence[nn.Module],
-                 reduce_dtype: torch.dtype | None = None, outer: OuterSplit | None = None,
-                 hold: frozenset[int] = frozenset()) -> None:
-        super().__init__(model, axis, [], reduce_dtype, prefetch=False, outer=outer, skip=frozenset(
-            id(p) for p in model.parameters()))  # the base builds nothing: every parameter skipped
-        self.forward_order, self.backward_order = [], []
-        self._reads: dict[int, list[Unit]] = {}  # id(chunk) -> the units it reads
-        self._held: set[int] = set()  # ids of units released only by finish()
-        self._users: dict[int, set[int]] = {}  # id(unit) -> local chunks gathered and not yet done
-        if not self.active:
-            return
-        first: dict[int, int] = {}
-        for v, chunk in enumerate(chunks):
-            for m in chunk.modules():
-                first.setdefault(id(m), v)
-        groups = _group_parameters(model, lambda mod: first.get(id(mod)))
-        group_of = {id(e[3]): v for v, entries in groups.items() for e in entries}
-        reads = [sorted({group_of[id(p)] for p in chunk.parameters() if id(p) in group_of}) for chunk in chunks]
-        by_group: dict[int, Unit] = {}
-        for v, chunk in enumerate(chunks):
-            if v in groups:
-                stage = getattr(getattr(chunk, "spec", None), "stage", v)
-                by_group[v] = Unit(f"stage{stage}", groups[v], axis, reduce_dtype)
-                self.units.append(by_group[v])
-                if any(id(e[3]) in hold for e in groups[v]):
-                    self._held.add(id(by_group[v]))
-        self.forward_order, self.backward_order = list(self.units), list(self.units)
-        self._reads = {id(chunk): [by_group[g] for g in gs] for chunk, gs in zip(chunks, reads, strict=True)}
-
-    def before_first(self, chunk: nn.Module) -> None:
-        """Before ``chunk``'s first action of a step: gather what it reads (all gathers in flight
-        at once), unless already gathered for another local chunk."""
-        units = self._reads.get(id(chunk), [])
-        for unit in units:
-            unit.unshard()
-        for unit in units:
-            unit.wait()
-            self._users.setdefault(id(unit), set()).add(id(chunk))
-
-    def after_last(self, chunk: nn.Module, backward: bool) -> None:
-        """After ``chunk``'s last action of a step (``backward``: the step trained it): reshard
-        each unit no other local chunk still reads and start its gradient reduce-scatter."""
-        for unit in self._reads.get(id(chunk), []):
-            users = self._users.get(id(unit), set())
-            users.discard(id(chunk))
-            if users or (backward and id(unit) in self._held):
-                continue
-            unit.reshard()
-            if backward and self.sync and any(p.grad is not None for p in unit.full):
-                self._reduce(unit)
-
-    def finish(self) -> None:
-        """Reshard held units and reduce every gradient not reduced yet (``no_sync`` steps,
-        held units), then wait for all of it."""
-        self._users.clear()
-        for unit in self.units:
-            if any(p.grad is not None for p in unit.full):
-                unit.grads.note_grad()
-        super().finish()
-
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every unit gathered for the block (sampling through the whole model), then resharded."""
-        for unit in self.units:
-            unit.unshard()
-        try:
-            for unit in self.units:
-                unit.wait()
-            yield
-        finally:
-            for unit in self.units:
-                unit.reshard()
-
-
-def shard_stages(model: nn.Module, axis: Axis, chunks: Sequence[nn.Module], reduce_dtype: torch.dtype | None = None,
-                 outer: OuterSplit | None = None, hold: frozenset[int] = frozenset()) -> StageSharded:
-    """ZeRO-3 of the pipeline ``chunks`` this rank runs (module doc of :class:`StageSharded`);
-    hand the result to the runner as its ``stage_hooks``. Parameters outside the chunks (other
-    stages') are left alone."""
-    return StageSharded(model, axis, chunks, reduce_dtype, outer, hold)
-
-
 def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],
                 reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
                 outer: OuterSplit | None = None, skip: frozenset[int] = frozenset()) -> ShardedModel:
@@ -512,7 +292,7 @@ def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],
     axis nothing changes. ``reduce_dtype`` compresses the gradient reduce-scatter (bf16/fp16).
     ``prefetch`` starts the next unit's gather while this one computes (faster, one more unit
     of memory); without it a unit is gathered only when it runs. ``outer``: the parameters are
-    tensor-parallel pieces (see :class:`~hybridpar.parallel.shard.OuterSplit`). ``skip``: ids of
+    tensor-parallel pieces (see :class:`~hybridpar.parallel.zero.shard.OuterSplit`). ``skip``: ids of
     parameters left alone (sharded by another :class:`ShardedModel` over another axis: experts)."""
     return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer, skip)
 

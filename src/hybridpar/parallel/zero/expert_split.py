@@ -3,7 +3,7 @@
 Under expert parallelism (``ep`` ranks carved out of dp x cp) the ranks that hold the same
 dense parameter are all of dp x cp, but the ranks that hold the same expert are only ``edp``
 (dp x cp / ep of them). :class:`ExpertSplitOptimizer` runs one
-:class:`~hybridpar.parallel.zero.ZeroOptimizer` per kind, each at the configured ZeRO stage over
+:class:`~hybridpar.parallel.zero.optimizer.ZeroOptimizer` per kind, each at the configured ZeRO stage over
 its own axis, behind the single-optimizer interface the step engine, the trainer and
 checkpoints use. Checkpoints merge the two (one parameter group per hyper-parameter set, as a
 run without ep has), so they reload at any ep, including none.
@@ -19,16 +19,12 @@ import torch
 from torch import nn
 
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.zero import ZeroOptimizer
-from hybridpar.parallel.zero3 import ShardedModel
+from hybridpar.parallel.zero.base import NamedGrads, NormPart
+from hybridpar.parallel.zero.optimizer import ZeroOptimizer
+from hybridpar.parallel.zero.reducer import GradientReducer
+from hybridpar.parallel.zero.zero3 import ShardedModel
 
-__all__ = ["ExpertSplitOptimizer", "norm_parts"]
-
-
-def norm_parts(zero: ZeroOptimizer) -> list[tuple[list[tuple[str, torch.Tensor]], list[Axis]]]:
-    """``[(named gradients this rank holds, axes their squared norm is summed over)]`` of a ZeRO
-    optimizer (its ZeRO axis when it shards them)."""
-    return [(zero.named_grads(), [zero.axis] if zero.mode != 0 else [])]
+__all__ = ["ExpertSplitOptimizer"]
 
 
 class ExpertSplitOptimizer:
@@ -53,12 +49,16 @@ class ExpertSplitOptimizer:
         return self.dense.mode
 
     @property
-    def reducer(self) -> Any:
+    def reducer(self) -> GradientReducer | None:
         return self.dense.reducer
 
     @property
     def sharded(self) -> ShardedModel | None:
         return self.dense.sharded
+
+    @property
+    def reduces_per_stage(self) -> bool:
+        return self.dense.reduces_per_stage
 
     # ------------------------------------------------------------------ the step protocol
     @contextlib.contextmanager
@@ -74,7 +74,7 @@ class ExpertSplitOptimizer:
         for z in self.parts:
             z.finish_grads()
 
-    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+    def named_grads(self) -> NamedGrads:
         return self.dense.named_grads() + self.experts.named_grads()
 
     def grad_tensors(self) -> list[torch.Tensor]:
@@ -92,11 +92,11 @@ class ExpertSplitOptimizer:
         for z in self.parts:
             z.scale_residuals(factor)
 
-    def norm_parts(self) -> list[tuple[list[tuple[str, torch.Tensor]], list[Axis]]]:
+    def norm_parts(self) -> list[NormPart]:
         """Dense gradients (summed over dp x cp when sharded), then the experts' (summed over ep,
         and over edp when sharded)."""
-        (dense, d_axes), = norm_parts(self.dense)
-        (experts, e_axes), = norm_parts(self.experts)
+        (dense, d_axes), = self.dense.norm_parts()
+        (experts, e_axes), = self.experts.norm_parts()
         return [(dense, d_axes), (experts, [self.ep, *e_axes])]
 
     def clip(self, total_norm: torch.Tensor, max_norm: float) -> None:
@@ -128,13 +128,22 @@ class ExpertSplitOptimizer:
         for z in self.parts:
             z.load_state_dict(self._split(state_dict, z))
 
-    def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
+    def checkpoint_state(self, model: nn.Module, same_layout: bool = True) -> dict[str, Any]:
         a, b = self.dense.checkpoint_state(model), self.experts.checkpoint_state(model)
         out = {"model": {**a["model"], **b["model"]}, "optim": self.state_dict()}
-        if self.residuals():  # int8 compression: restored in place by the load
+        if same_layout and self.residuals():  # int8 compression: restored in place by the load
             out["residuals"] = self.residuals()
         return out
 
     def load_checkpoint_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         for z in self.parts:
             z.load_checkpoint_state(model, {"model": state["model"], "optim": self._split(state["optim"], z)})
+
+    def gather_full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3: the dense optimizer's gathered model, its experts replaced by the experts'
+        own gather over edp (collective); None at stages 0-2."""
+        pieces = self.dense.gather_full_state_dict()
+        gathered = self.experts.gather_full_state_dict()
+        if pieces is not None and gathered is not None and self.experts.sharded is not None:
+            pieces.update({n: gathered[n] for u in self.experts.sharded.units for n in u.fqns})
+        return pieces

@@ -1,213 +1,51 @@
-"""The three ZeRO stage families behind :class:`~hybridpar.parallel.zero.ZeroOptimizer`.
+"""The three ZeRO stage families behind :class:`~hybridpar.parallel.zero.optimizer.ZeroOptimizer`.
 
 Each family is one strategy object that owns the per-stage concerns of the step protocol, so
 the optimizer wrapper has one code path per concern instead of a branch on the stage in every
 method:
 
 - :class:`Replicated` (stage 0, and every stage on a size-1 dp axis without offload): plain
-  bucketed data parallel through :class:`~hybridpar.parallel.data.GradientReducer`; fp32
+  bucketed data parallel through :class:`~hybridpar.parallel.zero.reducer.GradientReducer`; fp32
   master copies for bf16/fp16 parameters; optional two-level (``hierarchy``) all-reduce.
 - :class:`ShardedState` (stages 1 and 2): parameters cut into buckets, each a
-  :class:`~hybridpar.parallel.shard.GradShard` that reduce-scatters the gradients into this
+  :class:`~hybridpar.parallel.zero.shard.GradShard` that reduce-scatters the gradients into this
   rank's rows (stage 1 keeps the full gradient buffer, ``keep_full``); the inner optimizer
   updates those rows, then one all-gather per bucket makes the parameters whole again.
 - :class:`ShardedParams` (stage 3): the units of a
-  :class:`~hybridpar.parallel.zero3.ShardedModel`, which gathers parameters and
+  :class:`~hybridpar.parallel.zero.zero3.ShardedModel`, which gathers parameters and
   reduce-scatters gradients itself; the inner optimizer updates the shards in place.
 
-Every strategy answers the same questions (:class:`ZeroStage`): what the inner optimizer
-steps for each parameter (a :class:`Slot`), how ``no_sync``/``zero_grad``/``finish`` treat the
+Every strategy answers the same questions (:class:`~hybridpar.parallel.zero.stage.ZeroStage`): what the inner optimizer
+steps for each parameter (a :class:`~hybridpar.parallel.zero.stage.Slot`), how ``no_sync``/``zero_grad``/``finish`` treat the
 gradients, which gradient tensors this rank holds, whether the gradient norm still needs a sum
 over dp, how gradients reach the inner optimizer and updates reach the model, what memory it
 keeps, and what the model part of a checkpoint is. The wrapper keeps checkpoint formatting
-(keyed by :class:`Slot`), validation and the inner optimizer.
+(keyed by :class:`~hybridpar.parallel.zero.stage.Slot`), validation and the inner optimizer.
 """
 
 from __future__ import annotations
 
-import abc
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.data import GradientReducer, cut_buckets, param_bytes
-from hybridpar.parallel.offload import DiskArena
-from hybridpar.parallel.shard import GradShard, OuterSplit, ShardLayout, ShardMesh
-from hybridpar.parallel.zero3 import ShardedModel
-
-NamedParam = tuple[str, nn.Parameter]
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-class Slot:
-    """One parameter as the inner optimizer sees it.
-
-    ``opt`` is the tensor it updates (its state is keyed by it); ``shape`` the parameter's shape
-    over dp, of which checkpointed state is a piece; ``rows`` this rank's rows of it when the
-    state is split over dp (None: whole); ``source`` the model tensor that ``opt`` is an fp32
-    (or host) copy of, None when ``opt`` is the model's own tensor.
-    """
-
-    __slots__ = ("opt", "shape", "rows", "source")
-
-    def __init__(self, opt: nn.Parameter, shape: torch.Size, rows: tuple[int, int] | None,
-                 source: torch.Tensor | None) -> None:
-        self.opt, self.shape, self.rows, self.source = opt, shape, rows, source
-
-    @property
-    def saves_master(self) -> bool:
-        """Whether the copy carries bits the model tensor lacks (fp32 master of bf16/fp16), so a
-        checkpoint stores it as ``"master"``; an fp32 offload copy is re-derived on load."""
-        return self.source is not None and self.source.dtype in LOW_PRECISION
-
-
-class ShardGroup:
-    """A bucket (stages 1/2) or a ZeRO-3 unit, seen by the optimizer: this rank's rows of each
-    parameter (``values``), their reduced gradients (``grads``), and optional fp32 masters."""
-
-    def __init__(self, layout: ShardLayout, values: list[torch.Tensor], grads: GradShard,
-                 full: list[nn.Parameter] | None, master: bool, offload: bool) -> None:
-        self.layout, self.values, self.grads, self.full = layout, values, grads, full
-        self.arena: DiskArena | None = None  # offload_to = "disk": the file holding the host state
-        self.opt: list[nn.Parameter] = []
-        self.master_flat: torch.Tensor | None = None
-        self.host_grad: torch.Tensor | None = None
-        if master:
-            device = torch.device("cpu") if offload else values[0].device
-            pin = offload and values[0].device.type == "cuda"
-            self.master_flat = torch.zeros(layout.size, dtype=torch.float32, device=device, pin_memory=pin)
-            masters = layout.views(self.master_flat)
-            for m, v in zip(masters, values, strict=True):
-                m.copy_(v.detach())
-            self.opt = [nn.Parameter(m, requires_grad=False) for m in masters]
-            if offload:
-                self.host_grad = torch.zeros(layout.size, dtype=torch.float32, device=device, pin_memory=pin)
-        else:
-            self.opt = [v if isinstance(v, nn.Parameter) else nn.Parameter(v, requires_grad=False) for v in values]
-
-    def slot(self, i: int) -> Slot:
-        """Parameter ``i``'s slot: this rank's rows, or their fp32 master copy."""
-        source = self.values[i] if self.master_flat is not None else None
-        return Slot(self.opt[i], self.layout.shapes[i], self.layout.local_rows(i), source)
-
-
-class ZeroStage(abc.ABC):
-    """One stage family's side of the step protocol (see the module doc).
-
-    ``slots`` maps ``id(parameter given)`` to its :class:`Slot`; ``groups`` are the sharded
-    groups (empty for :class:`Replicated`); ``hooks`` the gradient hooks this strategy put on
-    parameters; ``sync`` is False inside :meth:`no_sync`.
-    """
-
-    reducer: GradientReducer | None = None
-    sharded: ShardedModel | None = None
-
-    def __init__(self, named: list[NamedParam], axis: Axis) -> None:
-        self.named, self.axis = named, axis
-        self.sync = True
-        self.slots: dict[int, Slot] = {}
-        self.groups: list[ShardGroup] = []
-        self.hooks: list[RemovableHandle] = []
-
-    def residuals(self) -> list[torch.Tensor]:
-        """int8 gradient compression's error-feedback state, in a fixed order (none without it)."""
-        return [t for g in self.groups for t in g.grads.residuals()]
-
-    @property
-    @abc.abstractmethod
-    def state_axis(self) -> Axis | None:
-        """The axis the optimizer state is split over (None: every dp rank holds all of it)."""
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Gradients accumulate locally inside this block; nothing is sent."""
-        previous, self.sync = self.sync, False
-        try:
-            with self._quiet():
-                yield
-        finally:
-            self.sync = previous
-
-    def _quiet(self) -> AbstractContextManager[None]:
-        """The no-sync block of whatever else reduces gradients for this strategy."""
-        return contextlib.nullcontext()
-
-    @abc.abstractmethod
-    def zero_grad(self) -> None:
-        """Start a step's gradients from zero."""
-
-    @abc.abstractmethod
-    def finish(self) -> None:
-        """Wait for (and start any missing) gradient reduction of this step; idempotent."""
-
-    @abc.abstractmethod
-    def grad_views(self) -> list[torch.Tensor]:
-        """The reduced gradient tensors this rank holds (clipping scales them in place)."""
-
-    @abc.abstractmethod
-    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """``(name, gradient this rank holds)`` per parameter that has one."""
-
-    @property
-    @abc.abstractmethod
-    def device(self) -> torch.device:
-        """Where a zero gradient norm lives when no gradient exists."""
-
-    @abc.abstractmethod
-    def sum_over_dp(self, total: torch.Tensor) -> None:
-        """Turn this rank's sum of squared gradients into the global one, in place."""
-
-    @abc.abstractmethod
-    def load_grads(self) -> None:
-        """Hand the reduced gradients to the tensors the inner optimizer steps."""
-
-    @abc.abstractmethod
-    def store_updates(self) -> None:
-        """After the inner step: bring the updated values back into the model's parameters."""
-
-    @abc.abstractmethod
-    def held(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """(parameter tensors, gradient tensors) this rank keeps alive, for memory accounting."""
-
-    @abc.abstractmethod
-    def optim_extras(self) -> list[torch.Tensor | None]:
-        """Optimizer-side tensors beyond the inner state: fp32 masters, host gradient copies."""
-
-    @abc.abstractmethod
-    def model_state(self, model: nn.Module) -> dict[str, Any]:
-        """The model part of a checkpoint (template for ``dcp.load``)."""
-
-    @abc.abstractmethod
-    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Apply a (``dcp.load``-filled) :meth:`model_state`."""
-
-
-def whole_model_state(model: nn.Module, named: list[NamedParam], pieces: ShardMesh) -> dict[str, Any]:
-    """Stages 0-2 keep every parameter whole over dp: the model's buffers, and the trained
-    parameters (as tp pieces where tensor parallelism split them)."""
-    param_names = {n for n, _ in model.named_parameters()}
-    out: dict[str, Any] = {k: v for k, v in model.state_dict().items() if k not in param_names}
-    for name, p in named:
-        t = p.detach()
-        out[name] = pieces.dtensor(t, name, t.shape) if pieces.active else t
-    return out
-
-
-@torch.no_grad()
-def load_whole_model_state(model: nn.Module, state: dict[str, Any]) -> None:
-    """``dcp.load`` filled the template in place; copy anything given as another tensor."""
-    own = dict(model.named_parameters()) | dict(model.named_buffers())
-    for name, v in state.items():
-        local = v.to_local() if hasattr(v, "to_local") else v
-        if name in own and torch.is_tensor(local) and local.data_ptr() != own[name].data_ptr():
-            own[name].detach().copy_(local)
+from hybridpar.parallel.zero.reducer import GradientReducer, cut_buckets, param_bytes
+from hybridpar.parallel.zero.shard import GradShard, OuterSplit, ShardLayout, ShardMesh
+from hybridpar.parallel.zero.stage import (
+    LOW_PRECISION,
+    NamedParam,
+    ShardGroup,
+    Slot,
+    ZeroStage,
+    load_whole_model_state,
+    whole_model_state,
+)
+from hybridpar.parallel.zero.zero3 import ShardedModel
 
 
 class Replicated(ZeroStage):
@@ -503,6 +341,6 @@ class ShardedParams(_Grouped):
 
 
 def buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """:func:`~hybridpar.parallel.data.cut_buckets`, also cut wherever dtype or device changes."""
+    """:func:`~hybridpar.parallel.zero.reducer.cut_buckets`, also cut wherever dtype or device changes."""
     return cut_buckets(params, param_bytes, bucket_bytes,
                        lambda first, p: p.dtype == first.dtype and p.device == first.device)

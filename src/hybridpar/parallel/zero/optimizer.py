@@ -1,6 +1,6 @@
 """ZeRO data parallelism: one optimizer wrapper for stages 0-3, with optional offload of the
 optimizer state (and ZeRO-3's parameter shards) to host memory or to disk
-(:mod:`hybridpar.parallel.offload`).
+(:mod:`hybridpar.parallel.zero.offload`).
 
 =====  ==========================================  =====================================
 stage  what each dp rank keeps                      traffic per step (ring model, wire)
@@ -25,12 +25,12 @@ low-precision (bf16/fp16) parameters the optimizer keeps fp32 master weights in 
 4P + 12P/N, 2P + 14P/N, 16P/N (stage 0 too keeps fp32 masters: 2P + 2P + 12P).
 
 Every stage shards each parameter along dim 0 (``torch.chunk`` rows, see
-:mod:`hybridpar.parallel.shard`), so the optimizer state of a parameter is a ``DTensor`` with
+:mod:`hybridpar.parallel.zero.shard`), so the optimizer state of a parameter is a ``DTensor`` with
 ``Shard(0)`` over dp: :meth:`ZeroOptimizer.state_dict` is ``torch.distributed.checkpoint``
 native (each rank writes its rows) and reloads at any other dp size or stage.
 
 The stage-specific work lives in one strategy object per stage family
-(:mod:`hybridpar.parallel.zero_stages`): ``Replicated`` (stage 0), ``ShardedState`` (stages 1
+(:mod:`hybridpar.parallel.zero.stages`): ``Replicated`` (stage 0), ``ShardedState`` (stages 1
 and 2) and ``ShardedParams`` (stage 3). :class:`ZeroOptimizer` validates the options, picks the
 strategy, owns the inner optimizer and the checkpoint format, and runs the step protocol.
 
@@ -73,53 +73,16 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.data import GradientReducer
-from hybridpar.parallel.offload import DiskStore
-from hybridpar.parallel.shard import OuterSplit, ShardMesh, storage_bytes
-from hybridpar.parallel.zero3 import ShardedModel
-from hybridpar.parallel.zero_stages import (
-    LOW_PRECISION,
-    NamedParam,
-    Replicated,
-    ShardedParams,
-    ShardedState,
-    ShardGroup,
-    Slot,
-    ZeroStage,
-)
+from hybridpar.parallel.zero.base import NamedGrads, NormPart, clip_grads
+from hybridpar.parallel.zero.offload import DiskStore
+from hybridpar.parallel.zero.options import check_options, normalize_groups
+from hybridpar.parallel.zero.reducer import GradientReducer
+from hybridpar.parallel.zero.shard import OuterSplit, ShardMesh, storage_bytes
+from hybridpar.parallel.zero.stage import ShardGroup, Slot, ZeroStage
+from hybridpar.parallel.zero.stages import Replicated, ShardedParams, ShardedState
+from hybridpar.parallel.zero.zero3 import ShardedModel
 
-# parallel.grad_compression (and the engine's grad_compression) -> ZeroOptimizer's reduce_dtype
-COMPRESSION_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16,
-                                                     "int8": torch.int8}
-
-
-def decay_groups(model: nn.Module | Iterable[NamedParam], weight_decay: float) -> list[dict[str, Any]]:
-    """Named parameter groups of ``model`` (or of the named parameters given, e.g. one pipeline
-    stage's): weight decay on matrices only (norm gains, vectors: none)."""
-    pairs = model.named_parameters() if isinstance(model, nn.Module) else model
-    named = [(n, p) for n, p in pairs if p.requires_grad]
-    return [{"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def _normalize(params: Iterable[Any]) -> list[tuple[dict[str, Any], list[NamedParam]]]:
-    """Parameters, (name, parameter) pairs, or torch-style group dicts -> [(options, named)]."""
-    items = list(params)
-    if not items:
-        raise ValueError("ZeroOptimizer got an empty parameter list")
-    groups = items if isinstance(items[0], dict) else [{"params": items}]
-    out, seen, k = [], set(), 0
-    for g in groups:
-        named: list[NamedParam] = []
-        for x in g["params"]:
-            name, p = x if isinstance(x, tuple) else (f"param{k}", x)
-            if id(p) in seen:
-                raise ValueError(f"parameter {name} appears twice in the optimizer's groups")
-            seen.add(id(p))
-            named.append((name, p))
-            k += 1
-        out.append(({key: v for key, v in g.items() if key != "params"}, named))
-    return out
+__all__ = ["ZeroOptimizer"]
 
 
 class ZeroOptimizer:
@@ -127,11 +90,11 @@ class ZeroOptimizer:
 
     ``params``: parameters, ``(name, parameter)`` pairs, or torch-style groups
     (``[{"params": [...], "weight_decay": 0.1}, ...]``); names key the state dict, so pass
-    the model's names (:func:`decay_groups`) for checkpoints. ``stage`` 3 needs the model
+    the model's names (:func:`~hybridpar.parallel.zero.options.decay_groups`) for checkpoints. ``stage`` 3 needs the model
     sharded first (``sharded=shard_model(model, axis, units)``) and takes its (sharded)
     parameters. ``offload`` keeps master weights, optimizer state and the update on the host
     (pinned on GPU machines); ``offload_to="disk"`` puts that host state in memory-mapped files
-    under ``offload_dir`` instead (:mod:`hybridpar.parallel.offload`). ``bucket_bytes`` sizes the stage-0/1/2 gradient buckets.
+    under ``offload_dir`` instead (:mod:`hybridpar.parallel.zero.offload`). ``bucket_bytes`` sizes the stage-0/1/2 gradient buckets.
     ``reduce_dtype`` compresses the gradient reduction: ``torch.int8`` (any stage; block-wise
     int8 with error feedback, :mod:`hybridpar.distributed.compression`) or bf16/fp16 (stages
     1-3). ``outer`` says how the parameters are
@@ -151,26 +114,11 @@ class ZeroOptimizer:
                  sharded: ShardedModel | None = None, outer: OuterSplit | None = None,
                  hierarchy: tuple[Axis, Axis] | None = None, offload_to: str = "cpu",
                  offload_dir: str | None = None, offload_params: bool = False, **optim_kwargs: Any) -> None:
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage {stage} must be 0, 1, 2 or 3")
-        if offload and stage == 0:
-            raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 has no sharded optimizer)")
-        if reduce_dtype is not None and reduce_dtype != torch.int8 and (stage == 0 or reduce_dtype not in LOW_PRECISION):
-            raise ValueError(f"gradient compression reduce_dtype={reduce_dtype} needs torch.int8 (any stage), "
-                             "or bf16 / fp16 with stage 1-3")
-        if offload_to not in ("cpu", "disk"):
-            raise ValueError(f"offload_to={offload_to!r} must be 'cpu' or 'disk'")
-        if offload_to == "disk" and not offload:
-            raise ValueError("offload_to='disk' places offloaded state: it needs offload=True")
-        if offload_params and (stage != 3 or not offload):
-            raise ValueError("offload_params needs ZeRO stage 3 and offload=True (the update runs where the "
-                             "parameter shards live)")
-        if (stage == 3) != (sharded is not None):
-            raise ValueError("ZeRO stage 3 needs sharded=shard_model(model, axis, units); other stages take none")
+        check_options(stage, offload, reduce_dtype, offload_to, offload_params, sharded)
         self.axis, self.stage, self.offload = axis, stage, offload
         if axis.size == 1:
             reduce_dtype = None  # nothing crosses a size-1 axis: nothing to compress
-        groups = _normalize(params)
+        groups = normalize_groups(params)
         named = [np for _, g in groups for np in g]
         self.names = [n for n, _ in named]
         self.mode = stage if axis.size > 1 else (1 if offload else 0)
@@ -198,7 +146,7 @@ class ZeroOptimizer:
 
     def _move_to_disk(self) -> None:
         """Put each group's host state (fp32 masters, host gradients, per-element optimizer
-        state) into a file of its own (:mod:`hybridpar.parallel.offload`), then drop it from
+        state) into a file of its own (:mod:`hybridpar.parallel.zero.offload`), then drop it from
         memory. The inner optimizer keeps its tensors: their storage moves underneath."""
         assert self.disk is not None
         self._ensure_state()
@@ -239,6 +187,12 @@ class ZeroOptimizer:
     def sharded(self) -> ShardedModel | None:
         """The ZeRO-3 sharded model this optimizer steps (None for stages 0-2)."""
         return self._stage.sharded
+
+    @property
+    def reduces_per_stage(self) -> bool:
+        """Whether the pipeline runner's stage hooks reduce the gradients (ZeRO-3 under pp:
+        :class:`~hybridpar.parallel.zero.zero3_pp.StageSharded`), not per-parameter hooks."""
+        return self.sharded is not None and self.sharded.reduces_per_stage
 
     @property
     def sync(self) -> bool:
@@ -287,20 +241,19 @@ class ZeroOptimizer:
         self._stage.sum_over_dp(total)
         return total
 
-    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+    def named_grads(self) -> NamedGrads:
         """``(name, gradient this rank holds)`` per parameter with one (this rank's rows under
         stages 1-3), after :meth:`finish_grads`: for norms that also span tp or pp ranks."""
         self.finish_grads()
         return self._stage.named_grads()
 
-    @torch.no_grad()
+    def norm_parts(self) -> list[NormPart]:
+        """One part: the gradients this rank holds, summed over the ZeRO axis when it shards them."""
+        return [(self.named_grads(), [self.axis] if self.mode != 0 else [])]
+
     def clip(self, total_norm: torch.Tensor, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
-        if max_norm <= 0:
-            return
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for g in self._stage.grad_views():
-            g.mul_(coef.to(g.device, g.dtype))
+        clip_grads(self._stage.grad_views(), total_norm, max_norm)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -429,7 +382,7 @@ class ZeroOptimizer:
         """int8 compression's error-feedback state of this rank (live tensors; empty without
         int8). Keyed by global rank and the dp axis's size, since every rank's residuals are its
         own and mean nothing under another layout: a checkpoint restores them only at the same
-        one (:func:`hybridpar.training.checkpoint.load`); elsewhere they restart from zero."""
+        one (:meth:`checkpoint_state` with ``same_layout``); elsewhere they restart from zero."""
         tensors = self._stage.residuals()
         where = f"{self.axis.name}{self.axis.size}-rank{self.axis.global_rank(self.axis.rank)}"
         return {f"{where}-{i}": t for i, t in enumerate(tensors)}
@@ -445,13 +398,15 @@ class ZeroOptimizer:
         for t in self._stage.residuals():
             t.mul_(factor)
 
-    def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
+    def checkpoint_state(self, model: nn.Module, same_layout: bool = True) -> dict[str, Any]:
         """``{"model": ..., "optim": ...}`` for ``dcp.save`` / as the template for ``dcp.load``:
         the parameters this optimizer trains (one pipeline stage's, under pp) and the model's
         buffers, as DTensor pieces of the full tensors where tp or ZeRO-3 split them; with int8
-        compression also ``"residuals"`` (:meth:`residuals`)."""
+        compression also ``"residuals"`` (:meth:`residuals`), unless the template is for a
+        checkpoint of another layout (``same_layout`` False): each rank's error feedback is its
+        own, so elsewhere it restarts from zero."""
         out = {"model": self._stage.model_state(model), "optim": self.state_dict()}
-        residuals = self.residuals()
+        residuals = self.residuals() if same_layout else {}
         if residuals:
             out["residuals"] = residuals
         return out
@@ -467,3 +422,8 @@ class ZeroOptimizer:
                 s.opt.copy_(s.source)
         self.load_state_dict(state["optim"])
         self.evict()
+
+    def gather_full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3: every parameter and buffer whole over dp, on every rank (collective; still tp
+        pieces); None at stages 0-2, whose parameters are whole already."""
+        return self.sharded.gather_full_state_dict() if self.sharded is not None else None
