@@ -25,6 +25,9 @@ from hybridpar.errors import UserError
 from hybridpar.training.errors import NonFiniteLossError
 
 if TYPE_CHECKING:
+    import torch
+
+    from hybridpar.distributed.lifecycle import StopRequest
     from hybridpar.distributed.mesh import Topology
     from hybridpar.training.elastic import LayoutChange
 
@@ -244,23 +247,11 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
     status: 0 done, 128 + N stopped by signal N after a complete checkpoint; a user error is
     raised, or (under the local launcher) reported to it and answered with its status.
     ``elastic``: the layout an elastic job planned for this world (recorded in the run)."""
-    from hybridpar.distributed import device as devices
     from hybridpar.distributed import flight, lifecycle
-    from hybridpar.distributed.mesh import (
-        ParallelDims,
-        backend_for,
-        destroy_distributed,
-        init_distributed,
-    )
-    from hybridpar.training.elastic import check_same_plan, peer_lost
-    from hybridpar.training.trainer import Trainer
+    from hybridpar.distributed.mesh import ParallelDims, destroy_distributed
+    from hybridpar.training.elastic import check_same_plan
 
-    if under_launcher():
-        lifecycle.die_with_parent()
-    device = devices.pick_device(cfg.train.device, devices.local_rank())
-    if device.type == "cpu":  # the trainer's process: keep a step's freed heap for the next step
-        devices.keep_host_heap()  # (the library API leaves malloc alone unless asked)
-    init_distributed(backend=backend_for(device.type), timeout_s=cfg.train.timeout_s)
+    device = _start_worker(cfg)
     run_dir = Path(cfg.train.run_dir)
     rank = int(os.environ.get("RANK", "0")) if under_launcher() else 0
     topo = None
@@ -282,40 +273,78 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                               f"{cfg.train.steps}: nothing left to train", flush=True)
                     clean = True
                     return 0
-            try:
-                Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
-            except lifecycle.Preempted as p:
-                if topo.rank == 0 and elastic is not None:  # e.g. a node joined: the agent restarts the job
-                    print(f"hybridpar: elastic: {p}; the launcher restarts the job", file=sys.stderr, flush=True)
-                elif topo.rank == 0:
-                    print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
-                          file=sys.stderr, flush=True)
-                clean = True
-                return 128 + p.signum
+            status = _fit(cfg, topo, device, stop, elastic, resume)
             clean = True
-            return 0
+            return status
         except (UserError, NonFiniteLossError) as e:
             kind = "error" if isinstance(e, UserError) else "stopped"
             if lifecycle.report_error(rank, kind, str(e)):
                 return 2 if kind == "error" else 3
             raise
         except Exception as e:  # e.g. a collective that timed out: leave a flight record
-            if topo is not None and topo.world_size > 1:
-                flight.dump(topo.comm.counter, run_dir, topo.rank, f"{type(e).__name__}: {e}")
-                if stop.signum or lifecycle.reported_elsewhere(rank):  # a consequence, not the cause
-                    print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
-                          file=sys.stderr, flush=True)
-                    return 1
-                if elastic is not None and (lost := peer_lost(e)):  # what an elastic job expects: one line
-                    print(f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job "
-                          "on the processes left", file=sys.stderr, flush=True)
-                    return 1
-                print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}",
-                      file=sys.stderr)
+            if topo is not None and topo.world_size > 1 and _after_failure(e, topo, run_dir, rank, stop, elastic):
+                return 1
             raise
         finally:
             _teardown(topo, orderly=clean)
             destroy_distributed()
+
+
+def _start_worker(cfg: Config) -> torch.device:
+    """This worker process's device and default process group. On CPU the trainer also keeps
+    the heap a step frees for the next step (a process-wide malloc setting the library API
+    leaves to its user: :func:`hybridpar.distributed.device.keep_host_heap`)."""
+    from hybridpar.distributed import device as devices
+    from hybridpar.distributed import lifecycle
+    from hybridpar.distributed.mesh import backend_for, init_distributed
+
+    if under_launcher():
+        lifecycle.die_with_parent()
+    device = devices.pick_device(cfg.train.device, devices.local_rank())
+    if device.type == "cpu":
+        devices.keep_host_heap()
+    init_distributed(backend=backend_for(device.type), timeout_s=cfg.train.timeout_s)
+    return device
+
+
+def _fit(cfg: Config, topo: Topology, device: torch.device, stop: StopRequest, elastic: LayoutChange | None,
+         resume: Path | None) -> int:
+    """Train to the end (0), or until a signal stopped the run after a complete checkpoint
+    (128 + N, with how to resume or, under an elastic agent, that it restarts the job)."""
+    from hybridpar.distributed import lifecycle
+    from hybridpar.training.trainer import Trainer
+
+    try:
+        Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
+    except lifecycle.Preempted as p:
+        if topo.rank == 0 and elastic is not None:  # e.g. a node joined: the agent restarts the job
+            print(f"hybridpar: elastic: {p}; the launcher restarts the job", file=sys.stderr, flush=True)
+        elif topo.rank == 0:
+            print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
+                  file=sys.stderr, flush=True)
+        return 128 + p.signum
+    return 0
+
+
+def _after_failure(e: Exception, topo: Topology, run_dir: Path, rank: int, stop: StopRequest,
+                   elastic: LayoutChange | None) -> bool:
+    """A multi-rank job failed with ``e``: leave a flight record; True when this rank's failure
+    is expected (a consequence of another's, or a lost peer an elastic agent restarts) and was
+    told in one line, False when ``e`` should propagate after the record's summary."""
+    from hybridpar.distributed import flight, lifecycle
+    from hybridpar.training.elastic import peer_lost
+
+    flight.dump(topo.comm.counter, run_dir, topo.rank, f"{type(e).__name__}: {e}")
+    if stop.signum or lifecycle.reported_elsewhere(rank):  # a consequence, not the cause
+        print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
+              file=sys.stderr, flush=True)
+        return True
+    if elastic is not None and (lost := peer_lost(e)):  # what an elastic job expects: one line
+        print(f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job "
+              "on the processes left", file=sys.stderr, flush=True)
+        return True
+    print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}", file=sys.stderr)
+    return False
 
 
 def _teardown(topo: Topology | None, orderly: bool) -> None:
