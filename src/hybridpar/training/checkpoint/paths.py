@@ -44,8 +44,8 @@ from hybridpar.distributed.mesh import Axis, Topology
 from hybridpar.fsutil import dir_mode, publish_modes
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.zero import ZeroOptimizer
-from hybridpar.training.background import BackgroundWriter
-from hybridpar.training.durable import (
+from hybridpar.training.checkpoint.background import BackgroundWriter
+from hybridpar.training.checkpoint.durable import (
     _causes,
     _disk_full,
     _free_bytes,
@@ -57,7 +57,7 @@ from hybridpar.training.durable import (
     _size,
     _write_durable,
 )
-from hybridpar.training.safe_metadata import CheckpointError, SafeReader
+from hybridpar.training.checkpoint.safe_metadata import CheckpointError, SafeReader
 
 COMPLETE = "complete.json"
 TOKENIZER_INFO = "tokenizer-info.json"
