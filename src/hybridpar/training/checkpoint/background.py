@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridpar.compat import dtensor_like
 from hybridpar.distributed.mesh import Axis, Topology
-from hybridpar.training.checkpoint.durable import _reason
+from hybridpar.training.checkpoint.durable import reason
 from hybridpar.training.checkpoint.safe_metadata import CheckpointError
 
 Write = Callable[[Any, Axis], Any]  # (staged state, the writer's axis) -> the written checkpoint
@@ -199,6 +199,6 @@ class BackgroundWriter:
         elif isinstance(error, CheckpointError):
             return CheckpointError(f"{error} (it was being written in the background: train.async_checkpoint)")
         else:
-            why = _reason(error)
+            why = reason(error)
         return CheckpointError(f"checkpoint {path} was not saved: its background writer failed ({why}); "
                                "the previous checkpoints are intact")
