@@ -24,9 +24,7 @@ from hybridpar.config import load_config
 from hybridpar.distributed.lifecycle import Preempted, StopRequest
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
-from hybridpar.training.background import HostStager
-from hybridpar.training.checkpoint import CheckpointError
-from hybridpar.training.safe_metadata import SafeReader
+from hybridpar.training.checkpoint import CheckpointError, HostStager, SafeReader, manifest, writer
 from hybridpar.training.trainer import Trainer
 
 ASYNC = ("--train.async_checkpoint", "true")
@@ -148,14 +146,14 @@ def test_a_failed_background_write_is_raised_at_the_next_step_and_keeps_the_prev
     """The writer of step 3 fails before its complete.json: the error comes at the first step
     boundary after the writer ended (step 4 here: the test lets the writer finish first), as
     one CheckpointError; step 2 stays the checkpoint --resume picks; nothing is left behind."""
-    real_publish = checkpoint._publish
+    real_publish = writer._publish
 
     def publish(tmp, path, step, world_size):
         if step == 3:
             raise OSError(errno.EIO, "Input/output error (simulated)")
         real_publish(tmp, path, step, world_size)
 
-    monkeypatch.setattr(checkpoint, "_publish", publish)
+    monkeypatch.setattr(writer, "_publish", publish)
     trainer = make(tmp_path, "r", "--train.steps", "6", "--train.checkpoint_every", "1", *ASYNC)
     real_step = Trainer.train_step
 
@@ -190,14 +188,14 @@ def test_a_process_killed_before_the_marker_leaves_the_previous_checkpoint(tmp_p
         code = 1
         try:
             torch.set_num_threads(1)
-            real = checkpoint._write_durable
+            real = manifest.write_durable
 
             def write(path, text):
                 if path.name == checkpoint.COMPLETE and path.parent.name == ".tmp-step-000006":
                     os._exit(KILLED)
                 real(path, text)
 
-            checkpoint._write_durable = write
+            manifest.write_durable = write
             make(tmp_path, "killed", *SHORT, *ASYNC).fit()
             code = 0
         finally:

@@ -30,7 +30,7 @@ from hybridpar.errors import UserError
 from hybridpar.models.llama import Llama
 from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
 from hybridpar.training import checkpoint
-from hybridpar.training.checkpoint import CheckpointError
+from hybridpar.training.checkpoint import CheckpointError, manifest, writer
 
 
 class Tiny:
@@ -162,10 +162,10 @@ def test_resave_keeps_the_old_checkpoint_until_the_new_one_is_in(tiny, tmp_path,
     run = tmp_path / "r"
     tiny.save(run, 6)
     real = os.replace
-    monkeypatch.setattr(checkpoint.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
     with pytest.raises(KeyboardInterrupt):
         tiny.save(run, 6)
-    monkeypatch.setattr(checkpoint.os, "replace", real)
+    monkeypatch.setattr(os, "replace", real)
     assert leftovers(run) == [".old-step-000006", ".tmp-step-000006"]
     assert checkpoint.latest_checkpoint(run) is None  # nothing half-written is picked
     assert checkpoint.resolve_resume("latest", run).name == "step-000006"  # put back by recover
@@ -192,7 +192,7 @@ def test_half_checkpoint_with_complete_json_is_never_picked(tiny, tmp_path):
 def test_a_checkpoint_that_does_not_fit_is_refused_before_writing(tiny, tmp_path, monkeypatch):
     run = tmp_path / "r"
     first = tiny.save(run, 5)
-    monkeypatch.setattr(checkpoint, "_free_bytes", lambda folder: 4096)
+    monkeypatch.setattr(writer, "free_bytes", lambda folder: 4096)
     with pytest.raises(CheckpointError) as e:
         tiny.save(run, 10)
     msg = str(e.value)
@@ -208,14 +208,14 @@ def test_disk_full_during_the_write_is_one_line_and_keeps_the_previous(tiny, tmp
     run = tmp_path / "r"
     first = tiny.save(run, 5)
     if where == "complete.json":
-        real = checkpoint._write_durable
+        real = manifest.write_durable
 
         def write(path, text):
             if path.name == checkpoint.COMPLETE:
                 raise OSError(errno.ENOSPC, "No space left on device")
             real(path, text)
 
-        monkeypatch.setattr(checkpoint, "_write_durable", write)
+        monkeypatch.setattr(manifest, "write_durable", write)
     else:
         from torch.distributed.checkpoint import filesystem
 
@@ -242,7 +242,7 @@ def test_disk_full_during_the_write_is_one_line_and_keeps_the_previous(tiny, tmp
 
 
 def test_cli_prints_the_disk_full_error_as_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(checkpoint, "_free_bytes", lambda folder: 1000)
+    monkeypatch.setattr(writer, "free_bytes", lambda folder: 1000)
     run = tmp_path / "r"
     assert main(["train", *SMALL, "--train.run_dir", str(run), "--train.steps", "1", "--train.eval_every", "0"]) == 2
     err = capsys.readouterr().err

@@ -317,7 +317,7 @@ def _save_with_a_slow_copy(rank: int, world: int, tmp: str, flags: list[str]) ->
     """Train with a save after step 2 whose background copy takes longer than a step."""
     import time
 
-    from hybridpar.training.background import HostStager
+    from hybridpar.training.checkpoint import HostStager
 
     real = HostStager.stage
 

@@ -33,7 +33,7 @@ from hybridpar.distributed.comm import CommCounter
 from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
 from hybridpar.distributed.mesh import Axis
 from hybridpar.training import checkpoint
-from hybridpar.training.background import BackgroundWriter
+from hybridpar.training.checkpoint import BackgroundWriter
 from hybridpar.training.metrics import MetricsLogger, atomic_write_text
 
 

@@ -26,7 +26,7 @@ from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
 from hybridpar.training import checkpoint, elastic
-from hybridpar.training.background import BackgroundWriter
+from hybridpar.training.checkpoint import BackgroundWriter
 from hybridpar.training.elastic import LayoutChange
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError

@@ -7,15 +7,8 @@ V-shaped schedule (ZBV) places its two chunks per rank as a V: rank ``r`` holds 
 ``2pp - 1 - r``, so the first and the last stage share rank 0 and the hand-off from stage
 ``pp - 1`` to ``pp`` (and back) stays on rank ``pp - 1`` (a local message: no send or receive).
 
-Every :class:`Action` is tagged with a micro-batch and the stage it runs on (always a stage of
-the rank that executes it):
-
-* ``F``: forward; ``B``: backward. In GPipe / 1F1B / interleaved, B is the full backward. In
-  ZB-H1 and ZBV (``schedule.split_backward``) B computes only the input gradient and ``W`` the
-  weight gradient later, filling pipeline bubbles.
-* ``SEND_ACT`` sends the output of stage ``s`` to stage ``s + 1``; ``RECV_ACT`` receives the
-  input of stage ``s`` from ``s - 1``; ``SEND_GRAD`` sends the input gradient of ``s`` to
-  ``s - 1``; ``RECV_GRAD`` receives the output gradient of ``s`` from ``s + 1``.
+Each rank's list is its compute order (F, B and W per micro-batch and stage, :mod:`.orders`)
+with the sends and receives added; the actions and messages are in :mod:`.actions`.
 
 Execution semantics (the runtime implements them, :mod:`.simulate` times them, the tests check
 them): sends are posted right after the compute that produces them and never block; receives are
@@ -29,120 +22,56 @@ simulator, the timeline plot and the planner.
 
 from __future__ import annotations
 
-import enum
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hybridpar.errors import UserError
+from hybridpar.parallel.pipeline.actions import (
+    Action,
+    ActionKind,
+    Message,
+    Payload,
+    Schedule,
+    ScheduleError,
+    needed_message,
+    produced_message,
+)
+from hybridpar.parallel.pipeline.orders import (
+    gpipe_order,
+    interleaved_order,
+    one_f_one_b_order,
+    two_bw_order,
+    zb_h1_order,
+    zbv_order,
+)
 from hybridpar.rules import schedule_error
 
+__all__ = [  # the actions' names too: the runtime, simulator and planner import them from here
+    "PREFETCH",
+    "Action",
+    "ActionKind",
+    "Message",
+    "Payload",
+    "PipelineSchedule",
+    "Schedule",
+    "ScheduleError",
+    "build_forward_schedule",
+    "build_schedule",
+    "build_two_bw_step",
+    "check_schedule_args",
+    "compute_order",
+    "max_in_flight",
+    "needed_message",
+    "produced_message",
+    "promised_in_flight",
+    "rank_stages",
+    "schedule_warnings",
+    "stage_rank",
+    "two_bw_carried",
+    "two_bw_stream",
+]
+
 PREFETCH = 1  # receives are posted this many compute actions before their consumer
-
-
-class ScheduleError(UserError):
-    """Impossible schedule arguments (pp, virtual stages, micro-batches) or a malformed list."""
-
-
-class Schedule(enum.Enum):
-    """The pipeline schedules; values are the config / CLI names."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    ZB_H1 = "zb-h1"
-    ZBV = "zbv"
-    TWO_BW = "2bw"  # PipeDream-2BW: asynchronous, one step of gradient delay (see :mod:`.twobw`)
-
-    @classmethod
-    def parse(cls, name: str | Schedule) -> Schedule:
-        if isinstance(name, Schedule):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise ScheduleError(f"unknown pipeline schedule {name!r}; choose one of "
-                                f"{[s.value for s in cls]}") from None
-
-
-class ActionKind(enum.Enum):
-    F = "F"
-    B = "B"
-    W = "W"
-    SEND_ACT = "send_act"
-    RECV_ACT = "recv_act"
-    SEND_GRAD = "send_grad"
-    RECV_GRAD = "recv_grad"
-
-    @property
-    def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B, ActionKind.W)
-
-    @property
-    def is_send(self) -> bool:
-        return self in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
-
-    @property
-    def is_recv(self) -> bool:
-        return self in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
-
-
-class Payload(enum.Enum):
-    ACT = "act"
-    GRAD = "grad"
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One p2p transfer: ``payload`` of ``microbatch`` from stage ``src`` to stage ``dst``."""
-
-    payload: Payload
-    microbatch: int
-    src: int
-    dst: int
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    """One step of a rank's list: ``kind`` on ``microbatch`` at global stage ``stage``."""
-
-    kind: ActionKind
-    microbatch: int
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}(mb={self.microbatch}, stage={self.stage})"
-
-    def message(self) -> Message | None:
-        """The transfer a send or receive action takes part in (None for compute)."""
-        k, m, s = self.kind, self.microbatch, self.stage
-        if k is ActionKind.SEND_ACT:
-            return Message(Payload.ACT, m, s, s + 1)
-        if k is ActionKind.RECV_ACT:
-            return Message(Payload.ACT, m, s - 1, s)
-        if k is ActionKind.SEND_GRAD:
-            return Message(Payload.GRAD, m, s, s - 1)
-        if k is ActionKind.RECV_GRAD:
-            return Message(Payload.GRAD, m, s + 1, s)
-        return None
-
-
-def needed_message(a: Action, num_stages: int) -> Message | None:
-    """The message compute action ``a`` must receive before it can run (None: local inputs)."""
-    if a.kind is ActionKind.F and a.stage > 0:
-        return Message(Payload.ACT, a.microbatch, a.stage - 1, a.stage)
-    if a.kind is ActionKind.B and a.stage < num_stages - 1:
-        return Message(Payload.GRAD, a.microbatch, a.stage + 1, a.stage)
-    return None
-
-
-def produced_message(a: Action, num_stages: int) -> Message | None:
-    """The message compute action ``a`` sends when it finishes (None: nothing leaves the rank)."""
-    if a.kind is ActionKind.F and a.stage < num_stages - 1:
-        return Message(Payload.ACT, a.microbatch, a.stage, a.stage + 1)
-    if a.kind is ActionKind.B and a.stage > 0:
-        return Message(Payload.GRAD, a.microbatch, a.stage, a.stage - 1)
-    return None
 
 
 @dataclass(frozen=True)
@@ -269,141 +198,6 @@ def max_in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
-# ----------------------------------------------------------------------------- compute orders
-
-
-def _f(m: int, s: int) -> Action:
-    return Action(ActionKind.F, m, s)
-
-
-def _b(m: int, s: int) -> Action:
-    return Action(ActionKind.B, m, s)
-
-
-def _gpipe(pp: int, m: int, rank: int) -> list[Action]:
-    """All forwards, then all backwards (micro-batch order, as torch's ScheduleGPipe)."""
-    return [_f(i, rank) for i in range(m)] + [_b(i, rank) for i in range(m)]
-
-
-def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
-    """``pp - 1 - rank`` warm-up forwards, then alternate F and B, then the remaining Bs."""
-    warmup = min(pp - 1 - rank, m)
-    out = [_f(i, rank) for i in range(warmup)]
-    for i in range(m - warmup):
-        out += [_f(warmup + i, rank), _b(i, rank)]
-    return out + [_b(i, rank) for i in range(m - warmup, m)]
-
-
-def _interleaved(pp: int, v: int, m: int, rank: int) -> list[Action]:
-    """Megatron-LM's interleaved 1F1B (needs ``m % pp == 0``). The k-th forward of a rank runs
-    micro-batch ``(k // (pp*v))*pp + k % pp`` on local chunk ``(k % (pp*v)) // pp``; backwards
-    use the same micro-batch order on chunks in reverse. Warm-up is
-    ``2*(pp - rank - 1) + (v - 1)*pp`` forwards (all of them when m == pp)."""
-    total = m * v
-
-    def mb(k: int) -> int:
-        return (k // (pp * v)) * pp + k % pp
-
-    def chunk(k: int, forward: bool) -> int:
-        c = (k % (pp * v)) // pp
-        return c if forward else v - 1 - c
-
-    def fwd(k: int) -> Action:
-        return _f(mb(k), chunk(k, True) * pp + rank)
-
-    def bwd(k: int) -> Action:
-        return _b(mb(k), chunk(k, False) * pp + rank)
-
-    warmup = total if m == pp else min(total, 2 * (pp - rank - 1) + (v - 1) * pp)
-    out = [fwd(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        out += [fwd(warmup + k), bwd(k)]
-    return out + [bwd(k) for k in range(total - warmup, total)]
-
-
-def _zb_h1(pp: int, m: int, rank: int) -> list[Action]:
-    """ZB-H1 (Qi et al. 2023, as torch's ZB1P at one stage per rank): 1F1B with B split into
-    an input-gradient B and a weight-gradient W; rank r runs each W r backwards after its B, so
-    downstream Bs (the critical path) go first and the deferred Ws fill the cool-down bubble."""
-    warmup = min(pp - 1 - rank, m)
-    out = [_f(i, rank) for i in range(warmup)]
-    backwards = 0
-    weights = 0
-
-    def backward() -> None:
-        nonlocal backwards, weights
-        out.append(_b(backwards, rank))
-        if backwards >= rank:
-            out.append(Action(ActionKind.W, weights, rank))
-            weights += 1
-        backwards += 1
-
-    for i in range(m - warmup):
-        out.append(_f(warmup + i, rank))
-        backward()
-    while backwards < m:
-        backward()
-    out += [Action(ActionKind.W, i, rank) for i in range(weights, m)]
-    return out
-
-
-def _zbv(pp: int, m: int, rank: int) -> list[Action]:
-    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6; the order torch's
-    ScheduleZBVZeroBubble also uses): rank r runs chunk 0 = stage r and chunk 1 = stage
-    2pp - 1 - r. Warm-up: ``2(pp - r) - 1`` forwards of chunk 0, then ``r`` pairs (chunk 1,
-    chunk 0), then ``pp - r`` rounds of chunk 1's F, B, W; steady state: F, B, W of chunk 0 then
-    of chunk 1; cool-down: the remaining Bs with the Ws deferred into the drain. The order is
-    built for ``max(M, 2pp - 1)`` micro-batches and the ones past M are dropped."""
-    n = max(2 * pp - 1, m)
-    c0, c1 = rank, 2 * pp - 1 - rank
-    out: list[Action] = []
-    f0 = f1 = b0 = b1 = 0
-
-    def w(mb: int, stage: int) -> Action:
-        return Action(ActionKind.W, mb, stage)
-
-    for _ in range(2 * (pp - rank) - 1):
-        out.append(_f(f0, c0))
-        f0 += 1
-    for _ in range(rank):
-        out += [_f(f1, c1), _f(f0, c0)]
-        f1, f0 = f1 + 1, f0 + 1
-    for _ in range(pp - rank):
-        out += [_f(f1, c1), _b(b1, c1), w(b1, c1)]
-        f1, b1 = f1 + 1, b1 + 1
-    while f1 < f0 or f0 < n:
-        if f0 < n:
-            out.append(_f(f0, c0))
-            f0 += 1
-        out += [_b(b0, c0), w(b0, c0), _f(f1, c1), _b(b1, c1), w(b1, c1)]
-        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
-    w0, w1 = b0, b1
-    for _ in range(rank):
-        out += [_b(b0, c0), _b(b1, c1)]
-        b0, b1 = b0 + 1, b1 + 1
-    for _ in range(pp - rank):
-        out += [_b(b0, c0), w(w0, c0)]
-        b0, w0 = b0 + 1, w0 + 1
-    out += [w(i, c1) for i in range(w1, b1)] + [w(i, c0) for i in range(w0, b0)]
-    return [a for a in out if a.microbatch < m]
-
-
-def _two_bw(pp: int, m: int, rank: int, head: bool = True, tail: bool = False) -> list[Action]:
-    """One PipeDream-2BW step of rank ``rank``: a cut of one continuous 1F1B stream. ``head``:
-    the step runs this batch's ``pp - 1 - rank`` warm-up forwards itself (the first step after
-    a start or a resume; otherwise the previous step ran them). Then 1F1B pairs: the forward of
-    each pair runs this batch's remaining micro-batches, then, with ``tail``, the next batch's
-    first ``pp - 1 - rank`` (numbered ``m + i``); the backward runs this batch's in order.
-    Without ``tail`` (the last step) the Bs left over drain the pipeline as in 1F1B, so
-    ``head and not tail`` is exactly 1F1B."""
-    warmup = min(pp - 1 - rank, m)
-    out = [_f(i, rank) for i in range(warmup)] if head else []
-    forwards = list(range(warmup, m)) + (list(range(m, m + warmup)) if tail else [])
-    for i, mb in enumerate(forwards):
-        out += [_f(mb, rank), _b(i, rank)]
-    return out + [_b(i, rank) for i in range(len(forwards), m)]
-
-
 def two_bw_carried(pp: int, m: int) -> tuple[Message, ...]:
     """The activations a 2BW step with a tail leaves for the next one: rank r's last warm-up
     forward of the next batch (micro-batch ``m + pp - 2 - r``, for r < pp - 1) feeds rank
@@ -421,7 +215,7 @@ def build_two_bw_step(pp: int, microbatches: int, head: bool, tail: bool) -> Pip
     m = microbatches
     carried = two_bw_carried(pp, m)
     first = () if head else tuple(Message(c.payload, c.microbatch - m, c.src, c.dst) for c in carried)
-    compute = [_two_bw(pp, m, r, head, tail) for r in range(pp)]
+    compute = [two_bw_order(pp, m, r, head, tail) for r in range(pp)]
     ranks = _insert_comms(compute, pp, pp, sent_first=first, held=frozenset(carried) if tail else frozenset())
     return PipelineSchedule(Schedule.TWO_BW, pp, 1, m, ranks)
 
@@ -505,15 +299,15 @@ def build_schedule(kind: Schedule | str, pp: int, virtual_stages: int = 1,
     check_schedule_args(kind, pp, virtual_stages, microbatches)
     m, v = microbatches, virtual_stages
     if kind is Schedule.GPIPE:
-        compute = [_gpipe(pp, m, r) for r in range(pp)]
+        compute = [gpipe_order(pp, m, r) for r in range(pp)]
     elif kind is Schedule.ONE_F_ONE_B:
-        compute = [_one_f_one_b(pp, m, r) for r in range(pp)]
+        compute = [one_f_one_b_order(pp, m, r) for r in range(pp)]
     elif kind is Schedule.INTERLEAVED:
-        compute = [_interleaved(pp, v, m, r) for r in range(pp)]
+        compute = [interleaved_order(pp, v, m, r) for r in range(pp)]
     elif kind is Schedule.ZBV:
-        compute = [_zbv(pp, m, r) for r in range(pp)]
+        compute = [zbv_order(pp, m, r) for r in range(pp)]
     else:
-        compute = [_zb_h1(pp, m, r) for r in range(pp)]
+        compute = [zb_h1_order(pp, m, r) for r in range(pp)]
     v_shape = kind is Schedule.ZBV
     return PipelineSchedule(kind, pp, v, m, _insert_comms(compute, pp, pp * v, v_shape), v_shape=v_shape)
 
@@ -527,16 +321,16 @@ def compute_order(kind: Schedule | str, pp: int, virtual_stages: int, microbatch
     kind = Schedule.parse(kind)
     check_schedule_args(kind, pp, virtual_stages, microbatches)
     if kind is Schedule.TWO_BW:
-        return _two_bw(pp, microbatches, rank, head=True, tail=True)
+        return two_bw_order(pp, microbatches, rank, head=True, tail=True)
     if kind is Schedule.GPIPE:
-        return _gpipe(pp, microbatches, rank)
+        return gpipe_order(pp, microbatches, rank)
     if kind is Schedule.ONE_F_ONE_B:
-        return _one_f_one_b(pp, microbatches, rank)
+        return one_f_one_b_order(pp, microbatches, rank)
     if kind is Schedule.INTERLEAVED:
-        return _interleaved(pp, virtual_stages, microbatches, rank)
+        return interleaved_order(pp, virtual_stages, microbatches, rank)
     if kind is Schedule.ZBV:
-        return _zbv(pp, microbatches, rank)
-    return _zb_h1(pp, microbatches, rank)
+        return zbv_order(pp, microbatches, rank)
+    return zb_h1_order(pp, microbatches, rank)
 
 
 def build_forward_schedule(pp: int, virtual_stages: int, microbatches: int,
@@ -549,7 +343,7 @@ def build_forward_schedule(pp: int, virtual_stages: int, microbatches: int,
     if pp < 1 or virtual_stages < 1 or microbatches < 1 or (virtual_stages > 1 and pp < 2 and not v_shape):
         raise ScheduleError(f"forward schedule needs pp, virtual_stages, microbatches >= 1 (pp >= 2 "
                             f"with virtual stages); got {pp}, {virtual_stages}, {microbatches}")
-    compute = [[_f(m, s) for s in rank_stages(r, pp, virtual_stages, v_shape) for m in range(microbatches)]
+    compute = [[Action(ActionKind.F, m, s) for s in rank_stages(r, pp, virtual_stages, v_shape) for m in range(microbatches)]
                for r in range(pp)]
     return PipelineSchedule(Schedule.GPIPE, pp, virtual_stages, microbatches,
                             _insert_comms(compute, pp, pp * virtual_stages, v_shape), forward_only=True,

@@ -22,7 +22,7 @@ a thread copies the state into host memory and writes that copy while training g
 4. At each later step boundary :meth:`BackgroundWriter.poll` asks every rank (one tiny
    all-reduce on the world, only while a save is in flight) whether its writer is done; a
    failure on any rank is raised there, on every rank at the same step, as one
-   :class:`~hybridpar.training.safe_metadata.CheckpointError`. The next save, the end of
+   :class:`~hybridpar.training.checkpoint.safe_metadata.CheckpointError`. The next save, the end of
    training and a stop on a signal :meth:`~BackgroundWriter.wait` for the save in flight.
 """
 
@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor
 
 from hybridpar.compat import dtensor_like
 from hybridpar.distributed.mesh import Axis, Topology
-from hybridpar.training.durable import _reason
-from hybridpar.training.safe_metadata import CheckpointError
+from hybridpar.training.checkpoint.durable import reason
+from hybridpar.training.checkpoint.safe_metadata import CheckpointError
 
 Write = Callable[[Any, Axis], Any]  # (staged state, the writer's axis) -> the written checkpoint
 
@@ -199,6 +199,6 @@ class BackgroundWriter:
         elif isinstance(error, CheckpointError):
             return CheckpointError(f"{error} (it was being written in the background: train.async_checkpoint)")
         else:
-            why = _reason(error)
+            why = reason(error)
         return CheckpointError(f"checkpoint {path} was not saved: its background writer failed ({why}); "
                                "the previous checkpoints are intact")

@@ -13,7 +13,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 
-def _causes(e: BaseException) -> Iterator[BaseException]:
+def causes(e: BaseException) -> Iterator[BaseException]:
     """``e``, the per-rank failures DCP wrapped in it, and their causes."""
     seen: set[int] = set()
     todo = [e]
@@ -28,7 +28,7 @@ def _causes(e: BaseException) -> Iterator[BaseException]:
         todo.extend(c for c in (x.__cause__, x.__context__) if c is not None)
 
 
-def _root_cause(e: BaseException) -> BaseException:
+def root_cause(e: BaseException) -> BaseException:
     """The first per-rank failure inside a DCP CheckpointException (else ``e``)."""
     if isinstance(e, CheckpointException) and e.failures:
         first = next(iter(e.failures.values()))
@@ -36,10 +36,10 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _disk_full(e: BaseException) -> bool:
+def disk_full(e: BaseException) -> bool:
     """Whether a write failed for want of space: ENOSPC/EDQUOT, or torch's zip writer's short
     write (``unexpected pos ...``), which is how a full disk shows inside ``torch.save``."""
-    for x in _causes(e):
+    for x in causes(e):
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         text = str(x)
@@ -48,14 +48,14 @@ def _disk_full(e: BaseException) -> bool:
     return False
 
 
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
     """One line about ``e`` (DCP's multi-line CheckpointException: its first failure)."""
-    cause = _root_cause(e)
+    cause = root_cause(e)
     lines = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
 
 
-def _free_bytes(folder: Path) -> int | None:
+def free_bytes(folder: Path) -> int | None:
     """Free bytes on the filesystem of ``folder`` (None where it cannot be asked)."""
     try:
         return shutil.disk_usage(folder).free
@@ -63,11 +63,12 @@ def _free_bytes(folder: Path) -> int | None:
         return None
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """``n`` bytes for a message: exact, and in MiB."""
     return f"{n} bytes ({n / 2**20:.1f} MiB)"
 
 
-def _write_durable(path: Path, text: str) -> None:
+def write_durable(path: Path, text: str) -> None:
     """Write and fsync a file (inside a temporary checkpoint directory: no rename needed)."""
     with open(path, "w") as f:
         f.write(text)
@@ -75,7 +76,8 @@ def _write_durable(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """Make a file's contents durable (for files whose writer did not fsync them)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -83,7 +85,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """Make renames and creations in ``folder`` durable (a no-op where directories cannot be opened)."""
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -97,7 +99,8 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks (the manifest's checksum)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
