@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from hybridpar.errors import without_fix
+
 if TYPE_CHECKING:
     from hybridpar.config import Config, ModelConfig
 
@@ -41,7 +43,7 @@ class Broken(NamedTuple):
     @property
     def reason(self) -> str:
         """The message without its fix."""
-        return self.message.split(";")[0]
+        return without_fix(self.message)
 
 
 class PipelineShape(NamedTuple):
