@@ -380,11 +380,19 @@ def _apply_sections(cfg: Config, data: dict[str, Any], source: str) -> None:
             _apply(cfg, section, data[section])
 
 
+def parse_config(data: dict[str, Any], source: str = "config") -> Config:
+    """The defaults with ``{"model": {...}, "parallel": {...}, "train": {...}}`` applied, with the
+    same key and type checks as a TOML file, not yet validated (other spellings of the settings,
+    such as :class:`hybridpar.api.engine.EngineConfig`, choose which rules apply)."""
+    cfg = Config()
+    _apply_sections(cfg, data, source)
+    return cfg
+
+
 def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
     """A validated Config from ``{"model": {...}, "parallel": {...}, "train": {...}}`` (e.g. a
     checkpoint's config.json), with the same key and type checks as a TOML file."""
-    cfg = Config()
-    _apply_sections(cfg, data, source)
+    cfg = parse_config(data, source)
     validate(cfg)
     return cfg
 

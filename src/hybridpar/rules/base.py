@@ -115,9 +115,12 @@ def first_message(checks: list[Callable[..., str | None]], *args: object) -> str
     return None
 
 
-def first_broken(cfg: Config, world_size: int | None = None) -> Broken | None:
-    """The first rule ``cfg`` breaks and its message, or None."""
+def first_broken(cfg: Config, world_size: int | None = None, skip: tuple[str, ...] = ()) -> Broken | None:
+    """The first rule ``cfg`` breaks and its message, or None; rules whose names start with one of
+    ``skip`` are not asked (those that do not apply to a caller, by name)."""
     for r in RULES:
+        if skip and r.name.startswith(skip):
+            continue
         message = r.check(cfg, world_size)
         if message is not None:
             return Broken(r, message)
