@@ -1,7 +1,7 @@
 """Typed settings for a run: model shape, parallel layout, training recipe.
 
-TOML in, validated dataclasses out. Every layout rule lives in :func:`validate`, which runs
-before any process group exists, so a bad config is one clear ``ValueError`` instead of a hang.
+TOML in, validated dataclasses out. Every layout rule lives in :mod:`hybridpar.rules`; :func:`validate`
+applies them before any process group exists, so a bad config is one clear ``ValueError`` instead of a hang.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from hybridpar.errors import UserError
+from hybridpar.rules import first_broken
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "2bw"]
@@ -379,11 +380,19 @@ def _apply_sections(cfg: Config, data: dict[str, Any], source: str) -> None:
             _apply(cfg, section, data[section])
 
 
+def parse_config(data: dict[str, Any], source: str = "config") -> Config:
+    """The defaults with ``{"model": {...}, "parallel": {...}, "train": {...}}`` applied, with the
+    same key and type checks as a TOML file, not yet validated (other spellings of the settings,
+    such as :class:`hybridpar.api.engine.EngineConfig`, choose which rules apply)."""
+    cfg = Config()
+    _apply_sections(cfg, data, source)
+    return cfg
+
+
 def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
     """A validated Config from ``{"model": {...}, "parallel": {...}, "train": {...}}`` (e.g. a
     checkpoint's config.json), with the same key and type checks as a TOML file."""
-    cfg = Config()
-    _apply_sections(cfg, data, source)
+    cfg = parse_config(data, source)
     validate(cfg)
     return cfg
 
@@ -478,8 +487,6 @@ def config_warnings(cfg: Config) -> list[str]:
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every layout and shape rule (:data:`hybridpar.rules.RULES`, in order). Raises one
     ConfigError naming numbers and fix: the first broken rule's message."""
-    from hybridpar.rules import first_broken
-
     broken = first_broken(cfg, world_size)
     if broken is not None:
         raise ConfigError(broken[1])

@@ -24,6 +24,7 @@ import dataclasses
 import fnmatch
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +39,11 @@ from hybridpar.api.tp import (
     parallelize_module,
     tp_sharded_params,
 )
+from hybridpar.config import Config, ConfigError, parse_config
 from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
 from hybridpar.parallel.tensor_plan import TensorPlan
 from hybridpar.parallel.zero import COMPRESSION_DTYPES, ZeroOptimizer, decay_groups, shard_model
+from hybridpar.rules import first_broken
 from hybridpar.training.checkpoint import (
     CheckpointError,
     SafeReader,
@@ -57,11 +60,21 @@ __all__ = ["EngineConfig", "ModelEngine", "initialize"]
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 ENGINE_INFO = "engine.json"
+# the [parallel] keys this format spells as the trainer does
+_PARALLEL_KEYS = ("zero_stage", "offload_optimizer", "offload_to", "offload_dir", "offload_params",
+                  "grad_compression", "bucket_mb")
+# the trainer's keys that this format spells otherwise (its messages are reworded with these)
+_ENGINE_NAMES = {"parallel.dp": "data_parallel_size", "parallel.tp": "tensor_parallel_size",
+                 "train.global_batch": "gradient_accumulation_steps", "train.beta1": "betas: beta1",
+                 "train.beta2": "betas: beta2"}
 
 
 @dataclass
 class EngineConfig:
-    """Settings of :func:`initialize` (also accepted as a plain dict with these keys)."""
+    """Settings of :func:`initialize` (also accepted as a plain dict with these keys): an input
+    format in DeepSpeed's style for the trainer's ``[parallel]`` and ``[train]`` settings
+    (:meth:`to_config`), checked by the same rules, plus the keys only a wrapped ``nn.Module``
+    has (``tensor_parallel_plan``, ``zero3_units``, ``optimizer``, ``momentum``, ``decay_steps``)."""
 
     data_parallel_size: int | None = None  # None: world size / tensor_parallel_size
     tensor_parallel_size: int | None = None  # None: the given topology's, else 1
@@ -97,20 +110,35 @@ class EngineConfig:
         cfg.betas = tuple(cfg.betas)  # type: ignore[assignment]
         return cfg
 
+    def to_config(self) -> Config:
+        """These settings in the trainer's spelling: the ``[parallel]`` and ``[train]`` keys they
+        are (a step of ``gradient_accumulation_steps`` micro-batches of one per dp rank), read
+        with the same key and type checks as a TOML file. The model section is the default's
+        placeholder: the engine's model is any ``nn.Module``. Raises naming this format's keys."""
+        dp = 1 if self.data_parallel_size is None else self.data_parallel_size
+        parallel = {"dp": dp, "tp": 1 if self.tensor_parallel_size is None else self.tensor_parallel_size,
+                    **{k: getattr(self, k) for k in _PARALLEL_KEYS}}
+        train = {"lr": self.lr, "min_lr": self.min_lr, "weight_decay": self.weight_decay, "eps": self.eps,
+                 "beta1": self.betas[0], "beta2": self.betas[1], "grad_clip": self.grad_clip,
+                 "warmup_steps": self.warmup_steps, "micro_batch": 1,
+                 "global_batch": dp * self.gradient_accumulation_steps}
+        try:
+            return parse_config({"parallel": parallel, "train": train}, "the engine config")
+        except ConfigError as e:
+            raise ConfigError(_engine_keys(str(e))) from None
+
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the key and the fix for an impossible value."""
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage = {self.zero_stage} must be 0, 1, 2 or 3")
-        if self.grad_compression not in COMPRESSION_DTYPES:
-            raise ValueError(f"grad_compression = {self.grad_compression!r} must be one of {sorted(COMPRESSION_DTYPES)}")
+        """Raise ``ValueError`` naming the key and the fix for an impossible value: the trainer's
+        rules (:mod:`hybridpar.rules`) on :meth:`to_config`, all but those of a model's shape (the
+        ``model-*`` and ``tp-*`` rules: a tensor-parallel plan splits whatever modules it names),
+        then the keys only this format has."""
+        broken = first_broken(self.to_config(), skip=("model-", "tp-"))
+        if broken is not None:
+            raise ConfigError(_engine_keys(broken.message))
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer = {self.optimizer!r} must be one of {sorted(OPTIMIZERS)}")
-        if self.gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps = {self.gradient_accumulation_steps} must be >= 1")
-        if self.grad_clip < 0 or self.lr < 0 or not 0 <= self.min_lr <= max(self.lr, self.min_lr):
-            raise ValueError(f"need grad_clip >= 0 (got {self.grad_clip}), lr >= 0 (got {self.lr}), min_lr >= 0")
+            raise ConfigError(f"optimizer = {self.optimizer!r} must be one of {sorted(OPTIMIZERS)}")
         if self.zero3_units != "children" and not isinstance(self.zero3_units, list):
-            raise ValueError(f"zero3_units = {self.zero3_units!r} must be 'children' or a list of patterns")
+            raise ConfigError(f"zero3_units = {self.zero3_units!r} must be 'children' or a list of patterns")
 
     def lr_factor(self, step: int) -> float:
         """LR multiplier for optimizer step ``step`` (from 1): linear warm-up, then constant or
@@ -118,6 +146,12 @@ class EngineConfig:
         if self.lr == 0:
             return 1.0
         return warmup_cosine(step, 1.0, self.min_lr / self.lr, self.warmup_steps, self.decay_steps)
+
+
+def _engine_keys(message: str) -> str:
+    """``message`` with the trainer's ``section.key`` names in this format's spelling (the same key
+    without its section, or :data:`_ENGINE_NAMES`): ``parallel.zero_stage = 4`` -> ``zero_stage = 4``."""
+    return re.sub(r"\b(?:parallel|train)\.\w+", lambda m: _ENGINE_NAMES.get(m[0], m[0].partition(".")[2]), message)
 
 
 def _units(model: nn.Module, spec: str | list[str]) -> list[nn.Module]:

@@ -121,12 +121,12 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
 
 def _runnable(cfg: Config, ev: Evaluation, world: int) -> str | None:
     """Why the trainer would refuse this evaluation's layout, or None if it runs and fits."""
-    if ev.rule is not None:
-        return ev.rule.split(";")[0]
+    if ev.reason is not None:
+        return ev.reason
     if not ev.fits or ev.cost is None:
         return "does not fit in device memory"
     broken = first_broken(apply_layout(cfg, ev.layout), world)
-    return None if broken is None else broken[1].split(";")[0]  # the rule's message, without the fix
+    return None if broken is None else broken.reason
 
 
 def pinned_choices(cfg: Config) -> dict[str, object]:
@@ -181,7 +181,7 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
         try:
             _, tried = complete(cfg.model, partial, work, cluster)
         except (ConfigError, PlanError) as e:
-            rejected[str(e).split(";")[0]] = rejected.get(str(e).split(";")[0], 0) + 1
+            rejected[e.reason] = rejected.get(e.reason, 0) + 1
             continue
         for ev in tried:
             why = _runnable(cfg, ev, world)

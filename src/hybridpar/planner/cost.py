@@ -179,17 +179,16 @@ def _moe_ffn(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster,
     return gemms, rows / tok * model.expert_hidden + shared, (6 + 4 * load) * k * h, a2a
 
 
-def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
-               moe: bool = False) -> LayerTime:
-    """Compute and tp communication of one decoder layer (the block ``work.style`` names) for
-    one micro-batch (see module doc). ``moe``: an MoE layer (:func:`_moe_ffn` replaces the MLP;
-    the all-to-alls, two forward and two backward, are on the critical path)."""
-    g, ab, t, L = cluster.rank_gpu, work.act_bytes, layout.tp, layout
-    megatron = work.style is BlockStyle.MEGATRON
-    s = work.seq_len // L.cp
-    tok = L.micro_batch * s
-    h, a = model.dim, model.n_heads
+def _block_gemms(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, tok: int,
+                 moe: bool) -> tuple[list[tuple[float, float, float]], list[tuple[float, float, float, float]],
+                                     float, float, float]:
+    """The GEMMs of one block (``work.style``) on ``tok`` tokens: the dense block's as ``(m, n, k)``,
+    those it runs as ``(count, m, n, k)`` (an MoE layer's experts replace the MLP: :func:`_moe_ffn`),
+    the MLP's hidden width for the element-wise passes, the routing's element-wise elements per
+    token and one expert all-to-all's seconds."""
+    t, h = L.tp, model.dim
     q, kv = h, model.n_kv_heads * model.head_dim
+    megatron = work.style is BlockStyle.MEGATRON
     if megatron:  # 4h GELU MLP of the same parameter count as the preset's SwiGLU; fused QKV
         f_inner = 3 * model.ffn_hidden / 2
         gemms = [(tok, (q + 2 * kv) / t, h), (tok, h, q / t), (tok, f_inner / t, h), (tok, h, f_inner / t)]
@@ -203,35 +202,52 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
         counted = counted[:-(2 if megatron else 3)]
         ffn, f_inner, routing, a2a = _moe_ffn(model, L, work, cluster, tok)
         counted += ffn
-    fwd_gemm = sum(c * gemm_time(m, n, k, g, ab) for c, m, n, k in counted)
-    bwd_in, bwd_w = (sum(x) for x in zip(*((c * i, c * w) for c, m, n, k in counted
-                                          for i, w in [gemm_backward_time(m, n, k, g, ab)]), strict=True))
-    # attention core over the full (cp-gathered) keys
+    return gemms, counted, f_inner, routing, a2a  # type: ignore[return-value]
+
+
+def _attention_core(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, s: int,
+                    tok: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core over the full (cp-gathered) keys."""
+    ab, t, h, a = work.act_bytes, L.tp, model.dim, model.n_heads
     s_kv = work.seq_len
-    if megatron:  # unfused: batched QK^T and AV GEMMs + scale-mask-softmax + dropout
+    if work.style is BlockStyle.MEGATRON:  # unfused: batched QK^T and AV GEMMs + scale-mask-softmax + dropout
         heads = L.micro_batch * a / t
         core = heads * 2 * gemm_time(s, s_kv, h / a, g, ab)
         core += heads * s * s_kv * 9 / g.hbm_bw  # softmax in/out, mask, dropout in/out (bytes)
-        core_b = 2.0 * core
-    else:  # fused causal SDPA: half the score matrix is computed; backward 2.5x (FlashAttention-2)
-        attn_flops = 4 * tok * s_kv * h / t / 2
-        rates = g.calibration.attention_rates(s_kv, h / a) if g.calibration is not None else None
-        if rates is not None:
-            core, core_b = attn_flops / rates[0], 2.5 * attn_flops / rates[1]
-        else:
-            core = attn_flops / (peak_flops(g, ab) * FLASH_EFFICIENCY)
-            core_b = 2.5 * core
+        return core, 2.0 * core
+    # fused causal SDPA: half the score matrix is computed; backward 2.5x (FlashAttention-2)
+    attn_flops = 4 * tok * s_kv * h / t / 2
+    rates = g.calibration.attention_rates(s_kv, h / a) if g.calibration is not None else None
+    if rates is not None:
+        return attn_flops / rates[0], 2.5 * attn_flops / rates[1]
+    core = attn_flops / (peak_flops(g, ab) * FLASH_EFFICIENCY)
+    return core, 2.5 * core
+
+
+def _elementwise_time(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, tok: int, f_inner: float,
+                      routing: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the block's element-wise kernels (memory-bound passes plus
+    their launches)."""
+    ab, t, h = work.act_bytes, L.tp, model.dim
+    q, kv = h, model.n_kv_heads * model.head_dim
     sp = t if L.sequence_parallel else 1
-    if megatron:  # Megatron-LM's fused kernels: one pass per norm, bias-GELU, dropout-add
+    if work.style is BlockStyle.MEGATRON:  # Megatron-LM's fused kernels: one pass per norm, bias-GELU, dropout-add
         elem = tok * ab * (14 * h / sp + 6 * (q + kv) / t + 4 * f_inner / t) / g.hbm_bw
-        elem_b = 2 * elem
-    else:  # this runtime's eager block: every op reads its inputs and writes its output
-        fwd_el, bwd_el = eager_elementwise_elements(h / sp, q / t, kv / t, f_inner / t)
-        cal = g.calibration
-        fixed = cal.block if cal is not None and cal.block else (EAGER_KERNELS[0] * g.launch_overhead,
-                                                                 EAGER_KERNELS[1] * g.launch_overhead)
-        elem = tok * ab * (fwd_el + routing) / g.hbm_bw + fixed[0]
-        elem_b = tok * ab * (bwd_el + 1.5 * routing) / g.hbm_bw + fixed[1]
+        return elem, 2 * elem
+    # this runtime's eager block: every op reads its inputs and writes its output
+    fwd_el, bwd_el = eager_elementwise_elements(h / sp, q / t, kv / t, f_inner / t)
+    cal = g.calibration
+    fixed = cal.block if cal is not None and cal.block else (EAGER_KERNELS[0] * g.launch_overhead,
+                                                             EAGER_KERNELS[1] * g.launch_overhead)
+    return (tok * ab * (fwd_el + routing) / g.hbm_bw + fixed[0],
+            tok * ab * (bwd_el + 1.5 * routing) / g.hbm_bw + fixed[1])
+
+
+def _tp_cp_comm(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, tok: int) -> tuple[float, float, float]:
+    """Seconds of the block's tensor-parallel collectives per entry/exit pair, of its exit
+    collective alone, and of one ring-attention pass of K/V over cp."""
+    t, h, ab = L.tp, model.dim, work.act_bytes
+    kv = model.n_kv_heads * model.head_dim
     if L.sequence_parallel:  # all-gather of the sequence shard, reduce-scatter of the full output
         exit_comm = cluster.collective_time("reduce_scatter", tok * h * ab, t, 1)
         ar = cluster.collective_time("all_gather", tok * h * ab / t, t, 1) + exit_comm
@@ -241,11 +257,29 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     if L.cp > 1:
         cp_bw, cp_lat, _ = cluster.axis_bandwidth(L.cp, t)
         cp_pass = (L.cp - 1) * (2 * tok * kv / t * ab / cp_bw + cp_lat)
+    return ar, exit_comm, cp_pass
+
+
+def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
+               moe: bool = False) -> LayerTime:
+    """Compute and tp communication of one decoder layer (the block ``work.style`` names) for
+    one micro-batch (see module doc). ``moe``: an MoE layer (:func:`_moe_ffn` replaces the MLP;
+    the all-to-alls, two forward and two backward, are on the critical path)."""
+    g, ab, L = cluster.rank_gpu, work.act_bytes, layout
+    megatron = work.style is BlockStyle.MEGATRON
+    s = work.seq_len // L.cp
+    tok = L.micro_batch * s
+    gemms, counted, f_inner, routing, a2a = _block_gemms(model, L, work, cluster, tok, moe)
+    fwd_gemm = sum(c * gemm_time(m, n, k, g, ab) for c, m, n, k in counted)
+    bwd_in, bwd_w = (sum(x) for x in zip(*((c * i, c * w) for c, m, n, k in counted
+                                          for i, w in [gemm_backward_time(m, n, k, g, ab)]), strict=True))
+    core, core_b = _attention_core(model, L, work, g, s, tok)
+    elem, elem_b = _elementwise_time(model, L, work, g, tok, f_inner, routing)
+    ar, exit_comm, cp_pass = _tp_cp_comm(model, L, work, cluster, tok)
     hide = overlap_fraction(g)  # ring attention passes K/V while attention computes
-    ep_comm = 2 * a2a + (all_to_all_time(cluster, model.n_experts * 8, L.ep, t) if moe else 0.0)  # + counts
+    ep_comm = 2 * a2a + (all_to_all_time(cluster, model.n_experts * 8, L.ep, L.tp) if moe else 0.0)  # + counts
     f = fwd_gemm + core + elem + max(0.0, cp_pass - hide * core) + 2 * ar + ep_comm
     b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - hide * core) + 2 * ar + 2 * a2a
-    w_time = bwd_w
     # full recompute reruns the block's forward; in this runtime it stops after the last tensor
     # backward needs (torch's checkpoint), skipping the MLP's down projection (an MoE layer's
     # experts all rerun: the last tensor saved is the combine's) and the exit collective
@@ -259,7 +293,7 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
         ep_total += ep_comm
     elif L.recompute == "selective":
         b_time += core
-    return LayerTime(f, b_time, w_time, tp_comm, ep_total)
+    return LayerTime(f, b_time, bwd_w, tp_comm, ep_total)
 
 
 @dataclass
@@ -325,37 +359,34 @@ def _mean_layer(lts: dict[bool, LayerTime], n_moe: int, n_layers: int) -> LayerT
                        for f in ("f", "b", "w", "tp_comm", "ep_comm")))
 
 
-def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
-              bound_only: bool = False) -> CostReport:
-    """Predicted time of one optimizer step and its terms (see the module docstring).
-    ``bound_only``: skip the schedule simulation and take :func:`pipeline_lower_bound` as the
-    makespan: a lower bound of the step time (the search prunes with it)."""
-    g, L, ab, t, pp, v = cluster.rank_gpu, layout, work.act_bytes, layout.tp, layout.pp, layout.virtual_stages
-    m = L.microbatches(work.global_batch)
-    s = work.seq_len // L.cp
-    tok = L.micro_batch * s
+def _stage_scale(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, lts: dict[bool, LayerTime],
+                 lt: LayerTime, tok: int) -> tuple[float, ...]:
+    """Each pipeline chunk's cost (its layers, the head's and the embedding's work) relative to a
+    chunk of the mean layer ``lt``, over the runtime's partition."""
+    g, ab, t, pp, v = cluster.rank_gpu, work.act_bytes, L.tp, L.pp, L.virtual_stages
     moe_ids = set(model.moe_layer_ids())
-    kinds = {i in moe_ids for i in range(model.n_layers)}  # dense and/or MoE layers
-    lts = {moe: layer_time(model, L, work, cluster, moe=moe) for moe in kinds}
-    lt = _mean_layer(lts, len(moe_ids), model.n_layers)
     vocab = padded(model.vocab_size, t) / t
     head_f = gemm_time(tok, vocab, model.dim, g, ab) + 3 * tok * vocab * (ab + 4) / g.hbm_bw
     emb_f = cluster.collective_time("all_reduce", tok * model.dim * ab, t, 1)  # vocab-parallel embedding
-    vs = pp > 1 and v_shaped(L.pipeline_schedule)
-    part = layer_partition(model_key(model), pp, v, vs)  # the runtime's, cached
+    part = layer_partition(model_key(model), pp, v, pp > 1 and v_shaped(L.pipeline_schedule))  # the runtime's, cached
     stage_cost = []
     for c in part.chunks:
         cost = sum(lts[i in moe_ids].f + lts[i in moe_ids].b + lts[i in moe_ids].w for i in c.layers)
         cost += (3 * head_f if c.head else 0.0) + (2 * emb_f if c.embedding else 0.0)
         stage_cost.append(cost)
-    per_stage_layers = model.n_layers / (pp * v)
-    unit = per_stage_layers * (lt.f + lt.b + lt.w)
-    scale = tuple(round(x / unit, 6) for x in stage_cost)
-    stage_lt = LayerTime(lt.f * per_stage_layers * v, lt.b * per_stage_layers * v,
-                         lt.w * per_stage_layers * v, 0.0)
+    unit = model.n_layers / (pp * v) * (lt.f + lt.b + lt.w)
+    return tuple(round(x / unit, 6) for x in stage_cost)
+
+
+def _pipeline_span(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, m: int, stage_lt: LayerTime,
+                   scale: tuple[float, ...], bound_only: bool) -> tuple[float, float, float]:
+    """(makespan of the step's ``m`` micro-batches, the busiest rank's compute, one p2p message)."""
+    pp, v, t = L.pp, L.virtual_stages, L.tp
+    tok = L.micro_batch * (work.seq_len // L.cp)
+    vs = pp > 1 and v_shaped(L.pipeline_schedule)
     p2p = 0.0
     if pp > 1:
-        p2p = cluster.collective_time("send", tok * model.dim * ab / (t if L.sequence_parallel else 1),
+        p2p = cluster.collective_time("send", tok * model.dim * work.act_bytes / (t if L.sequence_parallel else 1),
                                       pp, t * L.cp * L.dp)
         kind = L.pipeline_schedule
         span = (pipeline_lower_bound if bound_only else pipeline_makespan)(kind, pp, v, m, stage_lt, p2p, scale)
@@ -363,14 +394,31 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
         span = m * (stage_lt.f + stage_lt.b + stage_lt.w) * scale[0]
     busy = m * max(sum(scale[s] for s in rank_stages(r, pp, v, vs)) / v for r in range(pp)) * (
         stage_lt.f + stage_lt.b + stage_lt.w)
-    # data parallel gradient reduction over dp x cp (stride tp)
+    return span, busy, p2p
+
+
+@dataclass(frozen=True)
+class _Gradients:
+    """What the busiest pipeline rank's data-parallel reduction moves (bytes) and quantises."""
+
+    worst: int  # the pipeline rank with the most parameters
+    expert_bytes: int  # its routed experts' gradients (reduced over edp) with ep > 1, else 0
+    param_total: int  # its dense parameters' bytes
+    reduced: float  # the bytes their reduction carries (compressed or not)
+    grad_bytes: float  # the all-reduce-equivalent bytes of a ZeRO-0/1/2 step
+    quantize: float  # seconds of int8 quantisation
+
+
+def _gradients(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec) -> _Gradients:
+    """The data-parallel gradient bytes over dp x cp (stride tp) of the busiest pipeline rank."""
+    t, pp, v = L.tp, L.pp, L.virtual_stages
+    vs = pp > 1 and v_shaped(L.pipeline_schedule)
     key = model_key(model)  # the pipeline rank with the most parameters, its count cached
     worst = max(range(pp), key=lambda r: rank_numel(key, t, pp, v, r, 1, L.ep, v_shape=vs))
     # with ep > 1 the routed experts reduce over edp (dp x cp / ep ranks, stride tp x ep) instead
     expert_bytes = rank_numel(key, t, pp, v, worst, 1, L.ep, "experts", vs) * work.param_bytes if L.ep > 1 else 0
     grad_numel = rank_numel(key, t, pp, v, worst, 1, L.ep, v_shape=vs) - expert_bytes // work.param_bytes  # dense
     param_total = grad_bytes = reduced = grad_numel * work.param_bytes
-    n = L.dp * L.cp
     quantize = 0.0
     if L.grad_compression == "int8":  # 1 + 4/256 bytes per element; every rank quantises its
         # gradient (read it and the residual, write int8 and the residual), dequantises n blocks
@@ -381,59 +429,107 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     if reduced != param_total:  # all-reduce-equivalent bytes: ZeRO-0 compresses both halves,
         # ZeRO-1/2 the reduce-scatter half (the parameter all-gather keeps the parameter dtype)
         grad_bytes = reduced if L.zero_stage == 0 else (reduced + param_total) / 2
-    dp_bw, dp_lat, _ = cluster.axis_bandwidth(n, t)
-    # gradients are all-reduced in buckets of bucket_mb; the last bucket fills when backward ends
-    buckets = max(1, math.ceil(grad_bytes / (work.bucket_mb * 2**20)))
-    last_bucket = cluster.collective_time("all_reduce", grad_bytes / buckets, n, t)
+    return _Gradients(worst, expert_bytes, param_total, reduced, grad_bytes, quantize)
+
+
+def _bucketed_comm(L: Layout, work: Workload, cluster: Cluster, gr: _Gradients) -> tuple[float, float]:
+    """(seconds of ZeRO-0/1/2's gradient all-reduces, of the last bucket's alone): buckets of
+    ``bucket_mb``, the last filling when backward ends; experts' buckets over edp."""
+    n, t = L.dp * L.cp, L.tp
+    buckets = max(1, math.ceil(gr.grad_bytes / (work.bucket_mb * 2**20)))
+    last_bucket = cluster.collective_time("all_reduce", gr.grad_bytes / buckets, n, t)
     dp_comm = buckets * last_bucket
-    if expert_bytes and n // L.ep > 1:
-        expert_buckets = max(1, math.ceil(expert_bytes / (work.bucket_mb * 2**20)))
-        dp_comm += expert_buckets * cluster.collective_time("all_reduce", expert_bytes / expert_buckets, n // L.ep,
-                                                            t * L.ep)
-    last_backward = (stage_lt.b + stage_lt.w) / v * max(scale)
-    hide = overlap_fraction(g)
-    exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed (below): not hidden again by backward
-    if L.zero_stage == 3 and pp > 1:
+    if gr.expert_bytes and n // L.ep > 1:
+        expert_buckets = max(1, math.ceil(gr.expert_bytes / (work.bucket_mb * 2**20)))
+        dp_comm += expert_buckets * cluster.collective_time("all_reduce", gr.expert_bytes / expert_buckets,
+                                                            n // L.ep, t * L.ep)
+    return dp_comm, last_bucket
+
+
+def _zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: _Gradients, m: int,
+                stage_lt: LayerTime) -> tuple[float, float]:
+    """(ZeRO-3's data-parallel seconds per step, the part of them prefetching leaves exposed)."""
+    n, t, v = L.dp * L.cp, L.tp, L.virtual_stages
+    if L.pp > 1:
         # under pp (hybridpar.parallel.zero.zero3_pp.StageSharded) each of the rank's v chunks is gathered once
         # per step, before its first forward, and reduce-scattered once after its last backward
-        dp_comm = v * (cluster.collective_time("all_gather", param_total / v / n, n, t)
-                       + cluster.collective_time("reduce_scatter", reduced / v, n, t))
-    elif L.zero_stage == 3:
-        # one all-gather per unit (each block, the embedding, the root) forward and backward, one
-        # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero.zero3).
-        # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
-        # collective would run on the same cores), so on a CPU profile nothing hides them.
-        units = model.n_layers + (1 if model.tie_embeddings else 2)
-        gather = units * cluster.collective_time("all_gather", param_total / units / n, n, t)
-        edp, e_units = n // L.ep, len(moe_ids)
-        if expert_bytes and edp > 1:  # each MoE layer's experts: a unit of their own over edp
-            gather += e_units * cluster.collective_time("all_gather", expert_bytes / e_units / edp, edp, t * L.ep)
-        cal = g.calibration
-        hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
-        exposed_z3 = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
-        dp_comm = units * cluster.collective_time("reduce_scatter", reduced / units, n, t) + exposed_z3
-        if expert_bytes and edp > 1:
-            dp_comm += e_units * cluster.collective_time("reduce_scatter", expert_bytes / e_units, edp, t * L.ep)
+        return v * (cluster.collective_time("all_gather", gr.param_total / v / n, n, t)
+                    + cluster.collective_time("reduce_scatter", gr.reduced / v, n, t)), 0.0
+    # one all-gather per unit (each block, the embedding, the root) forward and backward, one
+    # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero.zero3).
+    # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
+    # collective would run on the same cores), so on a CPU profile nothing hides them.
+    units = model.n_layers + (1 if model.tie_embeddings else 2)
+    gather = units * cluster.collective_time("all_gather", gr.param_total / units / n, n, t)
+    edp, e_units = n // L.ep, len(set(model.moe_layer_ids()))
+    if gr.expert_bytes and edp > 1:  # each MoE layer's experts: a unit of their own over edp
+        gather += e_units * cluster.collective_time("all_gather", gr.expert_bytes / e_units / edp, edp, t * L.ep)
+    cal = cluster.rank_gpu.calibration
+    hide_gather = 0.0 if cal is not None and cal.device == "cpu" else overlap_fraction(cluster.rank_gpu)
+    exposed = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
+    dp_comm = units * cluster.collective_time("reduce_scatter", gr.reduced / units, n, t) + exposed
+    if gr.expert_bytes and edp > 1:
+        dp_comm += e_units * cluster.collective_time("reduce_scatter", gr.expert_bytes / e_units, edp, t * L.ep)
+    return dp_comm, exposed
+
+
+def _dp_time(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, gr: _Gradients, m: int,
+             stage_lt: LayerTime, scale: tuple[float, ...]) -> tuple[float, float]:
+    """(data-parallel communication per step, the part of it backward does not hide)."""
+    dp_comm, last_bucket = _bucketed_comm(L, work, cluster, gr)
+    last_backward = (stage_lt.b + stage_lt.w) / L.virtual_stages * max(scale)
+    hide = overlap_fraction(cluster.rank_gpu)
+    exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed: not hidden again by backward
+    if L.zero_stage == 3:
+        dp_comm, exposed_z3 = _zero3_comm(model, L, cluster, gr, m, stage_lt)
     floor = last_bucket if L.zero_stage < 3 else 0.0
-    dp_exposed = (exposed_z3 + max(floor, dp_comm - exposed_z3 - hide * last_backward)) if pp == 1 else dp_comm
-    shard = rank_state_numels(key, L, worst)[1 if L.zero_stage >= 1 else 0]
+    if L.pp > 1:
+        return dp_comm, dp_comm
+    return dp_comm, exposed_z3 + max(floor, dp_comm - exposed_z3 - hide * last_backward)
+
+
+def _optimizer_time(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, worst: int, m: int) -> float:
+    """Seconds of the optimizer step on the busiest rank's shard (offloaded: host memory and disk)."""
+    shard = rank_state_numels(model_key(model), L, worst)[1 if L.zero_stage >= 1 else 0]
     opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
     if L.offload_optimizer:
         opt = shard * 2 * work.param_bytes / g.host_bw + shard * 28 / 100e9  # + host Adam at ~100 GB/s DRAM
         if L.offload_to == "disk":  # each group's file read (ahead) and written back: masters, host grads, m, v
             opt += shard * 2 * 16 / g.disk_bw
     if L.offload_params and L.zero_stage == 3:  # every gather first brings the shard to the device
-        per_step = (1 if pp > 1 else 2 * m) * shard * work.param_bytes  # pp: one gather per chunk and step
+        per_step = (1 if L.pp > 1 else 2 * m) * shard * work.param_bytes  # pp: one gather per chunk and step
         opt += per_step / g.host_bw + (per_step * 4 / work.param_bytes + shard * 4) / g.disk_bw * (
             L.offload_to == "disk")  # from the file (fp32), and written back after the step
-    step = span + dp_exposed + opt + quantize
+    return opt
+
+
+def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
+              bound_only: bool = False) -> CostReport:
+    """Predicted time of one optimizer step and its terms (see the module docstring).
+    ``bound_only``: skip the schedule simulation and take :func:`pipeline_lower_bound` as the
+    makespan: a lower bound of the step time (the search prunes with it)."""
+    L, v = layout, layout.virtual_stages
+    m = L.microbatches(work.global_batch)
+    tok = L.micro_batch * (work.seq_len // L.cp)
+    moe_ids = set(model.moe_layer_ids())
+    lts = {moe: layer_time(model, L, work, cluster, moe=moe) for moe in {i in moe_ids for i in range(model.n_layers)}}
+    lt = _mean_layer(lts, len(moe_ids), model.n_layers)
+    scale = _stage_scale(model, L, work, cluster, lts, lt, tok)
+    per_stage_layers = model.n_layers / (L.pp * v)
+    stage_lt = LayerTime(lt.f * per_stage_layers * v, lt.b * per_stage_layers * v,
+                         lt.w * per_stage_layers * v, 0.0)
+    span, busy, p2p = _pipeline_span(model, L, work, cluster, m, stage_lt, scale, bound_only)
+    gr = _gradients(model, L, work, cluster.rank_gpu)
+    dp_comm, dp_exposed = _dp_time(model, L, work, cluster, gr, m, stage_lt, scale)
+    opt = _optimizer_time(model, L, work, cluster.rank_gpu, gr.worst, m)
+    step = span + dp_exposed + opt + gr.quantize
     flops = model_flops(model, work)
     hw = flops + recompute_flops(model, L, work)
     world = L.world_size
     terms = {"pipeline_makespan": span, "compute_busy": busy, "bubble": max(0.0, span - busy),
              "tp_comm": m * lt.tp_comm * per_stage_layers * v, "pp_p2p_per_message": p2p,
              **({"ep_all_to_all": m * lt.ep_comm * per_stage_layers * v} if moe_ids else {}),
-             "dp_comm": dp_comm, "dp_exposed": dp_exposed, "optimizer": opt, "quantize": quantize,
+             "dp_comm": dp_comm, "dp_exposed": dp_exposed, "optimizer": opt, "quantize": gr.quantize,
              "layer_fwd": lt.f, "layer_bwd": lt.b + lt.w}
     return CostReport(step_time_s=step, mfu=flops / (step * world * cluster.gpu.bf16_flops),
                       tflops_per_gpu=flops / (step * world) / 1e12,

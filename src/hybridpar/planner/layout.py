@@ -2,8 +2,9 @@
 workload (batch, sequence, precision, block style), and the bridge to
 :func:`hybridpar.config.validate`.
 
-The planner owns no layout rules: :func:`layout_rule_error` builds a real :class:`Config` and
-asks ``validate``. Combinations the runtime refuses (such as ZeRO-3 with pipelining) are still
+The planner owns no layout rules: :func:`layout_rule` builds a real :class:`Config` and asks
+the rules which one it breaks (a :class:`~hybridpar.rules.Broken`: the rule, by name, and its
+message). Combinations the runtime refuses (such as ZeRO-3 with pipelining) are still
 planned, since the planner also answers "what would it take"; :func:`runtime_note` says when a
 layout cannot run in this version.
 """
@@ -24,7 +25,7 @@ from hybridpar.config import (
     TrainConfig,
 )
 from hybridpar.planner.moe import DEFAULT_IMBALANCE
-from hybridpar.rules import first_broken
+from hybridpar.rules import Broken, first_broken
 
 LAYOUT_KEYS = (*(f.name for f in dataclasses.fields(LayoutChoice)), "micro_batch")
 
@@ -117,25 +118,31 @@ def model_of(key: ModelKey) -> ModelConfig:
     return ModelConfig(*key)
 
 
-def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
-    """The layout rule ``validate`` says this layout breaks (None if it breaks none), judging
-    only shapes and divisibility: ZeRO, offload, recompute and compression are switched off for
-    this check."""
+def layout_rule(model: ModelConfig, layout: Layout, work: Workload) -> Broken | None:
+    """The layout rule ``validate`` says this layout breaks, with its message (None if it breaks
+    none), judging only shapes and divisibility: ZeRO, offload, recompute and compression are
+    switched off for this check."""
     if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none" or layout.grad_compression != "none":
         layout = dataclasses.replace(layout, zero_stage=0, offload_optimizer=False, recompute="none",
                                      grad_compression="none", offload_to="cpu", offload_params=False)
-    return _validate_error(model_key(model), layout, work)
+    return _broken(model_key(model), layout, work)
+
+
+def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
+    """The message of :func:`layout_rule` (None if the layout breaks no rule)."""
+    broken = layout_rule(model, layout, work)
+    return None if broken is None else broken.message
 
 
 def runtime_note(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
     """Why this version's trainer would refuse the layout (a feature not built yet), else None."""
-    return _validate_error(model_key(model), layout, work)
+    broken = _broken(model_key(model), layout, work)
+    return None if broken is None else broken.message
 
 
 @functools.lru_cache(maxsize=16384)
-def _validate_error(key: ModelKey, layout: Layout, work: Workload) -> str | None:
-    broken = first_broken(to_config(model_of(key), layout, work), layout.world_size)
-    return None if broken is None else broken[1]
+def _broken(key: ModelKey, layout: Layout, work: Workload) -> Broken | None:
+    return first_broken(to_config(model_of(key), layout, work), layout.world_size)
 
 
 def parse_layout(text: str) -> dict[str, object]:

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from hybridpar.config import ModelConfig
 from hybridpar.planner.cost import CostReport, step_cost
 from hybridpar.planner.hardware import Cluster, GiB
-from hybridpar.planner.layout import Layout, Workload, layout_rule_error, runtime_note
+from hybridpar.planner.layout import Layout, Workload, layout_rule, runtime_note
 from hybridpar.planner.memory import MemoryReport, plan_memory
+from hybridpar.rules import Broken
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
@@ -40,6 +41,10 @@ ZERO = (0, 1, 2, 3)
 OFFLOAD_LADDER = (("cpu", False), ("cpu", True), ("disk", False), ("disk", True))
 TIE_DIGITS = 9  # step times equal to this many significant digits tie; memory decides
 PRUNE_MARGIN = 1e-7  # a bound this far (relative) above the best may still tie after rounding
+# the rules (by name) that another micro-batch size may mend: a factorisation whose probe breaks
+# one of them is completed anyway (its other micro-batch sizes are tried)
+MICRO_BATCH_RULES = frozenset({"dp-divides-batch", "microbatches-match-batch", "interleaved-microbatches-divisible",
+                               "pp-2bw-microbatches"})
 
 
 @dataclass
@@ -47,12 +52,18 @@ class Evaluation:
     """One layout's verdict: the rule it breaks, or its memory, fit and predicted cost."""
 
     layout: Layout
-    rule: str | None = None
+    rule: str | None = None  # the message of the rule it breaks (or of the cluster size it misses)
     memory: MemoryReport | None = None
     cost: CostReport | None = None
     capacity: float = 0.0
     note: str | None = None  # why this version's trainer cannot run it yet
     host_capacity: float = float("inf")  # host memory per GPU, for what offload puts there
+    broken: Broken | None = None  # the rule behind ``rule``, when it is one of the rules
+
+    @property
+    def reason(self) -> str | None:
+        """Why it is rejected, without the fix: what reports group rejected layouts by."""
+        return self.broken.reason if self.broken is not None else self.rule
 
     @property
     def fits(self) -> bool:
@@ -98,12 +109,13 @@ def evaluate(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluste
 
 
 def _memory_only(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
-                 rule: str | None | bool = False) -> Evaluation:
+                 rule: Broken | None | bool = False) -> Evaluation:
     """Rules and memory, no cost and no runtime note (``rule``: the rule this shape breaks, or
     None, when already checked; False to check it here)."""
     ev = Evaluation(layout, capacity=cluster.gpu.hbm_bytes, host_capacity=cluster.gpu.host_bytes)
-    ev.rule = layout_rule_error(model, layout, work) if rule is False else rule  # type: ignore[assignment]
-    if ev.rule is not None:
+    ev.broken = layout_rule(model, layout, work) if rule is False else rule  # type: ignore[assignment]
+    if ev.broken is not None:
+        ev.rule = ev.broken.message
         return ev
     if layout.world_size != cluster.world_size:
         ev.rule = (f"dp * tp * pp * cp = {layout.world_size} but the cluster has {cluster.world_size} GPUs")
@@ -212,7 +224,7 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
     layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
                                 offload_optimizer=offload, grad_compression=compression)  # type: ignore[arg-type]
                for rec in recs for z in zeros}
-    rule = layout_rule_error(model, next(iter(layouts.values())), work)  # the same for all of them
+    rule = layout_rule(model, next(iter(layouts.values())), work)  # the same for all of them
     smallest: Evaluation | None = None
     for rec in recs:
         done: dict[object, Evaluation] = {}
@@ -341,14 +353,14 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, *,
         axes = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         probe = Layout(**axes, micro_batch=max(1, min(
             b for b in MICRO_BATCHES if work.global_batch % (dp * b) == 0) if work.global_batch % dp == 0 else 1))
-        rule = layout_rule_error(model, probe, work)
-        if rule is not None and (work.global_batch % dp != 0 or "micro_batch" not in rule):
-            result.rejected_rules.setdefault(rule.split(";")[0], []).append(probe)
+        broken = layout_rule(model, probe, work)
+        if broken is not None and (work.global_batch % dp != 0 or broken.rule.name not in MICRO_BATCH_RULES):
+            result.rejected_rules.setdefault(broken.reason, []).append(probe)
             continue
         if top is None or runnable_only:
             best = best_for_axes(model, axes, work, cluster)
-            if best.rule is not None:
-                result.rejected_rules.setdefault(best.rule.split(";")[0], []).append(best.layout)
+            if best.reason is not None:
+                result.rejected_rules.setdefault(best.reason, []).append(best.layout)
             elif best.fits and not (runnable_only and best.note):
                 result.ranked.append(best)
             elif not best.fits:
@@ -359,8 +371,8 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, *,
             found.append((options, misses))
             continue
         miss = _closest_miss(misses)
-        if miss.rule is not None:
-            result.rejected_rules.setdefault(miss.rule.split(";")[0], []).append(miss.layout)
+        if miss.reason is not None:
+            result.rejected_rules.setdefault(miss.reason, []).append(miss.layout)
         else:
             result.too_big.append(miss)
     if top is None or runnable_only:

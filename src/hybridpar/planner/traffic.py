@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable
 from hybridpar.config import ModelConfig
 from hybridpar.distributed.compression import padded as padded_blocks
 from hybridpar.distributed.compression import wire_numel
+from hybridpar.parallel.pipeline.partition import ChunkSpec
 from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.parallel.zero.reducer import cut_buckets
 from hybridpar.planner.layout import Layout, Workload, model_key
@@ -194,73 +195,98 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     gradients use the hierarchical all-reduce (``parallel.hierarchical_dp``), else 0.
     ``ep_load``: the routed rows this rank's experts receive relative to the mean (MoE with
     ep > 1; :mod:`hybridpar.planner.moe`), default the busiest rank's under ``work.moe_imbalance``."""
-    L, t = layout, layout.tp
+    L = layout
     out: dict[tuple[str, str], int] = defaultdict(int)
 
     def add(op: str, axis: str, size: int, nbytes: float, times: int = 1) -> None:
         if size > 1 and times > 0:
             out[(op, axis)] += int(nbytes) * times
 
-    sp = L.sequence_parallel and t > 1
+    chunks = layer_partition(model_key(model), L.pp, L.virtual_stages, v_shaped(L.pipeline_schedule)).for_rank(pp_rank)
+    load = rank_load(work.moe_imbalance, L.ep, model.n_experts) if ep_load is None else ep_load
+    for c in chunks:
+        _chunk_collectives(add, model, L, work, c, load)
+    if L.pp > 1:
+        _pipeline_p2p(add, model, L, work, chunks, pp_rank)
+    names, experts = _gradient_collectives(add, model, L, work, pp_rank, hierarchical_node)
+    _step_scalars(add, model, L, work, names, experts, zero_rank)
+    return dict(out)
+
+
+def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload, c: ChunkSpec,
+                       load: float) -> None:
+    """The step's collectives inside pipeline chunk ``c``'s layers (tp, ring attention, their
+    reruns under recomputation, MoE), for every micro-batch."""
+    t, sp = L.tp, L.sequence_parallel and L.tp > 1
     r, a = work.param_bytes, work.act_bytes
     s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
     m = L.microbatches(work.global_batch)
     d = b * s * h  # one full-length hidden state of a micro-batch on this rank
-    chunks = layer_partition(model_key(model), L.pp, L.virtual_stages, v_shaped(L.pipeline_schedule)).for_rank(pp_rank)
     kv = 2 * b * s * model.n_kv_heads * model.head_dim // t  # one stacked K/V block
+    n_c, norms_c = len(c.layers), 2 * len(c.layers) + c.head
+    # tensor parallelism, per micro-batch: norm entries (f / SP all-gather forward), row-parallel
+    # exits (g / SP reduce-scatter), the embedding's exit, the vocab-parallel loss
+    if sp:
+        add("all_gather", "tp", t, norms_c * d // t * r, m)  # norm entries, forward
+        add("reduce_scatter", "tp", t, norms_c * d * r, m)  # their backward
+        add("reduce_scatter", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits
+        add("all_gather", "tp", t, (2 * n_c * d * a + c.embedding * d * r) // t, m)
+    else:
+        add("all_reduce", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits, forward
+        add("all_reduce", "tp", t, norms_c * d * r, m)  # norm entries, backward
+    if c.head:
+        add("all_reduce", "tp", t, 3 * b * s * 4, m)  # max, then (sum of exp, target logit)
+    # ring attention: K/V blocks forward; K/V blocks and fp32 dK/dV blocks backward
+    for op in ("send", "recv"):
+        add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, m)
+        add(op, "cp", L.cp, n_c * (L.cp - 1) * (kv * a + kv * 4), m)
+    # recomputation reruns, in every backward traversal, the forward collectives of each
+    # block (full: SP's gathers, ring attention, the attention exit) or of its attention
+    # core (selective: ring attention). torch's checkpoint stops a block's recomputation once
+    # the last tensor backward needs is saved (the MLP's down projection input), so the MLP
+    # exit's collective is not rerun.
+    rerun = m if L.recompute != "none" else 0
+    if L.recompute == "full" and sp:
+        add("all_gather", "tp", t, 2 * n_c * d // t * r, rerun)
+        add("reduce_scatter", "tp", t, n_c * d * a, rerun)
+    elif L.recompute == "full":
+        add("all_reduce", "tp", t, n_c * d * a, rerun)
+    for op in ("send", "recv"):
+        add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, rerun)
     moe_ids = set(model.moe_layer_ids())
-    load = rank_load(work.moe_imbalance, L.ep, model.n_experts) if ep_load is None else ep_load
-    for c in chunks:
-        n_c, norms_c = len(c.layers), 2 * len(c.layers) + c.head
-        # tensor parallelism, per micro-batch: norm entries (f / SP all-gather forward), row-parallel
-        # exits (g / SP reduce-scatter), the embedding's exit, the vocab-parallel loss
-        if sp:
-            add("all_gather", "tp", t, norms_c * d // t * r, m)  # norm entries, forward
-            add("reduce_scatter", "tp", t, norms_c * d * r, m)  # their backward
-            add("reduce_scatter", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits
-            add("all_gather", "tp", t, (2 * n_c * d * a + c.embedding * d * r) // t, m)
-        else:
-            add("all_reduce", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits, forward
-            add("all_reduce", "tp", t, norms_c * d * r, m)  # norm entries, backward
-        if c.head:
-            add("all_reduce", "tp", t, 3 * b * s * 4, m)  # max, then (sum of exp, target logit)
-        # ring attention: K/V blocks forward; K/V blocks and fp32 dK/dV blocks backward
-        for op in ("send", "recv"):
-            add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, m)
-            add(op, "cp", L.cp, n_c * (L.cp - 1) * (kv * a + kv * 4), m)
-        # recomputation reruns, in every backward traversal, the forward collectives of each
-        # block (full: SP's gathers, ring attention, the attention exit) or of its attention
-        # core (selective: ring attention). torch's checkpoint stops a block's recomputation once
-        # the last tensor backward needs is saved (the MLP's down projection input), so the MLP
-        # exit's collective is not rerun.
-        rerun = m if L.recompute != "none" else 0
-        if L.recompute == "full" and sp:
-            add("all_gather", "tp", t, 2 * n_c * d // t * r, rerun)
-            add("reduce_scatter", "tp", t, n_c * d * a, rerun)
-        elif L.recompute == "full":
-            add("all_reduce", "tp", t, n_c * d * a, rerun)
-        for op in ("send", "recv"):
-            add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, rerun)
-        _moe_collectives(add, model, L, work, sum(i in moe_ids for i in c.layers), m, 1,
-                         m if L.recompute == "full" else 0, load)  # ZB's W runs no collective
-    # pipeline: hidden states forward, their gradients backward, the losses, tied-embedding grads
-    if L.pp > 1:
-        msg = d // (t if sp else 1) * 4  # the runner's fp32 act_shape
-        last, vs = L.pp * L.virtual_stages - 1, v_shaped(L.pipeline_schedule)
+    _moe_collectives(add, model, L, work, sum(i in moe_ids for i in c.layers), m, 1,
+                     m if L.recompute == "full" else 0, load)  # ZB's W runs no collective
 
-        def remote(a: int, b: int) -> bool:  # ZBV's turn (pp - 1 -> pp) stays on one rank
-            return stage_rank(a, L.pp, vs) != stage_rank(b, L.pp, vs)
 
-        sends = sum((c.stage < last and remote(c.stage, c.stage + 1)) + (c.stage > 0 and remote(c.stage, c.stage - 1))
-                    for c in chunks)
-        add("send", "pp", L.pp, sends * msg, m)
-        add("recv", "pp", L.pp, sends * msg, m)
-        add("broadcast", "pp", L.pp, 4 * m)
-        if model.tie_embeddings and pp_rank in (0, L.pp - 1) and not vs:  # ZBV: both ends on rank 0
-            tied = padded(model.vocab_size, t) // t * h * r
-            add("send", "pp", L.pp, tied)
-            add("recv", "pp", L.pp, tied)
-    # gradients and the step: with ep > 1 the routed experts are a ZeRO optimizer of their own over edp
+def _pipeline_p2p(add: Adder, model: ModelConfig, L: Layout, work: Workload, chunks: list[ChunkSpec],
+                  pp_rank: int) -> None:
+    """Pipeline traffic: hidden states forward, their gradients backward, the losses, the tied
+    embedding's gradients."""
+    t, sp = L.tp, L.sequence_parallel and L.tp > 1
+    m = L.microbatches(work.global_batch)
+    d = L.micro_batch * (work.seq_len // L.cp) * model.dim
+    msg = d // (t if sp else 1) * 4  # the runner's fp32 act_shape
+    last, vs = L.pp * L.virtual_stages - 1, v_shaped(L.pipeline_schedule)
+
+    def remote(a: int, b: int) -> bool:  # ZBV's turn (pp - 1 -> pp) stays on one rank
+        return stage_rank(a, L.pp, vs) != stage_rank(b, L.pp, vs)
+
+    sends = sum((c.stage < last and remote(c.stage, c.stage + 1)) + (c.stage > 0 and remote(c.stage, c.stage - 1))
+                for c in chunks)
+    add("send", "pp", L.pp, sends * msg, m)
+    add("recv", "pp", L.pp, sends * msg, m)
+    add("broadcast", "pp", L.pp, 4 * m)
+    if model.tie_embeddings and pp_rank in (0, L.pp - 1) and not vs:  # ZBV: both ends on rank 0
+        tied = padded(model.vocab_size, t) // t * model.dim * work.param_bytes
+        add("send", "pp", L.pp, tied)
+        add("recv", "pp", L.pp, tied)
+
+
+def _gradient_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload, pp_rank: int,
+                          hierarchical_node: int) -> tuple[Named, Named]:
+    """The gradients' reduction (and ZeRO's gathers); returns the rank's (dense, routed-expert)
+    parameters: with ep > 1 the routed experts are a ZeRO optimizer of their own over edp."""
+    r, m = work.param_bytes, L.microbatches(work.global_batch)
     everything = rank_params(model, L, pp_rank)
     experts = [(nm, sh) for nm, sh in everything if L.ep > 1 and is_expert(nm)]
     names = [(nm, sh) for nm, sh in everything if not (L.ep > 1 and is_expert(nm))]
@@ -275,6 +301,15 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
         _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes, pp_rank)
     if experts:
         _expert_grads(add, L, experts, r, m, bucket_bytes)
+    return names, experts
+
+
+def _step_scalars(add: Adder, model: ModelConfig, L: Layout, work: Workload, names: Named, experts: Named,
+                  zero_rank: int) -> None:
+    """The step's small sums: SP's replicated-weight gradients over tp, the logged loss, the
+    gradient norm's partial sums, the MoE statistics and fp16's overflow flag."""
+    t, sp, r = L.tp, L.sequence_parallel and L.tp > 1, work.param_bytes
+    zero_axis, n = _dp_cp_name(L), L.dp * L.cp
     if sp:  # replicated weights (norms, routers) saw only this rank's sequence shard: one flat sum
         # over tp (of ZeRO's rows)
         repl = [sh for nm, sh in names if nm.endswith("norm.weight") or replicated_ffn(nm)]
@@ -298,7 +333,6 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
             add("all_reduce", axis, size, load + 8)
     if work.precision == "fp16":
         add("all_reduce", "world", L.world_size, 4)  # any rank overflowed?
-    return dict(out)
 
 
 def _reduce_grads(add: Adder, layout: Layout, shapes: list[Shape], elem: int, bucket_bytes: int,
