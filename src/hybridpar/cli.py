@@ -25,6 +25,9 @@ from hybridpar.errors import UserError
 from hybridpar.training.errors import NonFiniteLossError
 
 if TYPE_CHECKING:
+    import torch
+
+    from hybridpar.distributed.lifecycle import StopRequest
     from hybridpar.distributed.mesh import Topology
     from hybridpar.training.elastic import LayoutChange
 
@@ -252,8 +255,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
         destroy_distributed,
         init_distributed,
     )
-    from hybridpar.training.elastic import check_same_plan, peer_lost
-    from hybridpar.training.trainer import Trainer
+    from hybridpar.training.elastic import check_same_plan
 
     if under_launcher():
         lifecycle.die_with_parent()
@@ -272,26 +274,9 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                 counter = topo.comm.counter
                 stop.on_signal = lambda sig: flight.dump(counter, run_dir, rank,
                                                         f"signal {lifecycle.signal_name(sig)} received")
-            if auto_resume:
-                resume = _agreed_latest_checkpoint(topo, run_dir, resume, elastic)
-                if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
-                    if topo.rank == 0:
-                        print(f"hybridpar: restarted, but {resume} already holds the final step "
-                              f"{cfg.train.steps}: nothing left to train", flush=True)
-                    clean = True
-                    return 0
-            try:
-                Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
-            except lifecycle.Preempted as p:
-                if topo.rank == 0 and elastic is not None:  # e.g. a node joined: the agent restarts the job
-                    print(f"hybridpar: elastic: {p}; the launcher restarts the job", file=sys.stderr, flush=True)
-                elif topo.rank == 0:
-                    print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
-                          file=sys.stderr, flush=True)
-                clean = True
-                return 128 + p.signum
+            status = _train(cfg, topo, device, stop, resume, auto_resume, elastic)
             clean = True
-            return 0
+            return status
         except (UserError, NonFiniteLossError) as e:
             kind = "error" if isinstance(e, UserError) else "stopped"
             if lifecycle.report_error(rank, kind, str(e)):
@@ -299,21 +284,63 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
             raise
         except Exception as e:  # e.g. a collective that timed out: leave a flight record
             if topo is not None and topo.world_size > 1:
-                flight.dump(topo.comm.counter, run_dir, topo.rank, f"{type(e).__name__}: {e}")
-                if stop.signum or lifecycle.reported_elsewhere(rank):  # a consequence, not the cause
-                    print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
-                          file=sys.stderr, flush=True)
-                    return 1
-                if elastic is not None and (lost := peer_lost(e)):  # what an elastic job expects: one line
-                    print(f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job "
-                          "on the processes left", file=sys.stderr, flush=True)
-                    return 1
-                print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}",
-                      file=sys.stderr)
+                status = _after_crash(e, topo, stop, rank, run_dir, elastic)
+                if status is not None:
+                    return status
             raise
         finally:
             _teardown(topo, orderly=clean)
             destroy_distributed()
+
+
+def _train(cfg: Config, topo: Topology, device: torch.device, stop: StopRequest, resume: Path | None, auto_resume: bool,
+           elastic: LayoutChange | None) -> int:
+    """``_run_worker``'s training, the process group built: resume (with ``auto_resume``, from the
+    latest checkpoint every rank holds), fit, and the exit status (0, or 128 + N when stopped by
+    signal N after a complete checkpoint)."""
+    from hybridpar.distributed import lifecycle
+    from hybridpar.training.trainer import Trainer
+
+    run_dir = Path(cfg.train.run_dir)
+    if auto_resume:
+        resume = _agreed_latest_checkpoint(topo, run_dir, resume, elastic)
+        if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
+            if topo.rank == 0:
+                print(f"hybridpar: restarted, but {resume} already holds the final step "
+                      f"{cfg.train.steps}: nothing left to train", flush=True)
+            return 0
+    try:
+        Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
+    except lifecycle.Preempted as p:
+        if topo.rank == 0 and elastic is not None:  # e.g. a node joined: the agent restarts the job
+            print(f"hybridpar: elastic: {p}; the launcher restarts the job", file=sys.stderr, flush=True)
+        elif topo.rank == 0:
+            print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
+                  file=sys.stderr, flush=True)
+        return 128 + p.signum
+    return 0
+
+
+def _after_crash(e: Exception, topo: Topology, stop: StopRequest, rank: int, run_dir: Path,
+                 elastic: LayoutChange | None) -> int | None:
+    """A multi-rank job failed with ``e``: leave a flight record; the exit status when the failure
+    is a consequence (another rank failed, the job was signalled, an elastic peer was lost: one
+    line said), else None after naming what this rank was waiting for (``e`` is raised)."""
+    from hybridpar.distributed import flight, lifecycle
+    from hybridpar.training.elastic import peer_lost
+
+    flight.dump(topo.comm.counter, run_dir, topo.rank, f"{type(e).__name__}: {e}")
+    if stop.signum or lifecycle.reported_elsewhere(rank):  # a consequence, not the cause
+        print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
+              file=sys.stderr, flush=True)
+        return 1
+    if elastic is not None and (lost := peer_lost(e)):  # what an elastic job expects: one line
+        print(f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job "
+              "on the processes left", file=sys.stderr, flush=True)
+        return 1
+    print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}",
+          file=sys.stderr)
+    return None
 
 
 def _teardown(topo: Topology | None, orderly: bool) -> None:
