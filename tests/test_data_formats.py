@@ -285,12 +285,12 @@ def test_records_are_checked_while_writing_and_a_bad_one_leaves_nothing(tmp_path
     bad line after many batches were written is the same one-line error naming the line in the
     whole file, and neither the output nor the temporary directory is left behind."""
     import hybridpar.data.prepare as prepare
-    import hybridpar.data.readers as readers
+    import hybridpar.data.sources as sources
 
     monkeypatch.setattr(prepare, "BATCH_DOCS", 8)  # many batches written before the bad line
     src = _write("jsonl", tmp_path, docs * 5)
-    record, calls = readers.JsonlSource._record, []
-    monkeypatch.setattr(readers.JsonlSource, "_record", lambda self, n, line: calls.append(n) or record(self, n, line))
+    record, calls = sources.JsonlSource._record, []
+    monkeypatch.setattr(sources.JsonlSource, "_record", lambda self, n, line: calls.append(n) or record(self, n, line))
     prepare_dataset([src], tmp_path / "ok", tokenizer=model_dir)
     assert calls == [1, *range(1, 5 * N_DOCS + 1)]  # every line once, the first one also by the up-front check
     lines = src.read_text().splitlines(keepends=True)

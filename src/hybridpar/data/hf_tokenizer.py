@@ -178,7 +178,7 @@ class HFTokenizer:
         return self.tok.decode([t for t in ids if 0 <= t < self.vocab_size], skip_special_tokens=True)
 
     def encode_document(self, data: bytes, name: str) -> np.ndarray:
-        from hybridpar.data.readers import utf8_text
+        from hybridpar.data.sources import utf8_text
 
         ids = self.encode_batch([utf8_text(data, name, "hf")])[0]
         return np.asarray(([self.bos_id] if self.add_bos else []) + ids + ([self.eos_id] if self.add_eos else []),

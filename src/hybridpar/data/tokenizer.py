@@ -23,7 +23,8 @@ import numpy as np
 
 from hybridpar.data.errors import DataError, DataNotFoundError
 from hybridpar.data.hf_tokenizer import HFTokenizer
-from hybridpar.data.readers import FIRST, LAST, utf8_text
+from hybridpar.data.readers import FIRST, LAST
+from hybridpar.data.sources import utf8_text
 
 BYTE_VOCAB = 256
 TOKENIZER_FILE = "tokenizer.json"

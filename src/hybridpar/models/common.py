@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,14 @@ from torch import Tensor, nn
 
 from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.tensor import ColumnParallelLinear
+from hybridpar.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    pad_dim,
+    padded_size,
+)
+from hybridpar.parallel.tensor_plan import enter_tp_region
 from hybridpar.rules import tp_split_error
 
 __all__ = ["DecoderChunk", "Documents", "column_parallel", "apply_rope", "attention_modules", "blocks", "check_tp_shape", "init_tensor", "name_seed", "precompute_rope",
@@ -210,3 +217,58 @@ def column_parallel(layer: nn.Linear, axis: Axis, sequence_parallel: bool) -> nn
     bias = None if layer.bias is None else layer.bias.detach()
     return ColumnParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sync_input=False,
                                           sequence_parallel=sequence_parallel)
+
+
+# What Megatron's attention split shards (``TensorPlan.shard_dims``): q, k, v (and their biases)
+# by rows (whole heads per rank), the output projection by columns.
+ATTENTION_SHARDS = {
+    "attention.wq.weight": 0, "attention.wk.weight": 0, "attention.wv.weight": 0,
+    "attention.wq.bias": 0, "attention.wk.bias": 0, "attention.wv.bias": 0,
+    "attention.wo.weight": 1,
+}
+
+
+def row_parallel(layer: nn.Linear, axis: Axis, sequence_parallel: bool) -> nn.Module:
+    """``layer`` as this rank's :class:`~hybridpar.parallel.tensor.RowParallelLinear` shard
+    (all-reduce, or reduce-scatter under SP; a bias replicated and added once after the sum)."""
+    bias = None if layer.bias is None else layer.bias.detach()
+    return RowParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sequence_parallel=sequence_parallel)
+
+
+def split_attention(attn: nn.Module, axis: Axis, sequence_parallel: bool) -> None:
+    """Megatron's attention split, in place: ``wq``/``wk``/``wv`` by columns (whole heads per
+    rank), ``wo`` by rows. The caller divides its head counts."""
+    sp = sequence_parallel
+    attn.wq, attn.wk, attn.wv = (column_parallel(attn.wq, axis, sp), column_parallel(attn.wk, axis, sp),
+                                 column_parallel(attn.wv, axis, sp))
+    attn.wo = row_parallel(attn.wo, axis, sp)
+
+
+def split_ends(model: nn.Module, axis: Axis, sequence_parallel: bool) -> None:
+    """The decoder's ends under tp, in place: ``tok_embeddings`` by vocabulary (padded to a
+    multiple of tp), the final ``norm``'s output entering the tp region, and an untied ``output``
+    by columns over the padded vocabulary (a tied head uses the embedding's shard)."""
+    sp = sequence_parallel
+    model.tok_embeddings = VocabParallelEmbedding.from_full(model.tok_embeddings.weight.detach(),
+                                                            axis, sequence_parallel=sp)
+    enter_tp_region(model.norm, axis, sp)
+    if model.output is not None:
+        full = pad_dim(model.output.weight.detach(), 0, padded_size(model.cfg.vocab_size, axis.size))
+        model.output = ColumnParallelLinear.from_full(full, axis, sync_input=False, sequence_parallel=sp)
+
+
+def tensor_parallel(model: nn.Module, axis: Axis, sequence_parallel: bool,
+                    split_block: Callable[[nn.Module, Axis, bool], None]) -> None:
+    """Turn the full (initialised) ``model`` into this rank's tensor-parallel shard, in place:
+    every block's attention (:func:`split_attention`), then the rest of the block by the family's
+    ``split_block(block, axis, sequence_parallel)``, then the ends (:func:`split_ends`). Every rank
+    of ``axis`` must pass the same weights; at tp=1 the model is left unchanged. Raises
+    ``ValueError`` for shapes tp cannot split (:func:`check_tp_shape`). Build the optimizer
+    afterwards (parameters are replaced)."""
+    if axis.size == 1:
+        return
+    check_tp_shape(model.cfg, axis.size)
+    for block in model.layers:
+        split_attention(block.attention, axis, sequence_parallel)
+        split_block(block, axis, sequence_parallel)
+    split_ends(model, axis, sequence_parallel)

@@ -11,6 +11,7 @@ these modules and callables handed in. See ``docs/guide.md`` ("Adding a model fa
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,19 @@ class HFMapping:
     def to_hf(self, ours: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Our full (tp=1) state dict -> HF state dict."""
         return {self.hf_key(k): v for k, v in ours.items()}
+
+
+def rename_key(key: str, top: Mapping[str, str], layer_re: re.Pattern[str], layers: Mapping[str, str],
+               template: str) -> str | None:
+    """``key`` renamed through a family's tables: ``top`` for whole names, else a layer's parameter
+    (``layer_re`` matches layer index, module, ``weight|bias``) whose module ``layers`` renames,
+    spelled ``template.format(layer, module, kind)``. None when neither knows it."""
+    if key in top:
+        return top[key]
+    m = layer_re.fullmatch(key)
+    if m is None or m.group(2) not in layers:
+        return None
+    return template.format(m.group(1), layers[m.group(2)], m.group(3))
 
 
 def bad_value(where: str, key: str, value: Any, why: str) -> HFError:

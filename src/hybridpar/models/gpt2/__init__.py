@@ -9,16 +9,11 @@ hybridpar sees."""
 
 from __future__ import annotations
 
+from hybridpar.models.common import attention_modules, blocks, zero3_units
 from hybridpar.models.family import Family
 from hybridpar.models.gpt2.hf import GPT2HF, gpt2_config_from_hf, to_hf_config_dict
 from hybridpar.models.gpt2.model import GPT2, Attention, Block, FeedForward, init_tensor
-from hybridpar.models.gpt2.parallelize import (
-    PLAN,
-    attention_modules,
-    blocks,
-    parallelize_gpt2,
-    zero3_units,
-)
+from hybridpar.models.gpt2.parallelize import PLAN, parallelize_gpt2
 from hybridpar.models.gpt2.pipeline import GPT2Chunk
 
 __all__ = ["FAMILY", "GPT2", "GPT2HF", "Attention", "Block", "FeedForward", "GPT2Chunk", "gpt2_config_from_hf",

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from hybridpar.config import ModelConfig
-from hybridpar.models.family import HFError, HFMapping, bad_value
+from hybridpar.models.family import HFError, HFMapping, bad_value, rename_key
 from hybridpar.models.lazy import shape_of, slice_bounds
 
 __all__ = ["GPT2HF", "gpt2_config_from_hf", "to_hf_config_dict"]
@@ -174,13 +174,10 @@ class GPT2HF(HFMapping):
         ``c_attn`` (three of ours: see :meth:`to_ours`) and unknown keys."""
         if key == HEAD:
             return "output.weight"
-        bare = key.removeprefix(PREFIX)
-        if bare in _TOP_INV:
-            return _TOP_INV[bare]
-        m = _HF_RE.fullmatch(bare)
-        if m is None or m.group(2) not in _LAYER_INV:
+        ours = rename_key(key.removeprefix(PREFIX), _TOP_INV, _HF_RE, _LAYER_INV, "layers.{}.{}.{}")
+        if ours is None:
             raise KeyError(f"no single hybridpar name for Hugging Face key {key!r}")
-        return f"layers.{m.group(1)}.{_LAYER_INV[m.group(2)]}.{m.group(3)}"
+        return ours
 
     def config_from_hf(self, c: Mapping[str, Any], where: str, name: str) -> ModelConfig:
         return gpt2_config_from_hf(c, where, name)

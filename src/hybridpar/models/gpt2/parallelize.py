@@ -31,31 +31,15 @@ from typing import Any
 from torch import Tensor, nn
 
 from hybridpar.distributed.mesh import Axis
-from hybridpar.models.common import (
-    attention_modules,
-    blocks,
-    check_tp_shape,
-    column_parallel,
-    zero3_units,
-)
+from hybridpar.models.common import ATTENTION_SHARDS, column_parallel, row_parallel, tensor_parallel
 from hybridpar.models.gpt2.model import GPT2
-from hybridpar.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    pad_dim,
-    padded_size,
-)
 from hybridpar.parallel.tensor_plan import RegionEntry, TensorPlan, enter_tp_region
 
-__all__ = ["PLAN", "PositionShard", "attention_modules", "blocks", "check_tp_shape", "parallelize_gpt2",
-           "zero3_units"]
+__all__ = ["PLAN", "PositionShard", "parallelize_gpt2"]
 
 PLAN = TensorPlan(
     shard_dims={
-        "attention.wq.weight": 0, "attention.wk.weight": 0, "attention.wv.weight": 0,
-        "attention.wq.bias": 0, "attention.wk.bias": 0, "attention.wv.bias": 0,
-        "attention.wo.weight": 1,
+        **ATTENTION_SHARDS,
         "feed_forward.w1.weight": 0, "feed_forward.w1.bias": 0, "feed_forward.w2.weight": 1,
         "tok_embeddings.weight": 0, "output.weight": 0,
     },
@@ -81,38 +65,24 @@ class PositionShard(RegionEntry):
         return output.narrow(dim, self.axis.rank * per, per)
 
 
-def _row(layer: nn.Linear, axis: Axis, sp: bool) -> RowParallelLinear:
-    bias = None if layer.bias is None else layer.bias.detach()
-    return RowParallelLinear.from_full(layer.weight.detach(), axis, bias=bias, sequence_parallel=sp)
-
-
 def parallelize_gpt2(model: GPT2, axis: Axis, sequence_parallel: bool = False) -> GPT2:
-    """Turn the full (initialised) ``model`` into this rank's tensor-parallel shard, in place.
-
-    Every rank of ``axis`` must pass the same weights. Returns ``model``; at tp=1 it is left
-    unchanged. Raises ``ValueError`` for shapes tp cannot split (see :func:`check_tp_shape`).
-    Build the optimizer afterwards (parameters are replaced).
-    """
+    """This rank's tensor-parallel shard of the full ``model``, in place (see
+    :func:`~hybridpar.models.common.tensor_parallel`), the positions sharded under SP by
+    :class:`PositionShard`. Returns ``model``."""
     if axis.size == 1:
         return model
-    cfg, tp, sp = model.cfg, axis.size, sequence_parallel
-    check_tp_shape(cfg, tp)
-    for block in model.layers:
-        attn, ffn = block.attention, block.feed_forward
-        attn.wq, attn.wk, attn.wv = (column_parallel(attn.wq, axis, sp), column_parallel(attn.wk, axis, sp),
-                                     column_parallel(attn.wv, axis, sp))
-        attn.wo = _row(attn.wo, axis, sp)
-        attn.n_heads = attn.n_heads // tp
-        ffn.w1, ffn.w2 = column_parallel(ffn.w1, axis, sp), _row(ffn.w2, axis, sp)
-        enter_tp_region(block.attention_norm, axis, sp)
-        enter_tp_region(block.ffn_norm, axis, sp)
-    model.tok_embeddings = VocabParallelEmbedding.from_full(model.tok_embeddings.weight.detach(),
-                                                            axis, sequence_parallel=sp)
-    shard = PositionShard(axis, sp)
+    tensor_parallel(model, axis, sequence_parallel, _split_block)
+    shard = PositionShard(axis, sequence_parallel)
     model.pos_embeddings.register_forward_hook(shard)
     model.pos_embeddings.tp_region = shard  # set_sequence_parallel finds it there
-    enter_tp_region(model.norm, axis, sp)
-    if model.output is not None:
-        full = pad_dim(model.output.weight.detach(), 0, padded_size(cfg.vocab_size, tp))
-        model.output = ColumnParallelLinear.from_full(full, axis, sync_input=False, sequence_parallel=sp)
     return model
+
+
+def _split_block(block: nn.Module, axis: Axis, sp: bool) -> None:
+    """A block past its attention projections: this rank's heads, the MLP's ``w1`` by columns and
+    ``w2`` by rows, both norms' outputs entering the tp region."""
+    attn, ffn = block.attention, block.feed_forward
+    attn.n_heads = attn.n_heads // axis.size
+    ffn.w1, ffn.w2 = column_parallel(ffn.w1, axis, sp), row_parallel(ffn.w2, axis, sp)
+    enter_tp_region(block.attention_norm, axis, sp)
+    enter_tp_region(block.ffn_norm, axis, sp)

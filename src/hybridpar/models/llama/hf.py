@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridpar.config import ModelConfig
-from hybridpar.models.family import HFError, HFMapping, bad_value, unexportable
+from hybridpar.models.family import HFError, HFMapping, bad_value, rename_key, unexportable
 
 __all__ = ["LlamaHF", "from_hf_key", "hf_key", "llama_config_from_hf", "llama_hf_config", "to_hf_config_dict"]
 
@@ -116,20 +116,16 @@ class LlamaHF(HFMapping):
     model_type, architecture = "llama", "LlamaForCausalLM"
 
     def hf_key(self, name: str) -> str:
-        if name in _TOP:
-            return _TOP[name]
-        m = _OURS_RE.fullmatch(name)
-        if m is None or m.group(2) not in _LAYER:
+        hf = rename_key(name, _TOP, _OURS_RE, _LAYER, "model.layers.{}.{}.{}")
+        if hf is None:
             raise KeyError(f"no Hugging Face name for parameter {name!r}")
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+        return hf
 
     def from_hf_key(self, key: str) -> str:
-        if key in _TOP_INV:
-            return _TOP_INV[key]
-        m = _HF_RE.fullmatch(key)
-        if m is None or m.group(2) not in _LAYER_INV:
+        ours = rename_key(key, _TOP_INV, _HF_RE, _LAYER_INV, "layers.{}.{}.{}")
+        if ours is None:
             raise KeyError(f"no hybridpar name for Hugging Face key {key!r}")
-        return f"layers.{m.group(1)}.{_LAYER_INV[m.group(2)]}.{m.group(3)}"
+        return ours
 
     def config_from_hf(self, c: Mapping[str, Any], where: str, name: str) -> ModelConfig:
         return llama_config_from_hf(c, where, name, family=self.model_type)

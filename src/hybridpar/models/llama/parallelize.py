@@ -28,22 +28,18 @@ from torch import nn
 
 from hybridpar.distributed.mesh import Axis
 from hybridpar.models.common import (
+    ATTENTION_SHARDS,
     attention_modules,
     blocks,
     check_tp_shape,
     column_parallel,
+    row_parallel,
+    tensor_parallel,
     zero3_units,
 )
 from hybridpar.models.llama.model import Llama
 from hybridpar.models.moe import MoE, moe_layers
 from hybridpar.parallel.experts import ExpertParallel, sum_over_axes
-from hybridpar.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    pad_dim,
-    padded_size,
-)
 from hybridpar.parallel.tensor_plan import TensorPlan, enter_tp_region, enter_tp_region_before
 
 __all__ = ["PLAN", "attention_modules", "blocks", "check_tp_shape", "parallelize_llama", "parallelize_moe",
@@ -51,9 +47,7 @@ __all__ = ["PLAN", "attention_modules", "blocks", "check_tp_shape", "parallelize
 
 PLAN = TensorPlan(
     shard_dims={
-        "attention.wq.weight": 0, "attention.wk.weight": 0, "attention.wv.weight": 0,
-        "attention.wq.bias": 0, "attention.wk.bias": 0, "attention.wv.bias": 0,
-        "attention.wo.weight": 1,
+        **ATTENTION_SHARDS,
         "feed_forward.w1.weight": 0, "feed_forward.w3.weight": 0, "feed_forward.w2.weight": 1,
         # MoE layers: every expert split like the dense MLP (stacked [E, H, D] / [E, D, H])
         "experts.w1": 1, "experts.w3": 1, "experts.w2": 2,
@@ -66,43 +60,32 @@ PLAN = TensorPlan(
 
 
 def parallelize_llama(model: Llama, axis: Axis, sequence_parallel: bool = False) -> Llama:
-    """Turn the full (initialised) ``model`` into this rank's tensor-parallel shard, in place.
-
-    Every rank of ``axis`` must pass the same weights. Returns ``model``; at tp=1 it is left
-    unchanged. Raises ``ValueError`` for head counts tp cannot split (see :func:`check_tp_shape`).
-    Build the optimizer afterwards (parameters are replaced).
-    """
-    if axis.size == 1:
-        return model
-    cfg, tp, sp = model.cfg, axis.size, sequence_parallel
-    check_tp_shape(cfg, tp)
-    for block in model.layers:
-        attn, ffn = block.attention, block.feed_forward
-        attn.wq, attn.wk, attn.wv = (column_parallel(attn.wq, axis, sp), column_parallel(attn.wk, axis, sp),
-                                     column_parallel(attn.wv, axis, sp))
-        attn.wo = RowParallelLinear.from_full(attn.wo.weight.detach(), axis, sequence_parallel=sp)
-        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
-        enter_tp_region(block.attention_norm, axis, sp)
-        if isinstance(ffn, MoE):  # routed outside the tp region; the experts enter it (parallelize_moe)
-            if ffn.shared_experts is not None:
-                _split_mlp(ffn.shared_experts, axis, sp)
-                enter_tp_region_before(ffn.shared_experts, axis, sp)
-            continue
-        _split_mlp(ffn, axis, sp)
-        enter_tp_region(block.ffn_norm, axis, sp)
-    model.tok_embeddings = VocabParallelEmbedding.from_full(model.tok_embeddings.weight.detach(),
-                                                            axis, sequence_parallel=sp)
-    enter_tp_region(model.norm, axis, sp)
-    if model.output is not None:
-        full = pad_dim(model.output.weight.detach(), 0, padded_size(cfg.vocab_size, tp))
-        model.output = ColumnParallelLinear.from_full(full, axis, sync_input=False, sequence_parallel=sp)
+    """This rank's tensor-parallel shard of the full ``model``, in place (see
+    :func:`~hybridpar.models.common.tensor_parallel`; head counts tp cannot split raise
+    ``ValueError``). Returns ``model``."""
+    tensor_parallel(model, axis, sequence_parallel, _split_block)
     return model
+
+
+def _split_block(block: nn.Module, axis: Axis, sp: bool) -> None:
+    """A block past its attention projections: this rank's query and kv heads, the MLP split
+    (a MoE layer's shared experts only: its routed experts are :func:`parallelize_moe`'s)."""
+    attn, ffn, tp = block.attention, block.feed_forward, axis.size
+    attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
+    enter_tp_region(block.attention_norm, axis, sp)
+    if isinstance(ffn, MoE):  # routed outside the tp region; the experts enter it (parallelize_moe)
+        if ffn.shared_experts is not None:
+            _split_mlp(ffn.shared_experts, axis, sp)
+            enter_tp_region_before(ffn.shared_experts, axis, sp)
+        return
+    _split_mlp(ffn, axis, sp)
+    enter_tp_region(block.ffn_norm, axis, sp)
 
 
 def _split_mlp(ffn: nn.Module, axis: Axis, sp: bool) -> None:
     """A SwiGLU MLP's Megatron split: ``w1``/``w3`` by columns, ``w2`` by rows."""
     ffn.w1, ffn.w3 = column_parallel(ffn.w1, axis, sp), column_parallel(ffn.w3, axis, sp)
-    ffn.w2 = RowParallelLinear.from_full(ffn.w2.weight.detach(), axis, sequence_parallel=sp)
+    ffn.w2 = row_parallel(ffn.w2, axis, sp)
 
 
 def parallelize_moe(model: Llama, tp: Axis, ep: Axis, token_axes: list[Axis], sequence_parallel: bool) -> Llama:
