@@ -48,7 +48,7 @@ def _step(topo: Topology, opt: DataParallelOptimizer, model: nn.Module, rank: in
     return float(engine.update(1.0))
 
 
-def _kinds_worker(rank: int, world: int) -> dict[str, tuple[bool, list[str], bool, float]]:
+def _kinds_worker(rank: int, world: int) -> dict[str, tuple[bool, list[str], bool, float, int | None]]:
     out: dict[str, tuple[DataParallelOptimizer, nn.Module]] = {}
     with ParallelDims(dp=world).build("cpu") as topo:
         for stage in (0, 1, 2, 3):
@@ -66,7 +66,8 @@ def _kinds_worker(rank: int, world: int) -> dict[str, tuple[bool, list[str], boo
         for name, (opt, model) in out.items():
             missing = [m for m in MEMBERS if not hasattr(type(opt), m)]
             norm = _step(topo, opt, model, rank)
-            result[name] = (isinstance(opt, DataParallelOptimizer), missing, opt.reduces_per_stage, norm)
+            mode = opt.mode if isinstance(opt, ZeroOptimizer) else None  # the stage family actually run
+            result[name] = (isinstance(opt, DataParallelOptimizer), missing, opt.reduces_per_stage, norm, mode)
         return result
 
 
@@ -75,14 +76,16 @@ def test_every_optimizer_kind_implements_the_protocol(dist_run):
     and steps through the StepEngine (whose norm is the same on every dp rank)."""
     assert {"finish_grads", "norm_parts", "gather_full_state_dict", "reduces_per_stage", "checkpoint_state"} <= set(MEMBERS)
     ranks = dist_run(2, _kinds_worker)
-    for name, (is_dp, missing, per_stage, norm) in ranks[0].items():
+    for name, (is_dp, missing, per_stage, norm, _) in ranks[0].items():
         assert is_dp and missing == [] and per_stage is False, name
         assert norm > 0 and torch.isfinite(torch.tensor(norm)), name
+    assert [ranks[0][f"zero{s}"][4] for s in range(4)] == [0, 1, 2, 3]  # replicated, sharded 1/2, parameter-sharded
     for name in ("zero0", "zero1", "zero2", "zero3", "expert-split"):  # reduced: every rank's norm is one
         assert ranks[0][name][3] == pytest.approx(ranks[1][name][3], rel=1e-6), name
 
 
 def test_step_engine_asks_no_optimizer_what_it_is():
+    """What differs between the optimizers is the interface's business, not the step's."""
     source = inspect.getsource(StepEngine)
     for word in ("isinstance", "hasattr", "getattr", "zero is None", "zero is not None"):
         assert word not in source, word
