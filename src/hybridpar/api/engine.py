@@ -118,6 +118,8 @@ class EngineConfig:
         dp = 1 if self.data_parallel_size is None else self.data_parallel_size
         parallel = {"dp": dp, "tp": 1 if self.tensor_parallel_size is None else self.tensor_parallel_size,
                     **{k: getattr(self, k) for k in _PARALLEL_KEYS}}
+        if isinstance(self.offload_dir, os.PathLike):  # a Path names the directory as well as a str
+            parallel["offload_dir"] = os.fspath(self.offload_dir)
         train = {"lr": self.lr, "min_lr": self.min_lr, "weight_decay": self.weight_decay, "eps": self.eps,
                  "beta1": self.betas[0], "beta2": self.betas[1], "grad_clip": self.grad_clip,
                  "warmup_steps": self.warmup_steps, "micro_batch": 1,

@@ -51,6 +51,7 @@ from hybridpar.distributed.spawn import run_ranks
 from hybridpar.errors import UserError
 from hybridpar.planner.hardware import GB, load_gpu_toml
 from hybridpar.planner.probes import (
+    ComputeRates,
     Plan,
     batch_time,
     cold_pool,
@@ -333,11 +334,31 @@ def calibrate(out: Path, nproc: int, quick: bool, device_name: str = "auto",
     t_start = time.perf_counter()
     progress(f"calibrate: {_host_name(device)}, {dtype_name} matmuls, {threads} thread(s) per process, "
              f"{'quick' if quick else 'full'} grids")
+    rates = _compute_rates(plan, device, dtype, progress)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    comm_rows: list[dict[str, object]] = []
+    concurrency: list[list[float]] = []
+    cal_extra: dict[str, object] = {}
+    if nproc >= 2:
+        comm_rows, concurrency, cal_extra = _collective_fits(nproc, backend, plan, progress)
+    else:
+        progress("collectives: skipped (--nproc 1); the cost model keeps the link formula")
+    gpu = _gpu_constants(device, rates, comm_rows)
+    cal = {"device": device.type, "dtype": dtype_name, "backend": backend, "threads": threads,
+           "source": f"hybridpar calibrate{' --quick' if quick else ''} --nproc {nproc}, torch {torch.__version__}",
+           "block": list(rates.block_s), "concurrency": concurrency, **cal_extra, "gemm": rates.gemm,
+           "attention": rates.attention}
+    _write_profile(out, gpu, cal, comm_rows)
+    progress(f"wrote {out} in {time.perf_counter() - t_start:.1f} s")
+    return out
 
+
+def _compute_rates(plan: Plan, device: torch.device, dtype: torch.dtype,
+                   progress: Callable[[str], None]) -> ComputeRates:
+    """The compute measurements (:func:`measure_compute`), reported as they come."""
     t0 = time.perf_counter()
     rates = measure_compute(plan, device, dtype)
     gemm, attention, bw, op_s, block = rates.gemm, rates.attention, rates.elementwise_bw, rates.small_op_s, rates.block_s
-    peak = max(r[3] for r in gemm)
     progress(f"compute: {len(gemm)} GEMM shapes, {len(attention)} attention shapes and 4 eager probes in "
              f"{plan.batches} interleaved passes, {time.perf_counter() - t0:.1f} s")
     for m in plan.gemm_dims:
@@ -346,39 +367,45 @@ def calibrate(out: Path, nproc: int, quick: bool, device_name: str = "auto",
              f"{max(r[2] for r in attention) / 1e9:,.1f} GFLOP/s")
     progress(f"memory: element-wise {bw / GB:,.1f} GB/s, one small op {op_s * 1e6:.1f} us")
     progress(f"eager block fixed cost: forward {block[0] * 1e6:.0f} us, backward {block[1] * 1e6:.0f} us")
+    return rates
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
+
+def _collective_fits(nproc: int, backend: str, plan: Plan, progress: Callable[[str], None]
+                     ) -> tuple[list[dict[str, object]], list[list[float]], dict[str, object]]:
+    """Measure the collectives on ``nproc`` processes: (one latency/bandwidth fit per op and
+    size, the concurrency rows, the overlap fraction as ``{"overlap": f}`` when measured)."""
+    t0 = time.perf_counter()
+    measured = measure_comm(nproc, backend, plan, progress)
     comm_rows: list[dict[str, object]] = []
     concurrency: list[list[float]] = []
     cal_extra: dict[str, object] = {}
-    if nproc >= 2:
-        t0 = time.perf_counter()
-        measured = measure_comm(nproc, backend, plan, progress)
-        probe = measured.pop(("concurrency", 0), [])
-        if probe:
-            concurrency = [list(row) for row in probe]
-            progress("  busy ranks -> rate per rank: " + ", ".join(
-                f"{int(k)}: GEMM x{fg:.2f}, element-wise x{fm:.2f}" for k, fg, fm in concurrency))
-        overlap = measured.pop(("overlap", 2), [(None, 0.0)])[0][0]
-        if overlap is not None:
-            cal_extra["overlap"] = overlap
-            progress(f"  async all-reduce hidden behind compute on the same rank: {100 * overlap:.0f}%")
-        for (op, n), points in sorted(measured.items()):
-            if op.endswith("@busy"):
-                continue
-            alpha, beta = fit_alpha_beta(points)
-            if (f"{op}@busy", n) in measured:
-                (payload, t_busy), = measured[(f"{op}@busy", n)]
-                alpha = max(alpha, t_busy - beta * payload)  # the latency a computing rank sees
-            comm_rows.append({"op": op, "size": n, "alpha": alpha, "beta": beta,
-                              "points": [list(p) for p in points]})
-            bus = (1 / beta if beta > 0 else float("inf")) / GB
-            progress(f"  {op:<14} n={n}: latency {alpha * 1e6:8.1f} us, {bus:8.2f} GB/s of payload")
-        progress(f"collectives: {len(comm_rows)} fits in {time.perf_counter() - t0:.1f} s")
-    else:
-        progress("collectives: skipped (--nproc 1); the cost model keeps the link formula")
+    probe = measured.pop(("concurrency", 0), [])
+    if probe:
+        concurrency = [list(row) for row in probe]
+        progress("  busy ranks -> rate per rank: " + ", ".join(
+            f"{int(k)}: GEMM x{fg:.2f}, element-wise x{fm:.2f}" for k, fg, fm in concurrency))
+    overlap = measured.pop(("overlap", 2), [(None, 0.0)])[0][0]
+    if overlap is not None:
+        cal_extra["overlap"] = overlap
+        progress(f"  async all-reduce hidden behind compute on the same rank: {100 * overlap:.0f}%")
+    for (op, n), points in sorted(measured.items()):
+        if op.endswith("@busy"):
+            continue
+        alpha, beta = fit_alpha_beta(points)
+        if (f"{op}@busy", n) in measured:
+            (payload, t_busy), = measured[(f"{op}@busy", n)]
+            alpha = max(alpha, t_busy - beta * payload)  # the latency a computing rank sees
+        comm_rows.append({"op": op, "size": n, "alpha": alpha, "beta": beta,
+                          "points": [list(p) for p in points]})
+        bus = (1 / beta if beta > 0 else float("inf")) / GB
+        progress(f"  {op:<14} n={n}: latency {alpha * 1e6:8.1f} us, {bus:8.2f} GB/s of payload")
+    progress(f"collectives: {len(comm_rows)} fits in {time.perf_counter() - t0:.1f} s")
+    return comm_rows, concurrency, cal_extra
 
-    # GPUSpec constants: the measured peak and bandwidths; the tables carry the shape detail.
+
+def _gpu_constants(device: torch.device, rates: ComputeRates, comm_rows: list[dict[str, object]]) -> dict[str, object]:
+    """The profile's GPUSpec constants: the measured peak and bandwidths (the tables carry the
+    shape detail); the link from the widest all-reduce's fit, else a default per device type."""
     allreduce = max((r for r in comm_rows if r["op"] == "all_reduce"), key=lambda r: r["size"], default=None)
     if allreduce is not None:
         n, alpha, beta = int(allreduce["size"]), float(allreduce["alpha"]), float(allreduce["beta"])  # type: ignore[call-overload]
@@ -387,13 +414,16 @@ def calibrate(out: Path, nproc: int, quick: bool, device_name: str = "auto",
     else:
         link_bw, latency = (10 * GB, 50e-6) if device.type == "cpu" else (450 * GB, 5e-6)
     memory = float(devices.total_memory(device)) / (usable_cores() if device.type == "cpu" else 1)
-    gpu = {"name": f"calibrated {_host_name(device)}", "bf16_flops": peak, "fp32_flops": peak,
-           "hbm_bytes": memory, "hbm_bw": bw, "intra_bw": link_bw, "inter_bw": link_bw,
-           "intra_latency": latency, "inter_latency": latency, "gemm_efficiency": 1.0,
-           "comm_efficiency": 1.0, "launch_overhead": op_s, "host_bw": bw if device.type == "cpu" else 25 * GB}
-    cal = {"device": device.type, "dtype": dtype_name, "backend": backend, "threads": threads,
-           "source": f"hybridpar calibrate{' --quick' if quick else ''} --nproc {nproc}, torch {torch.__version__}",
-           "block": list(block), "concurrency": concurrency, **cal_extra, "gemm": gemm, "attention": attention}
+    peak, bw = max(r[3] for r in rates.gemm), rates.elementwise_bw
+    return {"name": f"calibrated {_host_name(device)}", "bf16_flops": peak, "fp32_flops": peak,
+            "hbm_bytes": memory, "hbm_bw": bw, "intra_bw": link_bw, "inter_bw": link_bw,
+            "intra_latency": latency, "inter_latency": latency, "gemm_efficiency": 1.0,
+            "comm_efficiency": 1.0, "launch_overhead": rates.small_op_s,
+            "host_bw": bw if device.type == "cpu" else 25 * GB}
+
+
+def _write_profile(out: Path, gpu: dict[str, object], cal: dict[str, object], comm_rows: list[dict[str, object]]) -> None:
+    """Write the profile TOML to ``out`` through a temporary file that must load back first."""
     header = (f"Hardware profile written by hybridpar calibrate on {time.strftime('%Y-%m-%d %H:%M:%S')}.\n"
               f"Rates in FLOP/s, bandwidths in bytes/s, times in s. gemm rows: [m, n, k, FLOP/s];\n"
               f"attention rows: [seq, head_dim, forward FLOP/s, backward FLOP/s]; comm: seconds = alpha + beta * "
@@ -404,8 +434,6 @@ def calibrate(out: Path, nproc: int, quick: bool, device_name: str = "auto",
     tmp.write_text(to_toml(gpu, cal, comm_rows, header))
     load_gpu_toml(tmp)  # never leave a profile the planner cannot read
     tmp.replace(out)
-    progress(f"wrote {out} in {time.perf_counter() - t_start:.1f} s")
-    return out
 
 
 def cmd_calibrate(argv: list[str]) -> int:

@@ -1,0 +1,126 @@
+"""The data-parallel and optimizer terms of a step's predicted time (:func:`.cost.step_cost`):
+the busiest pipeline rank's gradient bytes, their bucketed all-reduces or ZeRO-3's gathers and
+reduce-scatters over dp x cp (the routed experts' over edp), what backward leaves exposed, and
+the optimizer step on the rank's shard, on the device or offloaded."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hybridpar.config import ModelConfig
+from hybridpar.planner.hardware import Cluster, GPUSpec
+from hybridpar.planner.layout import Layout, Workload, model_key
+from hybridpar.planner.memory import rank_state_numels
+from hybridpar.planner.shapes import rank_numel, v_shaped
+
+if TYPE_CHECKING:
+    from hybridpar.planner.cost import LayerTime
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """What the busiest pipeline rank's data-parallel reduction moves (bytes) and quantises."""
+
+    worst: int  # the pipeline rank with the most parameters
+    expert_bytes: int  # its routed experts' gradients (reduced over edp) with ep > 1, else 0
+    param_total: int  # its dense parameters' bytes
+    reduced: float  # the bytes their reduction carries (compressed or not)
+    grad_bytes: float  # the all-reduce-equivalent bytes of a ZeRO-0/1/2 step
+    quantize: float  # seconds of int8 quantisation
+
+
+def gradients(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec) -> Gradients:
+    """The data-parallel gradient bytes over dp x cp (stride tp) of the busiest pipeline rank."""
+    t, pp, v = L.tp, L.pp, L.virtual_stages
+    vs = pp > 1 and v_shaped(L.pipeline_schedule)
+    key = model_key(model)  # the pipeline rank with the most parameters, its count cached
+    worst = max(range(pp), key=lambda r: rank_numel(key, t, pp, v, r, 1, L.ep, v_shape=vs))
+    # with ep > 1 the routed experts reduce over edp (dp x cp / ep ranks, stride tp x ep) instead
+    expert_bytes = rank_numel(key, t, pp, v, worst, 1, L.ep, "experts", vs) * work.param_bytes if L.ep > 1 else 0
+    grad_numel = rank_numel(key, t, pp, v, worst, 1, L.ep, v_shape=vs) - expert_bytes // work.param_bytes  # dense
+    param_total = grad_bytes = reduced = grad_numel * work.param_bytes
+    quantize = 0.0
+    if L.grad_compression == "int8":  # 1 + 4/256 bytes per element; every rank quantises its
+        # gradient (read it and the residual, write int8 and the residual), dequantises n blocks
+        reduced = grad_numel * (1 + 4 / 256)
+        quantize = grad_numel * (4 + 4 + 1 + 4 + 2 * 4) / g.hbm_bw
+    elif L.grad_compression in ("bf16", "fp16"):
+        reduced = grad_numel * 2
+    if reduced != param_total:  # all-reduce-equivalent bytes: ZeRO-0 compresses both halves,
+        # ZeRO-1/2 the reduce-scatter half (the parameter all-gather keeps the parameter dtype)
+        grad_bytes = reduced if L.zero_stage == 0 else (reduced + param_total) / 2
+    return Gradients(worst, expert_bytes, param_total, reduced, grad_bytes, quantize)
+
+
+def bucketed_comm(L: Layout, work: Workload, cluster: Cluster, gr: Gradients) -> tuple[float, float]:
+    """(seconds of ZeRO-0/1/2's gradient all-reduces, of the last bucket's alone): buckets of
+    ``bucket_mb``, the last filling when backward ends; experts' buckets over edp."""
+    n, t = L.dp * L.cp, L.tp
+    buckets = max(1, math.ceil(gr.grad_bytes / (work.bucket_mb * 2**20)))
+    last_bucket = cluster.collective_time("all_reduce", gr.grad_bytes / buckets, n, t)
+    dp_comm = buckets * last_bucket
+    if gr.expert_bytes and n // L.ep > 1:
+        expert_buckets = max(1, math.ceil(gr.expert_bytes / (work.bucket_mb * 2**20)))
+        dp_comm += expert_buckets * cluster.collective_time("all_reduce", gr.expert_bytes / expert_buckets,
+                                                            n // L.ep, t * L.ep)
+    return dp_comm, last_bucket
+
+
+def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m: int,
+               stage_lt: LayerTime, hide: float) -> tuple[float, float]:
+    """(ZeRO-3's data-parallel seconds per step, the part of them prefetching leaves exposed)."""
+    n, t, v = L.dp * L.cp, L.tp, L.virtual_stages
+    if L.pp > 1:
+        # under pp (hybridpar.parallel.zero.zero3_pp.StageSharded) each of the rank's v chunks is gathered once
+        # per step, before its first forward, and reduce-scattered once after its last backward
+        return v * (cluster.collective_time("all_gather", gr.param_total / v / n, n, t)
+                    + cluster.collective_time("reduce_scatter", gr.reduced / v, n, t)), 0.0
+    # one all-gather per unit (each block, the embedding, the root) forward and backward, one
+    # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero.zero3).
+    # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
+    # collective would run on the same cores), so on a CPU profile nothing hides them.
+    units = model.n_layers + (1 if model.tie_embeddings else 2)
+    gather = units * cluster.collective_time("all_gather", gr.param_total / units / n, n, t)
+    edp, e_units = n // L.ep, len(set(model.moe_layer_ids()))
+    if gr.expert_bytes and edp > 1:  # each MoE layer's experts: a unit of their own over edp
+        gather += e_units * cluster.collective_time("all_gather", gr.expert_bytes / e_units / edp, edp, t * L.ep)
+    cal = cluster.rank_gpu.calibration
+    hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
+    exposed = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
+    dp_comm = units * cluster.collective_time("reduce_scatter", gr.reduced / units, n, t) + exposed
+    if gr.expert_bytes and edp > 1:
+        dp_comm += e_units * cluster.collective_time("reduce_scatter", gr.expert_bytes / e_units, edp, t * L.ep)
+    return dp_comm, exposed
+
+
+def dp_time(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, gr: Gradients, m: int,
+            stage_lt: LayerTime, scale: tuple[float, ...], hide: float) -> tuple[float, float]:
+    """(data-parallel communication per step, the part of it backward does not hide): ``stage_lt``
+    a pipeline stage's times, ``scale`` the stages' relative costs, ``hide`` the fraction of an
+    asynchronous collective that compute hides (:func:`.cost.overlap_fraction`)."""
+    dp_comm, last_bucket = bucketed_comm(L, work, cluster, gr)
+    last_backward = (stage_lt.b + stage_lt.w) / L.virtual_stages * max(scale)
+    exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed: not hidden again by backward
+    if L.zero_stage == 3:
+        dp_comm, exposed_z3 = zero3_comm(model, L, cluster, gr, m, stage_lt, hide)
+    floor = last_bucket if L.zero_stage < 3 else 0.0
+    if L.pp > 1:
+        return dp_comm, dp_comm
+    return dp_comm, exposed_z3 + max(floor, dp_comm - exposed_z3 - hide * last_backward)
+
+
+def optimizer_time(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, worst: int, m: int) -> float:
+    """Seconds of the optimizer step on the busiest rank's shard (offloaded: host memory and disk)."""
+    shard = rank_state_numels(model_key(model), L, worst)[1 if L.zero_stage >= 1 else 0]
+    opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
+    if L.offload_optimizer:
+        opt = shard * 2 * work.param_bytes / g.host_bw + shard * 28 / 100e9  # + host Adam at ~100 GB/s DRAM
+        if L.offload_to == "disk":  # each group's file read (ahead) and written back: masters, host grads, m, v
+            opt += shard * 2 * 16 / g.disk_bw
+    if L.offload_params and L.zero_stage == 3:  # every gather first brings the shard to the device
+        per_step = (1 if L.pp > 1 else 2 * m) * shard * work.param_bytes  # pp: one gather per chunk and step
+        opt += per_step / g.host_bw + (per_step * 4 / work.param_bytes + shard * 4) / g.disk_bw * (
+            L.offload_to == "disk")  # from the file (fp32), and written back after the step
+    return opt
