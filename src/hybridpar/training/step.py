@@ -65,11 +65,6 @@ class StepEngine:
         self.on_grad_scale: Callable[[float], None] | None = None
 
     @property
-    def reads_ahead(self) -> bool:
-        """Whether a step starts the next step's micro-batches (2BW): pass them as ``upcoming``."""
-        return self.runner is not None and self.runner.reads_ahead
-
-    @property
     def zero(self) -> ZeroOptimizer | None:
         """The data-parallel optimizer (a :class:`ZeroOptimizer`, or two of them as one under
         expert parallelism); None for a plain torch optimizer."""
@@ -85,13 +80,11 @@ class StepEngine:
         return self.zero.no_sync() if self.zero is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ forward and backward
-    def forward_backward(self, batches: Sequence[Any], grad_scale: float | None = None,
-                         upcoming: Sequence[Any] | None = None) -> Tensor:
+    def forward_backward(self, batches: Sequence[Any], grad_scale: float | None = None) -> Tensor:
         """Forward and backward of all micro-batches of a step; gradients accumulate
         ``grad_scale * d(sum of micro-batch losses)`` (default ``1 / M``: the gradient of the
         mean loss), then are reduced over data parallelism and completed over tp
-        (:meth:`finish`). Returns the ``[M]`` losses. ``upcoming``: the next step's micro-batches,
-        for a pipeline that starts them within this step (:attr:`reads_ahead`; None: no next step)."""
+        (:meth:`finish`). Returns the ``[M]`` losses."""
         if self.on_grad_scale is not None:
             self.on_grad_scale(1.0 / len(batches) if grad_scale is None else grad_scale)
         if self.runner is not None:
@@ -100,7 +93,7 @@ class StepEngine:
             sharded = getattr(self.zero, "sharded", None)
             quiet = contextlib.nullcontext() if getattr(sharded, "reduces_per_stage", False) else self.no_sync()
             with quiet:
-                self.last_pipeline_step = self.runner.run(list(batches), grad_scale=grad_scale, upcoming=upcoming)
+                self.last_pipeline_step = self.runner.run(list(batches), grad_scale=grad_scale)
             if self.after_pipeline is not None:
                 self.after_pipeline()
             losses = self.last_pipeline_step.losses
