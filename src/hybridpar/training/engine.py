@@ -6,6 +6,12 @@ context parallelism swaps in ring attention for its attention cores, pipeline pa
 it into this rank's chunks (``family.make_chunk``) and runs a schedule, and data parallelism
 averages gradients over dp x cp. The Trainer above it only feeds micro-batches,
 clips, steps and logs; it branches on nothing.
+
+``Engine.__init__`` reads as the build does, one short method per step, in order (as
+torchtitan's ``parallelize_<model>``): build -> apply tp -> apply ep -> load weights -> apply cp
+-> compile -> recompute -> pipeline -> optimizer. What happens around each training step for a
+feature (MoE statistics and balancing, 2BW's read-ahead and weight versions, ...) is not here:
+:mod:`hybridpar.training.features`.
 """
 
 from __future__ import annotations
