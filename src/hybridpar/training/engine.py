@@ -6,30 +6,36 @@ context parallelism swaps in ring attention for its attention cores, pipeline pa
 it into this rank's chunks (``family.make_chunk``) and runs a schedule, and data parallelism
 averages gradients over dp x cp. The Trainer above it only feeds micro-batches,
 clips, steps and logs; it branches on nothing.
+
+``Engine.__init__`` reads as the build does, one short method per step, in order (as
+torchtitan's ``parallelize_<model>``): build -> apply tp -> apply ep -> load weights -> apply cp
+-> compile -> recompute -> pipeline -> optimizer. What happens around each training step for a
+feature (MoE statistics and balancing, 2BW's read-ahead and weight versions, ...) is not here:
+:mod:`hybridpar.training.features`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch import Tensor, nn
 
 from hybridpar.config import Config
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.models.hf import init_from_hf
 from hybridpar.models.lazy import Narrowed
-from hybridpar.models.moe import moe_layers, update_balance_bias
+from hybridpar.models.moe import moe_layers
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.compile import compile_blocks
 from hybridpar.parallel.context import zigzag_positions
-from hybridpar.parallel.context_model import enable_context_parallel
-from hybridpar.parallel.experts import expert_param_names, expert_units, sum_over_axes
+from hybridpar.parallel.context_model import ContextParallel, enable_context_parallel
+from hybridpar.parallel.experts import expert_param_names, expert_units
 from hybridpar.parallel.pipeline import build_schedule, partition_model
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
@@ -44,6 +50,7 @@ from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entrop
 from hybridpar.parallel.tensor_plan import set_sequence_parallel
 from hybridpar.parallel.zero import (
     COMPRESSION_DTYPES,
+    DataParallelOptimizer,
     ExpertSplitOptimizer,
     OuterSplit,
     ShardedModel,
@@ -60,120 +67,74 @@ from hybridpar.training.step import StepEngine
 Batch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Documents]  # (inputs, targets[, packed documents])
 
 
+def aux_loss_scaling(model: nn.Module) -> Callable[[float], None] | None:
+    """A MoE model's auxiliary losses backpropagate with the step's gradient scale (``1 / M``
+    times the fp16 loss scale): the setter of that scale, for ``StepEngine.on_grad_scale``
+    (None for a model without auxiliary losses)."""
+    aux = getattr(model, "moe_aux", None)
+    if aux is None:
+        return None
+
+    def set_scale(scale: float) -> None:
+        aux.grad_scale = scale
+
+    return set_scale
+
+
 class Engine(StepEngine):
     """This rank's share of a model family under ``cfg``'s layout, on the shared step mechanics
     (:class:`~hybridpar.training.step.StepEngine`): built here, trained there."""
 
     def __init__(self, cfg: Config, topo: Topology, device: torch.device) -> None:
         self.cfg, self.topo, self.device = cfg, topo, device
-        m, p, t = cfg.model, cfg.parallel, cfg.train
-        self.family = family = family_of(m)
-        self.plan = plan = family.tp
-        model = family.build(m).to(device)
-        model.init_weights(t.seed)
-        self.sequence_parallel = p.sequence_parallel and topo.tp.size > 1
-        family.parallelize(model, topo.tp, self.sequence_parallel)  # no-op at tp=1
-        if family.parallelize_moe is not None:  # MoE layers: experts over ep (and tp), token counts
-            tokens = [topo.cp, *([topo.tp] if self.sequence_parallel else [])]
-            family.parallelize_moe(model, topo.tp, topo.ep, tokens, self.sequence_parallel)
-        self.expert_names = expert_param_names(model) if topo.ep.size > 1 else set()
-        if t.init_from:  # shape checked against cfg.model; each tp (and ep) rank reads only its slices
-            init_from_hf(model, t.init_from, m, read=self._read_shard)
-        self.cp = (enable_context_parallel(model, topo.cp, family.attention_modules(model))
-                   if topo.cp.size > 1 else None)
-        # train.compile: the blocks' math; recomputation (below) reruns the compiled forward
-        self.compiled = compile_blocks(family.blocks(model), t.compile_backend) if t.compile else 0
-        # after cp: selective reruns ring attention's core too
-        apply_recompute(model, p.recompute, family.blocks(model), family.attention_modules(model))
-        self.model = model
-        runner: PipelineRunner | None = None
-        if topo.pp.size > 1:
-            self.partition = partition_model(m, p.pp, p.virtual_stages, v_shape=p.pipeline_schedule == "zbv",
-                                             layer_counts=p.layer_counts())
-            self.chunks = build_stage_modules(model, family.make_chunk, topo.pp.rank, p.pp, p.virtual_stages,
-                                              self.partition)
-            for chunk in self.chunks:
-                chunk.sequence_shards = topo.tp.size if self.sequence_parallel else 1
-            if self.cp is not None:  # chunks bypass the model's forward hook: set cp's plan here
-                self.cp.plan = self.cp.plan_for(t.seq_len, device)
-                for chunk in self.chunks:
-                    chunk.positions = zigzag_positions(t.seq_len, topo.cp).to(device)
-            # what crosses a stage boundary: this rank's share of the sequence (cp, then SP)
-            seq = t.seq_len // topo.cp.size // (topo.tp.size if self.sequence_parallel else 1)
-            stage = dict(act_shape=(t.micro_batch, seq, m.dim), forward_context=lambda: autocast(t.precision, device))
-            if p.pipeline_schedule == "2bw":  # asynchronous: two weight versions, one step of delay
-                runner = TwoBWRunner(self.chunks, topo, cfg.microbatches, self.loss_from_logits, **stage)
-            else:
-                schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, cfg.microbatches)
-                runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits, **stage)
-            owned = owned_named_parameters(self.chunks)
-            train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
-        else:
-            self.chunks = []
-            owned = list(model.named_parameters())
-            train = [q for _, q in owned]
-        bucket = int(p.bucket_mb * 2**20)
-        # One data-parallel path: ZeroOptimizer at every stage over dp x cp, the ranks that hold
-        # replicas and average gradients. Stage 0 is plain bucketed data parallelism (optionally
-        # hierarchical), 1-3 shard optimizer state, + gradients, + parameters. Under tp the
-        # shards are rows of each rank's tp piece; under pp each stage shards what it trains.
-        outer = OuterSplit(topo.tp, plan.shard_dim) if topo.tp.size > 1 else None
-        # Prefetching the next unit's gather overlaps it with compute on GPUs (separate comm
-        # streams); on CPU the collective runs on the same cores, so it only adds a unit of
-        # peak memory (as FSDP2, which prefetches only with CUDA streams).
-        prefetch = device.type == "cuda"
-        ids = {id(q) for q in train}
-        names = {n for n, q in model.named_parameters() if id(q) in ids}
-        experts = [(n, q) for n, q in model.named_parameters() if n in self.expert_names]
-        expert_ids = frozenset(id(q) for _, q in experts)
-        sharded: ShardedModel | None = None
-        if p.zero_stage == 3 and runner is not None:  # per stage, gathered once per step (runner's hooks)
-            tied = tied_embedding_weight(self.chunks)  # its two copies' gradients are summed after the pipeline
-            sharded = shard_stages(model, topo.dp_cp, self.chunks, outer=outer,
-                                   hold=frozenset() if tied is None else frozenset({id(tied)}))
-            runner.stage_hooks = sharded
-        elif p.zero_stage == 3:
-            sharded = shard_model(model, topo.dp_cp, family.zero3_units(model), prefetch=prefetch, outer=outer,
-                                  skip=expert_ids)
-        split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts: their rows over ep, then tp's split
-        expert_sharded = (shard_model(model, topo.edp, expert_units(model), prefetch=prefetch, outer=split,
-                                      skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
-                          if p.zero_stage == 3 and experts else None)
-        named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
-        hierarchy = None
-        if p.zero_stage == 0 and p.hierarchical_dp and topo.dp_cp.size > 1:  # node boundaries from the launcher
-            node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
-            hierarchy = topo.node_split(topo.dp_cp, node)
-        opts = dict(stage=p.zero_stage, offload=p.offload_optimizer, bucket_bytes=bucket,
-                    reduce_dtype=COMPRESSION_DTYPES[p.grad_compression], offload_to=p.offload_to,
-                    offload_dir=p.offload_dir or None, offload_params=p.offload_params,
-                    lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-        dense = [(n, q) for n, q in named if n not in self.expert_names]
-        optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.dp_cp, sharded=sharded, outer=outer,
-                                  hierarchy=hierarchy, **opts)
-        if self.expert_names:  # experts average over the ranks holding the same ones (edp)
-            experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
-            optimizer = ExpertSplitOptimizer(optimizer, ZeroOptimizer(decay_groups(experts, t.weight_decay), topo.edp,
-                                                                      sharded=expert_sharded, outer=split, **opts),
-                                             topo.ep)
-        self.params = [q for _, q in named if q.requires_grad]
+        self.family = family_of(cfg.model)
+        self.plan = self.family.tp
+        self.sequence_parallel = cfg.parallel.sequence_parallel and topo.tp.size > 1
+        # the build, one step per axis or feature, in this order (as torchtitan's parallelize_*)
+        self.model = model = self._build()
+        self._apply_tp(model)
+        self._apply_ep(model)
+        self._load_weights(model)
+        self.cp = self._apply_cp(model)
+        self.compiled = self._compile(model)
+        self._apply_recompute(model)
+        runner, owned, train = self._pipeline(model)
+        optimizer, self.params = self._optimizer(model, runner, train)
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
-        partial = {n for n, q in model.named_parameters() if id(q) in ids and plan.needs_tp_sum(n, self.sequence_parallel)}
+        partial = {n for n, q in model.named_parameters()
+                   if id(q) in ids and self.plan.needs_tp_sum(n, self.sequence_parallel)}
         # the loss is looked up per call, so a subclass or a test may replace self.loss
-        super().__init__(topo, optimizer, plan, owned, loss=lambda *batch: self.loss(*batch), runner=runner,
+        super().__init__(topo, optimizer, self.plan, owned, loss=lambda *batch: self.loss(*batch), runner=runner,
                          tp_partial=partial, after_pipeline=lambda: sync_tied_embedding_grads(self.chunks, topo))
-        self.on_grad_scale = self._start_step
-        self.moe = moe_layers(model)
-        self._load: Tensor | None = None  # this step's expert load over all ranks, once collected
+        self.on_grad_scale = aux_loss_scaling(model)  # MoE: the auxiliary losses' backward scale
+        self.moe = moe_layers(model)  # its MoE layers (training/features/moe.py: statistics, balancing)
 
-    # ------------------------------------------------------------------ mixture of experts
-    def _start_step(self, scale: float) -> None:
-        """A step's backward is about to run with gradient scale ``scale``."""
-        aux = getattr(self.model, "moe_aux", None)
-        if aux is not None:
-            aux.grad_scale = scale
-        self._load = None
+    # ------------------------------------------------------------------ the build, step by step
+    def _build(self) -> nn.Module:
+        """The family's whole model on this device, initialised from ``train.seed``."""
+        model = self.family.build(self.cfg.model).to(self.device)
+        model.init_weights(self.cfg.train.seed)
+        return model
+
+    def _apply_tp(self, model: nn.Module) -> None:
+        """Tensor (and sequence) parallelism: the family shards its layers (no-op at tp=1)."""
+        self.family.parallelize(model, self.topo.tp, self.sequence_parallel)
+
+    def _apply_ep(self, model: nn.Module) -> None:
+        """MoE layers: experts over ep (and tp), token counts over the axes that split tokens;
+        ``expert_names``: the parameters split over ep (empty at ep=1)."""
+        topo = self.topo
+        if self.family.parallelize_moe is not None:
+            tokens = [topo.cp, *([topo.tp] if self.sequence_parallel else [])]
+            self.family.parallelize_moe(model, topo.tp, topo.ep, tokens, self.sequence_parallel)
+        self.expert_names = expert_param_names(model) if topo.ep.size > 1 else set()
+
+    def _load_weights(self, model: nn.Module) -> None:
+        """``train.init_from``: a Hugging Face checkpoint, shape checked against ``cfg.model``;
+        each tp (and ep) rank reads only its slices."""
+        if self.cfg.train.init_from:
+            init_from_hf(model, self.cfg.train.init_from, self.cfg.model, read=self._read_shard)
 
     def _read_shard(self, name: str, lazy: Any) -> Tensor:
         """This rank's part of HF tensor ``name``: its experts (ep) of their tp piece."""
@@ -182,78 +143,109 @@ class Engine(StepEngine):
             lazy = Narrowed(lazy, 0, ep.rank * n, (ep.rank + 1) * n)  # read only these experts' rows
         return self.plan.read_shard(name, lazy, self.topo.tp)
 
-    def _step_load(self) -> Tensor:
-        """``[MoE layers, experts]``: tokens routed to each expert this step over all ranks (each
-        tp rank routed its sequence chunk under SP; a layer runs on one pp stage); collective,
-        once per step, and the routers' counters restart."""
-        if self._load is None:
-            topo = self.topo
-            load = torch.stack([moe.router.load for moe in self.moe])  # other stages' layers: zeros
-            for moe in self.moe:
-                moe.router.load.zero_()
-            axes = [topo.tp] if self.sequence_parallel else []
-            self._load = sum_over_axes([*axes, topo.pp, topo.dp_cp], load)
-        return self._load
-
-    def update(self, max_norm: float) -> Tensor:
-        """The optimizer step, then (MoE with ``bias_update_rate``) the balancing bias update
-        from the step's load over all ranks."""
-        norm = super().update(max_norm)
-        rate = self.cfg.model.bias_update_rate
-        if rate > 0 and self.moe:
-            update_balance_bias(self.moe, self._step_load(), rate)
-        return norm
-
-    # ------------------------------------------------------------------ 2BW's second weight version
-    def weight_versions_state(self) -> dict[str, Tensor]:
-        """2BW: the stale weight version (the one the next step's batch runs on, module doc of
-        :mod:`hybridpar.parallel.pipeline.twobw`) by parameter name, placed as a checkpoint places
-        the model's weights (tp pieces as DTensors, so another layout can read it); empty for the
-        synchronous schedules."""
-        if not isinstance(self.runner, TwoBWRunner):
-            return {}
-        placed = self.optimizer.checkpoint_state(self.model)["model"]  # the newest, as checkpoints hold it
-        out: dict[str, Tensor] = {}
-        for name, t in zip(self.runner.versions.names, self.runner.versions.stale, strict=True):
-            ref = placed[name]
-            out[name] = (DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
-                                            stride=ref.stride()) if isinstance(ref, DTensor) else t)
-        return out
-
-    def load_weight_versions(self, state: dict[str, Tensor] | None) -> None:
-        """2BW after a checkpoint load: the stale version from ``state`` (a
-        :meth:`weight_versions_state` filled by the load), or, from a synchronous schedule's
-        checkpoint (None), equal to the loaded weights, as at a start."""
-        if not isinstance(self.runner, TwoBWRunner):
-            return
-        versions = self.runner.versions
-        if state is None:
-            state = dict(zip(versions.names, versions.newest, strict=True))
-        versions.load_stale({n: t.to_local() if isinstance(t, DTensor) else t for n, t in state.items()})
-
-    def moe_step_stats(self, microbatches: int) -> dict[str, Any] | None:
-        """The step's MoE statistics over all ranks (None for a dense model); collective (every
-        rank, every step, after the backward). ``expert_load``: tokens routed to each expert per
-        MoE layer (every layer, whichever stage holds it); ``expert_load_imbalance``: the worst
-        layer's max/mean load; ``dropped_tokens``: routed slots short of tokens x k (0: the
-        layers are dropless); ``aux_loss``: the auxiliary losses' sum over layers, mean over
-        micro-batches."""
-        if not self.moe:
+    def _apply_cp(self, model: nn.Module) -> ContextParallel | None:
+        """Context parallelism: ring attention in the attention cores (None at cp=1)."""
+        if self.topo.cp.size == 1:
             return None
-        topo = self.topo
-        load = self._step_load()
-        aux = torch.tensor([self.model.moe_aux.value], dtype=torch.float64)
-        self.model.moe_aux.reset()
-        sum_over_axes([topo.tp] if self.sequence_parallel else [], aux)  # SP: each tp rank's share
-        topo.comm.all_reduce(aux, topo.pp)
-        topo.comm.all_reduce(aux, topo.dp_cp, op="avg")
-        t, m = self.cfg.train, self.cfg.model
-        slots = t.global_batch * t.seq_len * m.experts_per_token
-        per_layer = (load.max(1).values / load.mean(1)).tolist()
-        return {"aux_loss": float(aux) / microbatches, "expert_load_imbalance": max(per_layer),
-                "expert_imbalance_per_layer": per_layer,
-                "dropped_tokens": int(slots * len(self.moe) - load.sum().item()),
-                "expert_load": load.long().tolist()}
+        return enable_context_parallel(model, self.topo.cp, self.family.attention_modules(model))
+
+    def _compile(self, model: nn.Module) -> int:
+        """``train.compile``: the blocks' math (recomputation, next, reruns the compiled forward);
+        returns how many blocks were compiled."""
+        t = self.cfg.train
+        return compile_blocks(self.family.blocks(model), t.compile_backend) if t.compile else 0
+
+    def _apply_recompute(self, model: nn.Module) -> None:
+        """``parallel.recompute``; after cp, so selective recomputation reruns ring attention's core too."""
+        apply_recompute(model, self.cfg.parallel.recompute, self.family.blocks(model),
+                        self.family.attention_modules(model))
+
+    def _pipeline(self, model: nn.Module) -> tuple[PipelineRunner | None, list[tuple[str, nn.Parameter]],
+                                                   list[nn.Parameter]]:
+        """Pipeline parallelism: this rank's chunks and the schedule's runner (None at pp=1);
+        also the parameters this rank counts in the norm (``owned``) and trains."""
+        m, p, t, topo = self.cfg.model, self.cfg.parallel, self.cfg.train, self.topo
+        if topo.pp.size == 1:
+            self.chunks = []
+            owned = list(model.named_parameters())
+            return None, owned, [q for _, q in owned]
+        self.partition = partition_model(m, p.pp, p.virtual_stages, v_shape=p.pipeline_schedule == "zbv",
+                                         layer_counts=p.layer_counts())
+        self.chunks = build_stage_modules(model, self.family.make_chunk, topo.pp.rank, p.pp, p.virtual_stages,
+                                          self.partition)
+        for chunk in self.chunks:
+            chunk.sequence_shards = topo.tp.size if self.sequence_parallel else 1
+        if self.cp is not None:  # chunks bypass the model's forward hook: set cp's plan here
+            self.cp.plan = self.cp.plan_for(t.seq_len, self.device)
+            for chunk in self.chunks:
+                chunk.positions = zigzag_positions(t.seq_len, topo.cp).to(self.device)
+        # what crosses a stage boundary: this rank's share of the sequence (cp, then SP)
+        seq = t.seq_len // topo.cp.size // (topo.tp.size if self.sequence_parallel else 1)
+        stage = dict(act_shape=(t.micro_batch, seq, m.dim), forward_context=lambda: autocast(t.precision, self.device))
+        if p.pipeline_schedule == "2bw":  # asynchronous: two weight versions, one step of delay
+            runner = TwoBWRunner(self.chunks, topo, self.cfg.microbatches, self.loss_from_logits, **stage)
+        else:
+            schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, self.cfg.microbatches)
+            runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits, **stage)
+        train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
+        return runner, owned_named_parameters(self.chunks), train
+
+    def _optimizer(self, model: nn.Module, runner: PipelineRunner | None, train: list[nn.Parameter]
+                   ) -> tuple[DataParallelOptimizer, list[nn.Parameter]]:
+        """One data-parallel path: ZeroOptimizer at every stage over dp x cp, the ranks that hold
+        replicas and average gradients. Stage 0 is plain bucketed data parallelism (optionally
+        hierarchical), 1-3 shard optimizer state, + gradients, + parameters. Under tp the shards
+        are rows of each rank's tp piece; under pp each stage shards what it trains. Experts
+        average over the ranks holding the same ones (edp). Returns it and the trained parameters
+        (ZeRO-3: the shards)."""
+        p, t, topo = self.cfg.parallel, self.cfg.train, self.topo
+        outer = OuterSplit(topo.tp, self.plan.shard_dim) if topo.tp.size > 1 else None
+        split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts: their rows over ep, then tp's split
+        ids = {id(q) for q in train}
+        names = {n for n, q in model.named_parameters() if id(q) in ids}  # before ZeRO-3 swaps in shards
+        sharded, expert_sharded = self._shard_parameters(model, runner, outer, split)
+        named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
+        hierarchy = None
+        if p.zero_stage == 0 and p.hierarchical_dp and topo.dp_cp.size > 1:  # node boundaries from the launcher
+            node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+            hierarchy = topo.node_split(topo.dp_cp, node)
+        opts = dict(stage=p.zero_stage, offload=p.offload_optimizer, bucket_bytes=int(p.bucket_mb * 2**20),
+                    reduce_dtype=COMPRESSION_DTYPES[p.grad_compression], offload_to=p.offload_to,
+                    offload_dir=p.offload_dir or None, offload_params=p.offload_params,
+                    lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        dense = [(n, q) for n, q in named if n not in self.expert_names]
+        optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.dp_cp, sharded=sharded, outer=outer,
+                                  hierarchy=hierarchy, **opts)
+        if self.expert_names:
+            experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
+            optimizer = ExpertSplitOptimizer(optimizer, ZeroOptimizer(decay_groups(experts, t.weight_decay), topo.edp,
+                                                                      sharded=expert_sharded, outer=split, **opts),
+                                             topo.ep)
+        return optimizer, [q for _, q in named if q.requires_grad]
+
+    def _shard_parameters(self, model: nn.Module, runner: PipelineRunner | None, outer: OuterSplit | None,
+                          split: OuterSplit) -> tuple[ShardedModel | None, ShardedModel | None]:
+        """ZeRO-3's parameter shards: the dense parameters' (per pipeline stage, gathered once per
+        step by the runner's hooks; else per unit) and the experts' (over edp); None below stage 3.
+        Prefetching the next unit's gather overlaps it with compute on GPUs (separate comm
+        streams); on CPU the collective runs on the same cores, so it only adds a unit of peak
+        memory (as FSDP2, which prefetches only with CUDA streams)."""
+        if self.cfg.parallel.zero_stage != 3:
+            return None, None
+        topo, prefetch = self.topo, self.device.type == "cuda"
+        expert_ids = frozenset(id(q) for n, q in model.named_parameters() if n in self.expert_names)
+        if runner is not None:
+            tied = tied_embedding_weight(self.chunks)  # its two copies' gradients are summed after the pipeline
+            sharded = shard_stages(model, topo.dp_cp, self.chunks, outer=outer,
+                                   hold=frozenset() if tied is None else frozenset({id(tied)}))
+            runner.stage_hooks = sharded
+        else:
+            sharded = shard_model(model, topo.dp_cp, self.family.zero3_units(model), prefetch=prefetch, outer=outer,
+                                  skip=expert_ids)
+        expert_sharded = (shard_model(model, topo.edp, expert_units(model), prefetch=prefetch, outer=split,
+                                      skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
+                          if expert_ids else None)
+        return sharded, expert_sharded
 
     # ------------------------------------------------------------------ loss
     def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:

@@ -45,7 +45,14 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool = False  # no optimizer update: fp16 overflow or a skipped non-finite loss
-    moe: dict[str, Any] | None = None  # MoE models: the step's expert statistics (Engine.moe_step_stats)
+    #: the step's statistics from the features (StepFeature.after_backward), added to its record
+    stats: dict[str, Any] | None = None
+
+    @property
+    def moe(self) -> dict[str, Any] | None:
+        """MoE models: the step's expert statistics (the features' statistics; None for a dense
+        model), by the name scripts used before the step had features."""
+        return self.stats
 
 
 @dataclass(frozen=True)
@@ -110,8 +117,8 @@ def step_record(step: int, result: StepResult, rate: Throughput, mem_bytes: int,
         record["skipped"] = True
     if loss_scale is not None:  # fp16 only
         record["loss_scale"] = loss_scale
-    if result.moe is not None:  # MoE models
-        record.update(result.moe)
+    if result.stats is not None:  # the features' (MoE models: expert statistics)
+        record.update(result.stats)
     return record
 
 

@@ -65,11 +65,6 @@ class StepEngine:
         self.on_grad_scale: Callable[[float], None] | None = None
 
     @property
-    def reads_ahead(self) -> bool:
-        """Whether a step starts the next step's micro-batches (2BW): pass them as ``upcoming``."""
-        return self.runner is not None and self.runner.reads_ahead
-
-    @property
     def zero(self) -> DataParallelOptimizer:
         """The data-parallel optimizer (the same object as :attr:`optimizer`)."""
         return self.optimizer
@@ -84,13 +79,11 @@ class StepEngine:
         return self.optimizer.no_sync()
 
     # ------------------------------------------------------------------ forward and backward
-    def forward_backward(self, batches: Sequence[Any], grad_scale: float | None = None,
-                         upcoming: Sequence[Any] | None = None) -> Tensor:
+    def forward_backward(self, batches: Sequence[Any], grad_scale: float | None = None) -> Tensor:
         """Forward and backward of all micro-batches of a step; gradients accumulate
         ``grad_scale * d(sum of micro-batch losses)`` (default ``1 / M``: the gradient of the
         mean loss), then are reduced over data parallelism and completed over tp
-        (:meth:`finish`). Returns the ``[M]`` losses. ``upcoming``: the next step's micro-batches,
-        for a pipeline that starts them within this step (:attr:`reads_ahead`; None: no next step)."""
+        (:meth:`finish`). Returns the ``[M]`` losses."""
         if self.on_grad_scale is not None:
             self.on_grad_scale(1.0 / len(batches) if grad_scale is None else grad_scale)
         if self.runner is not None:
@@ -98,7 +91,7 @@ class StepEngine:
             # chunk's last backward (the runner knows it, per-parameter hooks do not)
             quiet = contextlib.nullcontext() if self.optimizer.reduces_per_stage else self.no_sync()
             with quiet:
-                self.last_pipeline_step = self.runner.run(list(batches), grad_scale=grad_scale, upcoming=upcoming)
+                self.last_pipeline_step = self.runner.run(list(batches), grad_scale=grad_scale)
             if self.after_pipeline is not None:
                 self.after_pipeline()
             losses = self.last_pipeline_step.losses

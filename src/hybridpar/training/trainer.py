@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from hybridpar.compat import compile_stats
 from hybridpar.config import Config
 from hybridpar.data.corpus import WindowSampler
 from hybridpar.data.errors import check_vocab
@@ -30,6 +29,7 @@ from hybridpar.training.checkpoint import BackgroundWriter
 from hybridpar.training.elastic import LayoutChange
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
+from hybridpar.training.features import features_for
 from hybridpar.training.loop import (
     Checkpointing,
     Evaluation,
@@ -66,15 +66,12 @@ class Trainer:
         self.cp, self.reducer = self.engine.cp, self.engine.reducer  # reducer: stage 0 only
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.skipped_nonfinite = 0
-        self.expert_imbalance: list[list[float]] = []  # MoE: per step, each layer's max/mean expert load
-        self.dropped_tokens = 0  # MoE: routed slots no expert computed (0: the layers are dropless)
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
-        self._ahead: tuple[int, list[tuple]] | None = None  # 2BW: the next step's micro-batches, read early
         # train.async_checkpoint: a thread copies each save to host memory and writes it
         self.writer = BackgroundWriter(topo, t.timeout_s) if t.async_checkpoint else None
         self.checkpoint_stalls: list[tuple[int, float]] = []  # (step, seconds training waited to save it)
-        self.compile_s: float | None = None  # train.compile: seconds the first step spent compiling
+        self.hooks = features_for(self)  # the features that join the step (training/features/)
 
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int,
@@ -113,42 +110,30 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=False)
-        batches = self._ahead[1] if self._ahead is not None and self._ahead[0] == step else self.micro_batches(
-            step, t.global_batch, self.train_data)
-        upcoming = None  # 2BW starts the next step's batch within this step (none after the last step)
-        if self.engine.reads_ahead and step < t.steps:
-            upcoming = self.micro_batches(step + 1, t.global_batch, self.train_data)
-            self._ahead = (step + 1, upcoming)
+        batches = self.hooks.batches(step)  # a feature may have read them already
+        if batches is None:
+            batches = self.micro_batches(step, t.global_batch, self.train_data)
+        self.hooks.start_step(step, batches)
         # fp16: each rank scales its micro-batches as one process scales all M x replicas of them,
         # so the same values overflow fp16 under every layout; the dp average is then 1/replicas
         # of the scaled sum, which unscaling undoes (fp32/bf16: the plain 1/M mean, no rescaling)
         replicas = self.topo.dp_cp.size if self.scaler.enabled else 1
-        if self.writer is not None and (self.cfg.parallel.grad_compression == "int8" or self.engine.reads_ahead):
-            # the backward changes what a save in flight copies: int8's error-feedback residuals,
-            # 2BW's second weight version (rewritten at the end of the pipeline's step)
-            self.writer.hold()
-        loss = self.engine.forward_backward(batches, self.scaler.scale / (len(batches) * replicas), upcoming).mean().float()
-        moe = self.engine.moe_step_stats(len(batches))  # MoE: expert load, auxiliary losses (collective)
-        if moe is not None:
-            self.expert_imbalance.append(moe["expert_imbalance_per_layer"])
-            self.dropped_tokens += moe["dropped_tokens"]
+        loss = self.engine.forward_backward(batches, self.scaler.scale / (len(batches) * replicas)).mean().float()
+        stats = self.hooks.after_backward(step, len(batches))  # statistics for the record (collective)
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
-        if self.writer is not None:
-            self.writer.hold()  # a checkpoint being copied in the background: the state changes below
+        self.hooks.before_update(step)  # e.g. a checkpoint being copied in the background: wait for it
         scale = self.scaler.scale
         clean = self.scaler.unscale_or_skip(self.engine.gradients(), self.topo.world, replicas)
-        if self.scaler.scale != scale and self.engine.zero is not None:  # int8 error feedback: scaled units
-            if clean:
-                self.engine.zero.scale_residuals(self.scaler.scale / scale)
-            else:
-                self.engine.zero.reset_residuals()  # computed from non-finite gradients
+        if self.scaler.scale != scale:
+            self.hooks.loss_scale_changed(self.scaler.scale / scale, clean)
         if not clean:
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         if not torch.isfinite(loss):
             self._on_nonfinite(step, float(loss))
             return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
         norm = self.engine.update(t.grad_clip)  # global norm, clip, optimizer step
-        return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr, moe=moe)
+        self.hooks.after_update(step)
+        return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr, stats=stats)
 
     def _on_nonfinite(self, step: int, loss: float) -> None:
         """Apply ``train.nonfinite``: stop naming the step and the last good checkpoint, or
@@ -185,21 +170,19 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> int:
         """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
-        extra = self._extra_state()
-        if "weight_versions" in extra and checkpoint.read_config(path).parallel.pipeline_schedule != "2bw":
-            del extra["weight_versions"]  # saved by a synchronous schedule: 2BW starts afresh from it
+        extra = self._extra_state(self.hooks.state_to_load(path))  # what that checkpoint holds
         step = checkpoint.load(path, self.model, self.optimizer, self.cfg, self.topo, extra=extra)
-        self.engine.load_weight_versions(extra.get("weight_versions"))
+        self.hooks.load_state_dict(extra)
         self.scaler.load_state_dict({k: v.item() for k, v in extra["scaler"].items()})
         self.skipped_nonfinite = int(extra["skipped_nonfinite"])
         return step
 
-    def _extra_state(self) -> dict[str, Any]:
-        """Trainer state beyond model and optimizer, as tensors (DCP stores them safely)."""
+    def _extra_state(self, features: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Trainer state beyond model and optimizer, as tensors (DCP stores them safely): the
+        loss scaler's, and the features' (``features``, default their :meth:`StepHooks.state_dict`)."""
         scaler = {k: torch.tensor(v, dtype=torch.float64) for k, v in self.scaler.state_dict().items()}
-        versions = self.engine.weight_versions_state()  # 2BW: the second weight version
         return {"scaler": scaler, "skipped_nonfinite": torch.tensor(self.skipped_nonfinite),
-                **({"weight_versions": versions} if versions else {})}
+                **(self.hooks.state_dict() if features is None else features)}
 
     def fit(self, resume: Path | None = None) -> dict[str, Any]:
         """Run steps up to ``train.steps`` with logging, evaluation, checkpoints, plot and sample,
@@ -213,18 +196,11 @@ class Trainer:
         log = MetricsLogger(self.run_dir, t.steps, self.is_logger, start_step=start)
         if resume is not None:
             log.write(f"resumed from {resume} at step {start} (loaded in {loaded_s:.2f} s)")
-        if self.elastic is not None and self.is_logger:
-            changes = elastic.record(self.run_dir, self.elastic, start)
-            if len(changes) > 1 and changes[-1]["step"] == start:
-                before = changes[-2]
-                log.write(f"elastic: world {before['world']} -> {self.elastic.world} at step {start}: layout "
-                          f"{before['layout']} -> {self.elastic.layout} ({self.elastic.reason})")
+        self.hooks.start_run(start, log)
         log.write(self.describe() + f"\npeak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({peak_src})")
         losses, traffic = LossRange(first_step=start + 1), LastStepTraffic(self.topo.comm.counter, t.steps)
         evaluation = Evaluation(t.eval_every, t.steps, self.evaluate)
-        checkpoints = Checkpointing(t.checkpoint_every, t.steps, self.save_checkpoint, self.run_dir, self.stop,
-                                    self.topo.world, self.device, self.writer)
-        self.checkpoint_stalls = checkpoints.stalls
+        checkpoints = self._checkpointing()
         meter = ThroughputMeter(self.device, t.global_batch * t.seq_len, self.cfg.model.flops_per_token(t.seq_len),
                                 peak, self.topo.world_size)
         with checkpoints.writing(t.timeout_s):  # the end waits for a background save in flight
@@ -232,8 +208,7 @@ class Trainer:
                 with traffic.measure(step):  # the summary reports the last step's traffic per axis
                     result = self.train_step(step)
                 meter.count_step()
-                if step == start + 1 and self.engine.compiled:  # step 1 is logged, so its window ends there
-                    log.write(self.compile_report())
+                self.hooks.after_step(step, log)
                 losses.observe(step, result.loss)
                 evaluating = evaluation.due(step)
                 if log_due(step, t.log_every, t.steps) or evaluating:
@@ -249,23 +224,18 @@ class Trainer:
                 if saved:
                     meter.restart_clock()  # saving is not training time
                 checkpoints.stop_if_requested(step, saved, log)  # raises Preempted
-        if self.writer is not None and len(checkpoints.stalls) > 1:  # the last save is waited for at the end
-            waits = [s for _, s in checkpoints.stalls[:-1]]
-            log.write(f"checkpoints written in the background: training waited {1e3 * sum(waits) / len(waits):.1f} ms "
-                      f"per checkpoint ({len(waits)} before the last)")
+        self.hooks.end_run(log)
         log.close()
         return self._finish(log, losses, evaluation.val_loss, traffic.bytes)
 
-    def compile_report(self) -> str:
-        """``train.compile``: what the first step compiled and how long that took, the most of any
-        rank (ranks compile different pieces: pipeline stages, graph breaks). Collective."""
-        stats = compile_stats()
-        worst = torch.tensor([stats.seconds, stats.graphs, stats.graph_breaks], dtype=torch.float64,
-                             device=self.device)
-        seconds, graphs, breaks = self.topo.comm.all_reduce(worst, self.topo.world, op="max").tolist()
-        self.compile_s = seconds
-        return (f"compiled {self.engine.compiled} blocks ({self.cfg.train.compile_backend}): {seconds:.1f} s "
-                f"compiling in the first step (the slowest rank), {int(graphs)} graphs, {int(breaks)} graph breaks")
+    def _checkpointing(self) -> Checkpointing:
+        """When ``fit`` saves, how long each save stalled training (``checkpoint_stalls``), the
+        background writer's save in flight, and the stop on a signal."""
+        t = self.cfg.train
+        checkpoints = Checkpointing(t.checkpoint_every, t.steps, self.save_checkpoint, self.run_dir, self.stop,
+                                    self.topo.world, self.device, self.writer)
+        self.checkpoint_stalls = checkpoints.stalls
+        return checkpoints
 
     def _start(self, resume: Path | None) -> int:
         """Load checkpoint ``resume`` if given and prepare the run directory (rank 0: a fresh
@@ -294,17 +264,9 @@ class Trainer:
         memory = self._memory_per_rank()
         if len(self.data.components) > 1:
             summary["tokens_per_dataset"] = self.data.tokens_drawn(t.steps * t.global_batch, t.seq_len)
-        if self.elastic is not None:
-            summary["layout_changes"] = elastic.history(self.run_dir)
         summary["traffic_bytes_per_step"] = traffic
-        if self.compile_s is not None:
-            summary["compile_s"] = round(self.compile_s, 2)
         summary["peak_memory_bytes_per_rank"] = memory
-        if self.expert_imbalance:  # MoE: max/mean tokens per expert over the run's steps
-            per_layer = torch.tensor(self.expert_imbalance).mean(0).tolist()
-            summary["expert_imbalance"] = max(per_layer)
-            summary["expert_imbalance_per_layer"] = per_layer
-            summary["dropped_tokens"] = self.dropped_tokens
+        summary.update(self.hooks.summary())  # the features' keys
         sample = self.sample_text()
         report = RunReport(self.run_dir, self.is_logger, self.layout_name(), self.topo.world_size,
                            self.device.type, self.cfg.parallel.pipeline_schedule)

@@ -49,7 +49,6 @@ from hybridpar.parallel.pipeline.schedules import (
     ActionKind,
     Message,
     PipelineSchedule,
-    Schedule,
     ScheduleError,
     build_forward_schedule,
     needed_message,
@@ -142,8 +141,8 @@ class PipelineRunner:
     ``forward_context`` (e.g. an autocast factory) wraps each forward, not the backward.
     """
 
-    #: whether :meth:`run` starts the next step's micro-batches (``upcoming``) within this one
-    reads_ahead = False
+    #: whether this runner runs a schedule whose steps overlap (:attr:`PipelineSchedule.spans_steps`)
+    spans_steps = False
 
     def __init__(self, chunks: Sequence[nn.Module], topo: Topology, schedule: PipelineSchedule,
                  loss_fn: LossFn, act_shape: Sequence[int], act_dtype: torch.dtype = torch.float32,
@@ -152,9 +151,9 @@ class PipelineRunner:
             raise ScheduleError(f"schedule is for pp = {schedule.pp} but the mesh has pp = {topo.pp.size}")
         if len(chunks) != schedule.virtual_stages:
             raise ScheduleError(f"{len(chunks)} chunks given for {schedule.virtual_stages} virtual stages")
-        if schedule.kind is Schedule.TWO_BW and not self.reads_ahead:
-            raise ScheduleError("the 2bw schedule runs across steps with two weight versions: use "
-                                "hybridpar.parallel.pipeline.twobw.TwoBWRunner")
+        if schedule.spans_steps and not self.spans_steps:
+            raise ScheduleError(f"the {schedule.kind.value} schedule runs across steps with two weight versions: "
+                                "use hybridpar.parallel.pipeline.twobw.TwoBWRunner")
         self.topo, self.schedule, self.loss_fn = topo, schedule, loss_fn
         self.rank = topo.pp.rank
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
@@ -174,13 +173,12 @@ class PipelineRunner:
         self.stage_hooks: StageHooks | None = None
 
     # ------------------------------------------------------------------ entry point
-    def run(self, microbatches: Sequence[tuple[Tensor, Tensor]], grad_scale: float | None = None,
-            upcoming: Sequence[tuple[Tensor, Tensor]] | None = None) -> PipelineStepResult:
+    def run(self, microbatches: Sequence[tuple[Tensor, Tensor]], grad_scale: float | None = None
+            ) -> PipelineStepResult:
         """Forward and backward of all ``(inputs, targets)`` micro-batches (every pp rank passes
         the same list; the first stage reads inputs, the last targets; an optional third item,
         packed documents, goes to every stage's chunk as ``docs``). Gradients accumulate
-        into ``.grad`` scaled by ``grad_scale`` (default ``1 / M``). ``upcoming``: the next step's
-        micro-batches, read only by a runner that starts them early (:attr:`reads_ahead`, 2BW)."""
+        into ``.grad`` scaled by ``grad_scale`` (default ``1 / M``)."""
         self._scale = 1.0 / self.schedule.microbatches if grad_scale is None else grad_scale
         return self._execute(self.schedule, microbatches)
 

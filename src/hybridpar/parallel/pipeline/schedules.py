@@ -95,6 +95,13 @@ class PipelineSchedule:
         """True when B computes only input gradients and W the weight gradients."""
         return self.kind in (Schedule.ZB_H1, Schedule.ZBV)
 
+    @property
+    def spans_steps(self) -> bool:
+        """True when a step's lists start the next step's batch (PipeDream-2BW's warm-up runs in
+        the step before): the runner must carry stored forwards and two weight versions from
+        step to step (:class:`~hybridpar.parallel.pipeline.twobw.TwoBWRunner`)."""
+        return self.kind is Schedule.TWO_BW
+
     def rank_of(self, stage: int) -> int:
         return stage_rank(stage, self.pp, self.v_shape)
 

@@ -119,9 +119,10 @@ class WeightVersions:
 
 class TwoBWRunner(PipelineRunner):
     """Runs PipeDream-2BW steps on this pp rank (module doc): :meth:`run` trains one batch and,
-    given ``upcoming``, starts the next; the parameters of ``chunks`` get their two versions."""
+    given the next one (:meth:`read_ahead`, or ``upcoming``), starts it; the parameters of
+    ``chunks`` get their two versions."""
 
-    reads_ahead = True
+    spans_steps = True
 
     def __init__(self, chunks: Sequence[nn.Module], topo: Topology, microbatches: int, loss_fn: LossFn,
                  act_shape: Sequence[int], act_dtype: torch.dtype = torch.float32,
@@ -141,13 +142,22 @@ class TwoBWRunner(PipelineRunner):
                        for s, chunk in self.chunks.items()}
         self._carry: tuple[dict, dict] | None = None  # the next batch's stored forwards, held sends
         self._training = False
+        self._upcoming: Sequence[tuple[Tensor, Tensor]] | None = None  # read_ahead's, for the next run
+
+    def read_ahead(self, upcoming: Sequence[tuple[Tensor, Tensor]] | None) -> None:
+        """The next step's micro-batches, for the next :meth:`run` to start (None: there is no
+        next step, that run drains the pipeline)."""
+        self._upcoming = upcoming
 
     def run(self, microbatches: Sequence[tuple[Tensor, Tensor]], grad_scale: float | None = None,
             upcoming: Sequence[tuple[Tensor, Tensor]] | None = None) -> PipelineStepResult:
         """Train this batch (its warm-up forwards ran in the previous call, unless that one had no
-        ``upcoming``) and, given ``upcoming`` (the next step's micro-batches), run the next batch's
-        warm-up forwards; then the cut (:meth:`WeightVersions.rotate`), after which the caller's
-        optimizer step writes the next version. Losses and gradients as :meth:`PipelineRunner.run`."""
+        ``upcoming``) and, given ``upcoming`` (the next step's micro-batches; default: what
+        :meth:`read_ahead` gave since the last run), run the next batch's warm-up forwards; then
+        the cut (:meth:`WeightVersions.rotate`), after which the caller's optimizer step writes the
+        next version. Losses and gradients as :meth:`PipelineRunner.run`."""
+        if upcoming is None:
+            upcoming, self._upcoming = self._upcoming, None
         m = self.schedule.microbatches
         if len(microbatches) != m or (upcoming is not None and len(upcoming) != m):
             raise ScheduleError(f"2bw runs {m} micro-batches per step; run() got {len(microbatches)} and "
