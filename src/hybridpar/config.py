@@ -47,6 +47,16 @@ class ModelConfig:
     vocab_size: int = 256
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
+    # RoPE scaling as transformers' rope_type and parameters (see hybridpar.models.rope)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_len: int = 0  # the pretraining length (0 = max_seq_len)
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float = 0.0
+    rope_truncate: bool = True
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False

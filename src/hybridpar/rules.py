@@ -88,6 +88,17 @@ def _rope_even(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("model-rope-type")
+def _rope_type(cfg: Config, world: int | None) -> str | None:
+    m = cfg.model
+    types = ("default", "linear", "dynamic", "yarn", "llama3")  # hybridpar.models.rope.ROPE_TYPES
+    if m.rope_type not in types:
+        return f"model.rope_type = {m.rope_type!r} is not supported; supported: {', '.join(types)}"
+    if m.family == "gpt2" and m.rope_type != "default":
+        return f"model.rope_type = {m.rope_type!r}: gpt2 has learned positions, no RoPE; set --model.rope_type default"
+    return None
+
+
 @rule("model-gqa-groups")
 def _gqa(cfg: Config, world: int | None) -> str | None:
     m = cfg.model

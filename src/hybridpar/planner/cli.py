@@ -73,7 +73,7 @@ def load_model(spec: str) -> ModelConfig:
     if path.exists():
         from hybridpar.models.hf import model_config_from_hf
 
-        return model_config_from_hf(path.parent if path.is_file() else path)
+        return model_config_from_hf(path.parent if path.is_file() else path, any_rope=True)
     if spec in MODEL_PRESETS:
         return model_preset(spec)
     raise PlanError(f"--model {spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor an existing "
