@@ -304,9 +304,9 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                     print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
                           file=sys.stderr, flush=True)
                     return 1
-                if elastic is not None and (lost := peer_lost(e)):  # what an elastic job expects: one line
-                    print(f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job "
-                          "on the processes left", file=sys.stderr, flush=True)
+                if under_launcher() and (lost := peer_lost(e)):  # a rank died: one line, no traceback
+                    if (said := lifecycle.lost_peer_line(rank, lost, elastic is not None)) is not None:
+                        print(said, file=sys.stderr, flush=True)
                     return 1
                 print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}",
                       file=sys.stderr)

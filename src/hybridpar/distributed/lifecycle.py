@@ -182,3 +182,19 @@ def exit_process(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def lost_peer_line(rank: int, lost: str, elastic: bool) -> str | None:
+    """What rank ``rank`` says when its collective failed because a peer died (``lost``: the
+    backend's words), or None where hybridpar's own ``--max-restarts`` launcher says it instead,
+    naming the rank it lost and how (one line for the job). An elastic agent restarts on the
+    processes left; torchrun's ``--max-restarts`` from the last checkpoint while restarts are left."""
+    if elastic:
+        return f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job on the processes left"
+    if os.environ.get(ERROR_DIR_ENV):
+        return None
+    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    left = most - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    then = (f"the launcher restarts the job from its last checkpoint ({left} of --max-restarts {most} left)" if left > 0
+            else f"no restarts left (--max-restarts {most}): the job stops")
+    return f"hybridpar: rank {rank}: lost a peer ({lost}); {then}"
