@@ -483,3 +483,16 @@ def test_plan_ranks_only_what_the_trainer_runs(capsys, tmp_path):
     assert "note: the best layout needs a feature not built" not in out
     assert "% faster than the best above, but this version's trainer cannot run it: " in out
     assert "not ranked: " in out
+
+
+def test_why_names_no_schedule_for_a_layout_without_pipeline():
+    """The MoE plan's best layouts here have pp = 1: "why" names no pipeline schedule (it said 1f1b)."""
+    from hybridpar.planner.cli import why
+    from hybridpar.planner.hardware import GPUS, Cluster
+    from hybridpar.planner.search import search
+
+    model, work, cluster = model_preset("tiny-moe"), Workload(64, 256), Cluster.of(GPUS["H100-SXM"], 8, 8)
+    result = search(model, work, cluster, top=3, runnable_top=True)
+    assert result.ranked[0].layout.pp == 1 and result.ranked[1].layout.pp == 1
+    first = why(model, result, work, cluster)[0]
+    assert first.startswith(f"why {result.ranked[0].layout.short()}: ") and "1f1b" not in first, first

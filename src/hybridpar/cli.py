@@ -207,7 +207,9 @@ def _preflight(cfg: Config, world_size: int, resume: str | None, local: int | No
     from hybridpar.distributed.device import local_world_size, resolve_device_type
 
     resolve_device_type(cfg.train.device, local or (local_world_size() if under_launcher() else world_size))
-    for warning in config_warnings(cfg):
+    from hybridpar.distributed.lifecycle import says_job_notices
+
+    for warning in config_warnings(cfg) if says_job_notices() else ():
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
     from hybridpar.data.dataset import check_documents, check_seq_len, check_tokenizer, read_meta
     from hybridpar.data.errors import check_vocab
@@ -294,7 +296,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
             return 0
         except (UserError, NonFiniteLossError) as e:
             kind = "error" if isinstance(e, UserError) else "stopped"
-            if lifecycle.report_error(rank, kind, str(e)):
+            if lifecycle.report_error(rank, kind, str(e), getattr(e, "agreed", 0)):
                 return 2 if kind == "error" else 3
             raise
         except Exception as e:  # e.g. a collective that timed out: leave a flight record
@@ -426,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train"]
     if argv[0] in ("-h", "--help"):
         print(f"usage: hybridpar {{{','.join(COMMANDS)}}} [options]   (hybridpar COMMAND --help)\n")
+        width = max(map(len, COMMANDS)) + 2  # the longest name (calibrate) still leaves a gap
         for name, (_, what) in COMMANDS.items():
-            print(f"  {name:<9}{what}")
+            print(f"  {name:<{width}}{what}")
         return 0
     if argv[0] not in COMMANDS:
         print(f"hybridpar: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)

@@ -265,6 +265,7 @@ class TrainConfig:
     run_dir: str = "runs/default"
     data: str = "builtin"
     sample_tokens: int = 200
+    sample_prompt: str = "def "  # the text sample.txt continues
     device: Literal["auto", "cpu", "cuda"] = "auto"
     loss_scale_init: float = 65536.0  # fp16 dynamic loss scale: start value
     loss_scale_window: int = 200  # fp16: clean steps before the scale doubles

@@ -128,6 +128,11 @@ def _report_failure(errors: Path, run_dir: Path, failed: dict[int, int]) -> int:
     codes = set(failed.values())
     reports = read_reports(errors)
     if reports:
+        together = [r for r in reports if r.get("agreed")]  # one failure every rank raised: say it once
+        if together:
+            top = max(r["agreed"] for r in together)
+            reports = [r for r in reports if not r.get("agreed")] + [next(r for r in together if r["agreed"] == top)]
+            reports.sort(key=lambda r: r["rank"])
         first = reports[0]
         seen: list[str] = []
         for r in reports:

@@ -130,6 +130,12 @@ def explain(ev: Evaluation, moe: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _named(L: Layout) -> str:
+    """``dp=8,tp=1,pp=4,cp=1 zb-h1``: a layout's axes and, with a pipeline, its schedule (a layout
+    without one has no schedule to name)."""
+    return f"{L.short()} {_schedule(L)}" if L.pp > 1 else L.short()
+
+
 def _schedule(L: Layout) -> str:
     """``zb-h1``, ``interleaved x4``: a layout's schedule as the explanations name it."""
     return L.pipeline_schedule + (f" x{L.virtual_stages}" if L.virtual_stages > 1 else "")
@@ -174,12 +180,12 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
     lines = [f"fastest of {result.fitting} fitting layouts: {c.step_time_s:.3f} s per step"]
     if len(result.ranked) > 1 and result.ranked[1].cost is not None:
         nxt = result.ranked[1]
-        lines[0] += (f"; the next, {nxt.layout.short()} {_schedule(nxt.layout)}, {nxt.cost.step_time_s:.3f} s "
+        lines[0] += (f"; the next, {_named(nxt.layout)}, {nxt.cost.step_time_s:.3f} s "
                      f"(+{100 * (nxt.cost.step_time_s / c.step_time_s - 1):.1f}%)")
     lines.append(f"memory {m.total / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB on the worst pipeline rank "
                  f"(ZeRO-{L.zero_stage}, recompute {L.recompute})")
     lines += pipeline_reasons(model, best, work, cluster)
-    return [f"why {L.short()} {_schedule(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
+    return [f"why {_named(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -242,7 +248,7 @@ def cmd_plan(argv: list[str]) -> int:
         print(explain_ep(model, best, work, cluster, imbalance, source))
     if unbuilt is not None:
         ev, gain = unbuilt
-        print(f"not ranked: {ev.layout.short()} {_schedule(ev.layout)} (ZeRO-{ev.layout.zero_stage}) would take "
+        print(f"not ranked: {_named(ev.layout)} (ZeRO-{ev.layout.zero_stage}) would take "
               f"{ev.cost.step_time_s:.3f} s per step, {100 * gain:.1f}% faster than the best above, but this "
               f"version's trainer cannot run it: {ev.note}")
     return 0

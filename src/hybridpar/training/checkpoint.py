@@ -40,7 +40,9 @@ from torch.distributed.tensor import DTensor
 
 from hybridpar.config import Config, ConfigError, config_from_dict
 from hybridpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, save_tokenizer
+from hybridpar.distributed.lifecycle import says_job_notices
 from hybridpar.distributed.mesh import Axis, Topology
+from hybridpar.errors import agreed
 from hybridpar.fsutil import dir_mode, publish_modes
 from hybridpar.models.registry import family_of
 from hybridpar.parallel.zero import ZeroOptimizer
@@ -195,7 +197,7 @@ def resolve_resume(resume: str, run_dir: Path) -> Path:
     if resume == "latest":
         recover(run_dir)
         found, skipped = latest_verified_checkpoint(run_dir)
-        if os.environ.get("RANK", "0") == "0":
+        if says_job_notices():  # once: the launcher's check, or rank 0 of another launcher's job
             for _, why in skipped:
                 print(f"hybridpar: warning: skipping checkpoint {why}", file=sys.stderr, flush=True)
         if found is None:
@@ -227,6 +229,9 @@ def _not_a_checkpoint(path: Path, resume: bool) -> str:
         if resume:
             return f"is a Hugging Face model directory, not a checkpoint; use --train.init_from {path}"
         return f"is a Hugging Face model directory, not a hybridpar checkpoint; train from it with --train.init_from {path}"
+    if (path / "meta.json").is_file() and any(path.glob("*.bin")):  # hybridpar.data's prepared dataset
+        return (f"is a prepared dataset, not a checkpoint; train on it with --train.data {path}"
+                + (" (--resume takes a checkpoint directory or a run directory)" if resume else ""))
     return f"checkpoint is incomplete (no {COMPLETE}); it was interrupted while saving — pick an earlier one"
 
 
@@ -422,20 +427,20 @@ def _agree(axis: Axis, error: BaseException | str | None, path: Path, tmp: Path,
     if axis.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(error, str):
-        raise CheckpointError(error)
+        raise agreed(CheckpointError(error), own=True)
     if error is None:
-        raise CheckpointError(f"checkpoint {path} was not saved: rank {failed - 1} could not write it (see its "
-                              "error); the previous checkpoints are intact")
+        raise agreed(CheckpointError(f"checkpoint {path} was not saved: rank {failed - 1} could not write it (see "
+                                     "its error); the previous checkpoints are intact"), own=False)
     if _disk_full(error):
         free = _free_bytes(path.parent)
-        raise CheckpointError(f"checkpoint {path} does not fit on the disk: it needs about {_size(need)}, "
-                              f"{path.parent} has {_size(free) if free is not None else 'unknown'} free "
-                              f"({_reason(error)}); free some space, keep fewer checkpoints "
-                              "(train.keep_checkpoints) or use another train.run_dir — the previous "
-                              "checkpoints are intact") from None
+        raise agreed(CheckpointError(f"checkpoint {path} does not fit on the disk: it needs about {_size(need)}, "
+                                     f"{path.parent} has {_size(free) if free is not None else 'unknown'} free "
+                                     f"({_reason(error)}); free some space, keep fewer checkpoints "
+                                     "(train.keep_checkpoints) or use another train.run_dir — the previous "
+                                     "checkpoints are intact"), own=True) from None
     if isinstance(error, OSError) or isinstance(_root_cause(error), OSError):
-        raise CheckpointError(f"checkpoint {path} could not be written: {_reason(error)}; "
-                              "the previous checkpoints are intact") from None
+        raise agreed(CheckpointError(f"checkpoint {path} could not be written: {_reason(error)}; "
+                                     "the previous checkpoints are intact"), own=True) from None
     raise error
 
 

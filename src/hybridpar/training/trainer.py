@@ -305,7 +305,7 @@ class Trainer:
             summary["expert_imbalance"] = max(per_layer)
             summary["expert_imbalance_per_layer"] = per_layer
             summary["dropped_tokens"] = self.dropped_tokens
-        sample = self.sample_text()
+        sample = self.sample_text(self.cfg.train.sample_prompt)
         report = RunReport(self.run_dir, self.is_logger, self.layout_name(), self.topo.world_size,
                            self.device.type, self.cfg.parallel.pipeline_schedule)
         report.write(log, summary, sample, losses, timeline)
