@@ -495,4 +495,4 @@ def test_why_names_no_schedule_for_a_layout_without_pipeline():
     result = search(model, work, cluster, top=3, runnable_top=True)
     assert result.ranked[0].layout.pp == 1 and result.ranked[1].layout.pp == 1
     first = why(model, result, work, cluster)[0]
-    assert first.startswith(f"why {result.ranked[0].layout.short()}: ") and "1f1b" not in first, first
+    assert first.startswith(f"why {result.ranked[0].layout.short()} (no pipeline): ") and "1f1b" not in first, first

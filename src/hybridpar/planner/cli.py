@@ -131,9 +131,9 @@ def explain(ev: Evaluation, moe: bool = False) -> str:
 
 
 def _named(L: Layout) -> str:
-    """``dp=8,tp=1,pp=4,cp=1 zb-h1``: a layout's axes and, with a pipeline, its schedule (a layout
-    without one has no schedule to name)."""
-    return f"{L.short()} {_schedule(L)}" if L.pp > 1 else L.short()
+    """``dp=8,tp=1,pp=4,cp=1 zb-h1``: a layout's axes and, with a pipeline, its schedule; without
+    one, ``(no pipeline)`` (its schedule field names nothing that runs)."""
+    return f"{L.short()} {_schedule(L) if L.pp > 1 else '(no pipeline)'}"
 
 
 def _schedule(L: Layout) -> str:
