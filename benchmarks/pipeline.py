@@ -389,6 +389,25 @@ def summarize_two_bw(r: dict, args: argparse.Namespace) -> dict[str, Any]:
             "measured_costs_ms": {k: round(1e3 * getattr(costs[0], k), 3) for k in ("f", "b", "w")}}
 
 
+def print_rows(s: dict[str, dict[str, Any]], one: float) -> list[str]:
+    """The table of schedules (``-`` where this torch does not run torch's side of a row);
+    returns why those rows were skipped."""
+    print(f"{'torch schedule':<15}{'ours':>12}{'V':>2}{'ours ms':>16}{'torch ms':>16}{'ours/torch':>11}{'paired':>8}"
+          f"{'ours/1f1b':>10}{'ours/ideal@meas':>16}{'sim err':>9}{'F/B/W/p2p ms (ours)':>26}")
+    skipped = [why for name in s if (why := torch_row_skipped(name))]
+    for name, row in s.items():
+        c = row["measured_costs_ms"]
+        theirs = (f"{'-':>16}{'-':>11}{'-':>8}" if row["torch_s"] is None else
+                  f"{1e3 * row['torch_s']:>9.1f} ({1e3 * row['torch_median_s']:.0f})"
+                  f"{row['ours_over_torch']:>11.3f}{row['ours_over_torch_paired_median']:>8.3f}")
+        print(f"{name:<15}{row['ours_schedule']:>12}{row['virtual_stages']:>2}"
+              f"{1e3 * row['ours_s']:>8.1f} ({1e3 * row['ours_median_s']:.0f})"
+              f"{theirs}"
+              f"{row['ours_s'] / one:>10.3f}{row['ours_over_ideal_at_measured_durations']:>16.3f}"
+              f"{row['sim_error']:>+9.1%}   {c['f']:.1f}/{c['b']:.1f}/{c['w']:.1f}/{c['p2p']:.2f}")
+    return skipped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=4)
@@ -411,20 +430,8 @@ def main() -> None:
               if args.compute else f"sleep stages t_f={1e3 * args.t_f:g} ms t_b={1e3 * args.t_b:g} ms (W = t_b/2)")
     print(f"pp={pp} M={m}, gloo, {stages}, best of {args.reps} (median in brackets); "
           f"load average {load:.2f} on {os.cpu_count()} cores")
-    print(f"{'torch schedule':<15}{'ours':>12}{'V':>2}{'ours ms':>16}{'torch ms':>16}{'ours/torch':>11}{'paired':>8}"
-          f"{'ours/1f1b':>10}{'ours/ideal@meas':>16}{'sim err':>9}{'F/B/W/p2p ms (ours)':>26}")
     one = s["1f1b"]["ours_s"]
-    skipped = [why for name in s if (why := torch_row_skipped(name))]
-    for name, row in s.items():
-        c = row["measured_costs_ms"]
-        theirs = (f"{'-':>16}{'-':>11}{'-':>8}" if row["torch_s"] is None else
-                  f"{1e3 * row['torch_s']:>9.1f} ({1e3 * row['torch_median_s']:.0f})"
-                  f"{row['ours_over_torch']:>11.3f}{row['ours_over_torch_paired_median']:>8.3f}")
-        print(f"{name:<15}{row['ours_schedule']:>12}{row['virtual_stages']:>2}"
-              f"{1e3 * row['ours_s']:>8.1f} ({1e3 * row['ours_median_s']:.0f})"
-              f"{theirs}"
-              f"{row['ours_s'] / one:>10.3f}{row['ours_over_ideal_at_measured_durations']:>16.3f}"
-              f"{row['sim_error']:>+9.1%}   {c['f']:.1f}/{c['b']:.1f}/{c['w']:.1f}/{c['p2p']:.2f}")
+    skipped = print_rows(s, one)
     print("ours/torch: best over best; paired: median over repetitions of ours / torch run back to back. "
           "ours/ideal@meas: our recorded makespan over the schedule simulated with the F/B/W durations "
           "measured in the same run and free transfers. sim err: simulator with the measured durations and "

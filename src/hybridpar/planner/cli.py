@@ -232,7 +232,7 @@ def cmd_plan(argv: list[str]) -> int:
         elif result.rejected_rules:
             msg += "; every factorisation breaks a rule: " + "; ".join(list(result.rejected_rules)[:3])
         if unbuilt is not None:
-            msg += f"; {unbuilt[0].layout.short()} would, but this version's trainer cannot run it: {unbuilt[0].note}"
+            msg += f"; {_unbuilt_line(*unbuilt)}"
         print(f"hybridpar: {msg}", file=sys.stderr)
         return 1
     print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, global batch "
@@ -242,16 +242,20 @@ def cmd_plan(argv: list[str]) -> int:
         print(_row(ev, moe))
     print(f"\n{result.fitting} layouts fit; {len(result.too_big)} do not fit; "
           f"{sum(map(len, result.rejected_rules.values()))} break a rule")
-    best = result.ranked[0]
     print("\n".join(why(model, result, work, cluster)))
     if moe:
-        print(explain_ep(model, best, work, cluster, imbalance, source))
+        print(explain_ep(model, result.ranked[0], work, cluster, imbalance, source))
     if unbuilt is not None:
-        ev, gain = unbuilt
-        print(f"not ranked: {_named(ev.layout)} (ZeRO-{ev.layout.zero_stage}) would take "
-              f"{ev.cost.step_time_s:.3f} s per step, {100 * gain:.1f}% faster than the best above, but this "
-              f"version's trainer cannot run it: {ev.note}")
+        print(_unbuilt_line(*unbuilt))
     return 0
+
+
+def _unbuilt_line(ev: Evaluation, gain: float) -> str:
+    """The best layout set aside as unbuilt, its predicted step time and gain, and why."""
+    assert ev.cost is not None
+    faster = f", {100 * gain:.1f}% faster than the best above" if gain > 0 else ""
+    return (f"not ranked: {_named(ev.layout)} (ZeRO-{ev.layout.zero_stage}) would take {ev.cost.step_time_s:.3f} s "
+            f"per step{faster}, but this version's trainer cannot run it: {ev.note}")
 
 
 def unbuilt_gain(result: SearchResult) -> tuple[Evaluation, float] | None:
