@@ -98,6 +98,25 @@ def test_dp2_pp2_zero_matches_single_process(dist_run, schedule, stage):
     _check(dist_run(4, _run, 2, schedule, 1, "layers", stage))
 
 
+def _first_loss(rank: int, world: int) -> float:
+    """dp2 x pp2: what train_step returns for the first step on this rank."""
+    with ParallelDims(dp=2, pp=2).build() as topo:
+        pipe = hybridpar.PipelineModule(layers=make_layers(), topo=topo, num_microbatches=M, loss_fn=F.mse_loss,
+                                        activation_shape=(GLOBAL // M // 2, HID))
+        opt = hybridpar.ZeroOptimizer(list(pipe.named_parameters()), topo.dp, stage=1, **OPT)
+        x, y = batch(0)
+        mbs = [(xm.chunk(2)[topo.dp.rank], ym.chunk(2)[topo.dp.rank])
+               for xm, ym in zip(x.chunk(M), y.chunk(M), strict=True)]
+        return pipe.train_step(mbs, opt, max_norm=CLIP)
+
+
+def test_train_step_returns_the_global_mean_loss(dist_run):
+    """Every rank gets the loss of the whole step (both dp ranks' halves), as one process computes
+    it, not its own dp rank's half (what it returned before)."""
+    got = dist_run(4, _first_loss)
+    assert got == pytest.approx([reference()[0][0]] * 4, rel=1e-5)
+
+
 def test_single_process_pipeline_module():
     _check([_run(0, 1, 1, "1f1b", 1, "layers", 0)])
 

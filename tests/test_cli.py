@@ -125,3 +125,52 @@ def test_no_arguments_runs_the_3d_demo(monkeypatch, capsys):
     assert argv == ["train", "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",
                     "--train.micro_batch", "4"]
     assert "built-in demo" in capsys.readouterr().out
+
+
+def test_help_lists_each_command_apart_from_its_description(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "calibratemeasure" not in out
+    for name in ("train", "calibrate", "timeline"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(name + " "))
+        assert line.startswith(f"  {name}  "), line  # two spaces at least after the longest name
+
+
+def test_sample_prompt_is_configurable(tmp_path):
+    run = tmp_path / "r"
+    assert main(["train", *BASE, "--train.steps", "1", "--train.run_dir", str(run),
+                 "--train.sample_prompt", "Once upon"]) == 0
+    assert (run / "sample.txt").read_text().startswith("Once upon")
+
+
+def test_resume_from_a_prepared_dataset_says_it_is_a_dataset(tmp_path, capsys):
+    from hybridpar.data.prepare import prepare_dataset
+
+    (tmp_path / "a.txt").write_text("hello world " * 200)
+    data = tmp_path / "data"
+    prepare_dataset([str(tmp_path / "a.txt")], str(data), tokenizer="bytes", val_fraction=0.1)
+    assert main(["train", *TINY, "--train.run_dir", str(tmp_path / "r"), "--resume", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert f"is a prepared dataset, not a checkpoint; train on it with --train.data {data}" in err
+    assert "interrupted while saving" not in err
+
+
+def test_notices_are_printed_once_under_nproc(tmp_path):
+    """Under `--nproc 2` (launcher + two workers) the micro-batch warning and a skipped corrupt
+    checkpoint are each printed once (they were printed by the launcher and again by workers)."""
+    from test_checkpoint_safety import corrupt
+
+    from hybridpar.training.checkpoint import step_dir
+
+    run = tmp_path / "r"
+    args = ["train", *BASE, "--train.run_dir", str(run), "--train.checkpoint_every", "2"]
+    assert main([*args, "--train.steps", "4"]) == 0
+    corrupt(step_dir(run, 4))
+    cmd = [sys.executable, "-m", "hybridpar.cli", *args, "--train.steps", "5", "--nproc", "2", "--parallel.pp", "2",
+           "--train.global_batch", "2", "--resume"]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-3000:]
+    assert text.count("micro-batches per step < parallel.pp = 2") == 1, text[-3000:]
+    assert text.count("skipping checkpoint") == 1, text[-3000:]

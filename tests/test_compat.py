@@ -224,3 +224,48 @@ def test_compile_stats_count_graphs_breaks_and_time():
     assert after.graphs - before.graphs == 2
     assert after.graph_breaks - before.graph_breaks == 1
     assert after.seconds > before.seconds
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def test_launch_config_leaves_out_fields_an_older_torch_lacks():
+    """torch 2.11's LaunchConfig has no shutdown_timeout (``hybridpar train --nproc N`` failed
+    there with a TypeError): the launcher's config is built against one without it."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from hybridpar.distributed.launch import SHUTDOWN_TIMEOUT_S, Rendezvous, launch_config
+
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(LaunchConfig) if f.name != "shutdown_timeout"]
+    Older = dataclasses.make_dataclass("LaunchConfig", fields)
+    with pytest.raises(TypeError, match="shutdown_timeout"):
+        Older(min_nodes=1, max_nodes=1, nproc_per_node=2, shutdown_timeout=1)
+    rdzv = Rendezvous(run_id="r")
+    old = launch_config(Older, 2, rdzv, max_restarts=3)
+    assert (old.nproc_per_node, old.max_restarts, old.run_id, old.start_method) == (2, 3, "r", "spawn")
+    assert not hasattr(old, "shutdown_timeout")
+    new = launch_config(LaunchConfig, 2, rdzv, max_restarts=3)  # this torch (2.13) has the field
+    assert new.shutdown_timeout == SHUTDOWN_TIMEOUT_S and new.nproc_per_node == 2
+    config, left_out = compat.launch_config(Older, {"shutdown_timeout": 5}, min_nodes=1, max_nodes=1, nproc_per_node=1)
+    assert left_out == ["shutdown_timeout"] and config.nproc_per_node == 1
+
+
+def test_watch_worker_failures_sees_the_agents_failed_ranks(monkeypatch):
+    """The agent's monitor result names failed global ranks with exit codes, and the agent
+    counts its restarts left in ``_remaining_restarts``: the hook reports both, and restores."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert "failures" in inspect.signature(api.RunResult).parameters
+    assert "self._remaining_restarts" in inspect.getsource(api.SimpleElasticAgent)
+    result = api.RunResult(state=api.WorkerState.FAILED, failures={1: types.SimpleNamespace(exitcode=-9)})
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: result)
+    seen = []
+    with compat.watch_worker_failures(lambda failed, left: seen.append((failed, left))):
+        assert LocalElasticAgent._monitor_workers(types.SimpleNamespace(_remaining_restarts=2), None) is result
+    assert seen == [({1: -9}, 2)]
+    assert LocalElasticAgent._monitor_workers(None, None) is result  # the original is back

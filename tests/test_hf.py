@@ -167,8 +167,8 @@ def test_trainer_rejects_other_shape(tmp_path):
 
 
 @pytest.mark.parametrize(("key", "value", "needle"), [
-    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}, "rope_parameters = "),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}, 'rope_scaling = {"type": "linear"'),
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}, "rope_parameters = "),
+    ("rope_scaling", {"type": "su", "factor": 2.0}, 'rope_scaling = {"type": "su"'),
     ("attention_bias", True, "attention_bias = true"),
     ("mlp_bias", True, "mlp_bias = true"),
     ("hidden_act", "gelu", 'hidden_act = "gelu"'),

@@ -236,3 +236,21 @@ def test_the_3d_demo_layout_exits_cleanly(tmp_path):
         assert _exit_of(p, log, timeout=240) == 0, log.read_text()[-3000:]
     assert (run / "summary.json").is_file() and (run / "sample.txt").is_file()
     assert "terminate called" not in log.read_text()
+
+
+def test_a_failure_every_rank_raised_together_is_printed_once(tmp_path, capsys, monkeypatch):
+    """A checkpoint write that failed on every rank (a full disk) reaches the launcher once per
+    rank, each rank's message naming its own shard: it prints one, the rank's own error over a
+    rank that only learned of another's, with its exit status."""
+    from hybridpar.distributed.launch import _report_failure
+    from hybridpar.distributed.lifecycle import report_error
+
+    monkeypatch.setenv("HYBRIDPAR_ERROR_DIR", str(tmp_path))
+    report_error(0, "error", "checkpoint c does not fit on the disk: ... __0_0.distcp", agreed=2)
+    report_error(1, "error", "checkpoint c does not fit on the disk: ... __1_0.distcp", agreed=2)
+    report_error(2, "error", "checkpoint c was not saved: rank 1 could not write it", agreed=1)
+    report_error(3, "error", "data shard x is missing")  # not agreed: printed as well
+    assert _report_failure(tmp_path, tmp_path / "run", {0: 1, 1: 1, 2: 1, 3: 1}) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["hybridpar: error: checkpoint c does not fit on the disk: ... __0_0.distcp",
+                   "hybridpar: error: data shard x is missing"], err

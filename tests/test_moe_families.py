@@ -381,7 +381,7 @@ def edited(tmp_path: Path, spec: str, **keys) -> Path:
     ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step = 0 is not supported"),
     ("qwen3_moe", dict(num_experts=8, num_local_experts=4),
      "num_local_experts = 4 is not supported (it contradicts num_experts = 8)"),
-    ("qwen3_moe", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+    ("qwen3_moe", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}),
      "rope_parameters = "),
 ])
 def test_unrepresentable_configs_are_refused(tmp_path, spec, keys, message):

@@ -235,3 +235,19 @@ def test_train_auto_cli_one_process(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "parallel.auto: 1 processes on test cpu" in out and "chose dp=1,tp=1,pp=1,cp=1" in out
     assert (run / "metrics.jsonl").exists()
+
+
+def test_auto_gives_its_reason_and_takes_zero3_only_for_memory():
+    """The default 1.6M-parameter model: ZeRO-3 is not needed for memory, so it is not chosen
+    (its gathers made the predictions run far ahead of the measured step), and the choice says why."""
+    cfg = Config()
+    cfg.parallel.auto = True
+    for world in (2, 4):
+        choice = choose_layout(cfg, world, spec=(CPU_CORE, "test"))
+        assert all(e.layout.zero_stage < 3 for e in choice.ranked)
+        text = choice.explain()
+        assert "hybridpar: why: the fastest predicted of" in text and "ZeRO-3 layouts were left out" in text
+        assert "ruled out" in text and "ZeRO-3 where a layout without it fits" in text
+    cfg.parallel.zero_stage = 3  # kept when the config asks for it
+    choice = choose_layout(cfg, 2, spec=(CPU_CORE, "test"))
+    assert choice.best.layout.zero_stage == 3 and "ZeRO-3 kept from the config" in choice.explain()

@@ -448,3 +448,51 @@ def test_zero_shards_over_dp_and_cp():
     for dp, cp in ((2, 2), (4, 1), (1, 4)):
         mem = plan_memory(model, Layout(dp=dp, tp=2, cp=cp, zero_stage=1), work)
         assert mem.components["optimizer"] == 8 * numel(shapes, 4)
+
+
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                 "num_experts_per_tok": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+                 "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
+                 "use_sliding_window": False, "sliding_window": None}
+
+
+def test_plan_ranks_only_what_the_trainer_runs(capsys, tmp_path):
+    """A Qwen3-30B-A3B-shaped MoE on 64 H100s: the fastest layouts need ZeRO-3 x pp x ep, which the
+    trainer refuses. `hybridpar plan` ranks only layouts it runs (as --parallel.auto does) and
+    names the best unbuilt one apart, with its predicted gain, in text and in --json."""
+    from hybridpar.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    args = ["plan", "--model", str(tmp_path / "config.json"), "--gpu", "H100-SXM", "--gpus", "64",
+            "--global-batch", "128", "--seq-len", "4096", "--top", "3"]
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["layouts"]) == 3 and all("runtime_note" not in lay and lay["fits"] for lay in doc["layouts"])
+    for key in ("too_big", "rejected", "why"):
+        assert key in doc
+    unbuilt = doc["unbuilt"]
+    assert unbuilt["zero_stage"] == 3 and unbuilt["pp"] > 1 and unbuilt["ep"] > 1
+    assert "is not supported" in unbuilt["runtime_note"]
+    assert unbuilt["gain"] == pytest.approx(1 - unbuilt["step_time_s"] / doc["layouts"][0]["step_time_s"], abs=1e-3)
+    assert unbuilt["gain"] > 0
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "note: the best layout needs a feature not built" not in out
+    assert "% faster than the best above, but this version's trainer cannot run it: " in out
+    assert "not ranked: " in out
+
+
+def test_why_names_no_schedule_for_a_layout_without_pipeline():
+    """The MoE plan's best layouts here have pp = 1: "why" names no pipeline schedule (it said 1f1b)."""
+    from hybridpar.planner.cli import why
+    from hybridpar.planner.hardware import GPUS, Cluster
+    from hybridpar.planner.search import search
+
+    model, work, cluster = model_preset("tiny-moe"), Workload(64, 256), Cluster.of(GPUS["H100-SXM"], 8, 8)
+    result = search(model, work, cluster, top=3, runnable_top=True)
+    assert result.ranked[0].layout.pp == 1 and result.ranked[1].layout.pp == 1
+    first = why(model, result, work, cluster)[0]
+    assert first.startswith(f"why {result.ranked[0].layout.short()} (no pipeline): ") and "1f1b" not in first, first

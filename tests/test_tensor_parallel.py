@@ -99,6 +99,40 @@ def test_shards_from_layout_independent_init_concatenate_to_tp1(tp, tied, vocab)
         assert not cat[t.shape[0]:].any()  # vocab padding rows are zero
 
 
+def test_constructed_layers_start_as_torch_nn_at_every_tp():
+    """Built with their constructors (not from_full), the layers hold nn.Linear's initial values
+    (uniform in +-1/sqrt(in)) and nn.Embedding's (normal(0, 1)): one full tensor drawn from the
+    seed and sharded, so shards at tp 2 and 4 concatenate to the tp=1 layer, and they train
+    (they used to start at zero, and so did their gradients)."""
+    def layers(tp: int, rank: int, seed: int | None) -> list[nn.Module]:
+        if seed is None:
+            torch.manual_seed(1)  # every rank seeds torch alike: the draw follows the global RNG
+        axis = fake_axis(tp, rank)
+        return [ColumnParallelLinear(16, 8, axis, bias=True, init_seed=seed),
+                RowParallelLinear(16, 8, axis, bias=True, init_seed=seed),
+                VocabParallelEmbedding(10, 4, axis, init_seed=seed)]
+
+    for seed in (5, None):
+        col, row, emb = layers(1, 0, seed)
+        for w in (col.weight, col.bias, row.weight, row.bias):
+            assert w.abs().max() <= 0.25 and w.std() > 0.1  # +-1/sqrt(16); uniform std 0.144
+        assert 0.5 < emb.weight.std() < 1.5
+        assert not torch.equal(col.weight, layers(1, 0, 6)[0].weight)  # another seed, another draw
+        for tp in (2, 4):
+            shards = [layers(tp, r, seed) for r in range(tp)]
+            assert torch.equal(torch.cat([s[0].weight for s in shards], 0), col.weight)
+            assert torch.equal(torch.cat([s[0].bias for s in shards], 0), col.bias)
+            assert torch.equal(torch.cat([s[1].weight for s in shards], 1), row.weight)
+            assert all(torch.equal(s[1].bias, row.bias) for s in shards)
+            assert torch.equal(torch.cat([s[2].weight for s in shards], 0)[:10], emb.weight)
+    axis = ParallelDims().build().tp
+    col, row = ColumnParallelLinear(16, 8, axis, init_seed=1), RowParallelLinear(8, 16, axis, init_seed=2)
+    row(col(torch.randn(2, 3, 16))).square().sum().backward()
+    assert col.weight.grad.abs().min() > 0 and row.weight.grad.abs().min() > 0
+    loaded = ColumnParallelLinear.from_full(col.weight.detach() * 2, axis)  # from_full: the given values
+    assert torch.equal(loaded.weight, col.weight * 2)
+
+
 def test_bad_shapes_are_rejected_with_the_numbers():
     with pytest.raises(ValueError, match=r"n_kv_heads = 2 < parallel.tp = 4.*use tp <= 2"):
         check_tp_shape(model_cfg(2), 4)

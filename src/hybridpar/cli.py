@@ -210,7 +210,9 @@ def _preflight(cfg: Config, world_size: int, resume: str | None, local: int | No
     from hybridpar.distributed.device import local_world_size, resolve_device_type
 
     resolve_device_type(cfg.train.device, local or (local_world_size() if under_launcher() else world_size))
-    for warning in config_warnings(cfg):
+    from hybridpar.distributed.lifecycle import says_job_notices
+
+    for warning in config_warnings(cfg) if says_job_notices() else ():
         print(f"hybridpar: warning: {warning}", file=sys.stderr)
     from hybridpar.data.dataset import check_documents, check_seq_len, check_tokenizer, read_meta
     from hybridpar.data.errors import check_vocab
@@ -278,7 +280,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
             return status
         except (UserError, NonFiniteLossError) as e:
             kind = "error" if isinstance(e, UserError) else "stopped"
-            if lifecycle.report_error(rank, kind, str(e)):
+            if lifecycle.report_error(rank, kind, str(e), getattr(e, "agreed", 0)):
                 return 2 if kind == "error" else 3
             raise
         except Exception as e:  # e.g. a collective that timed out: leave a flight record
@@ -329,7 +331,7 @@ def _fit(cfg: Config, topo: Topology, device: torch.device, stop: StopRequest, e
 def _after_failure(e: Exception, topo: Topology, run_dir: Path, rank: int, stop: StopRequest,
                    elastic: LayoutChange | None) -> bool:
     """A multi-rank job failed with ``e``: leave a flight record; True when this rank's failure
-    is expected (a consequence of another's, or a lost peer an elastic agent restarts) and was
+    is expected (a consequence of another's, or a lost peer the launcher restarts or reports) and was
     told in one line, False when ``e`` should propagate after the record's summary."""
     from hybridpar.distributed import flight, lifecycle
     from hybridpar.training.elastic import peer_lost
@@ -339,9 +341,9 @@ def _after_failure(e: Exception, topo: Topology, run_dir: Path, rank: int, stop:
         print(f"hybridpar: rank {rank} stopped (another rank failed or the job was signalled)",
               file=sys.stderr, flush=True)
         return True
-    if elastic is not None and (lost := peer_lost(e)):  # what an elastic job expects: one line
-        print(f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job "
-              "on the processes left", file=sys.stderr, flush=True)
+    if under_launcher() and (lost := peer_lost(e)):  # a rank died: one line, no traceback
+        if (said := lifecycle.lost_peer_line(rank, lost, elastic is not None)) is not None:
+            print(said, file=sys.stderr, flush=True)
         return True
     print(f"hybridpar: rank {topo.rank} {flight.describe(flight.records(topo.comm.counter))}", file=sys.stderr)
     return False
@@ -457,8 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train"]
     if argv[0] in ("-h", "--help"):
         print(f"usage: hybridpar {{{','.join(COMMANDS)}}} [options]   (hybridpar COMMAND --help)\n")
+        width = max(map(len, COMMANDS)) + 2  # the longest name (calibrate) still leaves a gap
         for name, (_, what) in COMMANDS.items():
-            print(f"  {name:<9}{what}")
+            print(f"  {name:<{width}}{what}")
         return 0
     if argv[0] not in COMMANDS:
         print(f"hybridpar: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)

@@ -12,6 +12,8 @@ Checked on: torch 2.13.0 (CPU build).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,6 +225,59 @@ def saved_tensor_hooks_active() -> bool:
     Checked on: torch 2.13.0.
     """
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def launch_config(cls: Any, newer: dict[str, Any], **fields: Any) -> tuple[Any, list[str]]:
+    """``cls(**fields, **newer)`` (``cls``: torch's ``LaunchConfig`` dataclass), leaving out the
+    ``newer`` fields this torch's ``cls`` lacks; returns it and the names left out.
+
+    Why: ``LaunchConfig`` grows fields between releases: ``shutdown_timeout`` (how long the agent
+    waits for signalled workers to exit) exists on torch 2.13 and not on 2.11, whose agent waits
+    its fixed 30 s. A feature check on the dataclass's fields, not a version number, decides.
+
+    Checked on: torch 2.13.0 (has shutdown_timeout); a LaunchConfig without it (tests).
+    """
+    import dataclasses
+    import inspect
+
+    names = ({f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls)
+             else set(inspect.signature(cls).parameters))
+    kept = {k: v for k, v in newer.items() if k in names}
+    return cls(**fields, **kept), [k for k in newer if k not in kept]
+
+
+@contextlib.contextmanager
+def watch_worker_failures(callback: Any) -> Iterator[None]:
+    """While inside, call ``callback(failed, restarts_left)`` each time torch's local elastic agent
+    finds failed workers: ``failed`` maps global rank -> exit code (negative: killed by that
+    signal), ``restarts_left`` the restarts the agent still has (it restarts when > 0).
+
+    Why private: under ``max_restarts`` the agent restarts a failed worker group and only logs
+    it; ``LocalElasticAgent._monitor_workers``, whose ``RunResult.failures`` name each failed rank
+    and its exit code, is the one place that knows which rank died and how. The agent's
+    ``_remaining_restarts`` is its count of restarts left.
+
+    Checked on: torch 2.13.0.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._monitor_workers
+
+    def monitored(self: Any, worker_group: Any) -> Any:
+        result = original(self, worker_group)
+        if getattr(result, "failures", None):
+            callback({rank: f.exitcode for rank, f in result.failures.items()},
+                     int(getattr(self, "_remaining_restarts", 0)))
+        return result
+
+    LocalElasticAgent._monitor_workers = monitored
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = original
 
 
 # ----------------------------------------------------------------------------- torch.compile

@@ -13,9 +13,20 @@ def without_fix(message: str) -> str:
 
 
 class UserError(ValueError):
-    """Bad input: the message names the value and the fix."""
+    """Bad input: the message names the value and the fix. ``agreed``: every rank raises one
+    together (the outcome of a collective, e.g. a checkpoint write that failed somewhere), 2 where
+    the failure was the rank's own, 1 where it only learned of another's: the launcher prints one
+    of them for the job, not one per rank."""
+
+    agreed: int = 0
 
     @property
     def reason(self) -> str:
         """The message without its fix (:func:`without_fix`)."""
         return without_fix(str(self))
+
+
+def agreed(error: UserError, own: bool) -> UserError:
+    """``error`` marked as raised on every rank together (see :attr:`UserError.agreed`)."""
+    error.agreed = 2 if own else 1
+    return error

@@ -125,7 +125,8 @@ class PipelineModule(nn.Module):
                    max_norm: float = 0.0) -> float:
         """One training step: with an ``optimizer``, zero its gradients, run
         :meth:`forward_backward`, clip to ``max_norm`` by the global norm (0: no clipping) and
-        step; without one, only forward and backward. Returns the mean loss.
+        step; without one, only forward and backward. Returns the mean loss of the whole step,
+        over every micro-batch of every data-parallel rank (the same number on every rank).
 
         A plain ``torch.optim`` optimizer does not average over dp: use a :class:`ZeroOptimizer`
         (any stage; stage 0 is plain data parallelism) when the topology has dp > 1."""
@@ -139,7 +140,10 @@ class PipelineModule(nn.Module):
                 core.update(max_norm)
             else:
                 optimizer.step()
-        return float(losses.mean())
+        loss = losses.mean().detach()
+        if self.topo.dp_cp.size > 1:  # each dp rank ran its own share of every micro-batch
+            loss = self.topo.comm.all_reduce(loss.reshape(1).clone(), self.topo.dp_cp, op="avg")
+        return float(loss)
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Batch]) -> Tensor:

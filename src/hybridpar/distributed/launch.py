@@ -20,14 +20,16 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from hybridpar import compat
 from hybridpar.distributed import flight
 from hybridpar.distributed.lifecycle import COMMAND_ENV, ERROR_DIR_ENV, read_reports, signal_name
 
 # Exit statuses of ``hybridpar train``: 2 bad input, 3 a stop by the NaN/Inf policy, 128 + N a
 # stop on signal N (after a complete checkpoint), 1 anything else.
 KIND_EXIT = {"error": 2, "stopped": 3}
-SHUTDOWN_TIMEOUT_S = 120  # how long a signalled worker may take to save its checkpoint
+SHUTDOWN_TIMEOUT_S = 120  # how long a signalled worker may take to save its checkpoint (torch >= 2.13)
 # torch's c10d rendezvous shares the agents' store with the workers by default, and rank 0's agent
 # publishes that store's address under the first round only: a node that joins a running job
 # (a later round) waits for it until it times out (torch 2.13). Unshared, every round publishes.
@@ -59,11 +61,7 @@ def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_d
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)  # this module says what happened, once
     rdzv = rendezvous or Rendezvous()
-    config = LaunchConfig(min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
-                          run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
-                          rdzv_configs=dict(rdzv.conf),
-                          max_restarts=max_restarts,
-                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    config = launch_config(LaunchConfig, nproc, rdzv, max_restarts)
     flight.clear(run_dir)
     with tempfile.TemporaryDirectory(prefix="hybridpar-errors-") as errors:
         env = {ERROR_DIR_ENV: errors, COMMAND_ENV: shlex.join(command)}
@@ -74,15 +72,15 @@ def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_d
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            elastic_launch(config, sys.executable)("-m", "hybridpar.cli", *worker_argv)
+            with compat.watch_worker_failures(_say_lost):
+                elastic_launch(config, sys.executable)("-m", "hybridpar.cli", *worker_argv)
             return 0
         except SignalException as e:  # the agent forwarded it and waited for the workers' checkpoint
             sig = int(e.sigval)
             print(f"hybridpar: stopped by {signal_name(sig)}", file=sys.stderr, flush=True)
             return 128 + sig
         except ChildFailedError as e:
-            codes = {f.exitcode for f in e.failures.values()}
-            return _report_failure(Path(errors), run_dir, codes)
+            return _report_failure(Path(errors), run_dir, {r: f.exitcode for r, f in e.failures.items()})
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -91,11 +89,50 @@ def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_d
                     os.environ[k] = v
 
 
-def _report_failure(errors: Path, run_dir: Path, codes: set[int]) -> int:
-    """One message for a failed job: the workers' user error (once), a signal stop, or the
-    ranks' exit codes with the hang report when a collective never completed."""
+def launch_config(cls: Any, nproc: int, rdzv: Rendezvous, max_restarts: int) -> Any:
+    """The agent's ``LaunchConfig`` (``cls``) for ``nproc`` local ranks; fields this torch's
+    ``LaunchConfig`` lacks (``shutdown_timeout`` before torch 2.13) are left at the agent's
+    own behaviour (:func:`hybridpar.compat.launch_config`)."""
+    config, _ = compat.launch_config(
+        cls, {"shutdown_timeout": SHUTDOWN_TIMEOUT_S}, min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes,
+        nproc_per_node=nproc, run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
+        rdzv_configs=dict(rdzv.conf), max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+    return config
+
+
+def _describe_exit(code: int) -> str:
+    return f"exit status {code}" if code >= 0 else f"killed by {signal_name(-code)}"
+
+
+def _name_failed(failed: dict[int, int]) -> str:
+    """``rank 1 (killed by SIGKILL)``: the ranks killed by a signal when there are any (the ranks
+    that exited then had only lost them as peers), else every failed rank with its exit status."""
+    killed = sorted(r for r, c in failed.items() if c < 0)
+    return ", ".join(f"rank {r} ({_describe_exit(failed[r])})" for r in killed or sorted(failed))
+
+
+def _say_lost(failed: dict[int, int], restarts_left: int) -> None:
+    """One line when the agent is about to restart the job after losing ranks: which, and how
+    (:func:`_name_failed`). The last failure, with no
+    restarts left, is :func:`_report_failure`'s to report."""
+    if restarts_left <= 0:
+        return
+    print(f"hybridpar: lost a peer: {_name_failed(failed)}; the launcher restarts the job from its last checkpoint "
+          f"({restarts_left} restart{'s' if restarts_left != 1 else ''} left)", file=sys.stderr, flush=True)
+
+
+def _report_failure(errors: Path, run_dir: Path, failed: dict[int, int]) -> int:
+    """One message for a failed job (``failed``: global rank -> exit code): the workers' user
+    error (once), a signal stop, a rank killed (its peers only lost it), or the ranks' exit codes
+    with the hang report when a collective never completed."""
+    codes = set(failed.values())
     reports = read_reports(errors)
     if reports:
+        together = [r for r in reports if r.get("agreed")]  # one failure every rank raised: say it once
+        if together:
+            top = max(r["agreed"] for r in together)
+            reports = [r for r in reports if not r.get("agreed")] + [next(r for r in together if r["agreed"] == top)]
+            reports.sort(key=lambda r: r["rank"])
         first = reports[0]
         seen: list[str] = []
         for r in reports:
@@ -108,9 +145,12 @@ def _report_failure(errors: Path, run_dir: Path, codes: set[int]) -> int:
     stops = {c for c in codes if c > 128 and c - 128 in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     if stops and stops == codes:  # a rank was signalled: all stopped after a checkpoint
         return max(stops)
+    if any(c < 0 for c in codes):  # killed: no traceback to point at, its peers said they lost it
+        print(f"hybridpar: lost a peer: {_name_failed(failed)}; no restarts left, the job stops", file=sys.stderr, flush=True)
+        return 1
     if text := flight.report(run_dir):
         print(text, file=sys.stderr)
-    described = ", ".join(str(c) if c >= 0 else f"killed by {signal_name(-c)}" for c in sorted(codes))
+    described = ", ".join(_describe_exit(c).removeprefix("exit status ") for c in sorted(codes))
     print(f"hybridpar: a worker failed (exit status {described}); its traceback is above", file=sys.stderr,
           flush=True)
     return 1

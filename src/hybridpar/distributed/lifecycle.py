@@ -142,15 +142,16 @@ def resume_command(checkpoint: Path) -> str:
 # ----------------------------------------------------------------------------- error reports
 
 
-def report_error(rank: int, kind: str, message: str) -> bool:
+def report_error(rank: int, kind: str, message: str, agreed: int = 0) -> bool:
     """Leave ``message`` for the local launcher to print once; False without a launcher that
-    reads it (the caller prints it itself then)."""
+    reads it (the caller prints it itself then). ``agreed``: every rank raised its version
+    together (``UserError.agreed``); the launcher prints one of those."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder:
         return False
     path = Path(folder) / f"rank-{rank}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "kind": kind, "message": message}))
+    tmp.write_text(json.dumps({"rank": rank, "kind": kind, "message": message, "agreed": agreed}))
     os.replace(tmp, path)
     return True
 
@@ -182,3 +183,26 @@ def exit_process(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def lost_peer_line(rank: int, lost: str, elastic: bool) -> str | None:
+    """What rank ``rank`` says when its collective failed because a peer died (``lost``: the
+    backend's words), or None where hybridpar's own ``--max-restarts`` launcher says it instead,
+    naming the rank it lost and how (one line for the job). An elastic agent restarts on the
+    processes left; torchrun's ``--max-restarts`` from the last checkpoint while restarts are left."""
+    if elastic:
+        return f"hybridpar: rank {rank}: lost a peer ({lost}); the elastic agent restarts the job on the processes left"
+    if os.environ.get(ERROR_DIR_ENV):
+        return None
+    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    left = most - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    then = (f"the launcher restarts the job from its last checkpoint ({left} of --max-restarts {most} left)" if left > 0
+            else f"no restarts left (--max-restarts {most}): the job stops")
+    return f"hybridpar: rank {rank}: lost a peer ({lost}); {then}"
+
+
+def says_job_notices() -> bool:
+    """Whether this process prints the job's one-time notices (config warnings, skipped
+    checkpoints found before training): not a worker of hybridpar's own launcher, which printed
+    them before starting its workers, and only rank 0 of another launcher's job."""
+    return not os.environ.get(ERROR_DIR_ENV) and os.environ.get("RANK", "0") == "0"

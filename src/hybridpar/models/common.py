@@ -1,4 +1,4 @@
-"""Pieces several families share: RoPE tables (Llama-like families), the metadata of packed
+"""Pieces several families share: RoPE tables (Llama-like families; :mod:`.rope`), the metadata of packed
 documents (every family: ``train.document_mask``), and the decoder naming conventions the
 parallelisms rely on (which modules are attention, blocks, ZeRO-3 units)."""
 
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import Axis
+from hybridpar.models.rope import precompute_rope
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -31,20 +32,6 @@ __all__ = ["DecoderChunk", "Documents", "column_parallel", "apply_rope", "attent
 
 
 # ----------------------------------------------------------------------------- RoPE
-
-
-def precompute_rope(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor, Tensor]:
-    """``(cos, sin)``, each fp32 ``[len(positions), head_dim]``, for the given token positions.
-
-    Positions are explicit (not ``arange``) so context parallelism can feed each rank its own,
-    non-contiguous chunk of the sequence. Frequencies are duplicated across the two halves of
-    the head, matching :func:`rotate_half`.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                              device=positions.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -91,10 +78,11 @@ class Documents:
     def to(self, device: torch.device | str) -> Documents:
         return Documents(self.segments.to(device), self.positions.to(device))
 
-    def rope(self, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-        """``(cos, sin)`` ``[B, 1, T, head_dim]`` for the document-relative positions."""
+    def rope(self, head_dim: int, theta: float, scaling: ModelConfig | None = None) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)`` ``[B, 1, T, head_dim]`` for the document-relative positions; ``scaling``:
+        the model config whose ``rope_*`` fields scale the frequencies (None: unscaled)."""
         b, t = self.positions.shape
-        cos, sin = precompute_rope(head_dim, self.positions.reshape(-1), theta)
+        cos, sin = precompute_rope(head_dim, self.positions.reshape(-1), theta, scaling)
         return cos.view(b, 1, t, head_dim), sin.view(b, 1, t, head_dim)
 
     def mask(self) -> Tensor:

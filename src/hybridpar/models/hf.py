@@ -51,14 +51,29 @@ def _read_config(hf_dir: str | Path) -> dict[str, Any]:
         raise HFError(f"{str(path)!r} is not valid JSON: {e}") from None
 
 
-def model_config_from_hf(hf_dir: str | Path) -> ModelConfig:
+def _unscaled_rope(c: dict[str, Any]) -> dict[str, Any]:
+    """``c`` with a RoPE scaling the models do not implement read as unscaled (the planner's view:
+    memory and time do not depend on the rotation)."""
+    from hybridpar.models.rope import ROPE_TYPES
+
+    out = dict(c)
+    for key in ("rope_parameters", "rope_scaling"):
+        p = c.get(key)
+        if isinstance(p, dict) and p.get("rope_type", p.get("type")) not in (None, *ROPE_TYPES):
+            out[key] = {k: v for k, v in p.items() if k == "rope_theta"} | {"rope_type": "default"}
+    return out
+
+
+def model_config_from_hf(hf_dir: str | Path, *, any_rope: bool = False) -> ModelConfig:
     """The :class:`ModelConfig` (family and shape) of the model in ``hf_dir/config.json``;
-    rejects what its family cannot represent exactly, naming the key and value."""
+    rejects what its family cannot represent exactly, naming the key and value. ``any_rope``
+    (the planner): a RoPE type the model does not implement is read as unscaled."""
     if (Path(hf_dir) / "complete.json").is_file():  # has a config.json too, but hybridpar's own
         raise HFError(f"{str(hf_dir)!r} is a hybridpar checkpoint, not a Hugging Face model directory: continue "
                       f"training from it with --resume {hf_dir}, or export it with "
                       f"`hybridpar convert {hf_dir} --to-hf DIR` and start from DIR")
     c = _read_config(hf_dir)
+    c = _unscaled_rope(c) if any_rope else c
     where = str(Path(hf_dir) / "config.json")
     model_type = c.get("model_type")
     if model_type not in FAMILIES:

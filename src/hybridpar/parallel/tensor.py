@@ -85,8 +85,27 @@ def _per_rank(total: int, axis: Axis, what: str) -> int:
     return total // axis.size
 
 
-def _zeros(*shape: int, device: Any = None, dtype: Any = None) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape, device=device, dtype=dtype))
+def _empty(*shape: int, device: Any = None, dtype: Any = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+
+
+def _full_init_generator(init_seed: int | None) -> torch.Generator:
+    """The CPU generator a layer draws its full initial tensors from: seeded by ``init_seed``, or
+    (None) by a seed drawn from torch's global generator, as ``nn.Linear`` draws from it, so
+    ranks that seed torch alike and build the same layers in the same order agree."""
+    if init_seed is None:
+        init_seed = int(torch.randint(0, 2**62, (1,)).item())
+    return torch.Generator(device="cpu").manual_seed(init_seed)
+
+
+def _linear_init(out_f: int, in_f: int, bias: bool, init_seed: int | None) -> tuple[Tensor, Tensor | None]:
+    """Full ``nn.Linear`` initial values of a ``[out_f, in_f]`` layer: weight and bias uniform in
+    ``+-1 / sqrt(in_f)`` (``reset_parameters``' kaiming_uniform(a=sqrt(5)) bound), drawn whole so
+    every tp layout keeps shards of the same tensors (design principle 7)."""
+    gen = _full_init_generator(init_seed)
+    bound = 1.0 / in_f ** 0.5 if in_f > 0 else 0.0
+    weight = torch.empty(out_f, in_f).uniform_(-bound, bound, generator=gen)
+    return weight, torch.empty(out_f).uniform_(-bound, bound, generator=gen) if bias else None
 
 
 class _ParallelLinear(nn.Module):
@@ -97,12 +116,19 @@ class _ParallelLinear(nn.Module):
         """The layer whose shard is taken from the full ``weight [out, in]`` (and ``bias``)."""
         out_f, in_f = weight.shape
         layer = cls(in_f, out_f, axis, bias=bias is not None, device=weight.device,
-                    dtype=weight.dtype, **kwargs)
+                    dtype=weight.dtype, init=False, **kwargs)
         layer.load_full(weight, bias)
         return layer
 
     def load_full(self, weight: Tensor, bias: Tensor | None = None) -> None:
         raise NotImplementedError
+
+    def _initialise(self, init: bool, init_seed: int | None) -> None:
+        """``nn.Linear``'s initial values, layout-independent (:func:`_linear_init`); ``init``
+        False leaves the parameters unset for :meth:`load_full`."""
+        if init:
+            weight, bias = _linear_init(self.out_features, self.in_features, self.bias is not None, init_seed)
+            self.load_full(weight, bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -114,21 +140,25 @@ class ColumnParallelLinear(_ParallelLinear):
     all-reduce of the input gradient happens once for the group, not once per layer.
     Output: this rank's ``[.., out / tp]`` features, or with ``gather_output`` all of them.
 
-    Parameters start at zero: fill them with :meth:`load_full` (or build with :meth:`from_full`).
+    Parameters start as ``nn.Linear``'s (uniform in ``+-1 / sqrt(in_features)``), drawn as the
+    full tensor from ``init_seed`` (None: a seed from torch's global generator) and sharded, so
+    every tp size gets the same layer; or build from given weights with :meth:`from_full` /
+    :meth:`load_full` (``init=False`` skips the draw).
     """
 
     def __init__(self, in_features: int, out_features: int, axis: Axis, *, bias: bool = False,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  sync_input: bool = True, seq_dim: int = 1, device: Any = None,
-                 dtype: Any = None) -> None:
+                 dtype: Any = None, init: bool = True, init_seed: int | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.axis = axis
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.sync_input, self.seq_dim = sync_input, seq_dim
         local = _per_rank(out_features, axis, "ColumnParallelLinear out_features")
-        self.weight = _zeros(local, in_features, device=device, dtype=dtype)
-        self.bias = _zeros(local, device=device, dtype=dtype) if bias else None
+        self.weight = _empty(local, in_features, device=device, dtype=dtype)
+        self.bias = _empty(local, device=device, dtype=dtype) if bias else None
+        self._initialise(init, init_seed)
 
     @torch.no_grad()
     def load_full(self, weight: Tensor, bias: Tensor | None = None) -> None:
@@ -157,20 +187,23 @@ class RowParallelLinear(_ParallelLinear):
     Input: this rank's ``[.., in / tp]`` features (``input_is_parallel``), or the replicated full
     input, which is split first. Output: the sum over tp (all-reduce), or with
     ``sequence_parallel`` this rank's sequence shard of the sum (reduce-scatter). The bias is
-    replicated and added once, after the reduction.
+    replicated and added once, after the reduction. Initial values as
+    :class:`ColumnParallelLinear`'s (``init``, ``init_seed``).
     """
 
     def __init__(self, in_features: int, out_features: int, axis: Axis, *, bias: bool = False,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 seq_dim: int = 1, device: Any = None, dtype: Any = None) -> None:
+                 seq_dim: int = 1, device: Any = None, dtype: Any = None, init: bool = True,
+                 init_seed: int | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.axis = axis
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.seq_dim = seq_dim
         local = _per_rank(in_features, axis, "RowParallelLinear in_features")
-        self.weight = _zeros(out_features, local, device=device, dtype=dtype)
-        self.bias = _zeros(out_features, device=device, dtype=dtype) if bias else None
+        self.weight = _empty(out_features, local, device=device, dtype=dtype)
+        self.bias = _empty(out_features, device=device, dtype=dtype) if bias else None
+        self._initialise(init, init_seed)
 
     @torch.no_grad()
     def load_full(self, weight: Tensor, bias: Tensor | None = None) -> None:
@@ -201,11 +234,14 @@ class VocabParallelEmbedding(nn.Module):
     in its range (others give zero vectors) and the results are summed over tp (all-reduce), or
     with ``sequence_parallel`` summed and sequence-scattered (reduce-scatter): the output is then
     ``[batch, seq / tp, dim]``. Padded rows are never looked up, so their gradient is zero.
+    Initial values as ``nn.Embedding``'s (normal(0, 1)), drawn as the full table from
+    ``init_seed`` (None: a seed from torch's global generator) and sharded; ``init=False`` leaves
+    them for :meth:`load_full` (:meth:`from_full` does).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, axis: Axis, *,
                  sequence_parallel: bool = False, seq_dim: int = 1, device: Any = None,
-                 dtype: Any = None) -> None:
+                 dtype: Any = None, init: bool = True, init_seed: int | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.axis = axis
@@ -213,13 +249,15 @@ class VocabParallelEmbedding(nn.Module):
         self.padded_num_embeddings = padded_size(num_embeddings, axis.size)
         local = self.padded_num_embeddings // axis.size
         self.vocab_start, self.vocab_end = axis.rank * local, (axis.rank + 1) * local
-        self.weight = _zeros(local, embedding_dim, device=device, dtype=dtype)
+        self.weight = _empty(local, embedding_dim, device=device, dtype=dtype)
+        if init:
+            self.load_full(torch.empty(num_embeddings, embedding_dim).normal_(generator=_full_init_generator(init_seed)))
 
     @classmethod
     def from_full(cls, weight: Tensor, axis: Axis, **kwargs: Any) -> VocabParallelEmbedding:
         """The layer whose shard is taken from the full (unpadded) ``weight [vocab, dim]``."""
         vocab, dim = weight.shape
-        layer = cls(vocab, dim, axis, device=weight.device, dtype=weight.dtype, **kwargs)
+        layer = cls(vocab, dim, axis, device=weight.device, dtype=weight.dtype, init=False, **kwargs)
         layer.load_full(weight)
         return layer
 

@@ -81,6 +81,7 @@ class AutoChoice:
     source: str = ""
     world: int = 1
     pinned: dict[str, object] = field(default_factory=dict)
+    reason: str = ""  # why the best was chosen
 
     def explain(self, top: int = 5) -> str:
         """What the CLI prints: the choice, the runners-up and what was ruled out."""
@@ -90,6 +91,8 @@ class AutoChoice:
                  f"hybridpar: chose {describe(b.layout)}: predicted {b.cost.step_time_s:.3f} s/step, "
                  f"{b.cost.tokens_per_s:,.0f} tokens/s, {b.memory.total / GiB:.2f} of {b.capacity / GiB:.1f} GiB "
                  "per rank"]
+        if self.reason:
+            lines.append(f"hybridpar: why: {self.reason}")
         if self.pinned:
             lines.append("hybridpar: kept from the config: " + ", ".join(f"{k}={v}" for k, v in self.pinned.items()))
         lines += [f"  {'rank':>4}  {'layout':<52} {'step s':>8} {'vs best':>8} {'GiB':>6}"]
@@ -190,13 +193,45 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
             else:
                 rejected[why] = rejected.get(why, 0) + 1
     ranked.sort(key=lambda e: (e.cost.step_time_s, e.layout.world_size - e.layout.dp))  # type: ignore[union-attr]
+    if "zero_stage" not in pinned:
+        ranked = _zero3_where_needed(ranked, rejected)
     if not ranked:
         reasons = "; ".join(f"{why} ({n}x)" for why, n in sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
         kept = f" keeping {', '.join(f'{k}={v}' for k, v in pinned.items())}" if pinned else ""
         raise ConfigError(f"parallel.auto found no layout of this model that the trainer can run on {world} "
                           f"process(es){kept}: {reasons}; change the world size (--nproc), the batch sizes"
                           f"{' or the settings kept' if pinned else ''}")
-    return AutoChoice(ranked[0], ranked, rejected, gpu.name, source, world, pinned)
+    return AutoChoice(ranked[0], ranked, rejected, gpu.name, source, world, pinned, _reason(ranked, rejected,
+                                                                                      "zero_stage" in pinned))
+
+
+ZERO3_UNNEEDED = ("ZeRO-3 where a layout without it fits (its per-layer parameter gathers cost more than "
+                  "the cost model predicts for small layers; it is for models that need its memory)")
+
+
+def _zero3_where_needed(ranked: list[Evaluation], rejected: dict[str, int]) -> list[Evaluation]:
+    """``ranked`` without its ZeRO-3 layouts when any layout without ZeRO-3 runs (counted in
+    ``rejected``): ZeRO-3 buys memory, and its gather latency is where the predictions of small
+    models run furthest ahead of the measured step time."""
+    lower = [e for e in ranked if e.layout.zero_stage < 3]
+    if lower and len(lower) < len(ranked):
+        rejected[ZERO3_UNNEEDED] = len(ranked) - len(lower)
+        return lower
+    return ranked
+
+
+def _reason(ranked: list[Evaluation], rejected: dict[str, int], zero_pinned: bool) -> str:
+    """Why the first of ``ranked`` was chosen, in one sentence."""
+    best = ranked[0]
+    assert best.memory is not None
+    why = (f"the fastest predicted of {len(ranked)} runnable layouts; it fits in {best.memory.total / GiB:.2f} of "
+           f"{best.capacity / GiB:.1f} GiB per rank with ZeRO-{best.layout.zero_stage} and recompute "
+           f"{best.layout.recompute}")
+    if best.layout.zero_stage == 3:
+        why += " (ZeRO-3 kept from the config)" if zero_pinned else " (ZeRO-3: no layout without it fits)"
+    elif ZERO3_UNNEEDED in rejected:
+        why += "; ZeRO-3 layouts were left out: not needed for memory here"
+    return why
 
 
 def plan_for_launch(cfg: Config, world: int, device_type: str, gpus_per_node: int | None = None,

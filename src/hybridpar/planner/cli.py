@@ -73,7 +73,7 @@ def load_model(spec: str) -> ModelConfig:
     if path.exists():
         from hybridpar.models.hf import model_config_from_hf
 
-        return model_config_from_hf(path.parent if path.is_file() else path)
+        return model_config_from_hf(path.parent if path.is_file() else path, any_rope=True)
     if spec in MODEL_PRESETS:
         return model_preset(spec)
     raise PlanError(f"--model {spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor an existing "
@@ -130,6 +130,12 @@ def explain(ev: Evaluation, moe: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _named(L: Layout) -> str:
+    """``dp=8,tp=1,pp=4,cp=1 zb-h1``: a layout's axes and, with a pipeline, its schedule; without
+    one, ``(no pipeline)`` (its schedule field names nothing that runs)."""
+    return f"{L.short()} {_schedule(L) if L.pp > 1 else '(no pipeline)'}"
+
+
 def _schedule(L: Layout) -> str:
     """``zb-h1``, ``interleaved x4``: a layout's schedule as the explanations name it."""
     return L.pipeline_schedule + (f" x{L.virtual_stages}" if L.virtual_stages > 1 else "")
@@ -174,12 +180,12 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
     lines = [f"fastest of {result.fitting} fitting layouts: {c.step_time_s:.3f} s per step"]
     if len(result.ranked) > 1 and result.ranked[1].cost is not None:
         nxt = result.ranked[1]
-        lines[0] += (f"; the next, {nxt.layout.short()} {_schedule(nxt.layout)}, {nxt.cost.step_time_s:.3f} s "
+        lines[0] += (f"; the next, {_named(nxt.layout)}, {nxt.cost.step_time_s:.3f} s "
                      f"(+{100 * (nxt.cost.step_time_s / c.step_time_s - 1):.1f}%)")
     lines.append(f"memory {m.total / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB on the worst pipeline rank "
                  f"(ZeRO-{L.zero_stage}, recompute {L.recompute})")
     lines += pipeline_reasons(model, best, work, cluster)
-    return [f"why {L.short()} {_schedule(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
+    return [f"why {_named(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -205,7 +211,8 @@ def cmd_plan(argv: list[str]) -> int:
             if moe and best.cost is not None:
                 print(explain_ep(model, best, work, cluster, imbalance, source))
         return 0 if best.fits else 1
-    result = search(model, work, cluster, top=args.top)
+    result = search(model, work, cluster, top=args.top, runnable_top=True)
+    unbuilt = unbuilt_gain(result)
     if args.json:
         doc = {**head, "layouts": [e.to_json() for e in result.ranked[:args.top]],
                "too_big": [with_cost(e, model, work, cluster).to_json()
@@ -213,6 +220,8 @@ def cmd_plan(argv: list[str]) -> int:
                "rejected": {rule: len(ls) for rule, ls in result.rejected_rules.items()}}
         if result.ranked:
             doc["why"] = why(model, result, work, cluster)
+        if unbuilt is not None:
+            doc["unbuilt"] = {**unbuilt[0].to_json(), "gain": round(unbuilt[1], 4)}
         print(json.dumps(doc, indent=1))
         return 0 if result.ranked else 1
     if not result.ranked:
@@ -222,6 +231,8 @@ def cmd_plan(argv: list[str]) -> int:
             msg += f"; the closest ({near.layout.short()}) needs {near.shortfall_gib:.2f} GiB more per GPU"
         elif result.rejected_rules:
             msg += "; every factorisation breaks a rule: " + "; ".join(list(result.rejected_rules)[:3])
+        if unbuilt is not None:
+            msg += f"; {_unbuilt_line(*unbuilt)}"
         print(f"hybridpar: {msg}", file=sys.stderr)
         return 1
     print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, global batch "
@@ -231,13 +242,34 @@ def cmd_plan(argv: list[str]) -> int:
         print(_row(ev, moe))
     print(f"\n{result.fitting} layouts fit; {len(result.too_big)} do not fit; "
           f"{sum(map(len, result.rejected_rules.values()))} break a rule")
-    best = result.ranked[0]
     print("\n".join(why(model, result, work, cluster)))
     if moe:
-        print(explain_ep(model, best, work, cluster, imbalance, source))
-    if best.note:
-        print(f"note: the best layout needs a feature not built in this version: {best.note}")
+        print(explain_ep(model, result.ranked[0], work, cluster, imbalance, source))
+    if unbuilt is not None:
+        print(_unbuilt_line(*unbuilt))
     return 0
+
+
+def _unbuilt_line(ev: Evaluation, gain: float) -> str:
+    """The best layout set aside as unbuilt, its predicted step time and gain, and why."""
+    assert ev.cost is not None
+    faster = f", {100 * gain:.1f}% faster than the best above" if gain > 0 else ""
+    return (f"not ranked: {_named(ev.layout)} (ZeRO-{ev.layout.zero_stage}) would take {ev.cost.step_time_s:.3f} s "
+            f"per step{faster}, but this version's trainer cannot run it: {ev.note}")
+
+
+def unbuilt_gain(result: SearchResult) -> tuple[Evaluation, float] | None:
+    """The best layout the search set aside as unbuilt and how much faster it would be than the
+    best that runs (``0.1``: 10% less step time), when it is faster (or nothing runs)."""
+    ev = result.unbuilt
+    if ev is None or ev.cost is None or not ev.fits:
+        return None
+    if not result.ranked:
+        return ev, 0.0
+    best = result.ranked[0].cost
+    assert best is not None
+    gain = 1 - ev.cost.step_time_s / best.step_time_s
+    return (ev, gain) if gain > 0 else None
 
 
 def explain_ep(model: ModelConfig, best: Evaluation, work: Workload, cluster: Cluster, imbalance: float,

@@ -328,6 +328,7 @@ class SearchResult:
     rejected_rules: dict[str, list[Layout]] = field(default_factory=dict)
     too_big: list[Evaluation] = field(default_factory=list)
     unranked: list[Evaluation] = field(default_factory=list)
+    unbuilt: Evaluation | None = None  # the best layout set aside as unbuilt (search's runnable_top)
 
     def smallest_shortfall(self) -> Evaluation | None:
         return min(self.too_big, key=lambda e: e.shortfall_gib, default=None)
@@ -339,12 +340,13 @@ class SearchResult:
 
 
 def search(model: ModelConfig, work: Workload, cluster: Cluster, *,
-           runnable_only: bool = False, top: int | None = None) -> SearchResult:
+           runnable_only: bool = False, top: int | None = None, runnable_top: bool = False) -> SearchResult:
     """Every factorisation of the cluster, completed and ranked (fastest first, then smallest).
     ``top``: only the ``top`` best need completing (with their costs); the other fitting
     factorisations stay in ``unranked`` and the misses in ``too_big`` without costs (the
     simulations that would take the time are skipped; :func:`with_cost` adds one). Ignored with
-    ``runnable_only``."""
+    ``runnable_only``. ``runnable_top`` (with ``top``): rank only options this version's trainer
+    runs, and keep the best of the others in ``unbuilt`` (:func:`_set_aside_unbuilt`)."""
     result = SearchResult([])
     top = None if top is None else max(1, top)
     found: list[tuple[list[Option], list[Evaluation]]] = []
@@ -378,8 +380,32 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, *,
     if top is None or runnable_only:
         result.ranked.sort(key=rank_key)
         return result
+    if runnable_top:
+        found, result.unbuilt = _set_aside_unbuilt(found, model, work, cluster)
     _top_ranked(result, found, top, model, work, cluster)
     return result
+
+
+def _set_aside_unbuilt(found: list[tuple[list[Option], list[Evaluation]]], model: ModelConfig, work: Workload,
+                       cluster: Cluster) -> tuple[list[tuple[list[Option], list[Evaluation]]], Evaluation | None]:
+    """``found`` with only the options the trainer runs (no runtime note; a factorisation left
+    with none drops out), and the fastest of the options set aside, with its cost and note
+    (branch and bound on the options' lower bounds, as :func:`best_for_axes`)."""
+    kept: list[tuple[list[Option], list[Evaluation]]] = []
+    aside: list[Option] = []
+    for options, misses in found:
+        runs = [o for o in options if runtime_note(model, o[2].layout, work) is None]
+        aside += [o for o in options if runtime_note(model, o[2].layout, work) is not None]
+        if runs:
+            kept.append((runs, misses))
+    best: Evaluation | None = None
+    for bound, _, ev in sorted(aside, key=lambda o: (o[0], o[1])):
+        if best is not None and bound > best.cost.step_time_s * (1 + PRUNE_MARGIN):  # type: ignore[union-attr]
+            break
+        ev.cost = step_cost(model, ev.layout, work, cluster)
+        if best is None or rank_key(ev) < rank_key(best):
+            best = ev
+    return kept, None if best is None else _finish(best, model, work, cluster)
 
 
 def with_cost(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Cluster) -> Evaluation:

@@ -42,6 +42,16 @@ def _rope_even(m: ModelConfig) -> str | None:
     return None
 
 
+@model_rule("model-rope-type")
+def _rope_type(m: ModelConfig) -> str | None:
+    types = ("default", "linear", "dynamic", "yarn", "llama3")  # hybridpar.models.rope.ROPE_TYPES
+    if m.rope_type not in types:
+        return f"model.rope_type = {m.rope_type!r} is not supported; supported: {', '.join(types)}"
+    if m.family == "gpt2" and m.rope_type != "default":
+        return f"model.rope_type = {m.rope_type!r}: gpt2 has learned positions, no RoPE; set --model.rope_type default"
+    return None
+
+
 @model_rule("model-gqa-groups")
 def _gqa(m: ModelConfig) -> str | None:
     if m.n_kv_heads > m.n_heads or m.n_heads % m.n_kv_heads:

@@ -20,10 +20,13 @@ def sample(
     seed: int = 0,
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[int]:
-    """Autoregressive top-k sampling; returns prompt + new tokens. Deterministic for a seed.
+    """Autoregressive top-k sampling; returns prompt + new tokens (none for an empty prompt).
+    Deterministic for a seed.
 
     ``forward`` maps tokens to full-vocabulary logits (default: ``model`` itself); a parallel
     model passes one that gathers vocab-sharded logits."""
+    if not prompt:  # nothing to continue (e.g. train.sample_prompt = ""): no sample
+        return []
     forward = forward or model
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed)

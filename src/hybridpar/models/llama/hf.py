@@ -6,14 +6,17 @@ Mistral): they share these keys and differ in a few features their folders check
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from hybridpar.config import ModelConfig
 from hybridpar.models.family import HFError, HFMapping, bad_value, rename_key, unexportable
+from hybridpar.models.rope import ROPE_TYPES
 
-__all__ = ["LlamaHF", "from_hf_key", "hf_key", "llama_config_from_hf", "llama_hf_config", "to_hf_config_dict"]
+__all__ = ["LlamaHF", "from_hf_key", "hf_key", "llama_config_from_hf", "llama_hf_config", "rope_fields",
+           "to_hf_config_dict"]
 
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -51,15 +54,71 @@ def _rope_type(rope: Any) -> str | None:
     return rope.get("rope_type", rope.get("type"))
 
 
+def _yarn_attention_factor(p: Mapping[str, Any], factor: float) -> float:
+    """transformers' yarn temperature when the config states none: from ``mscale`` and
+    ``mscale_all_dim`` when both are set, else 0 (= ``0.1 ln(factor) + 1``, derived later)."""
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        return 0.0
+
+    def get_mscale(scale: float, m: float) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+
+
+def rope_fields(c: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The ``ModelConfig`` ``rope_*`` fields of ``c``'s ``rope_parameters`` (transformers 5.x) or
+    ``rope_scaling`` (4.x); :class:`HFError` naming the key for a type :mod:`~hybridpar.models.rope`
+    does not implement (e.g. ``longrope``)."""
+    key = next((k for k in ("rope_parameters", "rope_scaling") if _rope_type(c.get(k)) not in (None, "default")), None)
+    if key is None:
+        return {}
+    p, kind = c[key], _rope_type(c[key])
+    if kind not in ROPE_TYPES:
+        raise bad_value(where, key, p, f"rope_type {kind!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
+    max_len = c.get("max_position_embeddings", 0)
+    original = c.get("original_max_position_embeddings") or p.get("original_max_position_embeddings") or max_len
+    factor = p.get("factor")
+    if factor is None and kind == "yarn" and original:
+        factor = max_len / original
+    if factor is None:
+        raise bad_value(where, key, p, f"rope_type {kind!r} needs a factor")
+    out: dict[str, Any] = {"rope_type": kind, "rope_factor": float(factor)}
+    if kind == "llama3":
+        out.update(rope_original_max_len=int(original), rope_low_freq_factor=float(p["low_freq_factor"]),
+                   rope_high_freq_factor=float(p["high_freq_factor"]))
+    if kind == "yarn":
+        out.update(rope_original_max_len=int(original), rope_beta_fast=float(p.get("beta_fast") or 32),
+                   rope_beta_slow=float(p.get("beta_slow") or 1), rope_truncate=bool(p.get("truncate", True)),
+                   rope_attention_factor=_yarn_attention_factor(p, float(factor)))
+    return out
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """``rope_parameters`` of ``cfg`` for ``config.json`` (the inverse of :func:`rope_fields`)."""
+    out: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type != "default":
+        out["factor"] = cfg.rope_factor
+    if cfg.rope_type in ("llama3", "yarn"):
+        out["original_max_position_embeddings"] = cfg.rope_original_max_len or cfg.max_seq_len
+    if cfg.rope_type == "llama3":
+        out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
+    if cfg.rope_type == "yarn":
+        out.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
+        if cfg.rope_attention_factor:
+            out["attention_factor"] = cfg.rope_attention_factor
+    return out
+
+
 def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family: str,
                          qkv_bias: bool = False, qk_norm: bool = False, default_theta: float = 10000.0) -> ModelConfig:
     """The :class:`ModelConfig` of a Llama-like ``config.json`` ``c`` (read from ``where``);
     :class:`HFError` naming key and value for what the model cannot represent exactly.
     ``default_theta``: the RoPE base transformers uses for this family when ``c`` names none."""
-    for key in ("rope_scaling", "rope_parameters"):
-        kind = _rope_type(c.get(key))
-        if kind not in (None, "default"):
-            raise bad_value(where, key, c[key], "RoPE scaling is not implemented; only rope_type 'default'")
+    rope_scaling = rope_fields(c, where)
     for key in ("attention_bias", "mlp_bias"):
         if c.get(key, False):
             raise bad_value(where, key, c[key], f"{family} has no biases there")
@@ -79,7 +138,7 @@ def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family:
     return ModelConfig(preset=f"hf:{name}", family=family, **shape,
                        n_kv_heads=c.get("num_key_value_heads") or heads, rope_theta=float(theta),
                        norm_eps=float(c["rms_norm_eps"]), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                       qkv_bias=qkv_bias, qk_norm=qk_norm, kv_channels=kv_channels)
+                       qkv_bias=qkv_bias, qk_norm=qk_norm, kv_channels=kv_channels, **rope_scaling)
 
 
 def llama_hf_config(cfg: ModelConfig, model_type: str, architecture: str, moe: bool = False) -> dict[str, Any]:
@@ -104,7 +163,7 @@ def llama_hf_config(cfg: ModelConfig, model_type: str, architecture: str, moe: b
         "initializer_range": 0.02,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": _rope_parameters(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": 0.0,
     }

@@ -30,6 +30,7 @@ from hybridpar.models.common import (
     segment_positions,
 )
 from hybridpar.models.moe import AuxLossScale, MoE
+from hybridpar.models.rope import check_rope_type
 
 __all__ = [
     "Attention",
@@ -154,6 +155,7 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.rope_scaling = check_rope_type(cfg)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.moe_aux = AuxLossScale()  # MoE layers' auxiliary losses: backward scale and running value
         self.layers = nn.ModuleList(Block(cfg, i, self.moe_aux) for i in range(cfg.n_layers))
@@ -172,7 +174,8 @@ class Llama(nn.Module):
             return self._forward_documents(tokens, docs.to(tokens.device))
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = precompute_rope(self.cfg.head_dim, positions.to(tokens.device), self.cfg.rope_theta)
+        cos, sin = precompute_rope(self.cfg.head_dim, positions.to(tokens.device), self.cfg.rope_theta,
+                                   self.rope_scaling)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
@@ -182,7 +185,7 @@ class Llama(nn.Module):
         return self.output(h)
 
     def _forward_documents(self, tokens: Tensor, docs: Documents) -> Tensor:
-        cos, sin = docs.rope(self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = docs.rope(self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, docs)

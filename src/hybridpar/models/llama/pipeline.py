@@ -27,6 +27,7 @@ class LlamaChunk(DecoderChunk):
         super().__init__(model, spec)
         self.head_dim = model.cfg.head_dim
         self.rope_theta = model.cfg.rope_theta
+        self.rope_scaling = model.cfg
 
     def forward(self, x: Tensor, positions: Tensor | None = None, docs: Documents | None = None) -> Tensor:
         """Tokens ``[B, T]`` (first chunk) or hidden ``[B, T, dim]`` -> hidden, or logits
@@ -41,7 +42,7 @@ class LlamaChunk(DecoderChunk):
             positions = torch.arange(length, device=x.device)
         if self.spec.embedding:
             x = self.tok_embeddings(x)
-        cos, sin = precompute_rope(self.head_dim, positions.to(x.device), self.rope_theta)
+        cos, sin = precompute_rope(self.head_dim, positions.to(x.device), self.rope_theta, self.rope_scaling)
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if not self.spec.head:
@@ -51,7 +52,7 @@ class LlamaChunk(DecoderChunk):
     def _forward_documents(self, x: Tensor, docs: Documents) -> Tensor:
         if self.spec.embedding:
             x = self.tok_embeddings(x)
-        cos, sin = docs.rope(self.head_dim, self.rope_theta)
+        cos, sin = docs.rope(self.head_dim, self.rope_theta, self.rope_scaling)
         for layer in self.layers.values():
             x = layer(x, cos, sin, docs)
         return self.head(x) if self.spec.head else x

@@ -15,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from hybridpar.distributed.lifecycle import says_job_notices
 from hybridpar.training.checkpoint.durable import fsync_dir
 from hybridpar.training.checkpoint.manifest import COMPLETE, is_complete, problem
 from hybridpar.training.checkpoint.safe_metadata import CheckpointError
@@ -117,7 +118,7 @@ def resolve_resume(resume: str, run_dir: Path) -> Path:
     if resume == "latest":
         recover(run_dir)
         found, skipped = latest_verified_checkpoint(run_dir)
-        if os.environ.get("RANK", "0") == "0":
+        if says_job_notices():  # once: the launcher's check, or rank 0 of another launcher's job
             for _, why in skipped:
                 print(f"hybridpar: warning: skipping checkpoint {why}", file=sys.stderr, flush=True)
         if found is None:
@@ -149,6 +150,9 @@ def _not_a_checkpoint(path: Path, resume: bool) -> str:
         if resume:
             return f"is a Hugging Face model directory, not a checkpoint; use --train.init_from {path}"
         return f"is a Hugging Face model directory, not a hybridpar checkpoint; train from it with --train.init_from {path}"
+    if (path / "meta.json").is_file() and any(path.glob("*.bin")):  # hybridpar.data's prepared dataset
+        return (f"is a prepared dataset, not a checkpoint; train on it with --train.data {path}"
+                + (" (--resume takes a checkpoint directory or a run directory)" if resume else ""))
     return f"checkpoint is incomplete (no {COMPLETE}); it was interrupted while saving — pick an earlier one"
 
 

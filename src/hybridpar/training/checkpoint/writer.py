@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from hybridpar.distributed.mesh import Axis, Topology
+from hybridpar.errors import agreed
 from hybridpar.fsutil import dir_mode, publish_modes
 from hybridpar.training.checkpoint.durable import (
     disk_full,
@@ -168,20 +169,20 @@ def _agree(axis: Axis, error: BaseException | str | None, path: Path, tmp: Path,
     if axis.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(error, str):
-        raise CheckpointError(error)
+        raise agreed(CheckpointError(error), own=True)
     if error is None:
-        raise CheckpointError(f"checkpoint {path} was not saved: rank {failed - 1} could not write it (see its "
-                              "error); the previous checkpoints are intact")
+        raise agreed(CheckpointError(f"checkpoint {path} was not saved: rank {failed - 1} could not write it (see "
+                                     "its error); the previous checkpoints are intact"), own=False)
     if disk_full(error):
         free = free_bytes(path.parent)
-        raise CheckpointError(f"checkpoint {path} does not fit on the disk: it needs about {size_text(need)}, "
-                              f"{path.parent} has {size_text(free) if free is not None else 'unknown'} free "
-                              f"({reason(error)}); free some space, keep fewer checkpoints "
-                              "(train.keep_checkpoints) or use another train.run_dir — the previous "
-                              "checkpoints are intact") from None
+        raise agreed(CheckpointError(f"checkpoint {path} does not fit on the disk: it needs about {size_text(need)}, "
+                                     f"{path.parent} has {size_text(free) if free is not None else 'unknown'} free "
+                                     f"({reason(error)}); free some space, keep fewer checkpoints "
+                                     "(train.keep_checkpoints) or use another train.run_dir — the previous "
+                                     "checkpoints are intact"), own=True) from None
     if isinstance(error, OSError) or isinstance(root_cause(error), OSError):
-        raise CheckpointError(f"checkpoint {path} could not be written: {reason(error)}; "
-                              "the previous checkpoints are intact") from None
+        raise agreed(CheckpointError(f"checkpoint {path} could not be written: {reason(error)}; "
+                                     "the previous checkpoints are intact"), own=True) from None
     raise error
 
 
