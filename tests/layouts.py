@@ -1,8 +1,9 @@
 """Running any layout in the tests: one config spelling, one trainer construction, one training
 worker, one comparison with the single-process reference.
 
-* :func:`make_config`: the small test model's config (``test_trainer.SMALL``) plus flags.
-* :func:`trainer_for`: topology, then Trainer (a context manager: the topology closes after).
+* :func:`make_config`: the small test model's config (:data:`SMALL`) plus flags.
+* :func:`trainer_for`: topology, then Trainer (a context manager: the topology closes after);
+  :func:`make_trainer` for a trainer that outlives the block (its topology is never closed).
 * :class:`Run`: what to train (flags, steps, a checkpoint to resume from or save at, probes);
   :func:`train_layout` trains it on the reused worker pool (``harness.run_distributed``) and
   returns each rank's :class:`Trained`; :func:`reference` trains it in this process, once.
@@ -26,13 +27,19 @@ import pytest
 import torch
 from harness import run_distributed
 from numerics import LOSS_RTOL
-from test_trainer import SMALL
 
 from hybridpar.config import Config, ModelConfig, load_config
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
 from hybridpar.training.trainer import Trainer
 
+# The small model and run of the tests: a few ms per step, every parallel axis divides it.
+SMALL = [
+    "--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+    "--model.ffn_hidden", "64", "--model.max_seq_len", "64",
+    "--train.seq_len", "32", "--train.global_batch", "8", "--train.micro_batch", "2",
+    "--train.warmup_steps", "2", "--train.eval_batches", "1", "--train.sample_tokens", "16",
+]
 LR = 3e-3  # the layout tests' learning rate (high enough that a layout bug shows within STEPS)
 STEPS = 3
 
@@ -53,6 +60,11 @@ def trainer_for(cfg: Config, **kwargs: Any) -> Iterator[Trainer]:
     the topology's groups are destroyed when the block ends. ``kwargs`` go to ``Trainer``."""
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
         yield Trainer(cfg, topo, **kwargs)
+
+
+def make_trainer(cfg: Config, **kwargs: Any) -> Trainer:
+    """A Trainer of ``cfg`` on a topology left open (for tests that keep the trainer around)."""
+    return Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"), **kwargs)
 
 
 @dataclass(frozen=True)
