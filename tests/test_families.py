@@ -20,7 +20,7 @@ import pytest
 import test_layouts
 import torch
 import torch.nn.functional as F
-from layouts import Run, Trained, assert_trains_like, train, train_layout
+from layouts import Run, Trained, assert_trains_like, train_layout, train_one_thread
 from safetensors.torch import load_file
 
 from hybridpar.cli import main
@@ -225,12 +225,7 @@ def reference(name: str, base_dir: str) -> Trained:
     """One process: losses, final weights, logits; and transformers' logits and its loss on
     step 1's batch."""
     hf = hf_dir(name, base_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers: tiny ops, busy shared cores (5x faster here)
-    try:
-        ref = train(0, 1, imported_run(hf, str(Path(base_dir) / f"run-{name}-one")))
-    finally:
-        torch.set_num_threads(threads)
+    ref = train_one_thread(imported_run(hf, str(Path(base_dir) / f"run-{name}-one")))
     model = hf_lib().AutoModelForCausalLM.from_pretrained(hf).eval()
     with torch.no_grad():
         ref.extra["hf_loss"] = torch.stack([F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
