@@ -71,7 +71,6 @@ def rank_load_of(experts: tuple[int, ...], n_experts: int, ep: int, ep_rank: int
 def _count(rank: int, world: int, tmp: str, cases: list[tuple[str, str]]) -> dict:
     """Per case: this rank's coordinates, payload bytes per axis of the second train step, and
     the all-to-all wire bytes on ep, with the routing forced."""
-
     out = {}
     for layout, route in cases:
         cfg = make_config(tmp, *MOE, *LAYOUTS[layout], lr=None)
@@ -223,7 +222,6 @@ def test_imbalance_from_run(tmp_path):
 
 def test_from_run_reads_a_real_run(tmp_path):
     """A short tiny MoE run's summary.json feeds `plan --from-run` (the keys the trainer writes)."""
-
     cfg = load_config(None, [*SMALL, *MOE, "--train.steps", "2", "--train.log_every", "1", "--train.eval_every", "0",
                              "--train.run_dir", str(tmp_path / "run")])
     summary = make_trainer(cfg).fit()

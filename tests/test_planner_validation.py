@@ -235,7 +235,6 @@ def _comm_config(tmp: str, name: str):
 def _count_step(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int, dict[str, int]]]:
     """Per layout: (pipeline rank, dp x cp rank, payload bytes per axis of one train step after a
     warm-up step)."""
-
     out = {}
     for name in names:
         cfg = _comm_config(tmp, name)
