@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from layouts import make_trainer, trainer_for
+from layouts import SMALL, make_trainer, trainer_for
 from test_checkpoint import losses, make, weights
-from test_trainer import SMALL
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridpar.cli import main

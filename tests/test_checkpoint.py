@@ -6,8 +6,7 @@ import pickle
 
 import pytest
 import torch
-from layouts import make_trainer, trainer_for
-from test_trainer import SMALL
+from layouts import SMALL, make_trainer, trainer_for
 
 from hybridpar.cli import main
 from hybridpar.config import load_config

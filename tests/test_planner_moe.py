@@ -15,8 +15,7 @@ import json
 
 import pytest
 import torch
-from layouts import make_config, make_trainer, trainer_for
-from test_trainer import SMALL
+from layouts import SMALL, make_config, make_trainer, trainer_for
 
 from hybridpar.config import load_config, model_preset
 from hybridpar.distributed.mesh import ParallelDims

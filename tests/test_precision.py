@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-from layouts import make_trainer
-from test_trainer import SMALL
+from layouts import SMALL, make_trainer
 
 from hybridpar.config import load_config
 from hybridpar.training import checkpoint

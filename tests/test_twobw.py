@@ -19,9 +19,8 @@ from itertools import product
 import layouts
 import pytest
 import torch
-from layouts import Run, assert_trains_like, reference, train, train_layout
+from layouts import SMALL, Run, assert_trains_like, reference, train, train_layout
 from numerics import layout_weight_atol
-from test_trainer import SMALL
 
 from hybridpar.config import ConfigError, load_config
 from hybridpar.parallel.pipeline import (
