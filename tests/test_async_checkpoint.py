@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from layouts import SMALL, make_trainer, trainer_for
 from test_checkpoint import losses, make, weights
-from test_trainer import SMALL
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridpar.cli import main
 from hybridpar.config import load_config
 from hybridpar.distributed.lifecycle import Preempted, StopRequest
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
 from hybridpar.training.checkpoint import CheckpointError, HostStager, SafeReader, manifest, writer
 from hybridpar.training.trainer import Trainer
@@ -57,8 +56,7 @@ def _sync_async_resumed(rank: int, world: int, tmp: str, layout: tuple[str, ...]
         cfg = load_config(None, [*SMALL, *layout, "--train.run_dir", f"{tmp}/{name}", "--train.steps", "4",
                                  "--train.checkpoint_every", "2", "--train.eval_every", "0", *extra])
         torch.manual_seed(0)  # the process's RNG (saved in checkpoints) starts alike in each run
-        with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-            trainer = Trainer(cfg, topo)
+        with trainer_for(cfg) as trainer:
             trainer.fit(resume)
             return weights(trainer)
 
@@ -228,7 +226,7 @@ def test_a_stop_signal_waits_for_the_save_in_flight(tmp_path, monkeypatch):
     stop = StopRequest()
     cfg = load_config(None, [*SMALL, "--train.run_dir", str(tmp_path / "r"), "--train.steps", "10",
                              "--train.checkpoint_every", "2", "--train.eval_every", "0", *ASYNC])
-    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"), stop=stop)
+    trainer = make_trainer(cfg, stop=stop)
     real_step = Trainer.train_step
 
     def step(self, n):

@@ -6,11 +6,10 @@ import pickle
 
 import pytest
 import torch
-from test_trainer import SMALL
+from layouts import SMALL, make_trainer, trainer_for
 
 from hybridpar.cli import main
 from hybridpar.config import load_config
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
 from hybridpar.training.trainer import Trainer
 
@@ -19,7 +18,7 @@ def make(tmp_path, name: str, *extra: str) -> Trainer:
     cfg = load_config(None, [*SMALL, "--train.run_dir", str(tmp_path / name), "--train.steps", "20",
                              "--train.checkpoint_every", "10", "--train.eval_every", "0",
                              "--train.log_every", "1", *extra])
-    return Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
+    return make_trainer(cfg)
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -120,8 +119,8 @@ def test_cli_resume_errors_before_launch(tmp_path, capsys):
 def _dp_run(rank: int, world: int, tmp: str) -> None:
     cfg = load_config(None, [*SMALL, "--train.run_dir", tmp, "--parallel.dp", str(world), "--train.steps", "6",
                              "--train.checkpoint_every", "4", "--train.eval_every", "0"])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        Trainer(cfg, topo).fit()
+    with trainer_for(cfg) as trainer:
+        trainer.fit()
 
 
 def test_data_parallel_checkpoint_resumes_in_one_process(tmp_path, dist_run):

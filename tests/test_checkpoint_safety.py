@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import SMALL
+from layouts import SMALL
 
 from hybridpar import cli
 from hybridpar.cli import main

@@ -20,15 +20,16 @@ Two backends, two questions:
 
 from __future__ import annotations
 
+import layouts
 import pytest
-import test_moe_layouts as moe
 import torch
-from test_layouts import LAYOUTS, WEIGHT_ATOL, config, reference
-from test_trainer import SMALL
+from layouts import Run, Trained, assert_trains_like, reference, train, train_layout
+from test_layouts import LAYOUTS, MODEL, WEIGHT_ATOL
+from test_moe_layouts import LAYOUTS as MOE_LAYOUTS
+from test_moe_layouts import MOE
 
 from hybridpar.compat import compile_stats
 from hybridpar.config import ConfigError, load_config
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.training.trainer import Trainer
 
@@ -50,63 +51,53 @@ COMPOSED = {
 }
 
 
-def _run(rank: int, world: int, tmp: str, layout: list[str], mixtral: bool = False) -> dict:
-    cfg = moe.config(tmp, layout) if mixtral else config(tmp, layout)
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        results = [trainer.train_step(s) for s in range(1, STEPS + 1)]
-        runner = trainer.engine.last_pipeline_step
-        state = trainer.engine.full_state_dict()  # collective (ZeRO-3, pp)
-        return {"losses": [r.loss for r in results], "state": state if rank == 0 else None,
-                "compiled": trainer.engine.compiled, "stats": compile_stats(),
-                "deferred": 0 if runner is None else runner.peak_deferred_bytes,
-                # every pair of this rank runs B and W fused (ZB-H1's first stage): nothing deferred
-                "all_fused": _all_fused(trainer.engine.runner)}
+def _report(trainer: Trainer) -> dict:
+    """What compiling did on this rank (after training and gathering the weights)."""
+    runner = trainer.engine.last_pipeline_step
+    return {"compiled": trainer.engine.compiled, "stats": compile_stats(),
+            "deferred": 0 if runner is None else runner.peak_deferred_bytes,
+            # every pair of this rank runs B and W fused (ZB-H1's first stage): nothing deferred
+            "all_fused": _all_fused(trainer.engine.runner)}
+
+
+def _run(tmp: str, flags: list[str] | tuple[str, ...]) -> Run:
+    return Run(tmp, flags, STEPS, after=_report)
 
 
 def _all_fused(runner: PipelineRunner | None) -> bool:
     return runner is not None and len(runner.fused) == runner.schedule.microbatches * runner.schedule.virtual_stages
 
 
-def _check(results: list[dict], ref: dict) -> None:
-    for rank, r in enumerate(results):
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
-    for k, v in results[0]["state"].items():
-        torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
-
-
-def _compiled(results: list[dict], blocks: int) -> None:
+def _compiled(results: list[Trained], blocks: int) -> None:
     for r in results:
-        assert r["compiled"] == blocks and r["stats"].graphs >= 1
+        assert r.extra["compiled"] == blocks and r.extra["stats"].graphs >= 1
 
 
 @pytest.mark.parametrize("name", list(COMPOSED))
-def test_compiled_layout_matches_eager_single_process(name, dist_run, tmp_path_factory):
+def test_compiled_layout_matches_eager_single_process(name, tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "layouts")  # test_layouts' eager reference, shared
-    layout = [*COMPOSED[name], *AOT]
-    results = dist_run(config(tmp, layout).parallel.world_size, _run, tmp, layout)
-    _check(results, reference(tmp))
+    results = train_layout(_run(tmp, (*MODEL, *COMPOSED[name], *AOT)))
+    assert_trains_like(results, reference(Run(tmp, MODEL)), atol=WEIGHT_ATOL)
     _compiled(results, 8)
     if "zb" in name:  # the W split still defers the linears' weight gradients where it splits
-        assert all((r["deferred"] > 0) != r["all_fused"] for r in results)
-        assert any(r["deferred"] > 0 for r in results)
+        assert all((r.extra["deferred"] > 0) != r.extra["all_fused"] for r in results)
+        assert any(r.extra["deferred"] > 0 for r in results)
 
 
-def test_compiled_two_bw_matches_eager_two_bw(dist_run, tmp_path_factory):
+def test_compiled_two_bw_matches_eager_two_bw(tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "compile-2bw")
-    layout = ["--parallel.pp", "2", "--parallel.pipeline_schedule", "2bw"]
-    eager = dist_run(2, _run, tmp, layout)
-    compiled = dist_run(2, _run, tmp, [*layout, *AOT])
-    _check(compiled, eager[0])
+    layout = (*MODEL, "--parallel.pp", "2", "--parallel.pipeline_schedule", "2bw")
+    eager = train_layout(_run(tmp, layout))
+    compiled = train_layout(_run(tmp, (*layout, *AOT)))
+    assert_trains_like(compiled, eager[0], atol=WEIGHT_ATOL)
     _compiled(compiled, 8)
 
 
-def test_compiled_expert_parallel_matches_single_process(dist_run, tmp_path_factory):
+def test_compiled_expert_parallel_matches_single_process(tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "compile-moe")
-    ref = _run(0, 1, tmp, [], True)
-    layout = [*moe.LAYOUTS["ep2"], *AOT]
-    results = dist_run(2, _run, tmp, layout, True)
-    _check(results, ref)
+    ref = reference(Run(tmp, MOE))
+    results = train_layout(_run(tmp, (*MOE, *MOE_LAYOUTS["ep2"], *AOT)))
+    assert_trains_like(results, ref, atol=WEIGHT_ATOL)
     _compiled(results, 4)
 
 
@@ -123,29 +114,28 @@ def test_inductor_matches_eager_at_every_vector_width(tmp_path_factory):
     emits vector code it cannot compile (rule train-compile-inductor), so these widths are
     swept here instead of by the Makefile's numerics passes."""
     tmp = str(tmp_path_factory.getbasetemp() / "layouts")
-    ref = reference(tmp)
+    ref = reference(Run(tmp, MODEL))
     widths = _vector_widths()
     assert widths, "inductor finds no vector ISA on this CPU"
     for width in widths:
         with torch._inductor.config.patch({"cpp.simdlen": width}):
-            result = _run(0, 1, tmp, INDUCTOR)
-        _check([result], ref)
+            result = train(0, 1, _run(tmp, (*MODEL, *INDUCTOR)))
+        assert_trains_like([result], ref, atol=WEIGHT_ATOL)
         _compiled([result], 8)
-        assert result["stats"].seconds > 0
+        assert result.extra["stats"].seconds > 0
 
 
-def test_inductor_tensor_parallel_matches_eager(dist_run, tmp_path_factory):
+def test_inductor_tensor_parallel_matches_eager(tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "layouts")
-    layout = [*LAYOUTS["dp2-tp2-sp"], *INDUCTOR]
-    results = dist_run(4, _run, tmp, layout)
-    _check(results, reference(tmp))
+    results = train_layout(_run(tmp, (*MODEL, *LAYOUTS["dp2-tp2-sp"], *INDUCTOR)))
+    assert_trains_like(results, reference(Run(tmp, MODEL)), atol=WEIGHT_ATOL)
     _compiled(results, 8)
 
 
 def test_the_run_reports_compile_time(tmp_path, capsys):
-    cfg = load_config(None, [*SMALL, "--train.run_dir", str(tmp_path / "run"), "--train.steps", "2", *AOT])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        summary = Trainer(cfg, topo).fit()
+    cfg = layouts.make_config(str(tmp_path / "run"), "--train.steps", "2", *AOT, lr=None)
+    with layouts.trainer_for(cfg) as trainer:
+        summary = trainer.fit()
     assert summary["compile_s"] > 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("compiled "))
     assert line.startswith("compiled 2 blocks (aot_eager): ") and "s compiling in the first step" in line

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layouts import make_config, trainer_for
 from test_zero import CLIP, GLOBAL, MICRO, OPT, STEPS, WD, global_batch, loss_of, make_model, train
 
 from hybridpar.distributed.comm import wire_bytes
@@ -326,14 +327,12 @@ def test_int8_is_refused_with_a_hierarchical_all_reduce():
 
 def _trainer_worker(rank: int, world: int, tmp: str, layout: list[str], resume_at: int,
                     forget: bool = False) -> dict:
-    from test_layouts import config
+    from test_layouts import MODEL
 
     from hybridpar.training import checkpoint
-    from hybridpar.training.trainer import Trainer
 
-    cfg = config(tmp, [*layout, "--parallel.grad_compression", "int8"])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    cfg = make_config(tmp, *MODEL, *layout, "--parallel.grad_compression", "int8")
+    with trainer_for(cfg) as trainer:
         steps = range(1, 4)
         if resume_at:
             trainer.load_checkpoint(checkpoint.step_dir(trainer.run_dir, resume_at))
@@ -346,13 +345,11 @@ def _trainer_worker(rank: int, world: int, tmp: str, layout: list[str], resume_a
 
 
 def _save_at_2(rank: int, world: int, tmp: str, layout: list[str]) -> None:
-    from test_layouts import config
+    from test_layouts import MODEL
 
-    from hybridpar.training.trainer import Trainer
 
-    cfg = config(tmp, [*layout, "--parallel.grad_compression", "int8"])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    cfg = make_config(tmp, *MODEL, *layout, "--parallel.grad_compression", "int8")
+    with trainer_for(cfg) as trainer:
         for s in (1, 2):
             trainer.train_step(s)
         trainer.save_checkpoint(2)

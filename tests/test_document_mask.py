@@ -10,18 +10,15 @@ document-masked model), which any masking or position error exceeds by orders of
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
-from test_trainer import SMALL
+from layouts import Run, Trained, assert_trains_like, reference, train_layout
 
-from hybridpar.config import ModelConfig, load_config
+from hybridpar.config import ModelConfig
 from hybridpar.data.corpus import WindowSampler
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.llama import Documents, Llama, segment_positions
-from hybridpar.training.trainer import Trainer
 
 STEPS = 3
 LR = 1e-2  # high enough that masking moves the step-3 loss ~700x the 1e-5 tolerance
@@ -198,36 +195,22 @@ def _dataset(tmp: str) -> str:
     return out
 
 
-def config(tmp: str, layout: list[str], mask: bool = True):
-    return load_config(None, [*SMALL, "--model.n_kv_heads", "4", "--model.n_layers", "4", "--train.lr", str(LR),
-                              "--train.run_dir", f"{tmp}/run", "--train.data", _dataset(tmp),
-                              "--train.document_mask", str(mask).lower(), *layout])
-
-
-def _run(rank: int, world: int, tmp: str, layout: list[str], mask: bool = True) -> list[float]:
-    cfg = config(tmp, layout, mask)
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        return [trainer.train_step(s).loss for s in range(1, STEPS + 1)]
-
-
-@functools.cache
-def reference(tmp: str, mask: bool = True) -> list[float]:
-    return _run(0, 1, tmp, [], mask)
+def masked_run(tmp: str, layout: list[str] | tuple[str, ...] = (), mask: bool = True) -> Run:
+    """``layout`` trained on the many-documents dataset, with (or without) the document mask."""
+    flags = ("--model.n_kv_heads", "4", "--model.n_layers", "4", "--train.data", _dataset(tmp),
+             "--train.document_mask", str(mask).lower(), *layout)
+    return Run(f"{tmp}/run", flags, STEPS, lr=LR)
 
 
 def test_masking_changes_the_loss(tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "docmask")
-    masked, plain = reference(tmp), reference(tmp, False)
+    masked, plain = reference(masked_run(tmp)).losses, reference(masked_run(tmp, mask=False)).losses
     # so the layout tests below (rel 1e-5) could tell a masked run from an unmasked one
     assert abs(masked[-1] - plain[-1]) > 1e-4 * abs(plain[-1])
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_document_mask_layout_matches_single_process(name, dist_run, tmp_path_factory):
+def test_document_mask_layout_matches_single_process(name, tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "docmask")
-    ref = reference(tmp)
-    layout = LAYOUTS[name]
-    world = config(tmp, layout).parallel.world_size
-    for rank, losses in enumerate(dist_run(world, _run, tmp, layout)):
-        assert losses == pytest.approx(ref, rel=1e-5), f"rank {rank}"
+    ref: Trained = reference(masked_run(tmp))
+    assert_trains_like(train_layout(masked_run(tmp, LAYOUTS[name])), ref, atol=None)

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_layouts import LAYOUTS, LR, config
+from layouts import LR, make_config
+from test_layouts import LAYOUTS, MODEL
 
 from hybridpar import cli
 from hybridpar.config import ConfigError, load_config
@@ -63,7 +64,7 @@ class _Attempt(Trainer):
 def attempt(rank: int, world: int, run_dir: str, lost_after: int | None) -> dict:
     """One attempt of the elastic job on ``world`` ranks (what ``hybridpar train --elastic`` runs
     on each rank); returns rank 0's full weights when it trained to the end."""
-    cfg, change = plan_for_world(config(run_dir, JOB), world)
+    cfg, change = plan_for_world(make_config(run_dir, *MODEL, *JOB), world)
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
         resume = cli._agreed_latest_checkpoint(topo, Path(run_dir), None, change)
         trainer = _Attempt(cfg, topo, elastic=change)
@@ -166,7 +167,7 @@ def _plan_check(rank: int, world: int, run_dir: str) -> str:
     another micro-batch. Returns what the agreement check said ("" when it passed)."""
     from hybridpar.training.elastic import check_same_plan
 
-    cfg, _ = plan_for_world(config(run_dir, JOB), world)
+    cfg, _ = plan_for_world(make_config(run_dir, *MODEL, *JOB), world)
     if rank == 1:
         cfg.train.micro_batch *= 2
     try:

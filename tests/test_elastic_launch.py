@@ -30,15 +30,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from layouts import trainer_for
 from test_cli import BASE, losses
 from test_faults import FAULTS, TORCHRUN, _env, _free_port, _launched, _wait
 
 from hybridpar.config import load_config
 from hybridpar.distributed.launch import SHARED_STORE_ENV
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training.checkpoint import load_model_state, step_dir
 from hybridpar.training.elastic import history
-from hybridpar.training.trainer import Trainer
 
 STEPS = 6
 LR = 3e-3
@@ -50,8 +49,8 @@ WEIGHT_ATOL = 0.01 * LR * STEPS  # the invariance matrix's rule (test_layouts.py
 def _reference(run_dir: str) -> None:
     """The same job in one process, uninterrupted."""
     cfg = load_config(None, [*COMMON, "--train.run_dir", run_dir])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        Trainer(cfg, topo).fit()
+    with trainer_for(cfg) as trainer:
+        trainer.fit()
 
 
 def _faults_env(**faults: str) -> dict[str, str]:

@@ -17,14 +17,14 @@ import json
 from pathlib import Path
 
 import pytest
-import test_layouts as layouts
+import test_layouts
 import torch
 import torch.nn.functional as F
+from layouts import Run, Trained, assert_trains_like, train_layout, train_one_thread
 from safetensors.torch import load_file
 
 from hybridpar.cli import main
 from hybridpar.config import ConfigError, load_config
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.hf import (
     HFError,
     check_same_shape,
@@ -65,7 +65,7 @@ PARALLEL_IMPORTS = [(name, layout) for name in NAMES for layout in ("cp2", "pp2"
 
 def hf_lib():
     """``transformers``, imported only where a test needs it (not in the gloo workers, which
-    import this module to run :func:`_run`); skips the test without it."""
+    import this module to run :func:`_imported`); skips the test without it."""
     return pytest.importorskip("transformers")
 
 
@@ -176,13 +176,13 @@ def test_export_reloads_in_transformers(name, tmp_path, tmp_path_factory):
 
 # test_layouts' steps, learning rate, weight tolerance rule (see its docstring) and layouts, plus
 # the few this matrix adds.
-STEPS, LR, WEIGHT_ATOL = layouts.STEPS, layouts.LR, layouts.WEIGHT_ATOL
+STEPS, LR, WEIGHT_ATOL = test_layouts.STEPS, test_layouts.LR, test_layouts.WEIGHT_ATOL
 TRAIN = ["--train.seq_len", "32", "--train.global_batch", "8", "--train.micro_batch", "2",
          "--train.warmup_steps", "2", "--train.eval_batches", "1", "--train.sample_tokens", "16",
          "--train.lr", str(LR)]
 
 LAYOUTS = {
-    **{name: layouts.LAYOUTS[name] for name in ("tp2", "tp2-sp", "pp2", "cp2", "dp2-zero3", "dp2-tp2-pp2")},
+    **{name: test_layouts.LAYOUTS[name] for name in ("tp2", "tp2-sp", "pp2", "cp2", "dp2-zero3", "dp2-tp2-pp2")},
     "dp2-tp2-zero1": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"],
     "dp2-tp2-sp-zero3": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
                          "--parallel.zero_stage", "3"],
@@ -196,75 +196,59 @@ CASES = ([(n, lay) for lay in ("tp2", "tp2-sp", "pp2", "cp2", "dp2-zero3") for n
          + [("qwen3", "dp2-tp2-pp2"), ("qwen2", "tp2-pp2-cp2"), ("mistral", "dp2-tp2-pp2")])
 
 
-def config(hf: str, run_dir: str, layout: list[str]):
-    """The run's config: model (family and shape) from ``hf``'s config.json, as the CLI does."""
-    return load_config(None, [*TRAIN, "--train.init_from", hf, "--train.run_dir", run_dir, *layout],
-                       init_model=model_config_from_hf)
+def imported_run(hf: str, run_dir: str, layout: list[str] | tuple[str, ...] = ()) -> Run:
+    """The run of ``layout``: model (family and shape) from ``hf``'s config.json, as the CLI does."""
+    return Run(run_dir, ("--train.init_from", hf, *layout), STEPS, base=tuple(TRAIN), lr=None,
+               init_model=model_config_from_hf, before=_imported)
 
 
-def _run(rank: int, world: int, hf: str, run_dir: str, layout: list[str]) -> dict:
+def _imported(trainer: Trainer) -> dict:
+    """Before training: the imported model's logits (tp-gathered; where no pp, cp or ZeRO
+    shards them) and, in one process, step 1's batch and the initial weights."""
     from hybridpar.parallel.tensor import gather_logits
 
-    cfg = config(hf, run_dir, layout)
+    cfg, topo = trainer.cfg, trainer.topo
     p = cfg.parallel
-    with ParallelDims.from_config(p).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        out: dict = {"logits": None}
-        if p.pp == p.cp == 1 and p.zero_stage == 0:  # the imported model's logits, tp-gathered
-            with torch.no_grad():
-                out["logits"] = gather_logits(trainer.model(tokens(cfg.model.vocab_size, (2, 32))), topo.tp,
-                                              cfg.model.vocab_size)
-        if world == 1:
-            out["batch"] = trainer.micro_batches(1, cfg.train.global_batch, trainer.train_data)
-            out["init"] = trainer.engine.full_state_dict()
-        out["losses"] = [trainer.train_step(s).loss for s in range(1, STEPS + 1)]
-        state = trainer.engine.full_state_dict()
-        out["state"] = state if rank == 0 else None
-        return out
+    out: dict = {"logits": None}
+    if p.pp == p.cp == 1 and p.zero_stage == 0:
+        with torch.no_grad():
+            out["logits"] = gather_logits(trainer.model(tokens(cfg.model.vocab_size, (2, 32))), topo.tp,
+                                          cfg.model.vocab_size)
+    if topo.world_size == 1:
+        out["batch"] = trainer.micro_batches(1, cfg.train.global_batch, trainer.train_data)
+        out["init"] = trainer.engine.full_state_dict()
+    return out
 
 
 @functools.cache
-def reference(name: str, base_dir: str) -> dict:
+def reference(name: str, base_dir: str) -> Trained:
     """One process: losses, final weights, logits; and transformers' logits and its loss on
     step 1's batch."""
     hf = hf_dir(name, base_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers: tiny ops, busy shared cores (5x faster here)
-    try:
-        ref = _run(0, 1, hf, str(Path(base_dir) / f"run-{name}-one"), [])
-    finally:
-        torch.set_num_threads(threads)
+    ref = train_one_thread(imported_run(hf, str(Path(base_dir) / f"run-{name}-one")))
     model = hf_lib().AutoModelForCausalLM.from_pretrained(hf).eval()
     with torch.no_grad():
-        ref["hf_loss"] = torch.stack([F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
-                                      for x, y in ref["batch"]]).mean().item()
-        ref["hf_logits"] = model(input_ids=tokens(model.config.vocab_size, (2, 32))).logits
+        ref.extra["hf_loss"] = torch.stack([F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+                                            for x, y in ref.extra["batch"]]).mean().item()
+        ref.extra["hf_logits"] = model(input_ids=tokens(model.config.vocab_size, (2, 32))).logits
     return ref
 
 
 @pytest.mark.parametrize(("name", "layout"), CASES, ids=[f"{n}-{lay}" for n, lay in CASES])
-def test_imported_model_trains_like_one_process(name, layout, dist_run, tmp_path, tmp_path_factory):
+def test_imported_model_trains_like_one_process(name, layout, tmp_path, tmp_path_factory):
     ref = reference(name, base(tmp_path_factory))
     # the single process itself is transformers' model: logits and the step-1 loss on its batch
-    assert rel_err(ref["logits"], ref["hf_logits"]) <= 1e-5
-    assert ref["losses"][0] == pytest.approx(ref["hf_loss"], rel=1e-5)
-    hf = hf_dir(name, base(tmp_path_factory))
-    args = LAYOUTS[layout]
-    world = config(hf, str(tmp_path), args).parallel.world_size
-    results = dist_run(world, _run, hf, str(tmp_path), args)
+    assert rel_err(ref.extra["logits"], ref.extra["hf_logits"]) <= 1e-5
+    assert ref.losses[0] == pytest.approx(ref.extra["hf_loss"], rel=1e-5)
+    results = train_layout(imported_run(hf_dir(name, base(tmp_path_factory)), str(tmp_path), LAYOUTS[layout]))
     for rank, r in enumerate(results):
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
-        if r["logits"] is not None:
-            assert rel_err(r["logits"], ref["hf_logits"]) <= 1e-5, f"rank {rank}"
-    state = results[0]["state"]
-    assert state.keys() == ref["state"].keys()
-    per_head_norms_first = sorted(state, key=lambda k: not k.endswith(("q_norm.weight", "k_norm.weight")))
-    for k in per_head_norms_first:
-        torch.testing.assert_close(state[k], ref["state"][k], rtol=0, atol=WEIGHT_ATOL,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+        if r.extra["logits"] is not None:
+            assert rel_err(r.extra["logits"], ref.extra["hf_logits"]) <= 1e-5, f"rank {rank}"
+    norms = ("q_norm.weight", "k_norm.weight")  # per-head norms first
+    assert_trains_like(results, ref, atol=WEIGHT_ATOL, same_keys=True, first=norms)
     if name == "qwen3":  # the per-head norms did train (their equality above means something)
-        for k in (k for k in state if k.endswith(("q_norm.weight", "k_norm.weight"))):
-            moved = (ref["state"][k] - ref["init"][k]).abs().max().item()
+        for k in (k for k in results[0].state if k.endswith(norms)):
+            moved = (ref.state[k] - ref.extra["init"][k]).abs().max().item()
             assert moved > 20 * WEIGHT_ATOL, f"{k} moved only {moved:.2e} in {STEPS} steps"
 
 

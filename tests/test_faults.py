@@ -24,13 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from layouts import trainer_for
 from test_cli import BASE, losses
 
 from hybridpar.cli import main
 from hybridpar.config import load_config
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training.checkpoint import load_model_state, step_dir
-from hybridpar.training.trainer import Trainer
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 FAULTS = Path(__file__).parent / "faults"  # a sitecustomize.py: on PYTHONPATH, it injects the fault
@@ -166,8 +165,8 @@ FAULT_ARGS = [*BASE, "--train.steps", "6", "--train.checkpoint_every", "2", "--p
 
 def _uninterrupted(rank: int, world: int, run_dir: str) -> None:
     cfg = load_config(None, [*FAULT_ARGS, "--train.run_dir", run_dir])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        Trainer(cfg, topo).fit()
+    with trainer_for(cfg) as trainer:
+        trainer.fit()
 
 
 def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_ends_bit_for_bit_equal(tmp_path, dist_run):

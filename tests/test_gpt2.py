@@ -17,13 +17,13 @@ an untransposed Conv1D or permuted q/k/v by O(1).
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
-import test_layouts as layouts
+import test_layouts
 import torch
 import torch.nn.functional as F
+from layouts import Run, assert_trains_like, reference, train_layout
 from safetensors.torch import load_file, save_file
 
 from hybridpar.config import ConfigError, ModelConfig, load_config
@@ -309,30 +309,18 @@ def test_import_matches_transformers_in_parallel(name, hf_dir, dist_run):
 # layer per chunk; test_layouts' config has n_heads = n_kv_heads = 4), compared with one process.
 GPT2_ARGS = ["--model.family", "gpt2", "--model.n_layers", "4"]
 MATRIX = {
-    name: layouts.LAYOUTS[name]
+    name: test_layouts.LAYOUTS[name]
     for name in ("tp2", "tp2-sp", "cp2", "pp2", "pp2-interleaved", "dp2-zero3", "cp2-recompute-selective",
                  "pp2-tp2-sp", "pp2-cp2", "cp2-tp2", "dp2-tp2-zero3")  # 2 ranks, then 4: one pool each
 }
 
 
-@functools.cache
-def reference(tmp: str) -> dict:
-    return layouts._run(0, 1, tmp, GPT2_ARGS)
-
-
 @pytest.mark.parametrize("name", list(MATRIX))
-def test_layout_matches_single_process(name, dist_run, tmp_path_factory):
+def test_layout_matches_single_process(name, tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "gpt2-layouts")
-    ref = reference(tmp)
-    layout = [*GPT2_ARGS, *MATRIX[name]]
-    world = layouts.config(tmp, layout).parallel.world_size
-    results = dist_run(world, layouts._run, tmp, layout)
-    for rank, r in enumerate(results):
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
-    assert results[0]["state"].keys() == ref["state"].keys()
-    for k, v in results[0]["state"].items():
-        torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=layouts.WEIGHT_ATOL,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+    ref = reference(Run(tmp, (*test_layouts.MODEL, *GPT2_ARGS)))
+    results = train_layout(Run(tmp, (*test_layouts.MODEL, *GPT2_ARGS, *MATRIX[name])))
+    assert_trains_like(results, ref, atol=test_layouts.WEIGHT_ATOL, same_keys=True)
 
 
 def test_trained_checkpoint_converts_to_transformers(dist_run, tmp_path):
@@ -341,8 +329,8 @@ def test_trained_checkpoint_converts_to_transformers(dist_run, tmp_path):
     from hybridpar.cli import main
     from hybridpar.training import checkpoint
 
-    layout = [*GPT2_ARGS, *layouts.LAYOUTS["pp2-tp2-sp"]]
-    dist_run(4, layouts._save_at_step_2, str(tmp_path), layout)
+    layout = (*test_layouts.MODEL, *GPT2_ARGS, *test_layouts.LAYOUTS["pp2-tp2-sp"])
+    train_layout(Run(str(tmp_path), layout, steps=2, save_at=2))
     ckpt = checkpoint.latest_checkpoint(tmp_path)
     assert main(["convert", str(ckpt), "--to-hf", str(tmp_path / "hf")]) == 0
     cfg, state = checkpoint.load_model_state(ckpt)

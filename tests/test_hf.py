@@ -9,12 +9,12 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from layouts import make_trainer
 from safetensors.torch import load_file, save_file
 
 from hybridpar.cli import main
 from hybridpar.config import Config, ConfigError, load_config
 from hybridpar.data.tokenizer import BPETokenizer, ByteTokenizer
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.models.hf import (
     HFError,
     load_hf_state_dict,
@@ -23,7 +23,6 @@ from hybridpar.models.hf import (
 )
 from hybridpar.models.llama import Llama
 from hybridpar.models.llama.hf import hf_key
-from hybridpar.training.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,7 +136,7 @@ def test_trainer_init_from_hf(tmp_path):
     hf = make_hf(tmp_path / "hf")
     cfg = load_config(None, [*MODEL_ARGS, *TRAIN_ARGS, "--train.init_from", str(tmp_path / "hf"),
                              "--train.run_dir", str(tmp_path / "run"), "--train.steps", "1"])
-    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
+    trainer = make_trainer(cfg)
     ref = dict(hf.named_parameters())
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, ref[hf_key(name)]), name
@@ -160,7 +159,7 @@ def test_trainer_rejects_other_shape(tmp_path):
     cfg = load_config(None, [*args, *TRAIN_ARGS, "--train.init_from", str(tmp_path / "hf"),
                              "--train.run_dir", str(tmp_path / "run")])
     with pytest.raises(ValueError, match="model.ffn_hidden = 96 in the config but 64") as e:
-        Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
+        make_trainer(cfg)
     msg = str(e.value)
     assert "model.max_seq_len = 96" in msg and "--model.ffn_hidden 64 --model.max_seq_len 64" in msg
     assert "model.dim" not in msg and "--model.preset" in msg

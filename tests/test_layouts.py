@@ -1,30 +1,31 @@
 """The central promise: every supported layout trains the same model as one process.
 
-Each layout runs a few steps of the small model and is compared with the single-process run:
-per-step losses to 1e-5 relative, final (gathered) weights to an absolute 1% of lr x steps.
-Why that weight tolerance: Adam divides by sqrt(v), so an entry whose gradient is pure
-rounding noise (different summation order across layouts) still moves by up to lr per step;
-any real layout bug moves weights by far more (tests in test_tensor_parallel.py show the
-per-tensor gradients agree to 1e-6).
+Each layout runs a few steps of the small model and is compared with the single-process run by
+the layout tolerance rule of :mod:`numerics` (per-step losses to 1e-5 relative, final gathered
+weights to an absolute 1% of lr x steps; see there why).
 """
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from test_trainer import SMALL
-
-from hybridpar.config import load_config
-from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.training.trainer import Trainer
+from layouts import (
+    LR,
+    STEPS,
+    Run,
+    assert_trains_like,
+    make_config,
+    reference,
+    train_layout,
+    trainer_for,
+)
+from numerics import layout_weight_atol
 
 pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
 
-STEPS = 3
-LR = 3e-3
-WEIGHT_ATOL = 0.01 * LR * STEPS
+WEIGHT_ATOL = layout_weight_atol(LR, STEPS)
+# kv heads 4 and 8 layers everywhere, so tp4 and pp4 x V2 layouts share the reference model
+MODEL = ("--model.n_kv_heads", "4", "--model.n_layers", "8")
 
 LAYOUTS = {
     "dp2": ["--parallel.dp", "2"],
@@ -117,41 +118,11 @@ LAYOUTS = {
 }
 
 
-def config(tmp: str, layout: list[str]):
-    # kv heads 4 and 8 layers everywhere, so tp4 and pp4 x V2 layouts share the reference model
-    return load_config(None, [*SMALL, "--model.n_kv_heads", "4", "--model.n_layers", "8", "--train.lr", str(LR),
-                              "--train.run_dir", tmp, *layout])
-
-
-def _run(rank: int, world: int, tmp: str, layout: list[str], steps: int = STEPS) -> dict:
-    cfg = config(tmp, layout)
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        results, scales = [], []
-        for s in range(1, steps + 1):
-            results.append(trainer.train_step(s))
-            scales.append(trainer.scaler.scale)
-        state = trainer.engine.full_state_dict()
-        return {"losses": [r.loss for r in results], "skipped": [r.skipped for r in results], "scales": scales,
-                "state": state if rank == 0 else None}
-
-
-@functools.cache
-def reference(tmp: str) -> dict:
-    return _run(0, 1, tmp, [])
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, dist_run, tmp_path_factory):
+def test_layout_matches_single_process(name, tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "layouts")
-    ref = reference(tmp)
-    layout = LAYOUTS[name]
-    world = config(tmp, layout).parallel.world_size
-    results = dist_run(world, _run, tmp, layout)
-    for rank, r in enumerate(results):
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
-    for k, v in results[0]["state"].items():
-        torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+    results = train_layout(Run(tmp, (*MODEL, *LAYOUTS[name])))
+    assert_trains_like(results, reference(Run(tmp, MODEL)), atol=WEIGHT_ATOL)
 
 
 # fp16 with dynamic loss scaling: the scale starts high enough that a step overflows, and grows
@@ -171,46 +142,21 @@ FP16_LAYOUTS = ["dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "dp4-zero3-offload
                 "dp2-tp2-sp-zero1", "dp2-pp2-zero1"]
 
 
-@functools.cache
-def fp16_reference(tmp: str) -> dict:
-    return {**_run(0, 1, tmp, FP16, FP16_STEPS), "init": _run(0, 1, tmp, FP16, 0)["state"]}
-
-
 @pytest.mark.parametrize("name", FP16_LAYOUTS)
-def test_fp16_layout_matches_single_process(name, dist_run, tmp_path_factory):
+def test_fp16_layout_matches_single_process(name, tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "layouts-fp16")
-    ref = fp16_reference(tmp)
-    assert any(ref["skipped"]) and not all(ref["skipped"])  # an overflow is skipped, the others step
-    assert max(ref["scales"]) > ref["scales"][0]  # and the scale grows
-    layout = [*LAYOUTS[name], *FP16]
-    results = dist_run(config(tmp, layout).parallel.world_size, _run, tmp, layout, FP16_STEPS)
+    ref = reference(Run(tmp, (*MODEL, *FP16), FP16_STEPS))
+    init = reference(Run(tmp, (*MODEL, *FP16), 0)).state
+    assert any(ref.skipped) and not all(ref.skipped)  # an overflow is skipped, the others step
+    assert max(ref.scales) > ref.scales[0]  # and the scale grows
+    results = train_layout(Run(tmp, (*MODEL, *LAYOUTS[name], *FP16), FP16_STEPS))
     for rank, r in enumerate(results):
-        assert (r["skipped"], r["scales"]) == (ref["skipped"], ref["scales"]), f"rank {rank}"
-        assert r["losses"] == pytest.approx(ref["losses"], rel=2.0**-11), f"rank {rank}"
-    for k, v in results[0]["state"].items():
-        update = ref["state"][k] - ref["init"][k]
-        assert float((v - ref["state"][k]).norm()) <= 0.05 * float(update.norm()), k
-        assert float((v - ref["state"][k]).abs().max()) <= 1.2 * LR * FP16_STEPS, k
-
-
-def _save_at_step_2(rank: int, world: int, tmp: str, layout: list[str]) -> None:
-    cfg = config(tmp, layout)
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        for s in range(1, 3):
-            trainer.train_step(s)
-        trainer.save_checkpoint(2)
-
-
-def _resume(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
-    from hybridpar.training import checkpoint
-
-    cfg = config(tmp, layout)
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        trainer.load_checkpoint(checkpoint.step_dir(trainer.run_dir, 2))
-        losses = [trainer.train_step(s).loss for s in range(3, STEPS + 1)]
-        return {"losses": losses, "state": trainer.engine.full_state_dict()}
+        assert (r.skipped, r.scales) == (ref.skipped, ref.scales), f"rank {rank}"
+    assert_trains_like(results, ref, atol=None, rel=2.0**-11)
+    for k, v in results[0].state.items():
+        update = ref.state[k] - init[k]
+        assert float((v - ref.state[k]).norm()) <= 0.05 * float(update.norm()), k
+        assert float((v - ref.state[k]).abs().max()) <= 1.2 * LR * FP16_STEPS, k
 
 
 @pytest.mark.parametrize("saved, loaded", [("tp2", "tp4"), ("dp2-tp2", "one"), ("tp4-sp", "tp2"),
@@ -218,28 +164,24 @@ def _resume(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
                                            ("dp2-zero3-offload-disk-params", "dp2-zero2-offload-disk"),
                                            ("dp2-tp2-pp2-zero2", "tp2"), ("dp2-pp2-zbv-zero3", "dp2-zero1"),
                                            ("dp2-tp2-zero3", "dp2-pp2-interleaved-zero3")])
-def test_checkpoint_reshards_across_layouts(saved, loaded, dist_run, tmp_path):
+def test_checkpoint_reshards_across_layouts(saved, loaded, tmp_path):
     """Saved at step 2 under one layout, continued under another: same as never changing."""
-    ref = reference(str(tmp_path / "ref"))
-    save_layout = LAYOUTS[saved]
-    dist_run(config(str(tmp_path), save_layout).parallel.world_size, _save_at_step_2, str(tmp_path), save_layout)
+    ref = reference(Run(str(tmp_path / "ref"), MODEL))
+    train_layout(Run(str(tmp_path), (*MODEL, *LAYOUTS[saved]), steps=2, save_at=2))
     load_layout = [] if loaded == "one" else LAYOUTS[loaded]
-    world = config(str(tmp_path), load_layout).parallel.world_size
-    results = [_resume(0, 1, str(tmp_path), [])] if world == 1 else dist_run(world, _resume, str(tmp_path), load_layout)
-    assert results[0]["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
-    for k, v in results[0]["state"].items():
-        torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL)
+    results = train_layout(Run(str(tmp_path), (*MODEL, *load_layout), resume_from=2), here_if_one=True)
+    assert results[0].start == 2
+    assert_trains_like(results, ref, atol=WEIGHT_ATOL)
 
 
 def _hf_logits(rank: int, world: int, tmp: str, hf_dir: str, layout: list[str]) -> torch.Tensor:
     from hybridpar.parallel.tensor import gather_logits
 
-    cfg = config(tmp, [*layout, "--train.init_from", hf_dir])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    cfg = make_config(tmp, *MODEL, *layout, "--train.init_from", hf_dir)
+    with trainer_for(cfg) as trainer:
         tokens = torch.arange(32).reshape(2, 16) % cfg.model.vocab_size
         with torch.no_grad():
-            return gather_logits(trainer.model(tokens), topo.tp, cfg.model.vocab_size)
+            return gather_logits(trainer.model(tokens), trainer.topo.tp, cfg.model.vocab_size)
 
 
 def test_hugging_face_weights_seed_a_tensor_parallel_run(tmp_path, dist_run):
@@ -247,7 +189,7 @@ def test_hugging_face_weights_seed_a_tensor_parallel_run(tmp_path, dist_run):
     transformers = pytest.importorskip("transformers")
     from hybridpar.models.llama.hf import to_hf_config_dict
 
-    cfg = config(str(tmp_path), [])
+    cfg = make_config(str(tmp_path), *MODEL)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**to_hf_config_dict(cfg.model))).eval()
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
@@ -259,9 +201,9 @@ def test_hugging_face_weights_seed_a_tensor_parallel_run(tmp_path, dist_run):
 
 
 def _train_and_save(rank: int, world: int, tmp: str, layout: list[str]) -> None:
-    cfg = config(tmp, [*layout, "--train.steps", "2", "--train.eval_every", "0", "--train.sample_tokens", "4"])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        Trainer(cfg, topo).fit()
+    flags = [*layout, "--train.steps", "2", "--train.eval_every", "0", "--train.sample_tokens", "4"]
+    with trainer_for(make_config(tmp, *MODEL, *flags)) as trainer:
+        trainer.fit()
 
 
 def test_tensor_parallel_checkpoint_converts_to_hugging_face(tmp_path, dist_run):

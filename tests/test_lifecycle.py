@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from layouts import trainer_for
 from test_cli import BASE, losses
 
 from hybridpar.config import load_config
 from hybridpar.distributed import lifecycle
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training.checkpoint import is_complete, load_model_state, step_dir
-from hybridpar.training.trainer import Trainer
 
 LONG = [*BASE, "--train.steps", "200", "--train.checkpoint_every", "0", "--parallel.dp", "2"]
 CLI = [sys.executable, "-m", "hybridpar.cli"]
@@ -97,8 +97,8 @@ def _exit_of(p: subprocess.Popen, log: Path, timeout: float = 120) -> int:
 
 def _uninterrupted(rank: int, world: int, run_dir: str) -> None:
     cfg = load_config(None, [*LONG, "--train.run_dir", run_dir])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        Trainer(cfg, topo).fit()
+    with trainer_for(cfg) as trainer:
+        trainer.fit()
 
 
 # ----------------------------------------------------------------------------- pieces

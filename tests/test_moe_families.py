@@ -25,6 +25,7 @@ import test_families as fam
 import test_gpt2 as g
 import torch
 import torch.nn.functional as F
+from layouts import Trained, assert_trains_like, train_layout, train_one_thread
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_families import hf_lib, one_line_error, rel_err
@@ -310,29 +311,18 @@ TRAINED = [("qwen3_moe", "ep2-tp2", [*EP, "--parallel.tp", "2"]),
 
 
 @functools.cache
-def one_process(spec: str, base: str) -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers
-    try:
-        return fam._run(0, 1, hf_dir(spec, base), str(Path(base) / f"run-{spec}-one"), [])
-    finally:
-        torch.set_num_threads(threads)
+def one_process(spec: str, base: str) -> Trained:
+    return train_one_thread(fam.imported_run(hf_dir(spec, base), str(Path(base) / f"run-{spec}-one")))
 
 
 @pytest.mark.parametrize(("spec", "layout", "args"), TRAINED, ids=[f"{s}-{lay}" for s, lay, _ in TRAINED])
-def test_imported_model_trains_like_one_process(spec, layout, args, dist_run, tmp_path, tmp_path_factory):
+def test_imported_model_trains_like_one_process(spec, layout, args, tmp_path, tmp_path_factory):
     base = str(tmp_path_factory.getbasetemp())
     ref = one_process(spec, base)
-    path = hf_dir(spec, base)
-    world = fam.config(path, str(tmp_path), args).parallel.world_size
-    results = dist_run(world, fam._run, path, str(tmp_path), args)
-    for rank, r in enumerate(results):
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
-    state = results[0]["state"]
-    assert state.keys() == ref["state"].keys()
-    for k in state:
-        torch.testing.assert_close(state[k], ref["state"][k], rtol=0, atol=fam.WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
-    moved = max((ref["state"][k] - ref["init"][k]).abs().max().item() for k in state if ".experts." in k)
+    results = train_layout(fam.imported_run(hf_dir(spec, base), str(tmp_path), args))
+    assert_trains_like(results, ref, atol=fam.WEIGHT_ATOL, same_keys=True)
+    state = results[0].state
+    moved = max((ref.state[k] - ref.extra["init"][k]).abs().max().item() for k in state if ".experts." in k)
     assert moved > 20 * fam.WEIGHT_ATOL  # the experts did train
 
 

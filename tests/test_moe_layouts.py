@@ -6,22 +6,17 @@ the load-balancing loss and z-loss on, so their gradients are part of what must 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from test_layouts import LR, STEPS, WEIGHT_ATOL
-from test_trainer import SMALL
-
-from hybridpar.config import load_config
-from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.training.trainer import Trainer
+from layouts import LR, Run, assert_trains_like, make_config, reference, train_layout, trainer_for
+from numerics import layout_weight_atol
+from test_layouts import WEIGHT_ATOL
 
 pytestmark = pytest.mark.numerics
 
-MOE = ["--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
+MOE = ("--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
        "--model.aux_loss_coef", "0.05", "--model.z_loss_coef", "0.01", "--model.n_layers", "4",
-       "--model.n_kv_heads", "4"]
+       "--model.n_kv_heads", "4")
 
 LAYOUTS = {
     "ep2": ["--parallel.dp", "2", "--parallel.ep", "2"],
@@ -52,52 +47,29 @@ LAYOUTS = {
 }
 
 
-def config(tmp: str, layout: list[str], extra: tuple[str, ...] = ()):
-    return load_config(None, [*SMALL, *MOE, "--train.lr", str(LR), "--train.run_dir", tmp, *extra, *layout])
-
-
-def _run(rank: int, world: int, tmp: str, layout: list[str], extra: tuple[str, ...] = ()) -> dict:
-    cfg = config(tmp, layout, extra)
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        results = [trainer.train_step(s) for s in range(1, STEPS + 1)]
-        state = trainer.engine.full_state_dict()
-        return {"losses": [r.loss for r in results], "moe": results[0].moe, "state": state if rank == 0 else None}
-
-
-@functools.cache
-def reference(tmp: str, extra: tuple[str, ...] = ()) -> dict:
-    return _run(0, 1, tmp, [], extra)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_moe_layout_matches_single_process(name, dist_run, tmp_path_factory):
+def test_moe_layout_matches_single_process(name, tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "moe_layouts")
-    ref = reference(tmp)
-    layout = LAYOUTS[name]
-    world = config(tmp, layout).parallel.world_size
-    results = dist_run(world, _run, tmp, layout)
+    ref = reference(Run(tmp, MOE))
+    results = train_layout(Run(tmp, (*MOE, *LAYOUTS[name])))
     for rank, r in enumerate(results):
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
         # the first step's expert load, over all ranks' tokens: every slot routed (dropless), and
         # the same routing as one process (up to a near-tie flipped by rounding: a token or two)
-        load = torch.tensor(r["moe"]["expert_load"])
-        assert r["moe"]["dropped_tokens"] == 0
+        moe, expected = r.moe[0], ref.moe[0]
+        load = torch.tensor(moe["expert_load"])
+        assert moe["dropped_tokens"] == 0
         assert load.sum(1).tolist() == [8 * 32 * 2] * load.shape[0]  # global batch x seq_len x k per layer
-        assert (load - torch.tensor(ref["moe"]["expert_load"])).abs().max() <= 2, f"rank {rank}"
-        assert r["moe"]["aux_loss"] == pytest.approx(ref["moe"]["aux_loss"], rel=1e-5)
-    assert set(results[0]["state"]) == set(ref["state"])
-    for k, v in results[0]["state"].items():
-        torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+        assert (load - torch.tensor(expected["expert_load"])).abs().max() <= 2, f"rank {rank}"
+        assert moe["aux_loss"] == pytest.approx(expected["aux_loss"], rel=1e-5)
+    assert_trains_like(results, ref, atol=WEIGHT_ATOL, same_keys=True)
 
 
 def test_training_moves_the_balancing_bias_by_the_step_load(tmp_path):
     """With ``model.bias_update_rate`` each optimizer step moves every router's bias by
     ``rate * sign(mean - load)`` of that step's load (the one metrics.jsonl reports)."""
     rate = 0.01
-    cfg = config(str(tmp_path), [], ("--model.bias_update_rate", str(rate)))
-    with ParallelDims().build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    cfg = make_config(str(tmp_path), *MOE, "--model.bias_update_rate", str(rate))
+    with trainer_for(cfg) as trainer:
         result = trainer.train_step(1)
         for moe, load in zip(trainer.engine.moe, result.moe["expert_load"], strict=True):
             load = torch.tensor(load, dtype=torch.float64)
@@ -109,8 +81,8 @@ def test_training_moves_the_balancing_bias_by_the_step_load(tmp_path):
 # ----------------------------------------------------------------------------- checkpoints across ep
 
 SAVED_AT, TOTAL = 2, 4
-RESHARD_ATOL = 0.01 * LR * TOTAL
-SAVED = ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"]
+RESHARD_ATOL = layout_weight_atol(LR, TOTAL)
+SAVED = ("--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1")
 CONTINUATIONS = {
     "ep4": ["--parallel.dp", "4", "--parallel.ep", "4"],
     "ep2-zero2": ["--parallel.dp", "4", "--parallel.ep", "2", "--parallel.zero_stage", "2"],
@@ -119,49 +91,18 @@ CONTINUATIONS = {
 }
 
 
-def _uninterrupted(rank: int, world: int, tmp: str) -> dict:
-    cfg = config(tmp, SAVED)
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        losses = []
-        for step in range(1, TOTAL + 1):
-            losses.append(trainer.train_step(step).loss)
-            if step == SAVED_AT:
-                trainer.save_checkpoint(step)
-        state = trainer.engine.full_state_dict()
-        return {"losses": losses, "state": state if rank == 0 else None}
-
-
-def _continue(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
-    from hybridpar.training import checkpoint
-
-    cfg = config(tmp, layout)
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        start = trainer.load_checkpoint(checkpoint.step_dir(trainer.run_dir, SAVED_AT))
-        losses = [trainer.train_step(step).loss for step in range(start + 1, TOTAL + 1)]
-        state = trainer.engine.full_state_dict()
-        return {"start": start, "losses": losses, "state": state if rank == 0 else None}
-
-
 @pytest.fixture(scope="module")
 def saved_moe_run(tmp_path_factory):
-    from harness import run_distributed
-
     tmp = str(tmp_path_factory.mktemp("moe_reshard"))
-    results = run_distributed(config(tmp, SAVED).parallel.world_size, _uninterrupted, tmp)
-    return tmp, results[0]
+    return tmp, train_layout(Run(tmp, (*MOE, *SAVED), TOTAL, save_at=SAVED_AT))[0]
 
 
 @pytest.mark.parametrize("name", list(CONTINUATIONS))
-def test_moe_checkpoint_reshards_across_ep(name, saved_moe_run, dist_run):
+def test_moe_checkpoint_reshards_across_ep(name, saved_moe_run):
     """Saved at dp2 x ep2 x tp2 (ZeRO-1), continued at ep4, ep2 under ZeRO-2, ep1 and one
     process: the same losses and weights as the uninterrupted run."""
     tmp, expected = saved_moe_run
-    layout = CONTINUATIONS[name]
-    results = dist_run(config(tmp, layout).parallel.world_size, _continue, tmp, layout)
+    results = train_layout(Run(tmp, (*MOE, *CONTINUATIONS[name]), TOTAL, resume_from=SAVED_AT))
     for rank, r in enumerate(results):
-        assert r["start"] == SAVED_AT
-        assert r["losses"] == pytest.approx(expected["losses"][SAVED_AT:], rel=1e-5), f"rank {rank}"
-    for k, v in results[0]["state"].items():
-        torch.testing.assert_close(v, expected["state"][k], rtol=0, atol=RESHARD_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+        assert r.start == SAVED_AT, f"rank {rank}"
+    assert_trains_like(results, expected, atol=RESHARD_ATOL)

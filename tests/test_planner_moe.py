@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from test_trainer import SMALL
+from layouts import SMALL, make_config, make_trainer, trainer_for
 
 from hybridpar.config import load_config, model_preset
 from hybridpar.distributed.mesh import ParallelDims
@@ -50,10 +50,6 @@ CASES = [("ep2", "balanced"), ("ep2", "hot"), ("ep2-tp2", "balanced"), ("ep2-tp2
          ("ep2-cp2-recompute", "hot"), ("dp4-ep2-zero3", "hot"), ("ep2-tp2-zero2", "balanced")]
 
 
-def config(tmp: str, layout: str):
-    return load_config(None, [*SMALL, *MOE, "--train.run_dir", tmp, *LAYOUTS[layout]])
-
-
 def force_routing(model: torch.nn.Module, experts: tuple[int, ...]) -> None:
     """Every router picks ``experts`` for every token (its bias outweighs any score in [0, 1])."""
     from hybridpar.models.moe import moe_layers
@@ -74,13 +70,11 @@ def rank_load_of(experts: tuple[int, ...], n_experts: int, ep: int, ep_rank: int
 def _count(rank: int, world: int, tmp: str, cases: list[tuple[str, str]]) -> dict:
     """Per case: this rank's coordinates, payload bytes per axis of the second train step, and
     the all-to-all wire bytes on ep, with the routing forced."""
-    from hybridpar.training.trainer import Trainer
-
     out = {}
     for layout, route in cases:
-        cfg = config(tmp, layout)
-        with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-            trainer = Trainer(cfg, topo)
+        cfg = make_config(tmp, *MOE, *LAYOUTS[layout], lr=None)
+        with trainer_for(cfg) as trainer:
+            topo = trainer.topo
             force_routing(trainer.engine.model, ROUTES[route])
             trainer.train_step(1)
             counter = topo.comm.counter
@@ -104,7 +98,8 @@ def counted(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("moe_traffic"))
     by_world: dict[int, list[tuple[str, str]]] = {}
     for layout, route in CASES:
-        by_world.setdefault(config(tmp, layout).parallel.world_size, []).append((layout, route))
+        world = make_config(tmp, *MOE, *LAYOUTS[layout], lr=None).parallel.world_size
+        by_world.setdefault(world, []).append((layout, route))
     results = {}
     for world, cases in by_world.items():
         for per_rank in run_distributed(world, _count, tmp, cases, timeout=600):
@@ -119,7 +114,7 @@ def test_all_to_all_wire_bytes_equal_formula(layout, route, counted):
     :func:`all_to_all_wire_bytes` (dispatch and combine, forward and backward) plus the counts
     exchange, per MoE layer and micro-batch (full recompute reruns the forward ones)."""
     tmp, results = counted
-    cfg = config(tmp, layout)
+    cfg = make_config(tmp, *MOE, *LAYOUTS[layout], lr=None)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     micro = t.global_batch // (p.dp * t.micro_batch)
     tokens = t.micro_batch * t.seq_len // p.cp  # the tp group's tokens
@@ -138,7 +133,7 @@ def test_moe_comm_bytes_per_axis_equal_counter(layout, route, counted):
     """The planner's payload bytes per axis of a training step equal the counter's on every
     rank and axis (tp, cp, dp, ep, edp), given the rank's load."""
     tmp, results = counted
-    cfg = config(tmp, layout)
+    cfg = make_config(tmp, *MOE, *LAYOUTS[layout], lr=None)
     L, work = from_config(cfg)
     for row in results[(layout, route)]:
         load = rank_load_of(ROUTES[route], cfg.model.n_experts, cfg.parallel.ep, row["ep_rank"])
@@ -226,12 +221,9 @@ def test_imbalance_from_run(tmp_path):
 
 def test_from_run_reads_a_real_run(tmp_path):
     """A short tiny MoE run's summary.json feeds `plan --from-run` (the keys the trainer writes)."""
-    from hybridpar.distributed.mesh import ParallelDims
-    from hybridpar.training.trainer import Trainer
-
     cfg = load_config(None, [*SMALL, *MOE, "--train.steps", "2", "--train.log_every", "1", "--train.eval_every", "0",
                              "--train.run_dir", str(tmp_path / "run")])
-    summary = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu")).fit()
+    summary = make_trainer(cfg).fit()
     value, source = imbalance_from_run(tmp_path / "run")
     per_layer = summary["expert_imbalance_per_layer"]
     assert value == pytest.approx(sum(per_layer) / len(per_layer)) and value >= 1.0 and "summary.json" in source

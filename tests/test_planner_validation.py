@@ -24,6 +24,7 @@ import weakref
 import pytest
 import torch
 from harness import run_distributed
+from layouts import make_config, trainer_for
 from torch import nn
 
 from hybridpar.config import load_config
@@ -226,21 +227,19 @@ COMPRESSED = {"dp2-zero3-fp16": ["--parallel.dp", "2", "--parallel.zero_stage", 
 
 
 def _comm_config(tmp: str, name: str):
-    from test_layouts import LAYOUTS, config
+    from test_layouts import LAYOUTS, MODEL
 
-    return config(tmp, COMPRESSED[name] if name in COMPRESSED else LAYOUTS[name])
+    return make_config(tmp, *MODEL, *(COMPRESSED[name] if name in COMPRESSED else LAYOUTS[name]))
 
 
 def _count_step(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int, dict[str, int]]]:
     """Per layout: (pipeline rank, dp x cp rank, payload bytes per axis of one train step after a
     warm-up step)."""
-    from hybridpar.training.trainer import Trainer
-
     out = {}
     for name in names:
         cfg = _comm_config(tmp, name)
-        with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-            trainer = Trainer(cfg, topo)
+        with trainer_for(cfg) as trainer:
+            topo = trainer.topo
             trainer.train_step(1)
             counter = topo.comm.counter
             counter.reset()

@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-from test_trainer import SMALL
+from layouts import SMALL, make_trainer
 
 from hybridpar.config import load_config
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
 from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.trainer import Trainer
@@ -18,7 +17,7 @@ from hybridpar.training.trainer import Trainer
 def make(tmp_path, *extra: str, dp: int = 1) -> Trainer:
     cfg = load_config(None, [*SMALL, "--train.run_dir", str(tmp_path / "run"), "--train.eval_every", "0",
                              "--parallel.dp", str(dp), *extra])
-    return Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
+    return make_trainer(cfg)
 
 
 def snapshot(trainer: Trainer) -> tuple[dict, dict]:

@@ -8,19 +8,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from layouts import SMALL, make_trainer, trainer_for
 
 from hybridpar.config import Config, load_config
 from hybridpar.data.corpus import WindowSampler, decode_bytes, encode_bytes
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training.optim import lr_at
 from hybridpar.training.trainer import Trainer
-
-SMALL = [
-    "--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-    "--model.ffn_hidden", "64", "--model.max_seq_len", "64",
-    "--train.seq_len", "32", "--train.global_batch", "8", "--train.micro_batch", "2",
-    "--train.warmup_steps", "2", "--train.eval_batches", "1", "--train.sample_tokens", "16",
-]
 
 
 def small_config(tmp_path, *extra: str) -> Config:
@@ -59,7 +53,7 @@ def test_byte_codec_roundtrip():
 def test_fit_trains_and_writes_the_run_directory(tmp_path):
     cfg = small_config(tmp_path, "--train.steps", "12", "--train.log_every", "5", "--train.eval_every", "6",
                        "--train.lr", "1e-2")
-    summary = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu")).fit()
+    summary = make_trainer(cfg).fit()
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 5, 6, 10, 12]
@@ -90,7 +84,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     runs = {}
     for micro in ("2", "8"):
         cfg = small_config(tmp_path, "--train.micro_batch", micro)
-        trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
+        trainer = make_trainer(cfg)
         losses = [trainer.train_step(s).loss for s in range(1, 4)]
         runs[micro] = (losses, {k: v.clone() for k, v in trainer.model.state_dict().items()})
     assert runs["2"][0] == pytest.approx(runs["8"][0], rel=1e-5)
@@ -100,7 +94,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
 
 def test_bf16_autocast_trains(tmp_path):
     cfg = small_config(tmp_path, "--train.precision", "bf16", "--train.lr", "1e-2")
-    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
+    trainer = make_trainer(cfg)
     losses = [trainer.train_step(s).loss for s in range(1, 9)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
@@ -108,7 +102,7 @@ def test_bf16_autocast_trains(tmp_path):
 
 def test_clipping_bounds_the_update(tmp_path):
     cfg = small_config(tmp_path, "--train.grad_clip", "0.01")
-    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build("cpu"))
+    trainer = make_trainer(cfg)
     trainer.optimizer.step = lambda: None  # look at the clipped gradients only
     result = trainer.train_step(1)
     clipped = torch.stack([p.grad.pow(2).sum() for p in trainer.params]).sum().sqrt()
@@ -118,8 +112,8 @@ def test_clipping_bounds_the_update(tmp_path):
 
 def _train_worker(rank: int, world: int, tmp: str, steps: int, extra: list[str]) -> dict:
     cfg = load_config(None, [*SMALL, "--train.run_dir", tmp, "--parallel.dp", str(world), *extra])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    with trainer_for(cfg) as trainer:
+        topo = trainer.topo
         losses = [trainer.train_step(s).loss for s in range(1, steps + 1)]
         val = trainer.evaluate()
         return {"losses": losses, "val": val, "state": trainer.model.state_dict(),
@@ -153,8 +147,8 @@ def test_data_parallel_matches_one_process(tmp_path, dist_run, world, bucket_mb)
 def _overlap_worker(rank: int, world: int, tmp: str) -> tuple[int, int]:
     cfg = load_config(None, [*SMALL, "--train.run_dir", tmp, "--parallel.dp", str(world),
                              "--parallel.bucket_mb", "0.01"])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    with trainer_for(cfg) as trainer:
+        topo = trainer.topo
         x, y = trainer.micro_batches(1, cfg.train.global_batch, trainer.train_data)[0]
         with trainer.engine.no_sync():
             trainer.engine.loss(x, y).backward()
@@ -174,8 +168,8 @@ def test_buckets_reduce_during_backward_and_not_under_no_sync(tmp_path, dist_run
 def _fit_pp2(rank: int, world: int, tmp: str) -> dict:
     cfg = load_config(None, [*SMALL, "--train.run_dir", tmp, "--train.steps", "2", "--train.eval_every", "0",
                              "--parallel.pp", "2"])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        return Trainer(cfg, topo).fit()
+    with trainer_for(cfg) as trainer:
+        return trainer.fit()
 
 
 def test_run_summary_reports_traffic_memory_and_timeline(tmp_path, dist_run):

@@ -13,16 +13,16 @@ turns gradient rounding noise into up to lr per step). A checkpoint resumes bit 
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from itertools import product
 
+import layouts
 import pytest
 import torch
-from test_trainer import SMALL
+from layouts import SMALL, Run, assert_trains_like, reference, train, train_layout
+from numerics import layout_weight_atol
 
 from hybridpar.config import ConfigError, load_config
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.parallel.pipeline import (
     ActionKind,
     Costs,
@@ -37,7 +37,8 @@ from hybridpar.training.trainer import Trainer
 
 LR = 3e-3
 STEPS = 4  # the delay shows from step 2 on (batch 2 still runs on the initial weights)
-WEIGHT_ATOL = 0.01 * LR * STEPS
+WEIGHT_ATOL = layout_weight_atol(LR, STEPS)
+MODEL = ("--model.n_layers", "4")
 TWO_BW = ["--parallel.pipeline_schedule", "2bw", "--train.steps", str(STEPS)]
 LAYOUTS = {  # (model flags, layout flags): the reference is the single process with the model flags
     "pp2": ([], ["--parallel.pp", "2"]),
@@ -50,8 +51,9 @@ LAYOUTS = {  # (model flags, layout flags): the reference is the single process 
 CASES = [(2, 2), (2, 4), (3, 3), (3, 5), (4, 4), (4, 8)]  # (pp, micro-batches per step)
 
 
-def config(tmp: str, flags: list[str]):
-    return load_config(None, [*SMALL, "--model.n_layers", "4", "--train.lr", str(LR), "--train.run_dir", tmp, *flags])
+def two_bw_run(tmp: str, flags: list[str] | tuple[str, ...], **kw) -> Run:
+    """The 2BW run of ``flags`` (model and layout) in ``tmp``; ``kw``: checkpoints, probes."""
+    return Run(tmp, (*MODEL, *flags, *TWO_BW), STEPS, lr=LR, **kw)
 
 
 # ----------------------------------------------------------------------------- the schedule
@@ -157,98 +159,67 @@ def test_refusals_are_config_errors_before_any_process_group(flags, match):
 # ----------------------------------------------------------------------------- the runtime
 
 
-def _run(rank: int, world: int, tmp: str, flags: list[str], save_at: int = 0) -> dict:
-    cfg = config(tmp, [*flags, *TWO_BW])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        losses = []
-        for s in range(1, STEPS + 1):
-            losses.append(trainer.train_step(s).loss)
-            if s == save_at:
-                trainer.save_checkpoint(s)
-        if trainer.writer is not None:  # train.async_checkpoint: the save is complete only once written
-            trainer.writer.wait()
-        state = trainer.engine.full_state_dict()  # collective
-        return {"losses": losses, "state": state if rank == 0 else None}
+def _at_stale(trainer: Trainer) -> dict:
+    """Make ``trainer`` follow the 2BW rule in one process: each step's gradient computed at the
+    previous version V_s, then applied to the newest weights."""
+    params, engine = trainer.params, trainer.engine
+    stale = [p.detach().clone() for p in params]  # V_1 = V_2 = W_0
+    forward_backward = engine.forward_backward
+
+    def at_stale(batches, grad_scale=None, upcoming=None):  # noqa: ANN001, ANN202
+        nonlocal stale
+        newest = [p.detach().clone() for p in params]  # V_{s+1}
+        with torch.no_grad():
+            for p, v in zip(params, stale, strict=True):
+                p.copy_(v)
+        losses = forward_backward(batches, grad_scale)  # g_s = grad f_s(V_s)
+        with torch.no_grad():
+            for p, v in zip(params, newest, strict=True):
+                p.copy_(v)  # the step then makes V_{s+2} = opt_s(V_{s+1}, g_s)
+        stale = newest
+        return losses
+
+    engine.forward_backward = at_stale
+    return {}
 
 
-def _resume(rank: int, world: int, tmp: str, flags: list[str], step: int) -> dict:
-    cfg = config(tmp, [*flags, *TWO_BW])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        trainer.load_checkpoint(checkpoint.step_dir(trainer.run_dir, step))
-        losses = [trainer.train_step(s).loss for s in range(step + 1, STEPS + 1)]
-        state = trainer.engine.full_state_dict()
-        return {"losses": losses, "state": state if rank == 0 else None}
-
-
-@functools.cache
-def reference(tmp: str, model_flags: tuple[str, ...], delayed: bool = True) -> dict:
-    """One process: the 2BW rule (``delayed``: each step's gradient computed at the previous
-    version V_s, then applied to the newest weights), or ordinary synchronous training."""
-    cfg = config(tmp, [*model_flags, "--train.steps", str(STEPS)])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
-        params, engine = trainer.params, trainer.engine
-        stale = [p.detach().clone() for p in params]  # V_1 = V_2 = W_0
-        forward_backward = engine.forward_backward
-
-        def at_stale(batches, grad_scale=None, upcoming=None):  # noqa: ANN001, ANN202
-            nonlocal stale
-            newest = [p.detach().clone() for p in params]  # V_{s+1}
-            with torch.no_grad():
-                for p, v in zip(params, stale, strict=True):
-                    p.copy_(v)
-            losses = forward_backward(batches, grad_scale)  # g_s = grad f_s(V_s)
-            with torch.no_grad():
-                for p, v in zip(params, newest, strict=True):
-                    p.copy_(v)  # the step then makes V_{s+2} = opt_s(V_{s+1}, g_s)
-            stale = newest
-            return losses
-
-        if delayed:
-            engine.forward_backward = at_stale
-        losses = [trainer.train_step(s).loss for s in range(1, STEPS + 1)]
-        return {"losses": losses, "state": engine.full_state_dict()}
+def rule(tmp: str, model_flags: tuple[str, ...], delayed: bool = True) -> layouts.Trained:
+    """One process: the 2BW rule (``delayed``), or ordinary synchronous training."""
+    flags = (*MODEL, *model_flags, "--train.steps", str(STEPS))
+    return reference(Run(tmp, flags, STEPS, lr=LR, before=_at_stale if delayed else None))
 
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_runtime_equals_the_single_process_rule(name, dist_run, tmp_path_factory):
+def test_runtime_equals_the_single_process_rule(name, tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "twobw")
     model, layout = LAYOUTS[name]
-    ref = reference(tmp, tuple(model))
-    sync = reference(tmp, tuple(model), delayed=False)
+    ref = rule(tmp, tuple(model))
+    sync = rule(tmp, tuple(model), delayed=False)
     # the rule is not synchronous training: batch 1 runs on W_0 in both, batch 2 on W_0 only in 2BW
-    assert ref["losses"][0] == sync["losses"][0] and abs(ref["losses"][1] - sync["losses"][1]) > 1e-3
-    flags = [*model, *layout]
-    results = dist_run(config(tmp, flags).parallel.world_size, _run, tmp, flags)
-    for rank, r in enumerate(results):
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
-    for k, v in results[0]["state"].items():
-        torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+    assert ref.losses[0] == sync.losses[0] and abs(ref.losses[1] - sync.losses[1]) > 1e-3
+    assert_trains_like(train_layout(two_bw_run(tmp, [*model, *layout])), ref, atol=WEIGHT_ATOL)
 
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", ["pp2-tp2-sp", "dp2-pp2"])
-def test_checkpoint_resumes_bit_for_bit(name, dist_run, tmp_path):
+def test_checkpoint_resumes_bit_for_bit(name, tmp_path):
     """Saved after step 2 (both weight versions; the next batch's warm-up forwards already ran
     and are replayed on resume), continued to step 4: the same losses and weights, exactly."""
     model, layout = LAYOUTS[name]
     flags = [*model, *layout]
-    world = config(str(tmp_path), flags).parallel.world_size
-    whole = dist_run(world, _run, str(tmp_path), flags, 2)
-    resumed = dist_run(world, _resume, str(tmp_path), flags, 2)
-    assert resumed[0]["losses"] == whole[0]["losses"][2:]
-    assert resumed[0]["state"].keys() == whole[0]["state"].keys()
-    for k, v in whole[0]["state"].items():
-        assert torch.equal(resumed[0]["state"][k], v), k
+    whole = train_layout(two_bw_run(str(tmp_path), flags, save_at=2))
+    resumed = train_layout(two_bw_run(str(tmp_path), flags, resume_from=2))
+    assert resumed[0].losses == whole[0].losses[2:]
+    assert resumed[0].state.keys() == whole[0].state.keys()
+    for k, v in whole[0].state.items():
+        assert torch.equal(resumed[0].state[k], v), k
 
 
 def _fit(rank: int, world: int, tmp: str) -> dict:
-    cfg = config(tmp, ["--parallel.pp", "2", *TWO_BW, "--train.eval_every", "2", "--train.sample_tokens", "4"])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        return Trainer(cfg, topo).fit()
+    flags = ["--parallel.pp", "2", *TWO_BW, "--train.eval_every", "2", "--train.sample_tokens", "4"]
+    with layouts.trainer_for(layouts.make_config(tmp, *MODEL, *flags, lr=LR)) as trainer:
+        return trainer.fit()
 
 
 def test_a_whole_run(dist_run, tmp_path):
@@ -260,31 +231,25 @@ def test_a_whole_run(dist_run, tmp_path):
 
 
 @pytest.mark.numerics
-def test_checkpoint_reshards_to_another_layout(dist_run, tmp_path, tmp_path_factory):
+def test_checkpoint_reshards_to_another_layout(tmp_path, tmp_path_factory):
     """Saved after step 2 under pp2 x tp2 + SP (the second version as tp pieces), continued under
     pp4: the single-process rule's losses and weights, to the tolerances above."""
-    ref = reference(str(tmp_path_factory.getbasetemp() / "twobw"), ())
+    ref = rule(str(tmp_path_factory.getbasetemp() / "twobw"), ())
     saved, loaded = LAYOUTS["pp2-tp2-sp"][1], LAYOUTS["pp4"][1]
-    dist_run(4, _run, str(tmp_path), saved, 2)
-    resumed = dist_run(4, _resume, str(tmp_path), loaded, 2)
-    assert resumed[0]["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
-    for k, v in resumed[0]["state"].items():
-        torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
-
-
+    train_layout(two_bw_run(str(tmp_path), saved, save_at=2))
+    resumed = train_layout(two_bw_run(str(tmp_path), loaded, resume_from=2))
+    assert resumed[0].start == 2
+    assert_trains_like(resumed, ref, atol=WEIGHT_ATOL)
 
 def _sync_then_2bw(rank: int, world: int, tmp: str) -> tuple[list[float], list[float]]:
-    cfg = config(tmp, ["--parallel.pp", "2", "--train.steps", str(STEPS)])  # 1F1B
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    one_f_one_b = layouts.make_config(tmp, *MODEL, "--parallel.pp", "2", "--train.steps", str(STEPS), lr=LR)
+    with layouts.trainer_for(one_f_one_b) as trainer:
         sync = []
         for s in range(1, STEPS + 1):
             sync.append(trainer.train_step(s).loss)
             if s == 2:
                 trainer.save_checkpoint(s)
-    cfg = config(tmp, ["--parallel.pp", "2", *TWO_BW])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    with layouts.trainer_for(layouts.make_config(tmp, *MODEL, "--parallel.pp", "2", *TWO_BW, lr=LR)) as trainer:
         trainer.load_checkpoint(checkpoint.step_dir(trainer.run_dir, 2))
         return sync, [trainer.train_step(s).loss for s in range(3, STEPS + 1)]
 
@@ -327,7 +292,7 @@ def _save_with_a_slow_copy(rank: int, world: int, tmp: str, flags: list[str]) ->
 
     HostStager.stage = slow
     try:
-        _run(rank, world, tmp, flags, save_at=2)
+        train(rank, world, two_bw_run(tmp, flags, save_at=2))
     finally:
         HostStager.stage = real
 
@@ -342,11 +307,12 @@ def test_an_async_checkpoint_holds_the_second_weight_version_of_its_step(dist_ru
 
     model, layout = LAYOUTS["dp2-pp2"]
     flags = [*model, *layout]
-    world = config(str(tmp_path), flags).parallel.world_size
-    dist_run(world, _run, str(tmp_path / "sync"), flags, 2)
-    dist_run(world, _save_with_a_slow_copy, str(tmp_path / "async"), [*flags, "--train.async_checkpoint", "true"])
-    sync, _ = saved_tensors(checkpoint.step_dir(config(str(tmp_path / "sync"), flags).train.run_dir, 2))
-    done, _ = saved_tensors(checkpoint.step_dir(config(str(tmp_path / "async"), flags).train.run_dir, 2))
+    sync_run = two_bw_run(str(tmp_path / "sync"), flags, save_at=2)
+    train_layout(sync_run)
+    dist_run(sync_run.world_size, _save_with_a_slow_copy, str(tmp_path / "async"),
+             [*flags, "--train.async_checkpoint", "true"])
+    sync, _ = saved_tensors(checkpoint.step_dir(sync_run.config().train.run_dir, 2))
+    done, _ = saved_tensors(checkpoint.step_dir(two_bw_run(str(tmp_path / "async"), flags).config().train.run_dir, 2))
     assert any("weight_versions" in k for k in sync) and set(done) == set(sync)
     for k, v in sync.items():  # not the RNG states: the pooled workers' generators carry earlier tests' draws
         assert k.startswith("rng.") or torch.equal(done[k], v), k

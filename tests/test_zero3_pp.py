@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_layouts import STEPS, WEIGHT_ATOL, config
+from layouts import make_config, trainer_for
+from test_layouts import MODEL, STEPS, WEIGHT_ATOL
 
-from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.planner.layout import from_config
 from hybridpar.planner.memory import rank_memory
-from hybridpar.training.trainer import Trainer
 
 pytestmark = pytest.mark.numerics
 
@@ -31,9 +30,9 @@ SCHEDULES = {
 
 
 def _count_worker(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
-    cfg = config(tmp, layout)
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    cfg = make_config(tmp, *MODEL, *layout)
+    with trainer_for(cfg) as trainer:
+        topo = trainer.topo
         trainer.train_step(1)  # warm-up: the optimizer state exists
         opt = trainer.engine.optimizer
         sharded = opt.sharded
@@ -64,7 +63,7 @@ def _count_worker(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_each_chunk_gathered_once_per_step_and_states_match_planner(schedule, dist_run, tmp_path):
     layout = [*BASE, *SCHEDULES[schedule]]
-    cfg = config(str(tmp_path), layout)
+    cfg = make_config(str(tmp_path), *MODEL, *layout)
     plan_layout, work = from_config(cfg)
     assert plan_layout.microbatches(work.global_batch) == 4
     v = cfg.parallel.virtual_stages
@@ -84,9 +83,8 @@ TIED = ["--model.tie_embeddings", "true"]
 
 
 def _tied_worker(rank: int, world: int, tmp: str, layout: list[str]) -> dict:
-    cfg = config(tmp, [*layout, "--train.sample_tokens", "8"])
-    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        trainer = Trainer(cfg, topo)
+    cfg = make_config(tmp, *MODEL, *layout, "--train.sample_tokens", "8")
+    with trainer_for(cfg) as trainer:
         losses = [trainer.train_step(s).loss for s in range(1, STEPS + 1)]
         evaluated = trainer.evaluate()
         text = trainer.sample_text()
