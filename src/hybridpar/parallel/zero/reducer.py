@@ -13,8 +13,7 @@ the mean loss over the global batch, with 4 bytes x parameters (fp32) on the wir
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
@@ -23,6 +22,7 @@ from torch import nn
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.compression import Int8AllReduce
 from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.zero.sync import GradientSync
 
 
 class _Bucket:
@@ -69,7 +69,7 @@ def cut_buckets(items: Iterable[T], nbytes: Callable[[T], int], bucket_bytes: in
     return out
 
 
-class GradientReducer:
+class GradientReducer(GradientSync):
     """Averages the gradients of ``params`` over ``axis`` (dp), bucket by bucket during backward.
 
     Call ``finish()`` after the last backward of a step (before clipping and the optimizer);
@@ -110,15 +110,6 @@ class GradientReducer:
             if bucket.ready == len(bucket.params):
                 bucket.start(self.axis)
         return on_grad
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: no communication inside this block."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
 
     def finish(self) -> None:
         """Wait for every bucket (starting any a hook did not, e.g. unused parameters) and

@@ -29,8 +29,6 @@ The model must be sharded after its weights are initialized or loaded.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,10 +38,11 @@ from torch.utils.hooks import RemovableHandle
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.zero.offload import DiskStore
 from hybridpar.parallel.zero.shard import OuterSplit, ShardMesh
+from hybridpar.parallel.zero.sync import GradientSync
 from hybridpar.parallel.zero.unit import Unit, group_parameters
 
 
-class ShardedModel:
+class ShardedModel(GradientSync):
     """Handle returned by :func:`shard_model`: hooks, units, and state-dict helpers."""
 
     #: whether gradients are reduced by the pipeline runner's stage hooks (ZeRO-3 under pp,
@@ -174,15 +173,6 @@ class ShardedModel:
             self._inflight = None
 
     # ------------------------------------------------------------------ steps
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate full gradients locally; no reduce-scatter inside this block."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
-
     def finish(self) -> None:
         """Free anything still gathered, reduce-scatter what has not been, and wait for all of it."""
         self._inflight = None
