@@ -43,8 +43,8 @@ from fresh state, on any shard of a tensor and under every ``ATEN_CPU_CAPABILITY
 
 So where the single-process side runs the same fused kernel, the first step's update of a shard
 needs no tolerance of its own (only the clipping coefficient's, CLIP_ULPS); later steps keep
-ADAMW_STEP_ULPS. The fused and the foreach / for-loop kernels are different formulas in
-rounding terms (one FMA'd lerp vs ``torch.lerp``'s own): compare them with ADAMW_STEP_ULPS.
+ADAMW_STEP_ULPS. The fused and the foreach / for-loop kernels are different code (their own
+lerp, their own contraction), so they may round any op apart: compare them with ADAMW_STEP_ULPS.
 """
 
 from __future__ import annotations
