@@ -224,3 +224,14 @@ def test_compile_stats_count_graphs_breaks_and_time():
     assert after.graphs - before.graphs == 2
     assert after.graph_breaks - before.graph_breaks == 1
     assert after.seconds > before.seconds
+
+
+def test_fused_optimizer_devices_include_cpu_and_cuda_and_fused_adamw_runs_on_cpu():
+    """ZeRO's default kernel choice relies on the list naming cpu and cuda, and on the fused
+    CPU kernel stepping float32 and bfloat16 tensors."""
+    assert {"cpu", "cuda"} <= compat.fused_optimizer_devices()
+    for dtype in (torch.float32, torch.bfloat16):
+        p = nn.Parameter(torch.ones(3, dtype=dtype))
+        p.grad = torch.ones(3, dtype=dtype)
+        torch.optim.AdamW([p], lr=0.5, fused=True).step()
+        assert torch.all(p < 1)
