@@ -115,8 +115,9 @@ def impl_kwargs(optimizer_cls: type[torch.optim.Optimizer], impl: str, tensors: 
                              "its kernel; pass one of them")
         return {}
     takes = inspect.signature(optimizer_cls).parameters
-    if impl == "auto":
-        return {"fused": True} if fused_unsupported(optimizer_cls, tensors) is None else {}
+    if impl == "auto":  # (torch has no fused differentiable step)
+        fusable = fused_unsupported(optimizer_cls, tensors) is None and not given.get("differentiable")
+        return {"fused": True} if fusable else {}
     if impl == "fused":
         why = fused_unsupported(optimizer_cls, tensors)
         if why is not None:
