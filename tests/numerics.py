@@ -26,6 +26,32 @@ orders everywhere, so it is held to :data:`LOSS_RTOL` per-step losses and, for w
 by sqrt(v), so an entry whose gradient is pure rounding noise (different summation order across
 layouts) still moves by up to lr per step; any real layout bug moves weights by far more (the
 per-tensor gradients agree to 1e-6, test_tensor_parallel.py).
+
+**The fused AdamW kernel** (``fused=True``, what ZeRO runs by default; torch 2.13's
+``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``) is exact in one more case, its first step
+from fresh state, on any shard of a tensor and under every ``ATEN_CPU_CAPABILITY``:
+
+* Each tensor is cut into 64-byte units (16 floats) that threads take whole, and each piece runs
+  a vector body (``Vec::size()`` = 8 floats under ``default`` and AVX2, 16 under AVX-512, all
+  dividing 16) and then a scalar tail. So an element runs the tail iff it is among the tensor's
+  last ``numel % Vec::size()`` elements, whatever the thread count; a shard moves elements
+  into or out of that tail.
+* Body and tail apply the same operations in the same order (the decay ``p * (1 - lr*wd)``,
+  ``sqrt(v) / sqrt(bc2) + eps``, ``p - step * m / denom``); only two may round differently: the
+  lerp ``m + c1*(g - m)`` and ``v*b2 + c2*g*g``, where one path may fuse a product and the sum
+  into one FMA and the other round twice (the body writes ``vec::fmadd``; the compiler may
+  contract the rest). At step 1 both have a zero addend (``m = v = 0``), and an FMA with a zero
+  addend rounds exactly as the product does: the two paths agree bit for bit, and every later
+  op then sees equal operands. Measured: 0 differing elements over every cut tried, under all
+  three capabilities (``tests/test_optimizer_impl.py``).
+* From step 2 on, a tail element's ``m`` and ``v`` may differ by one such rounding (seen in
+  ``v``, under 1 ulp, under AVX2 and AVX-512; never under ``default``, which is built without
+  FMA). Those feed the same ops ADAMW_STEP_ULPS counts, so a step stays within it.
+
+So where the single-process side runs the same fused kernel, the first step's update of a shard
+needs no tolerance of its own (only the clipping coefficient's, CLIP_ULPS); later steps keep
+ADAMW_STEP_ULPS. The fused and the foreach / for-loop kernels are different code (their own
+lerp, their own contraction), so they may round any op apart: compare them with ADAMW_STEP_ULPS.
 """
 
 from __future__ import annotations

@@ -269,3 +269,14 @@ def test_watch_worker_failures_sees_the_agents_failed_ranks(monkeypatch):
         assert LocalElasticAgent._monitor_workers(types.SimpleNamespace(_remaining_restarts=2), None) is result
     assert seen == [({1: -9}, 2)]
     assert LocalElasticAgent._monitor_workers(None, None) is result  # the original is back
+
+
+def test_fused_optimizer_devices_include_cpu_and_cuda_and_fused_adamw_runs_on_cpu():
+    """ZeRO's default kernel choice relies on the list naming cpu and cuda, and on the fused
+    CPU kernel stepping float32 and bfloat16 tensors."""
+    assert {"cpu", "cuda"} <= compat.fused_optimizer_devices()
+    for dtype in (torch.float32, torch.bfloat16):
+        p = nn.Parameter(torch.ones(3, dtype=dtype))
+        p.grad = torch.ones(3, dtype=dtype)
+        torch.optim.AdamW([p], lr=0.5, fused=True).step()
+        assert torch.all(p < 1)

@@ -235,6 +235,9 @@ class TrainConfig:
     async_checkpoint: bool = False  # copy checkpoints to host memory and write them in a background thread
     compile: bool = False  # torch.compile each transformer block (regional compilation)
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # aot_eager: traced graphs, eager kernels
+    # the optimizer's kernel: auto (torch's fused Adam/AdamW/SGD where the device and dtype support it),
+    # fused, foreach or for-loop (checked by the rule train-optimizer-impl)
+    optimizer_impl: str = "auto"
     run_dir: str = "runs/default"
     data: str = "builtin"
     sample_tokens: int = 200

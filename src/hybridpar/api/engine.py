@@ -88,6 +88,7 @@ class EngineConfig:
     grad_compression: str = "none"  # gradient payload: "int8" (any stage), "bf16"/"fp16" (stages 1-3)
     bucket_mb: float = 25.0  # gradient bucket size (stages 0-2)
     optimizer: str = "adamw"  # adamw | adam | sgd
+    optimizer_impl: str = "auto"  # auto (fused where supported) | fused | foreach | for-loop
     lr: float = 1e-3
     weight_decay: float = 0.0  # on parameters with >= 2 dims only
     betas: tuple[float, float] = (0.9, 0.999)  # adam/adamw
@@ -122,7 +123,7 @@ class EngineConfig:
             parallel["offload_dir"] = os.fspath(self.offload_dir)
         train = {"lr": self.lr, "min_lr": self.min_lr, "weight_decay": self.weight_decay, "eps": self.eps,
                  "beta1": self.betas[0], "beta2": self.betas[1], "grad_clip": self.grad_clip,
-                 "warmup_steps": self.warmup_steps, "micro_batch": 1,
+                 "warmup_steps": self.warmup_steps, "optimizer_impl": self.optimizer_impl, "micro_batch": 1,
                  "global_batch": dp * self.gradient_accumulation_steps}
         try:
             return parse_config({"parallel": parallel, "train": train}, "the engine config")
@@ -198,7 +199,8 @@ class ModelEngine:
                                        optimizer_cls=OPTIMIZERS[cfg.optimizer], offload=cfg.offload_optimizer,
                                        bucket_bytes=int(cfg.bucket_mb * 2**20), sharded=sharded,
                                        reduce_dtype=COMPRESSION_DTYPES[cfg.grad_compression], offload_to=cfg.offload_to,
-                                       offload_dir=cfg.offload_dir or None, offload_params=cfg.offload_params, **kwargs)
+                                       offload_dir=cfg.offload_dir or None, offload_params=cfg.offload_params,
+                                       optimizer_impl=cfg.optimizer_impl, **kwargs)
         plan = TensorPlan.of_names({name: dim for name, (dim, _) in self.tp_sharded.items()})
         self.core = StepEngine(topo, self.optimizer, plan, list(model.named_parameters()))
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]

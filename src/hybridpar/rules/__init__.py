@@ -15,11 +15,11 @@ is :mod:`~hybridpar.rules.model` (the model's shape, then the settings), then
 """
 
 from hybridpar.rules.base import RULES, Broken, PipelineShape, Rule, first_broken
-from hybridpar.rules.model import MOE_FAMILIES, model_error
+from hybridpar.rules.model import MOE_FAMILIES, OPTIMIZER_IMPLS, model_error, optimizer_impl_error
 
 # isort: split
 # the layout rules register after the model's: rule order
 from hybridpar.rules.layout import partition_error, schedule_error, tp_split_error
 
-__all__ = ["MOE_FAMILIES", "RULES", "Broken", "PipelineShape", "Rule", "first_broken", "model_error",
-           "partition_error", "schedule_error", "tp_split_error"]
+__all__ = ["MOE_FAMILIES", "OPTIMIZER_IMPLS", "RULES", "Broken", "PipelineShape", "Rule", "first_broken",
+           "model_error", "optimizer_impl_error", "partition_error", "schedule_error", "tp_split_error"]

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 #: the model families whose layers may be mixtures of experts (their Hugging Face mapping knows experts)
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
+#: train.optimizer_impl: which torch kernel runs the update ("auto": fused where the device and dtype allow)
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 
 # ----------------------------------------------------------------------------- model shape
 
@@ -156,6 +158,20 @@ def _train_settings(cfg: Config, world: int | None) -> str | None:
     if t.grad_clip < 0:
         return f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)"
     return None
+
+
+def optimizer_impl_error(impl: str, key: str = "train.optimizer_impl") -> str | None:
+    """The message for an optimizer implementation name that is not one of
+    :data:`OPTIMIZER_IMPLS` (``key``: how the caller spells the setting), or None."""
+    if impl in OPTIMIZER_IMPLS:
+        return None
+    return (f"{key} = {impl!r} is not an optimizer implementation; use 'auto' (fused where the device and dtype "
+            "support it), 'fused', 'foreach' or 'for-loop'")
+
+
+@rule("train-optimizer-impl")
+def _optimizer_impl(cfg: Config, world: int | None) -> str | None:
+    return optimizer_impl_error(cfg.train.optimizer_impl)
 
 
 @rule("train-compile-inductor")

@@ -212,7 +212,7 @@ class Engine(StepEngine):
         opts = dict(stage=p.zero_stage, offload=p.offload_optimizer, bucket_bytes=int(p.bucket_mb * 2**20),
                     reduce_dtype=COMPRESSION_DTYPES[p.grad_compression], offload_to=p.offload_to,
                     offload_dir=p.offload_dir or None, offload_params=p.offload_params,
-                    lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+                    optimizer_impl=t.optimizer_impl, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         dense = [(n, q) for n, q in named if n not in self.expert_names]
         optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.dp_cp, sharded=sharded, outer=outer,
                                   hierarchy=hierarchy, **opts)

@@ -75,7 +75,7 @@ from torch.utils.hooks import RemovableHandle
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.zero.base import NamedGrads, NormPart, clip_grads
 from hybridpar.parallel.zero.offload import DiskStore
-from hybridpar.parallel.zero.options import check_options, normalize_groups
+from hybridpar.parallel.zero.options import check_options, impl_kwargs, kernel_of, normalize_groups
 from hybridpar.parallel.zero.reducer import GradientReducer
 from hybridpar.parallel.zero.shard import OuterSplit, ShardMesh, storage_bytes
 from hybridpar.parallel.zero.stage import ShardGroup, Slot, ZeroStage
@@ -100,6 +100,11 @@ class ZeroOptimizer:
     1-3). ``outer`` says how the parameters are
     themselves tensor-parallel pieces (checkpoints then store pieces of the full tensors).
     ``hierarchy`` (stage 0): (intra-node, inter-node) axes for a two-level all-reduce.
+    ``optimizer_impl`` picks the kernel that updates this rank's tensors (its shards, fp32
+    masters, or with ``offload`` their host copies): ``"auto"`` torch's fused kernel wherever
+    the optimizer has one and the tensors' device and dtype allow (CPU and CUDA floats: with
+    offload the host copies take the fused CPU kernel), else torch's default; or ``"fused"``,
+    ``"foreach"``, ``"for-loop"`` (:func:`~hybridpar.parallel.zero.options.impl_kwargs`).
     ``optim_kwargs`` go to
     ``optimizer_cls`` (lr, betas, ...). On a size-1 dp axis every stage is plain ``optimizer_cls``
     (no hooks, no copies) unless ``offload`` asks for the host copy.
@@ -113,7 +118,8 @@ class ZeroOptimizer:
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype | None = None,
                  sharded: ShardedModel | None = None, outer: OuterSplit | None = None,
                  hierarchy: tuple[Axis, Axis] | None = None, offload_to: str = "cpu",
-                 offload_dir: str | None = None, offload_params: bool = False, **optim_kwargs: Any) -> None:
+                 offload_dir: str | None = None, offload_params: bool = False, optimizer_impl: str = "auto",
+                 **optim_kwargs: Any) -> None:
         check_options(stage, offload, reduce_dtype, offload_to, offload_params, sharded)
         self.axis, self.stage, self.offload = axis, stage, offload
         if axis.size == 1:
@@ -133,8 +139,9 @@ class ZeroOptimizer:
                                        reduce_dtype=reduce_dtype, offload=offload, outer=outer)
         slots = self._stage.slots
         self._slots: dict[str, Slot] = {name: slots[id(p)] for name, p in named}
+        kernel = impl_kwargs(optimizer_cls, optimizer_impl, [s.opt for s in self._slots.values()], optim_kwargs)
         self.inner = optimizer_cls([{**opts, "params": [slots[id(p)].opt for _, p in g]} for opts, g in groups],
-                                   **optim_kwargs)
+                                   **optim_kwargs, **kernel)
         self._pieces = ShardMesh(self._stage.state_axis, outer, named[0][1].device.type)  # optimizer state
         self.disk: DiskStore | None = None
         if offload_to == "disk":
@@ -172,6 +179,12 @@ class ZeroOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's groups (set ``group["lr"]`` here)."""
         return self.inner.param_groups
+
+    @property
+    def kernel(self) -> str:
+        """The kernel the inner optimizer updates with: ``"fused"``, ``"foreach"`` or ``"for-loop"``
+        (torch's default on CPU when neither is asked for; foreach on CUDA)."""
+        return kernel_of(self.inner)
 
     @property
     def state(self) -> dict[Any, dict[str, Any]]:
