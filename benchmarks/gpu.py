@@ -28,6 +28,7 @@ host (``aten::_local_scalar_dense``, ``aten::is_nonzero``) and kernel time as th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -45,6 +46,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from hybridpar.config import load_config
 from hybridpar.distributed import device as devices
+from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.training.trainer import Trainer
 
 SHAPE_07B = ["--model.dim", "1536", "--model.n_layers", "24", "--model.n_heads", "12", "--model.n_kv_heads", "4",
              "--model.ffn_hidden", "4096", "--model.vocab_size", "32000", "--model.max_seq_len", "2048",
@@ -59,7 +62,7 @@ SHAPE_TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "
               "--train.global_batch", "4", "--train.micro_batch", "2"]
 SMOKE_BASE = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
               "--model.ffn_hidden", "128", "--model.max_seq_len", "64", "--train.seq_len", "64",
-              "--train.global_batch", "4", "--train.micro_batch", "2", "--train.steps", "4", "--train.log_every", "1",
+              "--train.global_batch", "4", "--train.micro_batch", "2", "--train.steps", "2", "--train.log_every", "1",
               "--train.eval_every", "0", "--train.sample_tokens", "8", "--train.warmup_steps", "1"]
 #: feature -> the overrides that turn it on (each a short training run through the CLI)
 FEATURES: dict[str, list[str]] = {
@@ -78,6 +81,8 @@ def hybridpar(args: list[str], timeout_s: float) -> tuple[int, str]:
     """Run ``hybridpar ARGS`` as its own process: (exit status, the tail of its output)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
                                                         os.environ.get("PYTHONPATH", "")])}
+    if "--train.device" in args and args[args.index("--train.device") + 1] == "cpu":
+        env.setdefault("OMP_NUM_THREADS", "1")  # CLI runs side by side: one core each, no oversubscription
     try:
         done = subprocess.run([sys.executable, "-m", "hybridpar", *args], capture_output=True, text=True,
                               timeout=timeout_s, env=env)
@@ -101,12 +106,12 @@ def smoke_feature(name: str, flags: list[str], device: str, root: Path, timeout_
 
 
 def smoke_resume(device: str, root: Path, timeout_s: float) -> dict[str, dict[str, Any]]:
-    """Async checkpoints with an exact resume (4 steps straight, checkpoints at 2 and 4; a second
-    run resumed from the step-2 checkpoint must log the same step-4 loss), then ``hybridpar
+    """Async checkpoints with an exact resume (2 steps straight, checkpoints at 1 and 2; a second
+    run resumed from the step-1 checkpoint must log the same step-2 loss), then ``hybridpar
     generate`` from the last checkpoint."""
     start = time.perf_counter()
     common = ["train", *SMOKE_BASE, "--train.device", device, "--train.async_checkpoint", "true",
-              "--train.checkpoint_every", "2"]
+              "--train.checkpoint_every", "1"]
     whole, part = root / "resume_whole", root / "resume_part"
     steps = [hybridpar([*common, "--train.run_dir", str(whole)], timeout_s)]
     ckpts = sorted((whole / "checkpoints").glob("step-*"))
@@ -114,8 +119,8 @@ def smoke_resume(device: str, root: Path, timeout_s: float) -> dict[str, dict[st
         steps.append(hybridpar([*common, "--train.run_dir", str(part), "--resume", str(ckpts[0])], timeout_s))
     failed = [f"exit {rc}: {tail}" for rc, tail in steps if rc != 0]
     status = failed[0] if failed else "ok" if len(steps) == 2 else "no checkpoint written"
-    if status == "ok" and losses(whole)[4] != losses(part)[4]:
-        status = f"resumed loss {losses(part)[4]!r} != uninterrupted {losses(whole)[4]!r}"
+    if status == "ok" and losses(whole)[2] != losses(part)[2]:
+        status = f"resumed loss {losses(part)[2]!r} != uninterrupted {losses(whole)[2]!r}"
     out = {"async_checkpoint_resume": {"status": status, "seconds": round(time.perf_counter() - start, 1)}}
     start = time.perf_counter()
     rc, tail = hybridpar(["generate", "--checkpoint", str(ckpts[-1] if ckpts else whole), "--tokens", "8",
@@ -149,7 +154,17 @@ def overhead(shape: list[str], device: torch.device, steps: int, rounds: int, co
            "mfu": {k: round(v, 4) for k, v in mfu.items()}, "ratio": round(med["hybridpar"] / med["plain"], 4)}
     if compiled:
         out["ratio_vs_plain_compiled"] = round(med["hybridpar"] / med["plain_compiled"], 4)
+    release(device)
     return out
+
+
+def release(device: torch.device) -> None:
+    """Free the models, optimizers and compiled graphs of the part that just ended, so the next
+    part has the whole GPU."""
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def cli_mfu(shape: list[str], device: str, steps: int, timeout_s: float) -> dict[str, Any]:
@@ -176,14 +191,14 @@ def profile_steps(shape: list[str], device: torch.device, steps: int) -> dict[st
     syncs per step, the optimizer's share of the step and kernel time against wall time."""
     compiled = device.type == "cuda"
     cfg = load_config(None, [*shape, "--train.device", device.type, "--train.compile", str(compiled).lower()])
-    step_fn = build_loops(cfg, device, False)["hybridpar"]
-    for s in range(1, 4):
+    step_fn = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build(device.type), device).train_step
+    for s in range(1, 2 if device.type == "cpu" else 4):  # warm-up (and compile)
         step_fn(s)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     devices.synchronize(device)
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        for s in range(4, 4 + steps):
+        for s in range(10, 10 + steps):
             step_fn(s)
         devices.synchronize(device)
         wall = time.perf_counter() - start
@@ -238,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": "gpu", "device": str(device), "device_name": devices.device_name(device),
                               "torch": torch.__version__, "quick": args.quick,
                               "cli_shape": "tiny" if args.quick else "llama-3.2-1b"}
-    result["smoke"] = smoke(args.device, args.jobs or (2 if device.type == "cpu" else 1), args.timeout)
+    result["smoke"] = smoke(args.device, args.jobs or (2 if device.type == "cpu" else 4), args.timeout)
     result["overhead"] = {"eager": overhead(big, device, steps, rounds, compiled=False)}
     if device.type == "cuda":
         result["overhead"]["compiled"] = overhead(big, device, steps, rounds, compiled=True)
@@ -252,7 +267,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny shapes everywhere (about a minute on CPU)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per loop per round (overhead)")
-    ap.add_argument("--jobs", type=int, default=0, help="smoke runs at a time (default: 1 on CUDA, 2 on CPU)")
+    ap.add_argument("--jobs", type=int, default=0, help="smoke runs at a time (default: 4 on CUDA, 2 on CPU)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per CLI run before it counts as failed")
     args = ap.parse_args()
     if args.device == "cuda" and devices.accelerator_count() == 0:
