@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,46 @@ def timed(fn, step: int, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def build_loops(cfg, device: torch.device, compiled: bool) -> dict[str, Callable[[int], float]]:
+    """The loops compared, by name: hybridpar's ``Trainer.train_step`` (``cfg`` decides whether it
+    compiles), the plain eager loop and, with ``compiled``, the plain loop with regional compile."""
+    if device.type == "cpu":
+        devices.keep_host_heap()  # as the CLI trainer's workers do on CPU
+    loops = {"hybridpar": Trainer(cfg, ParallelDims.from_config(cfg.parallel).build(device.type), device).train_step,
+             "plain": PlainLoop(cfg, device).step}
+    if compiled:
+        loops["plain_compiled"] = PlainLoop(cfg, device, compile_blocks=True).step
+    return loops
+
+
+def compare_loops(loops: dict[str, Callable[[int], float]], device: torch.device, steps: int,
+                  rounds: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Warm each loop up (three steps, compiling if it does), then time them interleaved step by
+    step for ``rounds`` x ``steps``: (step times per loop, warm-up seconds per loop)."""
+    warm: dict[str, float] = {}
+    for name, fn in loops.items():  # warm-up (and compile) each
+        start = time.perf_counter()
+        for s in range(1, 4):
+            fn(s)
+        warm[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {k: [] for k in loops}
+    step = 4
+    for _ in range(rounds):
+        for _ in range(steps):  # interleave step by step
+            for name, fn in loops.items():
+                times[name].append(timed(fn, step, device))
+            step += 1
+    return times, warm
+
+
+def mfu_of(cfg, device: torch.device, med: dict[str, float]) -> tuple[dict[str, float], str]:
+    """Each loop's MFU from its median step time, and where the peak came from."""
+    t = cfg.train
+    peak, peak_name = devices.peak_flops(device, t.precision)
+    tokens = t.global_batch * t.seq_len
+    return {k: cfg.model.flops_per_token(t.seq_len) * tokens / v / peak for k, v in med.items()}, peak_name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30, help="timed steps per side per round")
@@ -97,32 +138,12 @@ def main() -> None:
     cfg = load_config(None, overrides)
     torch.manual_seed(cfg.train.seed)
     device = devices.pick_device(cfg.train.device)
-    if device.type == "cpu":
-        devices.keep_host_heap()  # as the CLI trainer's workers do on CPU
-    loops = {"hybridpar": Trainer(cfg, ParallelDims.from_config(cfg.parallel).build(device.type), device).train_step,
-             "plain": PlainLoop(cfg, device).step}
-    if args.compile:
-        loops["plain_compiled"] = PlainLoop(cfg, device, compile_blocks=True).step
-    warm: dict[str, float] = {}
-    for name, fn in loops.items():  # warm-up (and compile) each
-        start = time.perf_counter()
-        for s in range(1, 4):
-            fn(s)
-        warm[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {k: [] for k in loops}
-    step = 4
-    for _ in range(args.rounds):
-        for _ in range(args.steps):  # interleave step by step
-            for name, fn in loops.items():
-                times[name].append(timed(fn, step, device))
-            step += 1
+    times, warm = compare_loops(build_loops(cfg, device, args.compile), device, args.steps, args.rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["hybridpar"] / med["plain"]
     target = 0.85 if args.compile else 1.05
+    mfu, peak_name = mfu_of(cfg, device, med)
     t = cfg.train
-    peak, peak_name = devices.peak_flops(device, t.precision)
-    tokens = t.global_batch * t.seq_len
-    mfu = {k: cfg.model.flops_per_token(t.seq_len) * tokens / v / peak for k, v in med.items()}
     print(f"device {device} ({peak_name}); MFU " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in mfu.items()))
     print(f"model {cfg.model.preset} ({cfg.model.num_params() / 1e6:.2f}M params), batch {t.global_batch}x{t.seq_len}, "
           f"micro {t.micro_batch}, {t.precision}, torch threads {torch.get_num_threads()}"

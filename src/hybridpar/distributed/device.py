@@ -98,29 +98,53 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measured_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 512, reps: int = 8) -> float:
-    """FLOP/s of an n x n matmul on this CPU process, the best of a few runs."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
+def measured_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 512, reps: int = 8,
+                          device: torch.device | None = None) -> float:
+    """FLOP/s of the n x n matmul a training step runs on ``device`` (default CPU), the best of a
+    few runs.
+
+    ``dtype`` is the step's compute dtype: fp32 runs a plain fp32 matmul; bf16/fp16 run ``F.linear``
+    on fp32 tensors under CPU autocast, which is what the model's layers do (cast, then the
+    low-precision GEMM), not a matmul of tensors already in bf16 that the step never runs."""
+    device = torch.device("cpu") if device is None else device
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    if dtype == torch.float32:
+        def run() -> None:
+            a @ b
+    else:
+        def run() -> None:
+            with torch.autocast(device_type=device.type, dtype=dtype):
+                torch.nn.functional.linear(a, b)
+    run()  # warm-up
     best = float("inf")
     for _ in range(reps):
+        synchronize(device)
         t0 = time.perf_counter()
-        a @ b
+        run()
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2.0 * n**3 / best
 
 
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
     """(peak FLOP/s, where the number came from) for MFU: a data-sheet table on known GPUs,
-    a measured matmul rate on CPU or on an unknown GPU."""
+    a measured matmul rate on CPU or on an unknown GPU, in the kernels the step runs under
+    ``precision`` (see :func:`measured_matmul_flops`).
+
+    A measured rate is only a lower bound of the peak (a loaded machine measures less), so the
+    MFU computed from it can exceed 1; :class:`hybridpar.training.loop.ThroughputMeter` reports
+    such a window's MFU as unknown (None) rather than above 100%."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, peaks in _GPU_PEAKS:
             if key in name:
                 return peaks.get(precision, peaks["fp32"]), f"{key} data sheet"
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return measured_matmul_flops(dtype), "measured matmul"
+    dtype = _COMPUTE_DTYPES.get(precision, torch.float32)
+    return measured_matmul_flops(dtype, device=device), f"measured {precision} matmul"
 
 
 def memory_bytes(device: torch.device) -> int:

@@ -60,7 +60,10 @@ class Throughput:
     """Rates over a window of steps (what :meth:`ThroughputMeter.read` returns)."""
 
     tokens_per_s: float
-    mfu: float  # model FLOPs utilisation: achieved FLOP/s over the peak of every rank together
+    #: model FLOPs utilisation: achieved FLOP/s over the peak of every rank together; None (null in
+    #: ``metrics.jsonl``, "n/a" on the progress bar) when it would exceed 1: the peak was then a
+    #: measured rate (CPU, unknown GPU) that the machine has since beaten, so the true MFU is unknown
+    mfu: float | None
     step_time_s: float
 
 
@@ -94,8 +97,8 @@ class ThroughputMeter:
         devices.synchronize(self.device)
         elapsed = time.perf_counter() - self._t0
         tps = self.tokens_per_step * self._steps / elapsed
-        return Throughput(tokens_per_s=tps, mfu=self.flops_per_token * tps / (self.peak_flops * self.world_size),
-                          step_time_s=elapsed / self._steps)
+        mfu = self.flops_per_token * tps / (self.peak_flops * self.world_size)
+        return Throughput(tokens_per_s=tps, mfu=mfu if mfu <= 1.0 else None, step_time_s=elapsed / self._steps)
 
 
 def log_due(step: int, log_every: int, last_step: int) -> bool:

@@ -55,7 +55,7 @@ class MetricsLogger:
                 for i, v in enumerate(value):  # e.g. expert_imbalance_per_layer/3
                     self._tb.add_scalar(f"{key}/{i}", v, record["step"])
         post = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}",
-                "mfu": f"{100 * record['mfu']:.1f}%", "mem": f"{record['mem_bytes'] / 2**20:.0f}MiB"}
+                "mfu": "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%", "mem": f"{record['mem_bytes'] / 2**20:.0f}MiB"}
         if "val_loss" in record:
             post["val"] = f"{record['val_loss']:.4f}"
         self._bar.set_postfix(post, refresh=False)
