@@ -136,18 +136,23 @@ class StepEngine:
         owned = {n for n, _ in self.owned}
         parts = self.optimizer.norm_parts()  # this rank's rows of its tp pieces; experts (ep) a part of their own
         device = self.owned[0][1].device if self.owned else self.topo.device
-        squares = [self.plan.global_grad_norm([(n, g) for n, g in named if n in owned], self.topo.tp,
-                                              [*axes, self.topo.pp], device).square() for named, axes in parts]
-        return torch.stack(squares).sum().sqrt()
+        squares = [self.plan.global_grad_norm_sq([(n, g) for n, g in named if n in owned], self.topo.tp,
+                                                 [*axes, self.topo.pp], device) for named, axes in parts]
+        return torch.stack(squares).sum().sqrt()  # on the device: nothing is read to the host
 
     def clip(self, total_norm: Tensor, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
         self.optimizer.clip(total_norm, max_norm)
 
-    def update(self, max_norm: float) -> Tensor:
-        """Clip by the global norm (``max_norm`` 0: no clipping) and step the optimizer; returns
-        the norm before clipping."""
-        norm = self.grad_norm()
+    def apply_update(self, norm: Tensor, max_norm: float) -> None:
+        """Clip by the global ``norm`` (:meth:`grad_norm`; ``max_norm`` 0: no clipping) on the
+        device, without reading it, and step the optimizer."""
         self.clip(norm, max_norm)
         self.optimizer.step()
+
+    def update(self, max_norm: float) -> Tensor:
+        """Clip by the global norm (``max_norm`` 0: no clipping) and step the optimizer; returns
+        the norm before clipping, on the device (nothing is read to the host)."""
+        norm = self.grad_norm()
+        self.apply_update(norm, max_norm)
         return norm

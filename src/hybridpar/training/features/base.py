@@ -24,13 +24,25 @@ state (``checkpoint.save(extra=...)``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from hybridpar.training.metrics import MetricsLogger
 
-__all__ = ["StepFeature", "StepHooks"]
+__all__ = ["StepFeature", "StepHooks", "Stats", "merge_stats"]
+
+#: a step's statistics for its record: the dict, or what makes it when the record is written
+Stats = dict[str, Any] | Callable[[], dict[str, Any]]
+
+
+def merge_stats(parts: Sequence[Stats]) -> dict[str, Any]:
+    """The features' statistics in one dict (later features' keys win), made now."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        out.update(part() if callable(part) else part)
+    return out
 
 
 class StepFeature:
@@ -53,9 +65,10 @@ class StepFeature:
     def start_step(self, step: int, batches: Sequence[tuple]) -> None:
         """Step ``step`` is about to run forward and backward on ``batches``."""
 
-    def after_backward(self, step: int, microbatches: int) -> dict[str, Any] | None:
+    def after_backward(self, step: int, microbatches: int) -> Stats | None:
         """The step's gradients are complete; returns statistics for its ``metrics.jsonl``
-        record (None: none). Collective."""
+        record (None: none): a dict, or a callable that makes it when the record is written
+        (statistics kept on the device are then read only at log steps). Collective."""
         return None
 
     def before_update(self, step: int) -> None:
@@ -116,14 +129,15 @@ class StepHooks:
         for f in self.features:
             f.start_step(step, batches)
 
-    def after_backward(self, step: int, microbatches: int) -> dict[str, Any] | None:
-        """Every feature's statistics merged (None when none has any)."""
-        stats: dict[str, Any] | None = None
-        for f in self.features:
-            mine = f.after_backward(step, microbatches)
-            if mine is not None:
-                stats = {**(stats or {}), **mine}
-        return stats
+    def after_backward(self, step: int, microbatches: int) -> Stats | None:
+        """Every feature's statistics merged (None when none has any; a callable making the dict
+        when any feature's are made late)."""
+        parts = [mine for f in self.features if (mine := f.after_backward(step, microbatches)) is not None]
+        if not parts:
+            return None
+        if all(isinstance(p, dict) for p in parts):
+            return merge_stats(parts)
+        return functools.partial(merge_stats, parts)
 
     def before_update(self, step: int) -> None:
         for f in self.features:
