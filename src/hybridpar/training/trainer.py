@@ -68,6 +68,7 @@ class Trainer:
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.skipped_nonfinite = 0
         self._nonfinite: torch.Tensor | None = None  # [step, loss] of the first NaN/Inf loss, on the device
+        self._latest: StepResult | None = None  # fit's latest step (its values may be on the device)
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
         # train.async_checkpoint: a thread copies each save to host memory and writes it
@@ -203,6 +204,13 @@ class Trainer:
                                self.cfg, step, self.topo, self.tokenizer, extra=self._extra_state(),
                                writer=self.writer)
 
+    def _save_checked(self, step: int) -> Path:
+        """:meth:`save_checkpoint` in ``fit``: first raise for a non-finite loss the steps since
+        the last read left on the device (:meth:`check_nonfinite`), so no NaN weights are saved."""
+        if self._latest is not None:
+            self.check_nonfinite(self._latest)
+        return self.save_checkpoint(step)
+
     def load_checkpoint(self, path: Path) -> int:
         """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
         extra = self._extra_state(self.hooks.state_to_load(path))  # what that checkpoint holds
@@ -241,7 +249,7 @@ class Trainer:
         with checkpoints.writing(t.timeout_s):  # the end waits for a background save in flight
             for step in range(start + 1, t.steps + 1):
                 with traffic.measure(step):  # the summary reports the last step's traffic per axis
-                    result = self.train_step(step)
+                    result = self._latest = self.train_step(step)
                 meter.count_step()
                 self.hooks.after_step(step, log)
                 losses.observe(step, result)  # read only at the end
@@ -273,7 +281,7 @@ class Trainer:
         # the stop agreement runs every step on a gloo side group over a host tensor: it never
         # waits for the device (on the training's own axis, NCCL would need a device read)
         stop_axis = self.topo.side_axis("stop", t.timeout_s) if self.stop is not None else self.topo.world
-        checkpoints = Checkpointing(t.checkpoint_every, t.steps, self.save_checkpoint, self.run_dir, self.stop,
+        checkpoints = Checkpointing(t.checkpoint_every, t.steps, self._save_checked, self.run_dir, self.stop,
                                     stop_axis, torch.device("cpu"), self.writer)
         self.checkpoint_stalls = checkpoints.stalls
         return checkpoints

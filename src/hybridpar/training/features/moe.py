@@ -67,7 +67,7 @@ class ExpertBalance(StepFeature):
         auxiliary losses' sum over layers, mean over micro-batches."""
         topo, model = self.topo, self.engine.model
         load = self.step_load()
-        aux = torch.as_tensor(model.moe_aux.value, dtype=torch.float64, device=load.device).reshape(1).clone()
+        aux = torch.zeros(1, dtype=torch.float64, device=load.device) + model.moe_aux.value  # no host copy
         model.moe_aux.reset()
         sum_over_axes([topo.tp] if self.engine.sequence_parallel else [], aux)  # SP: each tp rank's share
         topo.comm.all_reduce(aux, topo.pp)
@@ -106,7 +106,7 @@ def _step_stats(per_layer: Tensor, aux: Tensor, dropped: Tensor, load: Tensor) -
     """One step's ``metrics.jsonl`` statistics, read from the device in one transfer."""
     n = per_layer.numel()
     values = torch.cat([per_layer, aux, dropped, load.reshape(-1)]).tolist()
-    per = values[:n]
+    per, flat, e = values[:n], values[n + 2:], load.shape[1]
     return {"aux_loss": values[n], "expert_load_imbalance": max(per), "expert_imbalance_per_layer": per,
             "dropped_tokens": int(values[n + 1]),
-            "expert_load": [[int(v) for v in row] for row in load.new_tensor(values[n + 2:]).view_as(load).tolist()]}
+            "expert_load": [[int(v) for v in flat[i * e:(i + 1) * e]] for i in range(len(flat) // e)]}
