@@ -168,11 +168,17 @@ class TensorPlan:
         """Squared L2 norm of named gradient tensors (whole tp pieces, or ZeRO's rows of them):
         tp-split ones summed over ``axis``, replicated ones counted once. Each tensor's norm by a
         multi-tensor kernel (one per device and dtype, :func:`~hybridpar.compat.foreach_norm`)."""
+        sharded, replicated = self.local_norm_sq(named, device)
+        return axis.comm.all_reduce(sharded, axis) + replicated
+
+    def local_norm_sq(self, named: Iterable[tuple[str, Tensor]], device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(tp-split, replicated)`` sums of squares of this rank's named gradient tensors, not
+        yet reduced over anything (fp32 scalars on ``device``)."""
         sharded: list[Tensor] = []
         replicated: list[Tensor] = []
         for name, g in named:
             (replicated if self.shard_dim(name) is None else sharded).append(g.detach())
-        return axis.comm.all_reduce(sum_of_squares(sharded, device), axis) + sum_of_squares(replicated, device)
+        return sum_of_squares(sharded, device), sum_of_squares(replicated, device)
 
     def global_grad_norm_sq(self, named: Iterable[tuple[str, Tensor]], tp: Axis, reduce_over: Iterable[Axis],
                             device: torch.device) -> Tensor:

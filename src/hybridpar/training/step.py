@@ -15,13 +15,14 @@ reaches all three. LR schedule: :func:`hybridpar.training.optim.warmup_cosine`; 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from hybridpar.distributed.mesh import Topology
+from hybridpar.distributed.mesh import Axis, Topology
 from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
 from hybridpar.parallel.tensor_plan import TensorPlan, sum_over
 from hybridpar.parallel.zero import DataParallelOptimizer, GradientReducer, LocalOptimizer
@@ -132,13 +133,19 @@ class StepEngine:
 
     def grad_norm(self) -> Tensor:
         """Global gradient L2 norm: every parameter counted exactly once over tp, pp and ZeRO
-        shards (data-parallel replicas hold equal, already averaged gradients)."""
+        shards (data-parallel replicas hold equal, already averaged gradients). On the device,
+        with one world all-reduce (:func:`one_collective_norm_sq`) wherever the norm's axes are
+        whole sub-meshes; otherwise summed over tp, the ZeRO axes and pp in turn."""
         owned = {n for n, _ in self.owned}
         parts = self.optimizer.norm_parts()  # this rank's rows of its tp pieces; experts (ep) a part of their own
         device = self.owned[0][1].device if self.owned else self.topo.device
-        squares = [self.plan.global_grad_norm_sq([(n, g) for n, g in named if n in owned], self.topo.tp,
-                                                 [*axes, self.topo.pp], device) for named, axes in parts]
-        return torch.stack(squares).sum().sqrt()  # on the device: nothing is read to the host
+        mine = [([(n, g) for n, g in named if n in owned], axes) for named, axes in parts]
+        total = one_collective_norm_sq(self.topo, self.plan, mine, device)
+        if total is None:
+            squares = [self.plan.global_grad_norm_sq(named, self.topo.tp, [*axes, self.topo.pp], device)
+                       for named, axes in mine]
+            total = torch.stack(squares).sum()
+        return total.sqrt()  # on the device: nothing is read to the host
 
     def clip(self, total_norm: Tensor, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
@@ -156,3 +163,41 @@ class StepEngine:
         norm = self.grad_norm()
         self.apply_update(norm, max_norm)
         return norm
+
+
+def one_collective_norm_sq(topo: Topology, plan: TensorPlan, parts: Sequence[tuple[Sequence[tuple[str, Tensor]], Sequence[Axis]]],
+                           device: torch.device) -> Tensor | None:
+    """The squared global gradient norm with ONE world all-reduce: each of ``parts`` (named
+    gradients, the axes that split them between ranks) contributes its tp-split squares summed
+    over tp, its axes and pp, its replicated squares over its axes and pp. Summing over those
+    axes in turn is summing over the sub-mesh they span; every such sub-mesh holds the same
+    values, so the ranks of the one through rank 0 (whose coordinates off those axes are 0)
+    contribute and the rest add zero. None when an axis is not a whole sub-mesh of the
+    ``(pp, dp, cp, tp)`` grid (an ep run shorter than dp x cp): the caller reduces in turn."""
+    total: list[Tensor] = []
+    for named, axes in parts:
+        sharded, replicated = plan.local_norm_sq(named, device)
+        counts = [_counted(topo, [topo.tp, *axes, topo.pp]), _counted(topo, [*axes, topo.pp])]
+        if None in counts:
+            return None
+        total.append(sharded * float(counts[0]) + replicated * float(counts[1]))
+    out = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=device)
+    if topo.world.size > 1:
+        topo.world.comm.all_reduce(out, topo.world)
+    return out
+
+
+def _counted(topo: Topology, axes: Sequence[Axis]) -> bool | None:
+    """Whether this rank's share is counted: its coordinates on the grid axes that ``axes``
+    do not span are all 0 (None: an axis of ``axes`` is not a whole sub-mesh)."""
+    dims, covered = topo.dims, set()
+    mine = dims.coords(topo.rank)
+    for axis in axes:
+        if axis.size == 1:
+            continue
+        coords = [dims.coords(r) for r in axis.ranks]
+        spans = {d for d in mine if len({c[d] for c in coords}) > 1}
+        if axis.size != math.prod(dims.size(d) for d in spans):
+            return None
+        covered |= spans
+    return all(c == 0 for d, c in mine.items() if d not in covered)
