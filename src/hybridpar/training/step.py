@@ -167,37 +167,43 @@ class StepEngine:
 
 def one_collective_norm_sq(topo: Topology, plan: TensorPlan, parts: Sequence[tuple[Sequence[tuple[str, Tensor]], Sequence[Axis]]],
                            device: torch.device) -> Tensor | None:
-    """The squared global gradient norm with ONE world all-reduce: each of ``parts`` (named
+    """The squared global gradient norm with at most ONE all-reduce: each of ``parts`` (named
     gradients, the axes that split them between ranks) contributes its tp-split squares summed
-    over tp, its axes and pp, its replicated squares over its axes and pp. Summing over those
-    axes in turn is summing over the sub-mesh they span; every such sub-mesh holds the same
-    values, so the ranks of the one through rank 0 (whose coordinates off those axes are 0)
-    contribute and the rest add zero. None when an axis is not a whole sub-mesh of the
-    ``(pp, dp, cp, tp)`` grid (an ep run shorter than dp x cp): the caller reduces in turn."""
-    total: list[Tensor] = []
+    over tp, its axes and pp, its replicated squares over its axes and pp. Summing over axes in
+    turn is summing over the sub-mesh of the ``(pp, dp, cp, tp)`` grid they span, and ranks off
+    it hold the same values (replicas). So one all-reduce over the axis spanning all terms' grid
+    dimensions, to which each term is added only by the ranks at coordinate 0 on the dimensions
+    it does not span. None when no axis of the topology spans exactly those dimensions, or an
+    axis is not a whole sub-mesh (an ep run shorter than dp x cp): the caller reduces in turn."""
+    terms = []
     for named, axes in parts:
         sharded, replicated = plan.local_norm_sq(named, device)
-        counts = [_counted(topo, [topo.tp, *axes, topo.pp]), _counted(topo, [*axes, topo.pp])]
-        if None in counts:
-            return None
-        total.append(sharded * float(counts[0]) + replicated * float(counts[1]))
-    out = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=device)
-    if topo.world.size > 1:
-        topo.world.comm.all_reduce(out, topo.world)
+        terms += [(sharded, _spanned(topo, [topo.tp, *axes, topo.pp])), (replicated, _spanned(topo, [*axes, topo.pp]))]
+    if any(dims is None for _, dims in terms):
+        return None
+    union = set().union(*(dims for _, dims in terms if dims is not None))
+    over = next((a for a in (topo.tp, topo.pp, topo.dp, topo.cp, topo.dp_cp, topo.world) if _spanned(topo, [a]) == union),
+                None)
+    if over is None:
+        return None
+    mine = topo.dims.coords(topo.rank)
+    counted = [value * float(all(mine[d] == 0 for d in union - (dims or set()))) for value, dims in terms]
+    out = torch.stack([counted[i] + counted[i + 1] for i in range(0, len(counted), 2)]).sum() if counted \
+        else torch.zeros((), dtype=torch.float32, device=device)
+    if over.size > 1:
+        over.comm.all_reduce(out, over)
     return out
 
 
-def _counted(topo: Topology, axes: Sequence[Axis]) -> bool | None:
-    """Whether this rank's share is counted: its coordinates on the grid axes that ``axes``
-    do not span are all 0 (None: an axis of ``axes`` is not a whole sub-mesh)."""
+def _spanned(topo: Topology, axes: Sequence[Axis]) -> set[str] | None:
+    """The grid dimensions ``axes`` span together (None: an axis is not a whole sub-mesh)."""
     dims, covered = topo.dims, set()
-    mine = dims.coords(topo.rank)
     for axis in axes:
         if axis.size == 1:
             continue
         coords = [dims.coords(r) for r in axis.ranks]
-        spans = {d for d in mine if len({c[d] for c in coords}) > 1}
+        spans = {d for d in coords[0] if len({c[d] for c in coords}) > 1}
         if axis.size != math.prod(dims.size(d) for d in spans):
             return None
         covered |= spans
-    return all(c == 0 for d, c in mine.items() if d not in covered)
+    return covered
