@@ -98,10 +98,18 @@ class Trainer:
                 if docs is not None:  # sharded like the tokens
                     docs = docs.index_select(1, zigzag_positions(self.cfg.train.seq_len, self.topo.cp))
             if docs is None:
-                out.append((x.to(self.device), y.to(self.device)))
+                out.append((self._to_device(x), self._to_device(y)))
             else:
-                out.append((x.to(self.device), y.to(self.device), docs.to(self.device)))
+                out.append((self._to_device(x), self._to_device(y), docs.to(self.device)))
         return out
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the training device. To a GPU from pinned memory without blocking: a blocking
+        copy from pageable memory makes the host wait for the device's queue (the previous
+        step's kernels) before every step; the fresh host tensor is not written again."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step over the global batch; returns the global mean loss.
