@@ -25,13 +25,14 @@ import torch.nn.functional as F
 from test_api_engine import CFG as ENGINE_CFG
 from test_api_engine import GA, MLP, micro_batch
 from test_api_pipeline import HID, M, batch, make_layers
-from test_precision import make
+from test_precision import make, nan_at
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridpar
 from hybridpar.distributed.lifecycle import StopRequest
 from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.trainer import Trainer
 
 aten = torch.ops.aten
@@ -219,3 +220,22 @@ def test_pipeline_module_step_reads_only_its_loss():
             with counting(host) as c:
                 loss = pipe.train_step(list(zip(x.chunk(M), y.chunk(M), strict=True)), opt, max_norm=0.1)
             assert isinstance(loss, float) and c.by_step[0] <= 1, c.where
+
+
+def test_a_nan_loss_unread_at_its_step_stops_at_the_next_log_step(tmp_path):
+    """``train.nonfinite = "stop"`` without a per-step read: the NaN of step 2 is kept on the
+    device and raised at step 4, the next step ``fit`` logs, naming step 2; nothing was saved."""
+    trainer = make(tmp_path, "--train.steps", "6", "--train.log_every", "4", "--train.checkpoint_every", "0")
+    nan_at(trainer, {2})
+    seen: list[int] = []
+    real_step = trainer.train_step
+
+    def train_step(step: int) -> Any:
+        seen.append(step)
+        return real_step(step)
+
+    trainer.train_step = train_step
+    with pytest.raises(NonFiniteLossError, match="loss is nan at step 2 .*no checkpoint was saved yet"):
+        trainer.fit()
+    assert seen == [1, 2, 3, 4]
+    trainer.topo.close()
