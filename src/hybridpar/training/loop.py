@@ -35,6 +35,7 @@ from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
 from hybridpar.distributed.mesh import Axis
 from hybridpar.training import checkpoint
 from hybridpar.training.checkpoint import BackgroundWriter
+from hybridpar.training.features.base import DeviceStats
 from hybridpar.training.metrics import MetricsLogger, atomic_write_text
 
 
@@ -46,11 +47,11 @@ class StepResult:
     a step nobody logs never waits for its device. ``nonfinite``: ``[step, loss]`` of the first
     step of the run whose loss was NaN/Inf (step 0: none yet), kept on the device likewise
     (``train.nonfinite = "stop"`` without a per-step read: ``Trainer.fit`` checks it whenever
-    it reads a step's values). ``stats``: a dict, or a callable that makes it on first read
-    (the features' device-side statistics)."""
+    it reads a step's values). ``stats``: a dict, or the features' :class:`DeviceStats`, read
+    in the same transfer."""
 
     def __init__(self, loss: float | Tensor, grad_norm: float | Tensor, lr: float, skipped: bool = False,
-                 stats: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+                 stats: dict[str, Any] | DeviceStats | None = None,
                  nonfinite: Tensor | None = None) -> None:
         self.lr = lr
         self.skipped = skipped  # no optimizer update: fp16 overflow or a skipped non-finite loss
@@ -66,21 +67,23 @@ class StepResult:
         else:
             self._host = [float(v) for v in parts]
 
-    def resolve(self, *extra: Tensor) -> list[float]:
-        """Read the step's values to the host (once; later calls are free) together with
-        ``extra`` tensors (flattened), in one transfer; returns ``extra``'s values."""
-        if self._host is not None and not extra:
-            return []
-        pending = [] if self._host is not None else [self._device]
-        flat = [t.detach().reshape(-1).to(torch.float64) for t in (*pending, *extra)]
-        if not flat:
-            return []
-        device = flat[0].device
-        values = torch.cat([t.to(device) for t in flat]).tolist()  # the one device-to-host read
-        if self._host is None:
-            n = self._device.numel()
-            self._host, values, self._device = values[:n], values[n:], None
-        return values
+    def resolve(self) -> None:
+        """Read the step's values and its features' device statistics to the host, in one
+        transfer (once; later calls are free)."""
+        stats = self._stats.tensors if isinstance(self._stats, DeviceStats) else ()
+        pending = ([] if self._device is None else [self._device]) + list(stats)
+        if not pending:
+            return
+        flat = [t.detach().reshape(-1).to(torch.float64) for t in pending]
+        values = torch.cat([t.to(flat[0].device) for t in flat]).tolist()  # the one device-to-host read
+        lists, at = [], 0
+        for t in flat:
+            lists.append(values[at:at + t.numel()])
+            at += t.numel()
+        if self._device is not None:
+            self._host, self._device = lists.pop(0), None
+        if isinstance(self._stats, DeviceStats):
+            self._stats = self._stats.make(lists)
 
     @property
     def loss(self) -> float:
@@ -106,9 +109,8 @@ class StepResult:
     def stats(self) -> dict[str, Any] | None:
         """The step's statistics from the features (StepFeature.after_backward), added to its
         record; made on first read when a feature kept them on the device."""
-        if callable(self._stats):
-            self._stats = self._stats()
-        return self._stats
+        self.resolve()
+        return self._stats  # type: ignore[return-value]
 
     @property
     def moe(self) -> dict[str, Any] | None:

@@ -26,22 +26,48 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 from hybridpar.training.metrics import MetricsLogger
 
-__all__ = ["StepFeature", "StepHooks", "Stats", "merge_stats"]
+__all__ = ["DeviceStats", "StepFeature", "StepHooks", "Stats", "merge_stats"]
 
-#: a step's statistics for its record: the dict, or what makes it when the record is written
-Stats = dict[str, Any] | Callable[[], dict[str, Any]]
+@dataclass(frozen=True)
+class DeviceStats:
+    """Statistics kept on the device: ``tensors`` are read to the host together with the step's
+    loss and norm (one transfer, at the steps ``fit`` logs), then ``make`` builds the record's
+    dict from their values (one flat list per tensor)."""
+
+    tensors: tuple[Tensor, ...]
+    make: Callable[[list[list[float]]], dict[str, Any]]
 
 
-def merge_stats(parts: Sequence[Stats]) -> dict[str, Any]:
-    """The features' statistics in one dict (later features' keys win), made now."""
+#: a step's statistics for its record: the dict, or the device tensors that make it when read
+Stats = dict[str, Any] | DeviceStats
+
+
+def merge_stats(parts: Sequence[Stats]) -> Stats:
+    """The features' statistics as one (later features' keys win): a dict when every part is
+    one, else one :class:`DeviceStats` over all parts' tensors."""
+    if all(isinstance(p, dict) for p in parts):
+        return {k: v for p in parts if isinstance(p, dict) for k, v in p.items()}
+    tensors = tuple(t for p in parts if isinstance(p, DeviceStats) for t in p.tensors)
+    return DeviceStats(tensors, functools.partial(_make_merged, parts))
+
+
+def _make_merged(parts: Sequence[Stats], values: list[list[float]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in parts:
-        out.update(part() if callable(part) else part)
+        if isinstance(part, DeviceStats):
+            n = len(part.tensors)
+            out.update(part.make(values[:n]))
+            values = values[n:]
+        else:
+            out.update(part)
     return out
 
 
@@ -67,8 +93,8 @@ class StepFeature:
 
     def after_backward(self, step: int, microbatches: int) -> Stats | None:
         """The step's gradients are complete; returns statistics for its ``metrics.jsonl``
-        record (None: none): a dict, or a callable that makes it when the record is written
-        (statistics kept on the device are then read only at log steps). Collective."""
+        record (None: none): a dict, or :class:`DeviceStats` (kept on the device, read only at
+        the steps that log, with the loss). Collective."""
         return None
 
     def before_update(self, step: int) -> None:
@@ -130,14 +156,9 @@ class StepHooks:
             f.start_step(step, batches)
 
     def after_backward(self, step: int, microbatches: int) -> Stats | None:
-        """Every feature's statistics merged (None when none has any; a callable making the dict
-        when any feature's are made late)."""
+        """Every feature's statistics merged (:func:`merge_stats`; None when none has any)."""
         parts = [mine for f in self.features if (mine := f.after_backward(step, microbatches)) is not None]
-        if not parts:
-            return None
-        if all(isinstance(p, dict) for p in parts):
-            return merge_stats(parts)
-        return functools.partial(merge_stats, parts)
+        return merge_stats(parts) if parts else None
 
     def before_update(self, step: int) -> None:
         for f in self.features:

@@ -24,7 +24,7 @@ from hybridpar.config import Config
 from hybridpar.models.moe import MoE, update_balance_bias
 from hybridpar.parallel.experts import sum_over_axes
 from hybridpar.training.engine import Engine
-from hybridpar.training.features.base import Stats, StepFeature
+from hybridpar.training.features.base import DeviceStats, Stats, StepFeature
 
 __all__ = ["ExpertBalance"]
 
@@ -81,7 +81,7 @@ class ExpertBalance(StepFeature):
             self._imbalance.append(torch.stack(self._recent))
             self._recent = []
         self._dropped = dropped if self._dropped is None else self._dropped + dropped
-        return functools.partial(_step_stats, per_layer, aux / microbatches, dropped, load)
+        return DeviceStats((per_layer, aux / microbatches, dropped, load), functools.partial(_step_stats, load.shape))
 
     def after_update(self, step: int) -> None:
         """``model.bias_update_rate > 0``: the balancing bias update from the step's load."""
@@ -102,11 +102,10 @@ class ExpertBalance(StepFeature):
 BLOCK = 256  # steps of per-layer imbalance kept as separate rows before they are joined
 
 
-def _step_stats(per_layer: Tensor, aux: Tensor, dropped: Tensor, load: Tensor) -> dict[str, Any]:
-    """One step's ``metrics.jsonl`` statistics, read from the device in one transfer."""
-    n = per_layer.numel()
-    values = torch.cat([per_layer, aux, dropped, load.reshape(-1)]).tolist()
-    per, flat, e = values[:n], values[n + 2:], load.shape[1]
-    return {"aux_loss": values[n], "expert_load_imbalance": max(per), "expert_imbalance_per_layer": per,
-            "dropped_tokens": int(values[n + 1]),
-            "expert_load": [[int(v) for v in flat[i * e:(i + 1) * e]] for i in range(len(flat) // e)]}
+def _step_stats(shape: torch.Size, values: list[list[float]]) -> dict[str, Any]:
+    """One step's ``metrics.jsonl`` statistics from the values read of its device tensors."""
+    per, (aux,), (dropped,), flat = values
+    e = shape[1]
+    return {"aux_loss": aux, "expert_load_imbalance": max(per), "expert_imbalance_per_layer": per,
+            "dropped_tokens": int(dropped),
+            "expert_load": [[int(v) for v in flat[i * e:(i + 1) * e]] for i in range(shape[0])]}
