@@ -280,3 +280,36 @@ def test_fused_optimizer_devices_include_cpu_and_cuda_and_fused_adamw_runs_on_cp
         p.grad = torch.ones(3, dtype=dtype)
         torch.optim.AdamW([p], lr=0.5, fused=True).step()
         assert torch.all(p < 1)
+
+
+# ----------------------------------------------------------------------------- multi-tensor kernels
+
+
+def test_group_by_device_dtype_keeps_order_within_groups():
+    a, b, c = torch.ones(2), torch.ones(3, dtype=torch.bfloat16), torch.ones(4)
+    groups = compat.group_by_device_dtype([a, b, c])
+    assert list(groups) == [(a.device, torch.float32), (b.device, torch.bfloat16)]
+    assert groups[(a.device, torch.float32)][0] is a and groups[(a.device, torch.float32)][1] is c
+
+
+def test_foreach_norm_is_each_tensors_fp32_norm_in_input_order():
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5, 7, generator=gen), torch.randn(300, generator=gen).bfloat16(), torch.zeros(3),
+               torch.randn(1, generator=gen)]
+    norms = compat.foreach_norm(tensors)
+    assert all(n.dtype == torch.float32 and n.dim() == 0 for n in norms)
+    for t, n in zip(tensors, norms, strict=True):  # bf16 summed in fp32, as clip_grad_norm_ does
+        torch.testing.assert_close(n, torch.linalg.vector_norm(t.float()), rtol=2e-6, atol=0)
+    assert compat.foreach_norm([]) == []
+
+
+def test_foreach_mul_scales_in_place_like_mul_per_tensor():
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(33, generator=gen), torch.randn(4, 5, generator=gen).bfloat16(), torch.randn(17, generator=gen)[3:]]
+    expected = [t.clone() for t in tensors]
+    factor = torch.tensor(0.37)
+    for t in expected:
+        t.mul_(factor.to(t.dtype))
+    compat.foreach_mul_(tensors, factor)
+    for t, e in zip(tensors, expected, strict=True):
+        assert torch.equal(t, e)  # bit-equal: clipping by either gives the same weights

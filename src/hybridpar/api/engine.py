@@ -206,7 +206,7 @@ class ModelEngine:
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.global_step = 0  # optimizer steps taken
         self.micro_step = 0  # backward() calls since the last optimizer step
-        self.last_grad_norm: float | None = None
+        self._last_grad_norm: Tensor | float | None = None  # on the device until read
         self.optimizer.zero_grad()
         self._set_lr(1)
 
@@ -238,12 +238,20 @@ class ModelEngine:
         if not self.is_gradient_accumulation_boundary():
             return False
         self.core.finish()
-        self.last_grad_norm = float(self.core.update(self.cfg.grad_clip))
+        self._last_grad_norm = self.core.update(self.cfg.grad_clip).detach()  # on the device: no read
         self.optimizer.zero_grad()
         self.global_step += 1
         self.micro_step = 0
         self._set_lr(self.global_step + 1)
         return True
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm before clipping of the last optimizer step (None before the
+        first): kept on the device by :meth:`step` and read to the host here, on first access."""
+        if isinstance(self._last_grad_norm, Tensor):
+            self._last_grad_norm = float(self._last_grad_norm)
+        return self._last_grad_norm
 
     def grad_norm(self) -> Tensor:
         """Global L2 norm of the accumulated, dp-averaged gradient (collective)."""

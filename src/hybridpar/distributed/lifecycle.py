@@ -70,6 +70,9 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum = 0  # 0: no stop requested
+        #: the host tensor :meth:`agreed` reduces on a CPU (gloo) axis: reading it back never
+        #: waits for a device, so the per-step agreement costs no device synchronization
+        self.host_flag = torch.zeros(1, dtype=torch.int32)
         self.on_signal: Callable[[int], None] | None = None  # e.g. leave a flight record
 
     @contextlib.contextmanager
@@ -100,10 +103,15 @@ class StopRequest:
 
     def agreed(self, axis: Axis, device: torch.device) -> int:
         """The signal every rank of ``axis`` agrees to stop for (the largest any rank received),
-        or 0 to go on. Collective over ``axis``: call it at the same point on every rank."""
+        or 0 to go on. Collective over ``axis``: call it at the same point on every rank. With a
+        CPU ``device`` (a gloo axis, e.g. ``Topology.side_axis``) the flag is :attr:`host_flag`."""
         if axis.size == 1:
             return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
+        if device.type == "cpu":
+            flag = self.host_flag
+            flag.fill_(self.signum)
+        else:
+            flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
         axis.comm.all_reduce(flag, axis, op="max")
         return int(flag.item())
 

@@ -48,7 +48,7 @@ class AuxLossScale:
 
     def __init__(self) -> None:
         self.grad_scale = 1.0
-        self.value = 0.0  # sum of the auxiliary losses seen since reset (forward passes)
+        self.value: float | Tensor = 0.0  # sum of the auxiliary losses since reset (forward passes; fp64, on the device)
         self.count = 0  # micro-batches x MoE layers behind ``value``
 
     def reset(self) -> None:
@@ -161,7 +161,7 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         if aux is not None:
             if not in_backward():
-                self.aux_scale.value += float(aux.detach())
+                self.aux_scale.value = self.aux_scale.value + aux.detach().double()  # on the device
                 self.aux_scale.count += 1
             out = AttachAuxLoss.apply(out, aux, self.aux_scale)
         return out

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hybridpar.compat import foreach_norm
 from hybridpar.distributed.autograd import copy_to_tp, gather_from_sp
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.experts import ExpertParallel
@@ -165,28 +166,45 @@ class TensorPlan:
 
     def norm_sq(self, named: Iterable[tuple[str, Tensor]], axis: Axis, device: torch.device) -> Tensor:
         """Squared L2 norm of named gradient tensors (whole tp pieces, or ZeRO's rows of them):
-        tp-split ones summed over ``axis``, replicated ones counted once."""
-        sharded = torch.zeros((), dtype=torch.float32, device=device)
-        replicated = torch.zeros((), dtype=torch.float32, device=device)
-        for name, g in named:
-            sq = g.detach().float().pow(2).sum()
-            if self.shard_dim(name) is None:
-                replicated += sq
-            else:
-                sharded += sq
+        tp-split ones summed over ``axis``, replicated ones counted once. Each tensor's norm by a
+        multi-tensor kernel (one per device and dtype, :func:`~hybridpar.compat.foreach_norm`)."""
+        sharded, replicated = self.local_norm_sq(named, device)
         return axis.comm.all_reduce(sharded, axis) + replicated
+
+    def local_norm_sq(self, named: Iterable[tuple[str, Tensor]], device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(tp-split, replicated)`` sums of squares of this rank's named gradient tensors, not
+        yet reduced over anything (fp32 scalars on ``device``)."""
+        sharded: list[Tensor] = []
+        replicated: list[Tensor] = []
+        for name, g in named:
+            (replicated if self.shard_dim(name) is None else sharded).append(g.detach())
+        return sum_of_squares(sharded, device), sum_of_squares(replicated, device)
+
+    def global_grad_norm_sq(self, named: Iterable[tuple[str, Tensor]], tp: Axis, reduce_over: Iterable[Axis],
+                            device: torch.device) -> Tensor:
+        """The square of :meth:`global_grad_norm` (summed before any square root is taken)."""
+        sq = self.norm_sq(named, tp, device)
+        for axis in reduce_over:
+            if axis.size > 1:
+                axis.comm.all_reduce(sq, axis)
+        return sq
 
     def global_grad_norm(self, named: Iterable[tuple[str, Tensor]], tp: Axis, reduce_over: Iterable[Axis],
                          device: torch.device) -> Tensor:
         """The L2 norm of the whole model's gradient, the same on every rank, from the gradients
         (or ZeRO rows of them) this rank holds: :meth:`norm_sq` over tp, then summed over
         ``reduce_over`` (the axes that split parameters between ranks: ZeRO's shards, pipeline
-        stages). Every front door's clipping uses this one norm."""
-        sq = self.norm_sq(named, tp, device)
-        for axis in reduce_over:
-            if axis.size > 1:
-                axis.comm.all_reduce(sq, axis)
-        return sq.sqrt()
+        stages). Every front door's clipping uses this one norm. On the device: nothing is read."""
+        return self.global_grad_norm_sq(named, tp, reduce_over, device).sqrt()
+
+
+def sum_of_squares(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """Sum of the squares of every element of ``tensors``, an fp32 scalar on ``device`` (0 when
+    empty): per-tensor norms by multi-tensor kernels, then their squares summed."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = foreach_norm(tensors)
+    return torch.stack([n.to(device) for n in norms]).square().sum()
 
 
 # ----------------------------------------------------------------------------- region entry

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+from torch import Tensor
 
 from hybridpar.distributed import device as devices
 from hybridpar.distributed.comm import CommCounter
@@ -34,19 +35,82 @@ from hybridpar.distributed.lifecycle import Preempted, StopRequest, signal_name
 from hybridpar.distributed.mesh import Axis
 from hybridpar.training import checkpoint
 from hybridpar.training.checkpoint import BackgroundWriter
+from hybridpar.training.features.base import DeviceStats
 from hybridpar.training.metrics import MetricsLogger, atomic_write_text
 
 
-@dataclass
 class StepResult:
-    """What one optimizer step returns (``Trainer.train_step``)."""
+    """What one optimizer step returns (``Trainer.train_step``).
 
-    loss: float
-    grad_norm: float
-    lr: float
-    skipped: bool = False  # no optimizer update: fp16 overflow or a skipped non-finite loss
-    #: the step's statistics from the features (StepFeature.after_backward), added to its record
-    stats: dict[str, Any] | None = None
+    ``loss`` and ``grad_norm`` may be given as device tensors: they stay on the device until
+    first read, and are then read to the host together, in one transfer (:meth:`resolve`), so
+    a step nobody logs never waits for its device. ``nonfinite``: ``[step, loss]`` of the first
+    step of the run whose loss was NaN/Inf (step 0: none yet), kept on the device likewise
+    (``train.nonfinite = "stop"`` without a per-step read: ``Trainer.fit`` checks it whenever
+    it reads a step's values). ``stats``: a dict, or the features' :class:`DeviceStats`, read
+    in the same transfer."""
+
+    def __init__(self, loss: float | Tensor, grad_norm: float | Tensor, lr: float, skipped: bool = False,
+                 stats: dict[str, Any] | DeviceStats | None = None,
+                 nonfinite: Tensor | None = None) -> None:
+        self.lr = lr
+        self.skipped = skipped  # no optimizer update: fp16 overflow or a skipped non-finite loss
+        self._stats = stats
+        parts = [loss, grad_norm] + ([] if nonfinite is None else list(nonfinite.unbind()))
+        self._device: Tensor | None = None
+        self._host: list[float] | None = None
+        if any(isinstance(v, Tensor) for v in parts):
+            like = next(v for v in parts if isinstance(v, Tensor))
+            self._device = torch.stack([v.detach().reshape(()).to(torch.float64) if isinstance(v, Tensor)
+                                        else torch.full((), v, dtype=torch.float64, device=like.device)
+                                        for v in parts])  # a fill, not a host-to-device copy
+        else:
+            self._host = [float(v) for v in parts]
+
+    def resolve(self) -> None:
+        """Read the step's values and its features' device statistics to the host, in one
+        transfer (once; later calls are free)."""
+        stats = self._stats.tensors if isinstance(self._stats, DeviceStats) else ()
+        pending = ([] if self._device is None else [self._device]) + list(stats)
+        if not pending:
+            return
+        flat = [t.detach().reshape(-1).to(torch.float64) for t in pending]
+        values = torch.cat([t.to(flat[0].device) for t in flat]).tolist()  # the one device-to-host read
+        lists, at = [], 0
+        for t in flat:
+            lists.append(values[at:at + t.numel()])
+            at += t.numel()
+        if self._device is not None:
+            self._host, self._device = lists.pop(0), None
+        if isinstance(self._stats, DeviceStats):
+            self._stats = self._stats.make(lists)
+
+    @property
+    def loss(self) -> float:
+        return self._values()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        return self._values()[1]
+
+    @property
+    def nonfinite(self) -> tuple[int, float] | None:
+        """``(step, loss)`` of the run's first non-finite loss up to this step, if any."""
+        values = self._values()
+        if len(values) < 4 or values[2] == 0:
+            return None
+        return int(values[2]), values[3]
+
+    def _values(self) -> list[float]:
+        self.resolve()
+        return self._host or []
+
+    @property
+    def stats(self) -> dict[str, Any] | None:
+        """The step's statistics from the features (StepFeature.after_backward), added to its
+        record; made on first read when a feature kept them on the device."""
+        self.resolve()
+        return self._stats  # type: ignore[return-value]
 
     @property
     def moe(self) -> dict[str, Any] | None:
@@ -232,16 +296,26 @@ class LastStepTraffic:
 
 
 class LossRange:
-    """The loss of the first step this call of ``fit`` trained, and of the latest one."""
+    """The loss of the first step this call of ``fit`` trained, and of the latest one (their
+    :class:`StepResult`, read only when asked: no per-step device synchronization)."""
 
     def __init__(self, first_step: int) -> None:
         self.first_step = first_step
-        self.first = self.last = float("nan")
+        self._first: StepResult | None = None
+        self._last: StepResult | None = None
 
-    def observe(self, step: int, loss: float) -> None:
+    def observe(self, step: int, result: StepResult) -> None:
         if step == self.first_step:
-            self.first = loss
-        self.last = loss
+            self._first = result
+        self._last = result
+
+    @property
+    def first(self) -> float:
+        return float("nan") if self._first is None else self._first.loss
+
+    @property
+    def last(self) -> float:
+        return float("nan") if self._last is None else self._last.loss
 
 
 class RunReport:

@@ -15,13 +15,14 @@ reaches all three. LR schedule: :func:`hybridpar.training.optim.warmup_cosine`; 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from hybridpar.distributed.mesh import Topology
+from hybridpar.distributed.mesh import Axis, Topology
 from hybridpar.parallel.pipeline.runtime import PipelineRunner, PipelineStepResult
 from hybridpar.parallel.tensor_plan import TensorPlan, sum_over
 from hybridpar.parallel.zero import DataParallelOptimizer, GradientReducer, LocalOptimizer
@@ -132,22 +133,77 @@ class StepEngine:
 
     def grad_norm(self) -> Tensor:
         """Global gradient L2 norm: every parameter counted exactly once over tp, pp and ZeRO
-        shards (data-parallel replicas hold equal, already averaged gradients)."""
+        shards (data-parallel replicas hold equal, already averaged gradients). On the device,
+        with one world all-reduce (:func:`one_collective_norm_sq`) wherever the norm's axes are
+        whole sub-meshes; otherwise summed over tp, the ZeRO axes and pp in turn."""
         owned = {n for n, _ in self.owned}
         parts = self.optimizer.norm_parts()  # this rank's rows of its tp pieces; experts (ep) a part of their own
         device = self.owned[0][1].device if self.owned else self.topo.device
-        squares = [self.plan.global_grad_norm([(n, g) for n, g in named if n in owned], self.topo.tp,
-                                              [*axes, self.topo.pp], device).square() for named, axes in parts]
-        return torch.stack(squares).sum().sqrt()
+        mine = [([(n, g) for n, g in named if n in owned], axes) for named, axes in parts]
+        total = one_collective_norm_sq(self.topo, self.plan, mine, device)
+        if total is None:
+            squares = [self.plan.global_grad_norm_sq(named, self.topo.tp, [*axes, self.topo.pp], device)
+                       for named, axes in mine]
+            total = torch.stack(squares).sum()
+        return total.sqrt()  # on the device: nothing is read to the host
 
     def clip(self, total_norm: Tensor, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
         self.optimizer.clip(total_norm, max_norm)
 
-    def update(self, max_norm: float) -> Tensor:
-        """Clip by the global norm (``max_norm`` 0: no clipping) and step the optimizer; returns
-        the norm before clipping."""
-        norm = self.grad_norm()
+    def apply_update(self, norm: Tensor, max_norm: float) -> None:
+        """Clip by the global ``norm`` (:meth:`grad_norm`; ``max_norm`` 0: no clipping) on the
+        device, without reading it, and step the optimizer."""
         self.clip(norm, max_norm)
         self.optimizer.step()
+
+    def update(self, max_norm: float) -> Tensor:
+        """Clip by the global norm (``max_norm`` 0: no clipping) and step the optimizer; returns
+        the norm before clipping, on the device (nothing is read to the host)."""
+        norm = self.grad_norm()
+        self.apply_update(norm, max_norm)
         return norm
+
+
+def one_collective_norm_sq(topo: Topology, plan: TensorPlan, parts: Sequence[tuple[Sequence[tuple[str, Tensor]], Sequence[Axis]]],
+                           device: torch.device) -> Tensor | None:
+    """The squared global gradient norm with at most ONE all-reduce: each of ``parts`` (named
+    gradients, the axes that split them between ranks) contributes its tp-split squares summed
+    over tp, its axes and pp, its replicated squares over its axes and pp. Summing over axes in
+    turn is summing over the sub-mesh of the ``(pp, dp, cp, tp)`` grid they span, and ranks off
+    it hold the same values (replicas). So one all-reduce over the axis spanning all terms' grid
+    dimensions, to which each term is added only by the ranks at coordinate 0 on the dimensions
+    it does not span. None when no axis of the topology spans exactly those dimensions, or an
+    axis is not a whole sub-mesh (an ep run shorter than dp x cp): the caller reduces in turn."""
+    terms = []
+    for named, axes in parts:
+        sharded, replicated = plan.local_norm_sq(named, device)
+        terms += [(sharded, _spanned(topo, [topo.tp, *axes, topo.pp])), (replicated, _spanned(topo, [*axes, topo.pp]))]
+    if any(dims is None for _, dims in terms):
+        return None
+    union = set().union(*(dims for _, dims in terms if dims is not None))
+    over = next((a for a in (topo.tp, topo.pp, topo.dp, topo.cp, topo.dp_cp, topo.world) if _spanned(topo, [a]) == union),
+                None)
+    if over is None:
+        return None
+    mine = topo.dims.coords(topo.rank)
+    counted = [value * float(all(mine[d] == 0 for d in union - (dims or set()))) for value, dims in terms]
+    out = torch.stack([counted[i] + counted[i + 1] for i in range(0, len(counted), 2)]).sum() if counted \
+        else torch.zeros((), dtype=torch.float32, device=device)
+    if over.size > 1:
+        over.comm.all_reduce(out, over)
+    return out
+
+
+def _spanned(topo: Topology, axes: Sequence[Axis]) -> set[str] | None:
+    """The grid dimensions ``axes`` span together (None: an axis is not a whole sub-mesh)."""
+    dims, covered = topo.dims, set()
+    for axis in axes:
+        if axis.size == 1:
+            continue
+        coords = [dims.coords(r) for r in axis.ranks]
+        spans = {d for d in coords[0] if len({c[d] for c in coords}) > 1}
+        if axis.size != math.prod(dims.size(d) for d in spans):
+            return None
+        covered |= spans
+    return covered

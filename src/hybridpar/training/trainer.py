@@ -8,6 +8,7 @@ how gradients and the logged loss are reduced.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ from hybridpar.training.loop import (
 )
 from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
 from hybridpar.training.optim import lr_at
-from hybridpar.training.precision import LossScaler
+from hybridpar.training.precision import LossScaler, record_nonfinite
 
 
 class Trainer:
@@ -66,6 +67,8 @@ class Trainer:
         self.cp, self.reducer = self.engine.cp, self.engine.reducer  # reducer: stage 0 only
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.skipped_nonfinite = 0
+        self._nonfinite: torch.Tensor | None = None  # [step, loss] of the first NaN/Inf loss, on the device
+        self._latest: StepResult | None = None  # fit's latest step (its values may be on the device)
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
         # train.async_checkpoint: a thread copies each save to host memory and writes it
@@ -95,16 +98,30 @@ class Trainer:
                 if docs is not None:  # sharded like the tokens
                     docs = docs.index_select(1, zigzag_positions(self.cfg.train.seq_len, self.topo.cp))
             if docs is None:
-                out.append((x.to(self.device), y.to(self.device)))
+                out.append((self._to_device(x), self._to_device(y)))
             else:
-                out.append((x.to(self.device), y.to(self.device), docs.to(self.device)))
+                out.append((self._to_device(x), self._to_device(y), docs.to(self.device)))
         return out
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the training device. To a GPU from pinned memory without blocking: a blocking
+        copy from pageable memory makes the host wait for the device's queue (the previous
+        step's kernels) before every step; the fresh host tensor is not written again."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step over the global batch; returns the global mean loss.
 
         The step is skipped (no weight or optimizer-state change, on every rank alike) when fp16
-        gradients overflow, or when the loss is NaN/Inf and ``train.nonfinite = "skip"``."""
+        gradients overflow, or when the loss is NaN/Inf and ``train.nonfinite = "skip"``.
+
+        Device synchronizations: fp32/bf16 with ``train.nonfinite = "stop"``: none; the loss and
+        the gradient norm stay on the device in the :class:`StepResult` (read when logged), and a
+        non-finite loss is recorded there on the device and raised by ``fit`` at the next step
+        whose values it reads (a log, evaluation or checkpoint step, before anything is saved).
+        fp16 or ``"skip"``: one, the overflow flag, loss and norm read together to decide."""
         t = self.cfg.train
         lr = lr_at(step, t)
         for group in self.optimizer.param_groups:
@@ -122,18 +139,45 @@ class Trainer:
         stats = self.hooks.after_backward(step, len(batches))  # statistics for the record (collective)
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
         self.hooks.before_update(step)  # e.g. a checkpoint being copied in the background: wait for it
-        scale = self.scaler.scale
-        clean = self.scaler.unscale_or_skip(self.engine.gradients(), self.topo.world, replicas)
-        if self.scaler.scale != scale:
-            self.hooks.loss_scale_changed(self.scaler.scale / scale, clean)
-        if not clean:
-            return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
-        if not torch.isfinite(loss):
-            self._on_nonfinite(step, float(loss))
-            return StepResult(loss=float(loss), grad_norm=0.0, lr=lr, skipped=True)
-        norm = self.engine.update(t.grad_clip)  # global norm, clip, optimizer step
+        overflow = self.scaler.unscale(self.engine.gradients(), self.topo.world, replicas)  # fp16: on the device
+        norm = self.engine.grad_norm()  # global norm, on the device (collective)
+        if overflow is not None or t.nonfinite == "skip":
+            return self._decided_update(step, lr, loss, norm, overflow, stats)
+        self._nonfinite = record_nonfinite(self._nonfinite, step, loss)
+        self._update(step, norm)
+        return StepResult(loss, norm, lr, stats=stats, nonfinite=self._nonfinite)
+
+    def _decided_update(self, step: int, lr: float, loss: torch.Tensor, norm: torch.Tensor,
+                        overflow: torch.Tensor | None, stats: Any) -> StepResult:
+        """fp16 or ``train.nonfinite = "skip"``: read the overflow flag, loss and norm in one
+        transfer (the step's one synchronization) and skip, stop or update as they say."""
+        flag = overflow if overflow is not None else torch.zeros(1, device=loss.device)
+        overflowed, loss_v, norm_v = torch.cat([flag.reshape(1).float(), loss.reshape(1).float(),
+                                                norm.reshape(1).float()]).tolist()
+        if overflow is not None:
+            scale = self.scaler.scale
+            clean = self.scaler.decide(overflowed > 0, self.engine.gradients())
+            if self.scaler.scale != scale:
+                self.hooks.loss_scale_changed(self.scaler.scale / scale, clean)
+            if not clean:
+                return StepResult(loss=loss_v, grad_norm=0.0, lr=lr, skipped=True)
+        if not math.isfinite(loss_v):
+            self._on_nonfinite(step, loss_v)
+            return StepResult(loss=loss_v, grad_norm=0.0, lr=lr, skipped=True)
+        self._update(step, norm)
+        return StepResult(loss=loss_v, grad_norm=norm_v, lr=lr, stats=stats)
+
+    def _update(self, step: int, norm: torch.Tensor) -> None:
+        """Clip by ``norm`` on the device and step the optimizer; then the features' hooks."""
+        self.engine.apply_update(norm, self.cfg.train.grad_clip)
         self.hooks.after_update(step)
-        return StepResult(loss=float(loss), grad_norm=float(norm), lr=lr, stats=stats)
+
+    def check_nonfinite(self, result: StepResult) -> None:
+        """``train.nonfinite = "stop"`` without a per-step read: raise for the run's first
+        non-finite loss recorded up to ``result``'s step (reads the step's values: ``fit``
+        calls it only at steps it logs, evaluates or checkpoints)."""
+        if result.nonfinite is not None:
+            self._on_nonfinite(*result.nonfinite)
 
     def _on_nonfinite(self, step: int, loss: float) -> None:
         """Apply ``train.nonfinite``: stop naming the step and the last good checkpoint, or
@@ -167,6 +211,13 @@ class Trainer:
         return checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,
                                self.cfg, step, self.topo, self.tokenizer, extra=self._extra_state(),
                                writer=self.writer)
+
+    def _save_checked(self, step: int) -> Path:
+        """:meth:`save_checkpoint` in ``fit``: first raise for a non-finite loss the steps since
+        the last read left on the device (:meth:`check_nonfinite`), so no NaN weights are saved."""
+        if self._latest is not None:
+            self.check_nonfinite(self._latest)
+        return self.save_checkpoint(step)
 
     def load_checkpoint(self, path: Path) -> int:
         """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
@@ -206,12 +257,15 @@ class Trainer:
         with checkpoints.writing(t.timeout_s):  # the end waits for a background save in flight
             for step in range(start + 1, t.steps + 1):
                 with traffic.measure(step):  # the summary reports the last step's traffic per axis
-                    result = self.train_step(step)
+                    result = self._latest = self.train_step(step)
                 meter.count_step()
                 self.hooks.after_step(step, log)
-                losses.observe(step, result.loss)
+                losses.observe(step, result)  # read only at the end
                 evaluating = evaluation.due(step)
-                if log_due(step, t.log_every, t.steps) or evaluating:
+                logging = log_due(step, t.log_every, t.steps) or evaluating
+                if logging or checkpoints.due(step):
+                    self.check_nonfinite(result)  # reads the step's values (its one synchronization)
+                if logging:
                     record = step_record(step, result, meter.read(), devices.memory_bytes(self.device),
                                          self.scaler.scale if self.scaler.enabled else None, self.topo.world_size)
                     if evaluating:
@@ -232,8 +286,11 @@ class Trainer:
         """When ``fit`` saves, how long each save stalled training (``checkpoint_stalls``), the
         background writer's save in flight, and the stop on a signal."""
         t = self.cfg.train
-        checkpoints = Checkpointing(t.checkpoint_every, t.steps, self.save_checkpoint, self.run_dir, self.stop,
-                                    self.topo.world, self.device, self.writer)
+        # the stop agreement runs every step on a gloo side group over a host tensor: it never
+        # waits for the device (on the training's own axis, NCCL would need a device read)
+        stop_axis = self.topo.side_axis("stop", t.timeout_s) if self.stop is not None else self.topo.world
+        checkpoints = Checkpointing(t.checkpoint_every, t.steps, self._save_checked, self.run_dir, self.stop,
+                                    stop_axis, torch.device("cpu"), self.writer)
         self.checkpoint_stalls = checkpoints.stalls
         return checkpoints
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from hybridpar.compat import foreach_mul_
 from hybridpar.distributed.mesh import Axis
 
 if TYPE_CHECKING:
@@ -139,12 +140,13 @@ class DataParallelOptimizer(Protocol):
 
 @torch.no_grad()
 def clip_grads(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale ``grads`` in place by ``min(1, max_norm / total_norm)`` (``max_norm`` 0: unchanged)."""
+    """Scale ``grads`` in place by ``min(1, max_norm / total_norm)`` (``max_norm`` 0: unchanged),
+    on the device: the coefficient is never read to the host, and one multi-tensor multiply per
+    device and dtype applies it (bit-equal to a ``mul_`` per tensor)."""
     if max_norm <= 0:
         return
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
+    foreach_mul_(grads, coef)
 
 
 class LocalOptimizer:

@@ -24,13 +24,51 @@ state (``checkpoint.save(extra=...)``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 from hybridpar.training.metrics import MetricsLogger
 
-__all__ = ["StepFeature", "StepHooks"]
+__all__ = ["DeviceStats", "StepFeature", "StepHooks", "Stats", "merge_stats"]
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """Statistics kept on the device: ``tensors`` are read to the host together with the step's
+    loss and norm (one transfer, at the steps ``fit`` logs), then ``make`` builds the record's
+    dict from their values (one flat list per tensor)."""
+
+    tensors: tuple[Tensor, ...]
+    make: Callable[[list[list[float]]], dict[str, Any]]
+
+
+#: a step's statistics for its record: the dict, or the device tensors that make it when read
+Stats = dict[str, Any] | DeviceStats
+
+
+def merge_stats(parts: Sequence[Stats]) -> Stats:
+    """The features' statistics as one (later features' keys win): a dict when every part is
+    one, else one :class:`DeviceStats` over all parts' tensors."""
+    if all(isinstance(p, dict) for p in parts):
+        return {k: v for p in parts if isinstance(p, dict) for k, v in p.items()}
+    tensors = tuple(t for p in parts if isinstance(p, DeviceStats) for t in p.tensors)
+    return DeviceStats(tensors, functools.partial(_make_merged, parts))
+
+
+def _make_merged(parts: Sequence[Stats], values: list[list[float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in parts:
+        if isinstance(part, DeviceStats):
+            n = len(part.tensors)
+            out.update(part.make(values[:n]))
+            values = values[n:]
+        else:
+            out.update(part)
+    return out
 
 
 class StepFeature:
@@ -53,9 +91,10 @@ class StepFeature:
     def start_step(self, step: int, batches: Sequence[tuple]) -> None:
         """Step ``step`` is about to run forward and backward on ``batches``."""
 
-    def after_backward(self, step: int, microbatches: int) -> dict[str, Any] | None:
+    def after_backward(self, step: int, microbatches: int) -> Stats | None:
         """The step's gradients are complete; returns statistics for its ``metrics.jsonl``
-        record (None: none). Collective."""
+        record (None: none): a dict, or :class:`DeviceStats` (kept on the device, read only at
+        the steps that log, with the loss). Collective."""
         return None
 
     def before_update(self, step: int) -> None:
@@ -116,14 +155,10 @@ class StepHooks:
         for f in self.features:
             f.start_step(step, batches)
 
-    def after_backward(self, step: int, microbatches: int) -> dict[str, Any] | None:
-        """Every feature's statistics merged (None when none has any)."""
-        stats: dict[str, Any] | None = None
-        for f in self.features:
-            mine = f.after_backward(step, microbatches)
-            if mine is not None:
-                stats = {**(stats or {}), **mine}
-        return stats
+    def after_backward(self, step: int, microbatches: int) -> Stats | None:
+        """Every feature's statistics merged (:func:`merge_stats`; None when none has any)."""
+        parts = [mine for f in self.features if (mine := f.after_backward(step, microbatches)) is not None]
+        return merge_stats(parts) if parts else None
 
     def before_update(self, step: int) -> None:
         for f in self.features:
