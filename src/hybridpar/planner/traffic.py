@@ -43,6 +43,7 @@ ZeRO-3 with pp > 1 gathers each of the rank's chunks once per step and reduce-sc
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
@@ -318,13 +319,7 @@ def _step_scalars(add: Adder, model: ModelConfig, L: Layout, work: Workload, nam
         else:
             add("all_reduce", "tp", t, sum(map(_numel, repl)) * r)
     add("all_reduce", zero_axis, n, 4)  # the logged loss
-    for part in ([names, experts] if experts else [names]):  # gradient norm, per optimizer part:
-        add("all_reduce", "tp", t, 4)  # tp pieces, then ZeRO rows (experts: ep, then edp rows), stages
-        if part is experts:
-            add("all_reduce", "ep", L.ep, 4)
-        if L.zero_stage > 0:
-            add("all_reduce", "edp" if part is experts else zero_axis, n // L.ep if part is experts else n, 4)
-        add("all_reduce", "pp", L.pp, 4)
+    _grad_norm(add, L, bool(experts))
     if model.moe_layer_ids():
         # the step's MoE statistics (Engine.moe_step_stats): every router's float64 load and the
         # auxiliary losses' sum, over tp (SP), pp and dp x cp (the bias update reuses that load)
@@ -333,6 +328,46 @@ def _step_scalars(add: Adder, model: ModelConfig, L: Layout, work: Workload, nam
             add("all_reduce", axis, size, load + 8)
     if work.precision == "fp16":
         add("all_reduce", "world", L.world_size, 4)  # any rank overflowed?
+
+
+def _grad_norm(add: Adder, L: Layout, experts: bool) -> None:
+    """The gradient norm's partial sums (``StepEngine.grad_norm``): ONE all-reduce over the axis
+    spanning every part's grid dimensions (tp, the part's ZeRO axes, pp) where such an axis
+    exists; otherwise, per optimizer part, over tp, then its ZeRO rows (experts: ep, then edp
+    rows), then the stages, in turn."""
+    sizes = {"pp": L.pp, "dp": L.dp, "cp": L.cp, "tp": L.tp}
+    spans = [_norm_dims(L, False)] + ([_norm_dims(L, True)] if experts else [])
+    if all(d is not None for d in spans):
+        union = set().union(*spans)
+        axes = (("tp", {"tp"}), ("pp", {"pp"}), ("dp", {"dp"}), ("cp", {"cp"}), (_dp_cp_name(L), {"dp", "cp"}),
+                ("world", set(sizes)))
+        for name, dims in axes:
+            if {d for d in dims if sizes[d] > 1} == union:
+                add("all_reduce", name, math.prod(sizes[d] for d in union), 4)
+                return
+    n = L.dp * L.cp
+    for part_is_experts in ([False, True] if experts else [False]):
+        add("all_reduce", "tp", L.tp, 4)
+        if part_is_experts:
+            add("all_reduce", "ep", L.ep, 4)
+        if L.zero_stage > 0:
+            add("all_reduce", "edp" if part_is_experts else _dp_cp_name(L), n // L.ep if part_is_experts else n, 4)
+        add("all_reduce", "pp", L.pp, 4)
+
+
+def _norm_dims(L: Layout, experts: bool) -> set[str] | None:
+    """The grid dimensions (of size > 1) one optimizer part's norm terms span: tp, pp, its ZeRO
+    axis (dp x cp; experts: ep, then edp). None where ep or edp is no whole sub-mesh (ep groups
+    are consecutive in dp x cp, cp fastest: whole for ep in 1, cp, dp x cp)."""
+    dims = {d for d, size in (("tp", L.tp), ("pp", L.pp)) if size > 1}
+    dp_cp = {d for d, size in (("dp", L.dp), ("cp", L.cp)) if size > 1}
+    if not experts:
+        return dims | (dp_cp if L.zero_stage > 0 else set())
+    if L.ep not in (1, L.cp, L.dp * L.cp):
+        return None
+    ep = set() if L.ep == 1 else (dp_cp if L.ep == L.dp * L.cp else {"cp"})
+    edp = dp_cp - ep if L.zero_stage > 0 else set()
+    return dims | ep | edp
 
 
 def _reduce_grads(add: Adder, layout: Layout, shapes: list[Shape], elem: int, bucket_bytes: int,
