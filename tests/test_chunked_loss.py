@@ -178,3 +178,25 @@ def test_planner_logits_term_drops_at_llama_3_2_1b(tied):
     plain, chunked = (plan_memory(model, layout, Workload(8, 2048, "bf16", half_params=False, loss_chunk_tokens=c))
                       for c in (0, 4096))
     assert plain.total - chunked.total >= 4 * 2048 * 128256 * 4
+
+
+# The chunked loss with what the layout matrix does not vary: a tied head, bf16 and fp16 (with its
+# loss scaling, overflow skips and growth), each against the same run unchunked by the layout
+# matrix's criteria (tests/test_layouts.py: losses to 1e-5 relative, weights to 1% of lr x steps).
+# Not bf16 training: there a logit's gradient may round to the other bf16 neighbour, and Adam moves
+# an entry whose gradient is such noise by up to lr a step (the matrix has no bf16 layouts for the
+# same reason); bf16 is checked at the loss (test_chunked_loss_bf16_autocast_dtypes).
+FEATURES = {"tied": ["--model.tie_embeddings", "true"],
+            "fp16": ["--train.precision", "fp16", "--train.loss_scale_init", "1e9", "--train.loss_scale_window", "2"]}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_features_train_as_unchunked(name, tmp_path):
+    from test_layouts import WEIGHT_ATOL, _run
+
+    plain = _run(0, 1, str(tmp_path / "plain"), FEATURES[name])
+    chunked = _run(0, 1, str(tmp_path / "chunked"), [*FEATURES[name], "--train.loss_chunk_tokens", "24"])
+    assert chunked["skipped"] == plain["skipped"] and chunked["scales"] == plain["scales"]
+    assert chunked["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    for k, v in chunked["state"].items():
+        torch.testing.assert_close(v, plain["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
