@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.loss import HeadInput, project_head
+from hybridpar.parallel.loss import HeadInput, head_is_chunked, project_head
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -216,8 +216,9 @@ def project(h: Tensor, output: nn.Module | None, tok_embeddings: nn.Module) -> T
     :class:`~hybridpar.parallel.loss.HeadInput` instead of the logits (the loss projects)."""
     if output is None:
         return project_head(h, tok_embeddings.weight)
-    out = project_head(h, output.weight, output.bias)
-    return output(h) if isinstance(out, Tensor) else out
+    if output.bias is None and head_is_chunked(h):
+        return project_head(h, output.weight)
+    return output(h)
 
 
 def column_parallel(layer: nn.Linear, axis: Axis, sequence_parallel: bool) -> nn.Module:

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from hybridpar.distributed.mesh import Axis
 
-__all__ = ["HeadInput", "chunked_head", "head_cross_entropy", "project_head"]
+__all__ = ["HeadInput", "chunked_head", "head_cross_entropy", "head_is_chunked", "project_head"]
 
 _CHUNK: contextvars.ContextVar[int] = contextvars.ContextVar("hybridpar_loss_chunk_tokens", default=0)
 
@@ -74,12 +74,19 @@ def _matmul_dtype(h: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
 
 
-def project_head(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | HeadInput:
-    """``F.linear(h, weight, bias)``: the logits, or inside :func:`chunked_head` (for more than
-    its chunk of tokens, no bias) the :class:`HeadInput` the chunked loss projects itself."""
+def head_is_chunked(h: Tensor) -> bool:
+    """Whether a head projecting ``h`` here hands the loss a :class:`HeadInput`: inside
+    :func:`chunked_head`, for more than its chunk of tokens."""
     chunk = _CHUNK.get()
-    if chunk <= 0 or bias is not None or h[..., 0].numel() <= chunk:
+    return 0 < chunk < h[..., 0].numel()
+
+
+def project_head(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | HeadInput:
+    """``F.linear(h, weight, bias)``: the logits, or where :func:`head_is_chunked` (and without
+    a bias) the :class:`HeadInput` the chunked loss projects itself."""
+    if bias is not None or not head_is_chunked(h):
         return F.linear(h, weight, bias)
+    chunk = _CHUNK.get()
     dtype = _matmul_dtype(h)
     return HeadInput(h.to(dtype), weight.to(dtype), chunk)
 
