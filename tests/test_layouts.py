@@ -121,6 +121,7 @@ LAYOUTS = {
     "pp2-zb-chunked-loss": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1", "--train.loss_chunk_tokens", "24"],
     "dp2-pp2-zero3-chunked-loss": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "3",
                                    "--train.loss_chunk_tokens", "24"],
+    "dp2-zero3-chunked-loss": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--train.loss_chunk_tokens", "24"],
     "recompute-full-chunked-loss": ["--parallel.recompute", "full", "--train.loss_chunk_tokens", "24"],
 }
 

@@ -7,8 +7,9 @@ gradient: at vocab 128256 that is gigabytes per micro-batch. Here the head's pro
 
 * forward, per chunk: ``z = h_c W^T`` (fp32 copy), the per-token statistics of
   :func:`~hybridpar.parallel.tensor.vocab_parallel_cross_entropy` (max and sum of exponentials,
-  all-reduced over tp per chunk) and the loss; kept for backward are the head's input and weight
-  (what the plain linear keeps anyway) and three numbers per token (max, sum, target index);
+  all-reduced over tp per chunk) and the loss; kept for backward are the head's input and a copy
+  of its weight in the matmul dtype (what the plain linear keeps under autocast; in fp32 a copy
+  it does not make) and, per token, the max, sum, target index and two masks;
 * backward, per chunk: the chunk's logits are recomputed (one more head matmul), the softmax is
   rebuilt from the saved max and sum with the very operations of the unchunked loss, and its
   gradient gives ``dh_c = dz_c W`` and ``dW += dz_c^T h_c`` (accumulated in fp32).
@@ -33,8 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +47,11 @@ __all__ = ["HeadInput", "chunked_head", "head_cross_entropy", "head_is_chunked",
 _CHUNK: contextvars.ContextVar[int] = contextvars.ContextVar("hybridpar_loss_chunk_tokens", default=0)
 
 
-@dataclass(frozen=True)
-class HeadInput:
+class HeadInput(NamedTuple):
     """What a chunked head hands the loss instead of logits: ``hidden [.., dim]`` and the
-    (vocab-sharded) ``weight [V_pad / tp, dim]``, both already in the matmul dtype."""
+    (vocab-sharded) ``weight [V_pad / tp, dim]``, both already in the matmul dtype. A tuple, so
+    module hooks that look for a forward's output tensors find them (ZeRO-3 gathers a unit's
+    parameters again when the gradient reaches its output)."""
 
     hidden: Tensor
     weight: Tensor
@@ -88,7 +89,10 @@ def project_head(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
         return F.linear(h, weight, bias)
     chunk = _CHUNK.get()
     dtype = _matmul_dtype(h)
-    return HeadInput(h.to(dtype), weight.to(dtype), chunk)
+    # always a copy of the weight (as autocast's cast is): ZeRO-3 frees a unit's gathered
+    # parameters after its forward and gathers them again from a hook on the model's output,
+    # which a HeadInput's consumer runs after, not before, the head's backward
+    return HeadInput(h.to(dtype), weight.to(dtype, copy=True), chunk)
 
 
 def _statistics(z: Tensor, targets: Tensor, axis: Axis, vocab_size: int, ignore_index: int,

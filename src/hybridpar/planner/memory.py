@@ -172,8 +172,8 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
         head = tok * (((4 + r) * h + 4) / shard + a * h)  # final norm
         head += 4 if L.pp > 1 else 0  # the runner keeps the scaled loss
         head += _loss_bytes(work, tok, t, vocab)
-        if autocast:
-            head += a * vocab * h  # the head weight's cast
+        if autocast or loss_chunked(work, tok):
+            head += a * vocab * h  # the head weight's cast (the chunked loss copies it in fp32 too)
     inputs, grads = deferred_layer_bytes(model, t, a, r)
     deferred = n * tok * (inputs + grads)
     if autocast:  # the half weight copies the deferred linears' weight-gradient nodes keep
