@@ -140,11 +140,11 @@ def test_chunked_loss_bf16_autocast_dtypes():
 
 
 BIG_VOCAB = ["--train.seq_len", "64", "--train.micro_batch", "2", "--train.global_batch", "2",
-             "--model.vocab_size", "8192", "--model.n_layers", "2"]
+             "--model.vocab_size", "8192", "--model.n_layers", "2", "--train.precision", "bf16"]
 
 
 def test_runtime_peak_drops_by_the_predicted_logits_term():
-    """A small model with a large vocabulary (8192, 128 tokens a micro-batch): the runtime's peak
+    """A small model with a large vocabulary (8192, 128 tokens a micro-batch, bf16): the runtime's peak
     saved bytes equal the planner's to the byte with and without chunking, and fall by what the
     planner predicts: the fp32 logits (tokens x vocab x 4 bytes) less what the chunks keep."""
     layouts = {"plain": [*BIG_VOCAB, "--train.loss_chunk_tokens", "0"],
@@ -160,7 +160,8 @@ def test_runtime_peak_drops_by_the_predicted_logits_term():
     drop = measured["plain"][1] - measured["chunked"][1]
     assert drop == predicted["plain"] - predicted["chunked"]
     # F.cross_entropy's fp32 log-softmax, targets and total weight, less the chunked loss's
-    # 18 bytes a token and token count: the fp32 logits term, less 10 bytes a token and 4
+    # 18 bytes a token and token count: the fp32 logits term, less 10 bytes a token and 4 (both
+    # keep the head weight's bf16 cast; in fp32 the chunked loss keeps a copy the linear does not)
     assert drop == 128 * (4 * 8192 + 8) + 4 - (128 * 18 + 8) == 128 * 8192 * 4 - 128 * 10 - 4
 
 
