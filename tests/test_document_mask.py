@@ -173,6 +173,9 @@ LAYOUTS = {
     "pp2": ["--parallel.pp", "2"],
     "cp2-tp2-sp": ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
     "dp2-tp2-pp2-cp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.cp", "2"],
+    "chunked-loss": ["--train.loss_chunk_tokens", "24"],  # the chunked head + loss (64 tokens a micro-batch)
+    "cp2-tp2-sp-chunked-loss": ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                                "--train.loss_chunk_tokens", "24"],
 }
 
 

@@ -115,6 +115,15 @@ LAYOUTS = {
                               "--parallel.recompute", "full"],
     "dp2-tp2-pp2-cp2-recompute-full": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",
                                        "--parallel.cp", "2", "--parallel.recompute", "full"],
+    # the chunked head + loss (64 tokens a micro-batch, cp2: 32 a rank, in chunks of 24) against the unchunked run
+    "chunked-loss": ["--train.loss_chunk_tokens", "24"],
+    "tp2-sp-chunked-loss": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.loss_chunk_tokens", "24"],
+    "cp2-tp2-chunked-loss": ["--parallel.cp", "2", "--parallel.tp", "2", "--train.loss_chunk_tokens", "24"],
+    "pp2-zb-chunked-loss": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1", "--train.loss_chunk_tokens", "24"],
+    "dp2-pp2-zero3-chunked-loss": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "3",
+                                   "--train.loss_chunk_tokens", "24"],
+    "dp2-zero3-chunked-loss": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--train.loss_chunk_tokens", "24"],
+    "recompute-full-chunked-loss": ["--parallel.recompute", "full", "--train.loss_chunk_tokens", "24"],
 }
 
 

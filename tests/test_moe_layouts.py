@@ -44,6 +44,8 @@ LAYOUTS = {
     "dp2-ep2-tp2-pp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
     "dp2-ep2-cp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.cp", "2", "--parallel.tp", "2",
                             "--parallel.pp", "2"],
+    "ep2-tp2-sp-chunked-loss": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2",
+                                "--parallel.sequence_parallel", "true", "--train.loss_chunk_tokens", "24"],
 }
 
 

@@ -252,6 +252,9 @@ class TrainConfig:
     hardware: str = ""  # parallel.auto's device: a GPU name or calibrated profile; "" = the default profile
     auto_resume: bool = True  # when torchrun restarts the job, continue from the latest complete checkpoint
     document_mask: bool = False  # packed documents: attention stays within each document, RoPE restarts per document
+    # the head and loss in chunks of this many tokens (per micro-batch and rank), so the whole fp32 logits
+    # never exist; micro-batches of at most this many tokens are not chunked; 0 = never chunk
+    loss_chunk_tokens: int = 4096
 
     @property
     def grad_accum(self) -> int:

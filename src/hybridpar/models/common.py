@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.config import ModelConfig
 from hybridpar.distributed.mesh import Axis
 from hybridpar.models.rope import precompute_rope
+from hybridpar.parallel.loss import HeadInput, head_is_chunked, project_head
 from hybridpar.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -195,8 +195,18 @@ class DecoderChunk(nn.Module):
 
     def head(self, x: Tensor) -> Tensor:
         """Logits of the last chunk: the final norm, then the head (or the tied embedding)."""
-        x = self.norm(x)
-        return F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        return project(self.norm(x), self.output, self.tok_embeddings)
+
+
+def project(h: Tensor, output: nn.Module | None, tok_embeddings: nn.Module) -> Tensor | HeadInput:
+    """The head on the final norm's output ``h``: the tied embedding's weight or the untied
+    ``output`` layer. Inside :func:`~hybridpar.parallel.loss.chunked_head` the chunked loss's
+    :class:`~hybridpar.parallel.loss.HeadInput` instead of the logits (the loss projects)."""
+    if output is None:
+        return project_head(h, tok_embeddings.weight)
+    if output.bias is None and head_is_chunked(h):
+        return project_head(h, output.weight)
+    return output(h)
 
 
 def column_parallel(layer: nn.Linear, axis: Axis, sequence_parallel: bool) -> nn.Module:

@@ -163,7 +163,8 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
     gpu, source = spec if spec is not None else resolve_hardware(cfg, device_type)
     cluster = Cluster.of(gpu, world, gpus_per_node or world)
     t, p = cfg.train, cfg.parallel
-    work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb)
+    work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb,
+                    loss_chunk_tokens=t.loss_chunk_tokens)
     keep: dict[str, object] = {"sequence_parallel": p.sequence_parallel, "offload_optimizer": p.offload_optimizer}
     if "recompute" in pinned:  # else the search recomputes only where nothing fits without it
         keep["recompute"] = pinned["recompute"]

@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--loss-chunk-tokens", type=int, default=Workload.loss_chunk_tokens,
+                   help="train.loss_chunk_tokens: the head and loss in chunks of this many tokens (0: unchunked)")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     p.add_argument("--layout", help='evaluate one layout, e.g. "dp=8,tp=8,pp=16,cp=1" (other fields chosen by the planner)')
@@ -194,7 +196,8 @@ def cmd_plan(argv: list[str]) -> int:
     cluster = Cluster.of(gpu_spec(args.gpu), args.gpus, args.gpus_per_node)
     moe = model.n_experts > 0
     imbalance, source = moe_imbalance(args) if moe else (DEFAULT_IMBALANCE, "")
-    work = Workload(args.global_batch, args.seq_len, args.precision, moe_imbalance=imbalance)
+    work = Workload(args.global_batch, args.seq_len, args.precision, moe_imbalance=imbalance,
+                    loss_chunk_tokens=args.loss_chunk_tokens)
     head: dict[str, object] = {"model": args.model, "gpu": cluster.gpu.name, "gpus": cluster.world_size,
                                "gpus_per_node": cluster.gpus_per_node, "global_batch": work.global_batch,
                                "seq_len": work.seq_len}

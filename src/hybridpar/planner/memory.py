@@ -29,7 +29,8 @@ Per micro-batch and pipeline chunk come the embedding's token ids (int64, plus a
 the fp32 RoPE tables, under autocast a half copy of every matmul weight (autocast caches casts per
 forward, and autograd keeps them), on non-last pipeline chunks the output the runner holds until
 the backward, and on the last the final norm and the fp32 softmax of the loss (``4 V/t``; the
-logits themselves are not kept). How many (micro-batch, chunk) sets a rank holds at once comes
+logits themselves are not kept), or with the chunked loss (``train.loss_chunk_tokens``) 18 bytes
+per token instead (:data:`CHUNKED_LOSS_TOKEN_BYTES`; a chunk's logits are transient). How many (micro-batch, chunk) sets a rank holds at once comes
 from the schedule's own compute order (:func:`live_chunk_counts`): the interleaving factor, GPipe
 keeping every micro-batch (and its softmax) on the last stage, ZB-H1 freeing a chunk's activations
 at B but keeping, until W, what its deferred weight gradients need (:func:`deferred_layer_bytes`).
@@ -152,7 +153,8 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     if work.style is BlockStyle.MEGATRON:
         # Korthikanti 4.3: embedding output; final norm and head input, fp32 logits
         body = layers + (tok * h * a / shard if chunk.embedding else 0.0)
-        head = 2 * tok * h * a / shard + tok * vocab * (a + 4) if chunk.head else 0.0
+        logits = tok * (CHUNKED_LOSS_TOKEN_BYTES if loss_chunked(work, tok) else vocab * (a + 4))
+        head = 2 * tok * h * a / shard + logits if chunk.head else 0.0
         return ChunkBytes(body, head, body + head)  # not modelled in detail: all of it until W
     autocast = a != r
     body = layers + (2 * s * model.head_dim * 4 if n else 0)  # RoPE cos and sin
@@ -169,22 +171,40 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     if chunk.head:
         head = tok * (((4 + r) * h + 4) / shard + a * h)  # final norm
         head += 4 if L.pp > 1 else 0  # the runner keeps the scaled loss
-        if t == 1:  # F.cross_entropy: fp32 log-softmax, targets, total weight
-            head += tok * (4 * vocab + 8) + 4
-        else:  # vocab-parallel: fp32 softmax, local target index, two masks, token count
-            head += tok * (4 * vocab + 10) + 8
-        if autocast:
-            head += a * vocab * h  # the head weight's cast
+        head += _loss_bytes(work, tok, t, vocab)
+        if autocast or loss_chunked(work, tok):
+            head += a * vocab * h  # the head weight's cast (the chunked loss copies it in fp32 too)
     inputs, grads = deferred_layer_bytes(model, t, a, r)
     deferred = n * tok * (inputs + grads)
     if autocast:  # the half weight copies the deferred linears' weight-gradient nodes keep
         q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
         deferred += n * a * (2 * h * q + 2 * h * kv + 3 * h * model.ffn_hidden) / t
-    if chunk.head and not model.tie_embeddings:  # the head's input and the logits' gradient
+    if chunk.head and not model.tie_embeddings and not loss_chunked(work, tok):
+        # the head's input and the logits' gradient (a chunked head's weight gradient is not deferred)
         deferred += tok * a * (h + vocab) + (a * vocab * h if autocast else 0)
     if L.recompute == "full" and L.pipeline_schedule in ("zb-h1", "zbv"):
         body += n * tok * inputs  # the deferred linears' inputs are saved at F, not recomputed
     return ChunkBytes(body, head, deferred)
+
+
+# The chunked loss (hybridpar.parallel.loss) keeps per token the max and sum of exponentials
+# (fp32), the local target index (int64) and two masks: never the logits or their softmax.
+CHUNKED_LOSS_TOKEN_BYTES = 4 + 4 + 8 + 1 + 1
+
+
+def loss_chunked(work: Workload, tokens: int) -> bool:
+    """Whether the loss of a micro-batch of ``tokens`` tokens per rank at the head runs chunked
+    (``train.loss_chunk_tokens``: more tokens than one chunk)."""
+    return 0 < work.loss_chunk_tokens < tokens
+
+
+def _loss_bytes(work: Workload, tok: int, t: int, vocab: int) -> float:
+    """What the loss saves for backward, per micro-batch (the head's input and weight aside)."""
+    if loss_chunked(work, tok):  # per-token statistics, and the token count of the mean
+        return tok * CHUNKED_LOSS_TOKEN_BYTES + 8
+    if t == 1:  # F.cross_entropy: fp32 log-softmax, targets, total weight
+        return tok * (4 * vocab + 8) + 4
+    return tok * (4 * vocab + 10) + 8  # vocab-parallel: fp32 softmax, local target index, two masks, token count
 
 
 @functools.lru_cache(maxsize=8192)

@@ -141,7 +141,8 @@ def _train_settings(cfg: Config, world: int | None) -> str | None:
     for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
         if getattr(t, key) < 1:
             return f"train.{key} = {getattr(t, key)} must be >= 1"
-    for key in ("eval_every", "checkpoint_every", "keep_checkpoints", "warmup_steps", "sample_tokens"):
+    for key in ("eval_every", "checkpoint_every", "keep_checkpoints", "warmup_steps", "sample_tokens",
+                "loss_chunk_tokens"):
         if getattr(t, key) < 0:
             return f"train.{key} = {getattr(t, key)} must be >= 0"
     if not (t.lr > 0 and 0 <= t.min_lr <= t.lr):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from hybridpar.parallel.compile import compile_blocks
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import ContextParallel, enable_context_parallel
 from hybridpar.parallel.experts import expert_param_names, expert_units
+from hybridpar.parallel.loss import HeadInput, chunked_head, head_cross_entropy
 from hybridpar.parallel.pipeline import build_schedule, partition_model
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
@@ -181,7 +182,7 @@ class Engine(StepEngine):
                 chunk.positions = zigzag_positions(t.seq_len, topo.cp).to(self.device)
         # what crosses a stage boundary: this rank's share of the sequence (cp, then SP)
         seq = t.seq_len // topo.cp.size // (topo.tp.size if self.sequence_parallel else 1)
-        stage = dict(act_shape=(t.micro_batch, seq, m.dim), forward_context=lambda: autocast(t.precision, self.device))
+        stage = dict(act_shape=(t.micro_batch, seq, m.dim), forward_context=self._forward_context)
         if p.pipeline_schedule == "2bw":  # asynchronous: two weight versions, one step of delay
             runner = TwoBWRunner(self.chunks, topo, self.cfg.microbatches, self.loss_from_logits, **stage)
         else:
@@ -248,17 +249,27 @@ class Engine(StepEngine):
         return sharded, expert_sharded
 
     # ------------------------------------------------------------------ loss
-    def loss_from_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
+    @contextlib.contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        """A micro-batch's forward: autocast, and the head left to the chunked loss
+        (``train.loss_chunk_tokens``)."""
+        with autocast(self.cfg.train.precision, self.device), chunked_head(self.cfg.train.loss_chunk_tokens):
+            yield
+
+    def loss_from_logits(self, logits: Tensor | HeadInput, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy of this rank's tokens (fp32; vocab-sharded under tp,
-        never gathered). Under cp every rank holds equally many tokens, so the cp average of
-        these means is the mean over whole sequences."""
+        never gathered; from a chunked head's input, never materialised whole). Under cp every
+        rank holds equally many tokens, so the cp average of these means is the mean over whole
+        sequences."""
+        if isinstance(logits, HeadInput):
+            return head_cross_entropy(logits, targets, self.topo.tp, self.cfg.model.vocab_size)
         return vocab_parallel_cross_entropy(logits.float(), targets, self.topo.tp, self.cfg.model.vocab_size)
 
     def loss(self, inputs: Tensor, targets: Tensor, docs: Documents | None = None) -> Tensor:
         """Loss of one micro-batch through the whole (non-pipelined) model; ``docs``: its packed
         documents (``train.document_mask``), this rank's tokens of them."""
         positions = zigzag_positions(self.cfg.train.seq_len, self.topo.cp) if self.cp is not None else None
-        with autocast(self.cfg.train.precision, self.device):
+        with self._forward_context():
             logits = self.model(inputs, positions) if docs is None else self.model(inputs, positions, docs=docs)
         return self.loss_from_logits(logits, targets)
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, ModelConfig
-from hybridpar.models.common import Documents, init_tensor
+from hybridpar.models.common import Documents, init_tensor, project
 from hybridpar.rules import model_error
 
 __all__ = ["GPT2", "Attention", "Block", "Documents", "FeedForward", "check_config", "embed", "head",
@@ -121,8 +121,7 @@ def embed(tok_embeddings: nn.Module, pos_embeddings: nn.Module, tokens: Tensor,
 
 def head(norm: nn.Module, output: nn.Module | None, tok_embeddings: nn.Module, h: Tensor) -> Tensor:
     """Logits: the final LayerNorm, then the tied embedding (or the untied ``output``)."""
-    h = norm(h)
-    return F.linear(h, tok_embeddings.weight) if output is None else output(h)
+    return project(norm(h), output, tok_embeddings)
 
 
 class GPT2(nn.Module):

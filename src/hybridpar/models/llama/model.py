@@ -26,6 +26,7 @@ from hybridpar.models.common import (
     apply_rope,
     init_tensor,
     precompute_rope,
+    project,
     rotate_half,
     segment_positions,
 )
@@ -179,20 +180,14 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        return project(self.norm(h), self.output, self.tok_embeddings)
 
     def _forward_documents(self, tokens: Tensor, docs: Documents) -> Tensor:
         cos, sin = docs.rope(self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, docs)
-        h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        return project(self.norm(h), self.output, self.tok_embeddings)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
