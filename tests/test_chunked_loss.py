@@ -193,11 +193,10 @@ FEATURES = {"tied": ["--model.tie_embeddings", "true"],
 
 @pytest.mark.parametrize("name", list(FEATURES))
 def test_features_train_as_unchunked(name, tmp_path):
-    from test_layouts import WEIGHT_ATOL, _run
+    from layouts import Run, assert_trains_like, train
+    from test_layouts import MODEL, WEIGHT_ATOL
 
-    plain = _run(0, 1, str(tmp_path / "plain"), FEATURES[name])
-    chunked = _run(0, 1, str(tmp_path / "chunked"), [*FEATURES[name], "--train.loss_chunk_tokens", "24"])
-    assert chunked["skipped"] == plain["skipped"] and chunked["scales"] == plain["scales"]
-    assert chunked["losses"] == pytest.approx(plain["losses"], rel=1e-5)
-    for k, v in chunked["state"].items():
-        torch.testing.assert_close(v, plain["state"][k], rtol=0, atol=WEIGHT_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+    plain = train(0, 1, Run(str(tmp_path / "plain"), (*MODEL, *FEATURES[name])))
+    chunked = train(0, 1, Run(str(tmp_path / "chunked"), (*MODEL, *FEATURES[name], "--train.loss_chunk_tokens", "24")))
+    assert chunked.skipped == plain.skipped and chunked.scales == plain.scales
+    assert_trains_like([chunked], plain, atol=WEIGHT_ATOL, rel=1e-5)

@@ -190,6 +190,22 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
     return [f"why {_named(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
 
 
+def _plan_layout(args: argparse.Namespace, model: ModelConfig, work: Workload, cluster: Cluster,
+                 head: dict[str, object], moe_source: tuple[float, str]) -> int:
+    """``plan --layout``: that layout completed (micro-batch, schedule) and explained."""
+    moe = model.n_experts > 0
+    best, tried = complete(model, parse_layout(args.layout), work, cluster)
+    if args.json:
+        print(json.dumps({**head, "layout": best.to_json(),
+                          "alternatives": [e.to_json() for e in tried if e is not best]}, indent=1))
+    else:
+        print(explain(best, moe))
+        print("\n".join(pipeline_reasons(model, best, work, cluster)))
+        if moe and best.cost is not None:
+            print(explain_ep(model, best, work, cluster, *moe_source))
+    return 0 if best.fits else 1
+
+
 def cmd_plan(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     model = load_model(args.model)
@@ -204,16 +220,7 @@ def cmd_plan(argv: list[str]) -> int:
     if moe:
         head |= {"moe_imbalance": imbalance, "moe_imbalance_source": source}
     if args.layout:
-        best, tried = complete(model, parse_layout(args.layout), work, cluster)
-        if args.json:
-            print(json.dumps({**head, "layout": best.to_json(),
-                              "alternatives": [e.to_json() for e in tried if e is not best]}, indent=1))
-        else:
-            print(explain(best, moe))
-            print("\n".join(pipeline_reasons(model, best, work, cluster)))
-            if moe and best.cost is not None:
-                print(explain_ep(model, best, work, cluster, imbalance, source))
-        return 0 if best.fits else 1
+        return _plan_layout(args, model, work, cluster, head, (imbalance, source))
     result = search(model, work, cluster, top=args.top, runnable_top=True)
     unbuilt = unbuilt_gain(result)
     if args.json:
