@@ -56,6 +56,8 @@ lerp, their own contraction), so they may round any op apart: compare them with 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # One torch.optim.AdamW step, per element, when two kernels may round each op differently:
@@ -84,6 +86,33 @@ def layout_weight_atol(lr: float, steps: int) -> float:
     """Absolute tolerance of a layout's weights after ``steps`` Adam steps at ``lr``: 1% of
     ``lr * steps`` (module docstring: noise-gradient entries move by up to lr per step)."""
     return 0.01 * lr * steps
+
+
+def adam_step_bound(step: int, beta1: float = 0.9, beta2: float = 0.95) -> float:
+    """The most one bias-corrected Adam step can move a weight, in units of lr, for ANY gradient
+    sequence (the trainer's betas by default). Cauchy-Schwarz on m_t = (1-b1) sum b1^(t-i) g_i
+    against v_t = (1-b2) sum b2^(t-i) g_i^2 gives |m_t| <= (1-b1) sqrt(sum_k (b1^2/b2)^k)
+    sqrt(v_t / (1-b2)); bias correction multiplies |m|/sqrt(v) by sqrt(1-b2^t) / (1-b1^t);
+    eps only shrinks the step. (Step 1: exactly 1.)"""
+    gamma = beta1 * beta1 / beta2
+    return ((1 - beta1) / (1 - beta1**step) * math.sqrt((1 - beta2**step) / (1 - beta2))
+            * math.sqrt(sum(gamma**k for k in range(step))))
+
+
+def adam_noise_cap(lr: float, steps: int) -> float:
+    """How far apart two runs can take ONE weight under Adam whatever their gradients (two
+    updates of opposite sign each step): where a weight's gradient is pure rounding noise its
+    layouts may really differ this much, so no layout tolerance below it is provable for it."""
+    return 2 * lr * sum(adam_step_bound(t) for t in range(1, steps + 1))
+
+
+def weight_outliers(numel: int) -> int:
+    """How many entries of a tensor may exceed :func:`layout_weight_atol` (but never
+    :func:`adam_noise_cap`): those whose gradient is rounding noise, which Adam moves by up to
+    lr a step in a direction set by that noise. One in a thousand, at least one. A layout bug (a
+    wrong shard, a missing or doubled reduction) moves whole rows, columns or tensors: far more
+    entries than that, so the check still sees it."""
+    return max(1, numel // 1000)
 
 
 def eps_of(dtype: torch.dtype) -> float:
