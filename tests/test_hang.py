@@ -43,8 +43,9 @@ def test_skipped_collective_times_out_with_a_flight_report(tmp_path):
     lines = {int(line.split()[1].rstrip(":")): line for line in text.splitlines()[1:]}
     # rank 0 finished step 1 and waits in step 2's first gradient all-reduce on dp
     assert "waiting in all_reduce/dp" in lines[0] and "timed out" in lines[0].lower()
-    # rank 1 never entered step 2: its last op is step 1's finished end-of-step stop agreement
-    # (a 4-byte all-reduce over every rank), and the launcher's SIGTERM (after rank 0 failed) is
-    # why it stopped
-    assert "last finished all_reduce/world" in lines[1] and "(4 B)" in lines[1] and "signal" in lines[1]
+    # rank 1 never entered step 2: its last op on the training's groups is step 1's finished loss
+    # average (a 4-byte all-reduce over dp; the end-of-step stop agreement runs on a gloo side
+    # group of its own, off the device, so the flight record does not list it), and the
+    # launcher's SIGTERM (after rank 0 failed) is why it stopped
+    assert "last finished all_reduce/dp" in lines[1] and "(4 B)" in lines[1] and "signal" in lines[1]
     assert "hybridpar: rank 0 waiting in all_reduce/dp" in proc.stderr

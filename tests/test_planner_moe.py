@@ -278,7 +278,7 @@ def _act_config(tmp: str, name: str):
 
 def _measure_activations(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int]]:
     """Per case: (this rank's ep rank, its peak saved bytes over one forward_backward), routing forced."""
-    from test_planner_validation import SavedBytesMeter
+    from saved_bytes import SavedBytesMeter
 
     from hybridpar.training.engine import Engine
 
