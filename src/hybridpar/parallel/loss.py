@@ -95,12 +95,14 @@ def project_head(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     return HeadInput(h.to(dtype), weight.to(dtype, copy=True), chunk)
 
 
-def _statistics(z: Tensor, targets: Tensor, axis: Axis, vocab_size: int, ignore_index: int,
+def vocab_statistics(z: Tensor, targets: Tensor, axis: Axis, vocab_size: int, ignore_index: int,
                 start: int) -> tuple[Tensor, ...]:
     """Per token of fp32 logits ``z [n, local]`` (padding entries set to -inf in place): the max
     ``m`` and sum of exponentials ``S`` over the whole vocabulary (all-reduced over tp), the
     local target index, whether this rank owns the target, whether it counts, and the loss
-    ``log S - (z_target - m)`` (0 for ignored targets); the operations of the unchunked loss."""
+    ``log S - (z_target - m)`` (0 for ignored targets) and ``exp(z - m)``: the operations of
+    the unchunked loss (:func:`hybridpar.parallel.tensor.vocab_parallel_cross_entropy` runs them
+    too)."""
     local = z.shape[1]
     if start + local > vocab_size:  # padded vocabulary entries take no part
         z[:, max(0, vocab_size - start):] = float("-inf")
@@ -116,7 +118,7 @@ def _statistics(z: Tensor, targets: Tensor, axis: Axis, vocab_size: int, ignore_
     axis.comm.all_reduce(packed, axis)
     total, z_t = packed[0], packed[1]
     loss = torch.where(valid, total.log() - z_t, 0.0)
-    return m, total, idx, mine, valid, loss
+    return m, total, idx, mine, valid, loss, e
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
@@ -130,7 +132,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         parts = []
         for s in range(0, h.shape[0], chunk):
             z = torch.mm(h[s:s + chunk], w.t()).float()
-            parts.append(_statistics(z, targets[s:s + chunk], axis, vocab_size, ignore_index, start))
+            parts.append(vocab_statistics(z, targets[s:s + chunk], axis, vocab_size, ignore_index, start)[:6])
             del z
         m, total, idx, mine, valid, loss = (torch.cat(p) for p in zip(*parts, strict=True))
         ctx.save_for_backward(h, w, m, total, idx, mine, valid)

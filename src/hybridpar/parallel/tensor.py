@@ -41,6 +41,7 @@ from hybridpar.distributed.autograd import (
     scatter_to_tp,
 )
 from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.loss import vocab_statistics
 
 __all__ = [
     "ColumnParallelLinear",
@@ -308,22 +309,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = logits.shape[-1]
         z = logits.reshape(-1, local).float()
         start = axis.rank * local
-        if start + local > vocab_size:  # padded vocabulary entries take no part
+        if start + local > vocab_size:  # padded entries are set to -inf: not in the caller's logits
             z = z.clone()
-            z[:, max(0, vocab_size - start):] = float("-inf")
-        m = z.max(dim=1).values
-        axis.comm.all_reduce(m, axis, op="max")
-        e = (z - m.unsqueeze(1)).exp_()
-        t = targets.reshape(-1)
-        valid = t != ignore_index
-        idx = t - start
-        mine = valid & (idx >= 0) & (idx < local)
-        idx = idx.clamp(0, local - 1)
-        z_t = torch.where(mine, z.gather(1, idx.unsqueeze(1)).squeeze(1) - m, 0.0)
-        packed = torch.stack([e.sum(dim=1), z_t])
-        axis.comm.all_reduce(packed, axis)
-        total, z_t = packed[0], packed[1]
-        loss = torch.where(valid, total.log() - z_t, 0.0)
+        _, total, idx, mine, valid, loss, e = vocab_statistics(z, targets.reshape(-1), axis, vocab_size,
+                                                               ignore_index, start)
         e.div_(total.unsqueeze(1))  # softmax, kept for backward
         ctx.save_for_backward(e, idx, mine, valid)
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
