@@ -117,7 +117,7 @@ def _train_worker(rank: int, world: int, tmp: str, steps: int, extra: list[str])
         losses = [trainer.train_step(s).loss for s in range(1, steps + 1)]
         val = trainer.evaluate()
         return {"losses": losses, "val": val, "state": trainer.model.state_dict(),
-                "buckets": len(trainer.reducer.buckets),
+                "buckets": len(trainer.engine.reducer.buckets),
                 "traffic": topo.comm.counter.snapshot()}
 
 

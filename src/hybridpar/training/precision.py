@@ -90,12 +90,6 @@ class LossScaler:
             self.scale *= self.growth
         return True
 
-    def unscale_or_skip(self, grads: list[torch.Tensor], world: Axis, replicas: int = 1) -> bool:
-        """:meth:`unscale` and :meth:`decide` at once (reads the flag: one synchronization):
-        False when the step is skipped (every rank alike)."""
-        flag = self.unscale(grads, world, replicas)
-        return True if flag is None else self.decide(bool(flag.item() > 0), grads)
-
     def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
 

@@ -66,11 +66,6 @@ class StepEngine:
         self.on_grad_scale: Callable[[float], None] | None = None
 
     @property
-    def zero(self) -> DataParallelOptimizer:
-        """The data-parallel optimizer (the same object as :attr:`optimizer`)."""
-        return self.optimizer
-
-    @property
     def reducer(self) -> GradientReducer | None:
         """ZeRO stage 0's bucketed all-reduce (None for stages 1-3 or a plain optimizer)."""
         return self.optimizer.reducer

@@ -64,7 +64,7 @@ class Trainer:
         self.train_data, self.val_data = self.data.train, self.data.val
         self.engine = Engine(cfg, topo, self.device)
         self.model, self.optimizer, self.params = self.engine.model, self.engine.optimizer, self.engine.params
-        self.cp, self.reducer = self.engine.cp, self.engine.reducer  # reducer: stage 0 only
+        self.cp = self.engine.cp
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.skipped_nonfinite = 0
         self._nonfinite: torch.Tensor | None = None  # [step, loss] of the first NaN/Inf loss, on the device
