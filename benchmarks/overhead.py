@@ -2,7 +2,9 @@
 
 Both train the same Llama model with the same AdamW settings, micro-batching and clipping on
 the built-in corpus. Steps alternate between the two in rounds, so machine noise hits both
-alike; the reported number is the ratio of median step times (target <= 1.05).
+alike; the reported number is the ratio of median step times (target <= 0.97: the fused optimizer,
+foreach norm and clipping, and gradients stored rather than added to zeros must beat the loop a
+user writes; the model's forward and backward, ~97% of the step at the demo shape, are the same).
 
 ``--compile``: hybridpar runs with ``train.compile = true`` (each block compiled by inductor)
 against the same plain eager loop; target <= 0.85 (compiling must beat the hand-written loop,
@@ -141,7 +143,7 @@ def main() -> None:
     times, warm = compare_loops(build_loops(cfg, device, args.compile), device, args.steps, args.rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["hybridpar"] / med["plain"]
-    target = 0.85 if args.compile else 1.05
+    target = 0.85 if args.compile else 0.97
     mfu, peak_name = mfu_of(cfg, device, med)
     t = cfg.train
     print(f"device {device} ({peak_name}); MFU " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in mfu.items()))

@@ -86,17 +86,27 @@ class Replicated(ZeroStage):
         return self.reducer.no_sync()
 
     def zero_grad(self) -> None:
+        """Bucket views are zeroed in place (the all-reduce reads them); with nothing to reduce the
+        gradients are dropped, so the first backward of a step stores its gradients instead of
+        adding them to zeros (no memset, no read-modify-write: what ``set_to_none`` saves)."""
         self._finished = False
         self._synced.clear()
+        bucketed = bool(self.reducer.buckets)
         for p in self.params:
             if p.grad is not None:
-                p.grad.zero_()
+                if bucketed:
+                    p.grad.zero_()
+                else:
+                    p.grad = None
         for m in self.masters.values():
             m.grad = None
 
     def finish(self) -> None:
         if not self._finished:
             self.reducer.finish()
+            for p in self.params:  # a parameter no micro-batch reached steps on a zero gradient, as
+                if p.grad is None and p.requires_grad:  # under data parallelism (bucket views)
+                    p.grad = torch.zeros_like(p)
         self._finished = True
 
     def grad_views(self) -> list[torch.Tensor]:
