@@ -1,5 +1,5 @@
 """AutoTP: a Hugging Face ``AutoModelForCausalLM`` (Llama with its head tied to the embedding,
-Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms; tiny configs, ``from_config``, nothing
+Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms, Mixtral with packed experts; tiny configs, ``from_config``, nothing
 downloaded) split by its own tensor-parallel plan through ``initialize(model,
 {"tensor_parallel_size": 2})``: logits, loss and gradients equal the single process's, a few
 AdamW steps train the same weights (also at dp2 x tp2 with ZeRO-3), and ``full_state_dict``
@@ -45,7 +45,9 @@ def make_model(family: str, tp_size: int = 2) -> nn.Module:
                   bos_token_id=0, eos_token_id=0, pad_token_id=None)
     config = {"llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True),
               "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=False),
-              "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)}[family]()
+              "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False),
+              "mixtral": lambda: transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                                            tie_word_embeddings=False)}[family]()
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config)
 
@@ -90,7 +92,7 @@ def _run(rank: int, world: int, family: str, dp: int, stage: int) -> dict:
                                       topo=topo)
         m = engine.module
         kinds = (type(m.model.embed_tokens), type(m.model.layers[0].self_attn.k_proj),
-                 type(m.model.layers[0].mlp.down_proj), type(m.lm_head))
+                 type(m.model.layers[0].self_attn.o_proj), type(m.lm_head))
         rows = slice(topo.dp.rank * BATCH // dp, (topo.dp.rank + 1) * BATCH // dp)
         out: dict = {"kinds": kinds, "tied": m.lm_head.weight is m.model.embed_tokens.weight, "losses": []}
         for step in range(STEPS):
@@ -108,7 +110,7 @@ def _run(rank: int, world: int, family: str, dp: int, stage: int) -> dict:
         return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral"])
 def test_autotp_tp2_matches_one_process(dist_run, family):
     ref = reference(family)
     for r in dist_run(2, _run, family, 1, 0):
@@ -147,7 +149,8 @@ class MLP(nn.Module):
 
 def test_autotp_refusals():
     with pytest.raises(ValueError, match="carries no tensor-parallel plan.*tensor_parallel_plan"):
-        hybridpar.initialize(MLP(), {"tensor_parallel_size": 2})  # refused before any process group
+        hybridpar.initialize(MLP(), {"tensor_parallel_size": 2})
+    assert not torch.distributed.is_initialized()  # refused before any process group
     with pytest.raises(ValueError, match="does not divide the model's num_key_value_heads = 2.*in \\[1, 2\\]"):
         hybridpar.initialize(make_model("llama"), {"tensor_parallel_size": 4})
     with pytest.raises(ValueError, match="style 'sequence_parallel', which hybridpar does not map"):
@@ -156,3 +159,5 @@ def test_autotp_refusals():
     tied.resize_token_embeddings(VOCAB + 1)
     with pytest.raises(ValueError, match="tied to 'model.embed_tokens' and the vocabulary \\(257\\)"):
         check_autotp(tied, 2)
+    with pytest.raises(ValueError, match="'lm_head' is tied to 'model.embed_tokens' but the plan splits them"):
+        check_autotp(make_model("llama"), 2, {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise"})
