@@ -97,8 +97,8 @@ def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter | None]]:
     registration order, including ``None`` entries and parameters also registered elsewhere.
 
     Why: ZeRO-3 needs the owning module and attribute of every parameter (to swap it with
-    :func:`set_parameter`) and must see a parameter shared between two modules in order to
-    refuse it; ``named_parameters()`` drops duplicates by default.
+    :func:`set_parameter`) and must see every module a shared parameter (a tied head) is
+    registered on, to swap it on all of them; ``named_parameters()`` drops duplicates by default.
 
     Checked on: torch 2.13.0.
     """

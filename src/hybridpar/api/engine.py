@@ -34,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
+from hybridpar.api.autotp import autotp, check_autotp
 from hybridpar.api.tp import (
     full_tensor_parallel_state_dict,
     parallelize_module,
@@ -78,7 +79,8 @@ class EngineConfig:
 
     data_parallel_size: int | None = None  # None: world size / tensor_parallel_size
     tensor_parallel_size: int | None = None  # None: the given topology's, else 1
-    tensor_parallel_plan: dict[str, Any] = field(default_factory=dict)  # pattern -> column|row|embedding
+    # pattern -> column|row|embedding; empty with tp > 1: the model's own Hugging Face plan (AutoTP)
+    tensor_parallel_plan: dict[str, Any] = field(default_factory=dict)
     zero_stage: int = 0  # 0 plain DP, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
     zero3_units: str | list[str] = "children"  # "children", or module-name patterns (outermost match)
     offload_optimizer: bool = False  # ZeRO 1-3: optimizer state and update on the host
@@ -185,8 +187,11 @@ class ModelEngine:
             raise ValueError(f"tensor_parallel_size = {cfg.tensor_parallel_size} but the topology has tp = {topo.tp.size}")
         self.cfg, self.topo, self._owns_topology = cfg, topo, owns_topology
         model = model.to(topo.device)
+        partial: frozenset[str] = frozenset()  # replicated parameters with per-rank partial gradients
         if cfg.tensor_parallel_plan:
             parallelize_module(model, topo.tp, cfg.tensor_parallel_plan)
+        elif topo.tp.size > 1:  # AutoTP: the model's own (Hugging Face) plan, else refused naming the key
+            partial = autotp(model, topo.tp).partial
         self.module = model
         self.tp_sharded = tp_sharded_params(model)
         sharded = shard_model(model, topo.dp, _units(model, cfg.zero3_units)) if cfg.zero_stage == 3 else None
@@ -202,10 +207,11 @@ class ModelEngine:
                                        offload_dir=cfg.offload_dir or None, offload_params=cfg.offload_params,
                                        optimizer_impl=cfg.optimizer_impl, **kwargs)
         plan = TensorPlan.of_names({name: dim for name, (dim, _) in self.tp_sharded.items()})
-        self.core = StepEngine(topo, self.optimizer, plan, list(model.named_parameters()))
+        self.core = StepEngine(topo, self.optimizer, plan, list(model.named_parameters()), tp_partial=partial)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.global_step = 0  # optimizer steps taken
         self.micro_step = 0  # backward() calls since the last optimizer step
+        self._finished = False  # this step's gradients reduced (grad_norm() before step())
         self._last_grad_norm: Tensor | float | None = None  # on the device until read
         self.optimizer.zero_grad()
         self._set_lr(1)
@@ -237,8 +243,9 @@ class ModelEngine:
         the boundary it does nothing and returns False (call it after every backward)."""
         if not self.is_gradient_accumulation_boundary():
             return False
-        self.core.finish()
+        self._finish()
         self._last_grad_norm = self.core.update(self.cfg.grad_clip).detach()  # on the device: no read
+        self._finished = False
         self.optimizer.zero_grad()
         self.global_step += 1
         self.micro_step = 0
@@ -255,8 +262,14 @@ class ModelEngine:
 
     def grad_norm(self) -> Tensor:
         """Global L2 norm of the accumulated, dp-averaged gradient (collective)."""
-        self.core.finish()
+        self._finish()
         return self.core.grad_norm()
+
+    def _finish(self) -> None:
+        """The step's gradient reduction (and the sum of tp-partial gradients), once per step."""
+        if not self._finished:
+            self.core.finish()
+            self._finished = True
 
     def _set_lr(self, step: int) -> None:
         factor = self.cfg.lr_factor(step)
@@ -281,7 +294,8 @@ class ModelEngine:
         """The model's weights as one process would hold them, on every rank (collective:
         ZeRO-3 and tensor-parallel shards are gathered)."""
         sd = self.optimizer.gather_full_state_dict()  # ZeRO-3's shards gathered; None: whole already
-        sd = sd if sd is not None else self.module.state_dict()
+        keep = self.module.state_dict()  # its keys: not the non-persistent buffers (as the trainer's)
+        sd = keep if sd is None else {k: v for k, v in sd.items() if k in keep}
         return full_tensor_parallel_state_dict(sd, self.tp_sharded, self.topo.tp)
 
     def _state(self) -> dict[str, Any]:
@@ -343,6 +357,8 @@ def initialize(model: nn.Module, config: EngineConfig | Mapping[str, Any] | None
     the engine initializes ``torch.distributed`` from the torchrun environment and builds a
     dp x tp topology from ``data_parallel_size`` / ``tensor_parallel_size``."""
     cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config or {})
+    if (cfg.tensor_parallel_size or 1) > 1 and not cfg.tensor_parallel_plan:  # AutoTP: refused before any group
+        check_autotp(model, cfg.tensor_parallel_size)
     owns = topo is None
     if topo is None:
         _, world = init_distributed()

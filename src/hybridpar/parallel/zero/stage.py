@@ -175,8 +175,9 @@ class ZeroStage(abc.ABC):
 
 def whole_model_state(model: nn.Module, named: list[NamedParam], pieces: ShardMesh) -> dict[str, Any]:
     """Stages 0-2 keep every parameter whole over dp: the model's buffers, and the trained
-    parameters (as tp pieces where tensor parallelism split them)."""
-    param_names = {n for n, _ in model.named_parameters()}
+    parameters (as tp pieces where tensor parallelism split them). A tied parameter is stored
+    once, under its first name, as ZeRO-3 stores it (its other names are not buffers)."""
+    param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     out: dict[str, Any] = {k: v for k, v in model.state_dict().items() if k not in param_names}
     for name, p in named:
         t = p.detach()

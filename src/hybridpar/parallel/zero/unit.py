@@ -5,11 +5,18 @@ while the unit runs, the full parameters (gathered with one all-gather, freed by
 storage to zero so autograd's saved tensors are refilled in place). :func:`group_parameters`
 finds which module owns each parameter, for :class:`~hybridpar.parallel.zero.zero3.ShardedModel`
 and :class:`~hybridpar.parallel.zero.zero3_pp.StageSharded` to cut units from.
+
+Shared parameters (a head tied to the embedding, any parameter registered on two modules) are
+one entry with every owner: one shard, one gather that installs the full tensor on all owners
+at once, so autograd sees one leaf used twice and sums its gradients into one ``.grad`` (as one
+process does), and one reduce-scatter. The parameter lives in one unit, the one both users sit
+in (else the root), so it stays gathered while either needs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,12 +37,12 @@ from hybridpar.parallel.zero.shard import GradShard, ShardLayout
 class Unit:
     """The parameters of one module (or the leftovers of the root) and their gather state."""
 
-    def __init__(self, name: str, entries: list[tuple[nn.Module, str, str, nn.Parameter]], axis: Axis,
-                 reduce_dtype: torch.dtype | None) -> None:
+    def __init__(self, name: str, entries: list[Entry], axis: Axis, reduce_dtype: torch.dtype | None) -> None:
         self.name, self.axis = name, axis
-        self.owners = [(mod, attr) for mod, attr, _, _ in entries]
-        self.fqns = [fqn for _, _, fqn, _ in entries]
-        self.full = [p for _, _, _, p in entries]
+        self.owners = [e.owners for e in entries]  # per parameter: every (module, attribute) holding it
+        self.fqns = [e.names[0] for e in entries]  # per parameter: its name (the first registration)
+        self.aliases = {alias: e.names[0] for e in entries for alias in e.names[1:]}  # tied names -> fqn
+        self.full = [e.param for e in entries]
         kinds = {(p.dtype, p.device) for p in self.full}
         if len(kinds) > 1:
             raise ValueError(f"ZeRO-3 unit {name!r} mixes parameter dtypes/devices {sorted(map(str, kinds))}; "
@@ -74,8 +81,9 @@ class Unit:
             arena.evict()
 
     def _install(self, params: list[nn.Parameter]) -> None:
-        for (mod, attr), p in zip(self.owners, params, strict=True):
-            set_parameter(mod, attr, p)
+        for owners, p in zip(self.owners, params, strict=True):
+            for mod, attr in owners:
+                set_parameter(mod, attr, p)
 
     def unshard(self) -> None:
         """Start gathering the full parameters (no-op unless sharded)."""
@@ -115,24 +123,43 @@ class Unit:
         return [self.shard_flat, *self.full, self._buf], self.grads.held_tensors()
 
 
-Entry = tuple[nn.Module, str, str, nn.Parameter]  # (owning module, attribute, model name, parameter)
+@dataclass
+class Entry:
+    """One parameter of a unit: every ``(module, attribute)`` it is registered as (several when
+    shared, e.g. a tied head), their model names (first registration first), and the tensor."""
+
+    owners: list[tuple[nn.Module, str]]
+    names: list[str]
+    param: nn.Parameter
 
 
-def group_parameters(model: nn.Module, group_of: Callable[[nn.Module], int | None],
-                      skip: frozenset[int] = frozenset()) -> dict[int, list[Entry]]:
-    """The model's parameters by ``group_of(owning module)`` (None: left alone), in
-    registration order; a parameter registered on two modules is refused."""
-    groups: dict[int, list[Entry]] = {}
-    owner_of: dict[int, str] = {}
+def group_parameters(model: nn.Module, group_of: Callable[[nn.Module], Hashable | None],
+                     skip: frozenset[int] = frozenset(),
+                     shared: Callable[[list[Hashable]], Hashable | None] | None = None) -> dict[Hashable, list[Entry]]:
+    """The model's parameters by ``group_of(owning module)`` (None: left alone), in order of
+    first registration. A parameter registered on several modules is one :class:`Entry` with
+    all its owners, in the group ``shared(their groups, None dropped)`` picks (by default the
+    first owner's); ``skip``: ids of parameters left alone (another ShardedModel's)."""
+    entries: dict[int, Entry] = {}
+    keys: dict[int, list[Hashable]] = {}
     for name, mod in model.named_modules():
         key = group_of(mod)
         for attr, p in own_parameters(mod):
-            if p is None or id(p) in skip or key is None:  # skip: another ShardedModel's (experts over edp)
+            if p is None or id(p) in skip:
                 continue
             fqn = f"{name}.{attr}" if name else attr
-            if id(p) in owner_of:
-                raise ValueError(f"parameter {fqn} is shared with {owner_of[id(p)]}; ZeRO-3 needs each "
-                                 "parameter registered once (a tied head should reuse the embedding's weight in forward)")
-            owner_of[id(p)] = fqn
-            groups.setdefault(key, []).append((mod, attr, fqn, p))
+            entry = entries.setdefault(id(p), Entry([], [], p))
+            entry.owners.append((mod, attr))
+            entry.names.append(fqn)
+            keys.setdefault(id(p), [])
+            if key is not None:
+                keys[id(p)].append(key)
+    groups: dict[Hashable, list[Entry]] = {}
+    for pid, entry in entries.items():
+        found = keys[pid]
+        if not found:
+            continue
+        key = found[0] if len(set(found)) == 1 or shared is None else shared(found)
+        if key is not None:
+            groups.setdefault(key, []).append(entry)
     return groups

@@ -3,7 +3,10 @@
 :func:`shard_model` replaces every parameter of a model by this rank's rows of it (see
 :mod:`hybridpar.parallel.zero.shard`; uneven sizes are padded). Parameters are grouped into *units*
 (e.g. the embedding and each transformer block; whatever is left, such as the final norm and
-output head, forms the root unit). A unit's full parameters exist only while it runs:
+output head, forms the root unit, as does a parameter two units share, like a head tied to the
+embedding: the root is gathered through the whole forward and backward, so the shared parameter
+is gathered once per pass for both uses and its gradient, summed over them by autograd, is
+reduce-scattered once). A unit's full parameters exist only while it runs:
 
 * forward: gathered just before the unit's forward (one all-gather per unit), freed right after
   it; the next unit's gather is started ahead (prefetch) so it overlaps this unit's compute;
@@ -75,7 +78,9 @@ class ShardedModel(GradientSync):
                 if m is not u and id(m) in unit_ids:
                     raise ValueError(f"ZeRO-3 unit {prefix[id(u)]!r} contains unit {prefix[id(m)]!r}; units must not nest")
                 inside[id(m)] = u
-        groups = group_parameters(model, lambda mod: id(inside.get(id(mod), model)), skip)
+        root = id(model)  # a parameter shared across units (a tied head) goes to the root unit: gathered
+        groups = group_parameters(model, lambda mod: id(inside.get(id(mod), model)), skip,  # while either runs
+                                  shared=lambda _keys: root)
         for u in [model, *units]:
             if groups.get(id(u)):
                 self.units.append(Unit(prefix[id(u)] or "<root>", groups[id(u)], axis, reduce_dtype))
@@ -230,8 +235,11 @@ class ShardedModel(GradientSync):
             for i, (fqn, p) in enumerate(zip(unit.fqns, unit.full, strict=True)):
                 full[fqn] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
                 unit.layout.unpack(buf, i, full[fqn])
-        names = [k for k, _ in self.model.named_parameters()] + [k for k, _ in self.model.named_buffers()]
-        others = dict(self.model.named_buffers()) | dict(self.model.named_parameters())  # buffers, skipped ones
+        for unit in self.units:  # a tied parameter under each of its names, one tensor (as model.state_dict())
+            full.update({alias: full[fqn] for alias, fqn in unit.aliases.items()})
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        names = list(params) + [k for k, _ in self.model.named_buffers()]
+        others = dict(self.model.named_buffers()) | params  # buffers, skipped ones
         return {k: full[k] if k in full else others[k].detach().clone() for k in names}
 
     def state_dict(self) -> dict[str, Any]:

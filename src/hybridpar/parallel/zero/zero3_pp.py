@@ -24,7 +24,8 @@ from hybridpar.parallel.zero.zero3 import ShardedModel
 class StageSharded(ShardedModel):
     """ZeRO-3 under pipeline parallelism (FSDP's ``reshard_after_forward=False`` within a step):
     one unit per pipeline chunk of this rank (its parameters under the model's names; a
-    parameter two local chunks share, like ZBV's tied embedding, belongs to the first). The
+    parameter two local chunks share, like ZBV's tied embedding, or registered on modules of two
+    chunks, belongs to the first, and both chunks read it). The
     :class:`~hybridpar.parallel.pipeline.runtime.PipelineRunner` calls :meth:`before_first` ahead
     of a chunk's first action of a step, which gathers the units the chunk reads (one all-gather
     each), and :meth:`after_last` after its last one (the last B, or W with a split backward),
@@ -55,8 +56,8 @@ class StageSharded(ShardedModel):
         for v, chunk in enumerate(chunks):
             for m in chunk.modules():
                 first.setdefault(id(m), v)
-        groups = group_parameters(model, lambda mod: first.get(id(mod)))
-        group_of = {id(e[3]): v for v, entries in groups.items() for e in entries}
+        groups = group_parameters(model, lambda mod: first.get(id(mod)), shared=min)  # shared: the first chunk's
+        group_of = {id(e.param): v for v, entries in groups.items() for e in entries}
         reads = [sorted({group_of[id(p)] for p in chunk.parameters() if id(p) in group_of}) for chunk in chunks]
         by_group: dict[int, Unit] = {}
         for v, chunk in enumerate(chunks):
@@ -64,7 +65,7 @@ class StageSharded(ShardedModel):
                 stage = getattr(getattr(chunk, "spec", None), "stage", v)
                 by_group[v] = Unit(f"stage{stage}", groups[v], axis, reduce_dtype)
                 self.units.append(by_group[v])
-                if any(id(e[3]) in hold for e in groups[v]):
+                if any(id(e.param) in hold for e in groups[v]):
                     self._held.add(id(by_group[v]))
         self.forward_order, self.backward_order = list(self.units), list(self.units)
         self._reads = {id(chunk): [by_group[g] for g in gs] for chunk, gs in zip(chunks, reads, strict=True)}
