@@ -2,7 +2,7 @@
 
 Layouts (``parallel.cp_mode``): Ulysses cp2 and cp4 (cp4 on the small model's 2 KV heads: each
 replicated twice), hybrid 2 x 2 (Ulysses pairs, ring across), Ulysses with tp2 + SP (and selective
-recomputation) and with pp2 (and ZeRO-1); each with and without document masks. Losses and
+recomputation) and with pp2 (and ZeRO-1, full recomputation); each with and without document masks. Losses and
 weights equal one process by the layout tolerance rule (:mod:`numerics`); a Ulysses checkpoint
 continues under ring attention on the same trajectory; the comm counter's bytes per axis of a
 training step equal :func:`hybridpar.planner.traffic.comm_bytes_per_axis`. Tests are ordered by
@@ -33,7 +33,8 @@ LAYOUTS = {  # world 2, then world 4
     "hybrid-2x2": ["--parallel.cp", "4", *HYBRID],
     "ulysses-cp2-tp2-sp-recompute": ["--parallel.cp", "2", *ULYSSES, "--parallel.tp", "2",
                                      "--parallel.sequence_parallel", "true", "--parallel.recompute", "selective"],
-    "ulysses-cp2-pp2-zero1": ["--parallel.cp", "2", *ULYSSES, "--parallel.pp", "2", "--parallel.zero_stage", "1"],
+    "ulysses-cp2-pp2-zero1-recompute": ["--parallel.cp", "2", *ULYSSES, "--parallel.pp", "2", "--parallel.zero_stage",
+                                        "1", "--parallel.recompute", "full"],
 }
 # the small model's 2 KV heads (test_layouts' MODEL has 4): Ulysses cp4 replicates each twice
 BASE = {"ulysses-cp4": ()}
@@ -92,7 +93,7 @@ def test_ulysses_layout_matches_single_process(name, docs, tmp_path_factory):
 
 
 TRAFFIC = {2: ["ulysses-cp2"], 4: ["ulysses-cp4", "hybrid-2x2", "ulysses-cp2-tp2-sp-recompute",
-                                   "ulysses-cp2-pp2-zero1"]}
+                                   "ulysses-cp2-pp2-zero1-recompute"]}
 
 
 def _count(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int, dict[str, int]]]:

@@ -52,7 +52,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from hybridpar.parallel.context import AttentionStats, Layout, RingPlan, ring_attention, shard_positions
+from hybridpar.parallel.context import (
+    AttentionStats,
+    Layout,
+    RingPlan,
+    ring_attention,
+    shard_positions,
+)
 
 if TYPE_CHECKING:
     from hybridpar.distributed.mesh import Axis

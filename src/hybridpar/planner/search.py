@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.planner.cost import CostReport, step_cost
+from hybridpar.planner.cp_modes import choose_cp_mode
 from hybridpar.planner.hardware import Cluster, GiB
 from hybridpar.planner.layout import Layout, Workload, layout_rule, runtime_note
 from hybridpar.planner.memory import MemoryReport, plan_memory
@@ -224,6 +225,8 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
     layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
                                 offload_optimizer=offload, grad_compression=compression)  # type: ignore[arg-type]
                for rec in recs for z in zeros}
+    cp = choose_cp_mode(model, next(iter(layouts.values())), work, cluster, partial)  # ring, Ulysses or hybrid
+    layouts = {k: dataclasses.replace(v, cp_mode=cp.cp_mode, cp_ulysses=cp.cp_ulysses) for k, v in layouts.items()}
     rule = layout_rule(model, next(iter(layouts.values())), work)  # the same for all of them
     smallest: Evaluation | None = None
     for rec in recs:
