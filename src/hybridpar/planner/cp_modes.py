@@ -126,12 +126,10 @@ def layer_seconds(model: ModelConfig, L: Layout, work: Workload, cluster: Cluste
     return t.f + t.b + t.w
 
 
-def choose_cp_mode(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster,
-                   fixed: dict[str, object] | None = None) -> Layout:
+def choose_cp_mode(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) -> Layout:
     """``L`` with the fastest cp mode (:func:`modes`, timed by :func:`layer_seconds`; ring on a
-    tie, then the smaller Ulysses degree); ``L`` itself when cp = 1 or ``fixed`` names
-    ``cp_mode`` (the user's choice stands)."""
-    if L.cp == 1 or (fixed is not None and "cp_mode" in fixed):
+    tie, then the smaller Ulysses degree); ``L`` itself when cp = 1."""
+    if L.cp == 1:
         return L
     return min(modes(model, L), key=lambda c: (layer_seconds(model, c, work, cluster), c.cp_split()[0]))
 
@@ -153,3 +151,15 @@ def describe(L: Layout) -> str:
     """``ring``, ``ulysses``, ``hybrid (ulysses 8 x ring 4)``."""
     u, r = L.cp_split()
     return f"hybrid (ulysses {u} x ring {r})" if L.cp_mode == "hybrid" else L.cp_mode
+
+
+def cp_fields(model: ModelConfig, axes: dict[str, object], partial: dict[str, object], work: Workload,
+              cluster: Cluster) -> dict[str, object]:
+    """The ``cp_mode`` / ``cp_ulysses`` fields of a search candidate with ``axes`` (and its
+    micro-batch): those ``partial`` fixes, else :func:`choose_cp_mode`'s; none at cp = 1."""
+    if "cp_mode" in partial:
+        return {"cp_mode": partial["cp_mode"], "cp_ulysses": partial.get("cp_ulysses", 0)}
+    if axes.get("cp", 1) == 1:
+        return {}
+    best = choose_cp_mode(model, Layout(**axes), work, cluster)  # type: ignore[arg-type]
+    return {"cp_mode": best.cp_mode, "cp_ulysses": best.cp_ulysses}
