@@ -134,3 +134,53 @@ def test_config_refuses_bad_ulysses_degrees(tmp_path):
         make_config(str(tmp_path), "--parallel.cp", "4", "--parallel.cp_mode", "hybrid", "--parallel.cp_ulysses", "3")
     with pytest.raises(ConfigError, match="not divisible by the Ulysses degree 4"):
         make_config(str(tmp_path), "--parallel.cp", "4", *ULYSSES, "--parallel.tp", "2")  # 2 heads per tp rank
+
+
+# ----------------------------------------------------------------------------- the planner's choice
+
+
+def _long_llama(name: str):
+    import dataclasses
+
+    from hybridpar.config import model_preset
+
+    return dataclasses.replace(model_preset(name), max_seq_len=1 << 20)
+
+
+def test_planner_prices_every_cp_mode_and_keeps_the_fastest():
+    """On 16 H100s (2 nodes) with cp8 across them, llama3-8b at 8k tokens: every legal mode is
+    priced, the search's layout carries the fastest (a hybrid: the ring's hops to the other node
+    are no longer hidden behind attention, the all-to-alls stay smaller), and a fixed cp_mode stands."""
+    from hybridpar.planner.cp_modes import layer_seconds, modes
+    from hybridpar.planner.hardware import Cluster, gpu_spec
+    from hybridpar.planner.layout import Layout, Workload
+    from hybridpar.planner.search import complete
+
+    model, cluster, work = _long_llama("llama3-8b"), Cluster.of(gpu_spec("H100-SXM"), 16, 8), Workload(64, 8192)
+    axes = {"dp": 2, "tp": 1, "pp": 1, "cp": 8}
+    priced = {(c.cp_mode, c.cp_ulysses): layer_seconds(model, c, work, cluster)
+              for c in modes(model, Layout(**axes, micro_batch=1))}
+    assert set(priced) == {("ring", 0), ("hybrid", 2), ("hybrid", 4), ("ulysses", 0)}
+    best, _ = complete(model, {**axes, "micro_batch": 1}, work, cluster)
+    chosen = (best.layout.cp_mode, best.layout.cp_ulysses)
+    assert priced[chosen] == min(priced.values()) and chosen != ("ring", 0)
+    fixed, _ = complete(model, {**axes, "micro_batch": 1, "cp_mode": "ring"}, work, cluster)
+    assert (fixed.layout.cp_mode, fixed.layout.cp_ulysses) == ("ring", 0)
+    # 8 heads of llama3-70b per tp8 rank: no Ulysses degree 16; hybrids up to 8 only
+    assert [c.cp_split()[0] for c in modes(_long_llama("llama3-70b"), Layout(tp=8, cp=16))] == [1, 2, 4, 8]
+
+
+def test_plan_json_names_the_cp_mode(tmp_path, capsys):
+    import json
+
+    from hybridpar.cli import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                               "vocab_size": 128256, "max_position_embeddings": 65536, "rms_norm_eps": 1e-5,
+                               "rope_theta": 500000.0, "tie_word_embeddings": False}))
+    assert main(["plan", "--model", str(cfg), "--gpus", "16", "--global-batch", "64", "--seq-len", "8192",
+                 "--layout", "dp=2,tp=1,pp=1,cp=8", "--json"]) == 0
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert (layout["cp_mode"], layout["cp_ulysses"]) == ("hybrid", 2)
