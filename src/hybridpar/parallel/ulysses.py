@@ -35,7 +35,7 @@ The output is unsorted and sent back with :class:`HeadsToSeq`.
 multiple of ``u``; ``Hk`` KV heads either split ``u`` ways (``Hk % u == 0``) or, when ``u`` is a
 multiple of ``Hk``, each KV head is replicated ``u / Hk`` times before the all-to-all (query
 head group ``j`` then meets exactly the KV head it uses; the replicas' gradients sum in the
-``repeat_interleave`` backward). Rules ``ulysses-divides-heads`` and ``cp-ulysses-degree``
+``repeat_interleave`` backward). Rules ``cp-ulysses-heads`` and ``cp-ulysses-degree``
 refuse anything else before launch.
 
 Traffic per attention call and micro-batch on a rank (payload, the comm counter's): forward one
@@ -170,7 +170,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, ulysses: Axis, ring: Axis
     hk = k.shape[1]
     if h % u or (hk % u and u % hk):
         raise ValueError(f"Ulysses degree {u} needs heads {h} divisible by it and KV heads {hk} divisible by it "
-                         "or dividing it (rule ulysses-divides-heads)")
+                         "or dividing it (rule cp-ulysses-heads)")
     if hk < u:  # replicate each KV head u / hk times: head group j meets the KV head it uses
         k, v = k.repeat_interleave(u // hk, dim=1), v.repeat_interleave(u // hk, dim=1)
         hk = u

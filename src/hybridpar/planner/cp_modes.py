@@ -105,8 +105,8 @@ def cp_times(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) ->
 
 
 def modes(model: ModelConfig, L: Layout) -> list[Layout]:
-    """Every cp mode legal for ``L``'s axes: ring, Ulysses, and hybrid at each Ulysses degree
-    strictly between 1 and cp (rule ``ulysses-divides-heads``)."""
+    """Every cp mode legal for ``L``'s axes: ring, hybrid at each Ulysses degree between 1 and
+    cp that divides it, and Ulysses (degree cp), where rule ``cp-ulysses-heads`` allows."""
     out = [dataclasses.replace(L, cp_mode="ring", cp_ulysses=0)]
     if L.cp == 1:
         return out

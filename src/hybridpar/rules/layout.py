@@ -233,7 +233,7 @@ def _cp_ulysses(cfg: Config, world: int | None) -> str | None:
 
 
 def ulysses_error(model: ModelConfig, tp: int, u: int, cp_mode: str) -> str | None:
-    """The message of rule ``ulysses-divides-heads`` for Ulysses degree ``u`` (the heads left
+    """The message of rule ``cp-ulysses-heads`` for Ulysses degree ``u`` (the heads left
     per tp rank split into ``u`` whole groups; KV heads split too, or replicated ``u / kv``
     ways), or None: what the planner asks before it proposes a cp mode."""
     heads, kv = model.n_heads // tp, model.n_kv_heads // tp
@@ -251,7 +251,7 @@ def ulysses_error(model: ModelConfig, tp: int, u: int, cp_mode: str) -> str | No
     return None
 
 
-@rule("ulysses-divides-heads")
+@rule("cp-ulysses-heads")
 def _ulysses_heads(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel
     return ulysses_error(cfg.model, p.tp, p.cp_split()[0], p.cp_mode)
