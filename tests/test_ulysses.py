@@ -2,11 +2,12 @@
 
 Layouts (``parallel.cp_mode``): Ulysses cp2 and cp4 (cp4 on the small model's 2 KV heads: each
 replicated twice), hybrid 2 x 2 (Ulysses pairs, ring across), Ulysses with tp2 + SP (and selective
-recomputation) and with pp2 (and ZeRO-1, full recomputation); each with and without document masks. Losses and
-weights equal one process by the layout tolerance rule (:mod:`numerics`); a Ulysses checkpoint
-continues under ring attention on the same trajectory; the comm counter's bytes per axis of a
-training step equal :func:`hybridpar.planner.traffic.comm_bytes_per_axis`. Tests are ordered by
-world size so the worker pools are reused.
+recomputation) and with pp2 (and ZeRO-1, full recomputation); each with and without document masks;
+and MoE with ep2 carved out of Ulysses cp2. Losses and weights equal one process by the layout
+tolerance rule (:mod:`numerics`); a Ulysses checkpoint continues under ring attention on the same
+trajectory; the comm counter's bytes per axis of a training step equal
+:func:`hybridpar.planner.traffic.comm_bytes_per_axis`; the planner prices every cp mode and keeps
+the fastest. Tests are ordered by world size so the worker pools are reused.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def _all_to_all_roundtrip(rank: int, world: int) -> None:
 
 def _layout_run(tmp: str, name: str) -> Run:
     return Run(tmp, (*BASE.get(name, MODEL), *LAYOUTS[name]))
+
+
+def test_ulysses_with_expert_parallelism_matches_single_process(tmp_path_factory):
+    """MoE layers with ep2 carved out of a Ulysses cp2 (the experts' token counts sum over cp as
+    under ring): same losses and weights as one process."""
+    from test_moe_layouts import MOE
+
+    tmp = str(tmp_path_factory.getbasetemp() / "moe_layouts")
+    results = train_layout(Run(tmp, (*MOE, "--parallel.cp", "2", *ULYSSES, "--parallel.ep", "2")))
+    assert_trains_like(results, reference(Run(tmp, MOE)), atol=WEIGHT_ATOL, same_keys=True)
 
 
 @pytest.mark.parametrize("saved, loaded", [("ulysses-cp2", ["--parallel.cp", "2"]),
