@@ -136,9 +136,9 @@ def choose_cp_mode(model: ModelConfig, L: Layout, work: Workload, cluster: Clust
 
 def cp_reason(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) -> list[str]:
     """One line for ``hybridpar plan``: the chosen mode, its traffic and layer time against the
-    other legal modes' (empty without context parallelism)."""
+    other legal modes'."""
     if L.cp == 1:
-        return []
+        return ["cp_mode: none needed, cp = 1 (the fastest layout splits no sequence over ranks)"]
     parts = []
     for c in modes(model, L):
         block, a2a, hops = cp_bytes(model, c, work)
