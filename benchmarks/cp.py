@@ -1,12 +1,16 @@
-"""Context parallelism on gloo: hybridpar ring attention vs a naive all-gather-K/V context parallel.
+"""Context parallelism on gloo: hybridpar's ring, Ulysses and hybrid (USP) attention vs a naive
+all-gather-K/V context parallel.
 
 For each cp in --cps a world of cp processes trains the tiny model on one long sequence (zigzag
-shards) with both attention cores side by side: same weights, same AdamW, gradients averaged over
-cp by the same bucketed reducer, steps alternating so noise hits both alike. The naive core
+shards) with every attention core side by side: same weights, same AdamW, gradients averaged over
+cp by the same bucketed reducer, steps alternating so noise hits all alike. ``hybridpar`` is ring
+attention (``cp_mode = "ring"``), ``ulysses`` the all-to-all of heads (``cp_mode = "ulysses"``),
+``hybrid`` Ulysses pairs with ring across (``cp_mode = "hybrid"``, ``cp_ulysses = 2``; cp >= 4). The naive core
 all-gathers K and V over cp (backward: reduce-scatter of dK, dV) and runs the fused attention
 kernel on the whole sequence with a position mask. Reported per cp:
 
-* step-time ratio hybridpar / naive (median of the timed steps) and the max loss difference;
+* step-time ratio of each mode / naive (median of the timed steps), of Ulysses and hybrid / ring
+  (``vs ring``, same sequence), and the max loss difference;
 * per-rank peak live tensor bytes over one step: storages created during the step that are alive
   at an op boundary (a dispatch mode tracks them; parameters, gradients and optimizer state,
   identical in both, are excluded and reported once as "static");
@@ -112,10 +116,10 @@ class NaiveCore:
 class Runner:
     """One attention core's model, optimizer and cp gradient reducer on this rank."""
 
-    def __init__(self, cfg, axis: Axis, naive: bool) -> None:  # noqa: ANN001
+    def __init__(self, cfg, axis: Axis, naive: bool, ulysses: tuple[Axis, Axis] | None = None) -> None:  # noqa: ANN001
         self.model = Llama(cfg)
         self.model.init_weights(0)
-        cp = enable_context_parallel(self.model, axis, cores=FAMILY.attention_modules(self.model))
+        cp = enable_context_parallel(self.model, axis, cores=FAMILY.attention_modules(self.model), ulysses=ulysses)
         if naive:  # same hook, layout and positions check; only the core differs
             masks: dict[int, torch.Tensor] = {}
             for module in cp.modules:
@@ -153,6 +157,8 @@ def worker(rank: int, world: int, args: argparse.Namespace, out: Any) -> None:
     cfg = dataclasses.replace(model_preset("tiny"), max_seq_len=args.seq)
     with ParallelDims(cp=world).build() as topo:
         runners = {"hybridpar": Runner(cfg, topo.cp, False), "naive": Runner(cfg, topo.cp, True)}
+        for name, u in modes(world):  # Ulysses over all of cp, hybrid: Ulysses pairs, ring across
+            runners[name] = Runner(cfg, topo.cp, False, topo.split_axis(topo.cp, u, ("cp.ulysses", "cp.ring")))
         times: dict[str, list[float]] = {k: [] for k in runners}
         losses: dict[str, list[float]] = {k: [] for k in runners}
         counted: dict[str, dict] = {}
@@ -180,6 +186,11 @@ def worker(rank: int, world: int, args: argparse.Namespace, out: Any) -> None:
                  "static": static})
     if world > 1:
         dist.destroy_process_group()
+
+
+def modes(cp: int) -> list[tuple[str, int]]:
+    """The Ulysses runners at ``cp`` and their Ulysses degree: ulysses (cp), hybrid (2; cp >= 4)."""
+    return ([("ulysses", cp)] if cp > 1 else []) + ([("hybrid", 2)] if cp >= 4 else [])
 
 
 def run_world(world: int, args: argparse.Namespace) -> list[dict]:
@@ -218,7 +229,7 @@ def main() -> None:
     for cp in [1, *cps]:
         res = results[cp]
         row: dict[str, Any] = {"cp": cp}
-        for name in ("hybridpar", "naive"):
+        for name in ("hybridpar", "naive", *(n for n, _ in modes(cp))):
             peak = max(r["peaks"][name][args.seq] for r in res)
             counted = res[0]["counted"][name]
             attn = sum(v["wire_bytes"] for k, v in counted.items() if not k.startswith("all_reduce"))
@@ -230,18 +241,25 @@ def main() -> None:
             row["step_time_ratio"] = row["hybridpar"]["median_step_s"] / row["naive"]["median_step_s"]
             row["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(
                 res[0]["losses"]["hybridpar"], res[0]["losses"]["naive"], strict=True))
+            for name, _ in modes(cp):  # against naive, like ring; and against ring at the same sequence
+                row[name]["step_time_ratio"] = row[name]["median_step_s"] / row["naive"]["median_step_s"]
+                row[name]["vs_ring"] = row[name]["median_step_s"] / row["hybridpar"]["median_step_s"]
+                row[name]["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(
+                    res[0]["losses"][name], res[0]["losses"]["naive"], strict=True))
         rows.append(row)
     print(f"tiny model ({model_preset('tiny').num_params() / 1e6:.2f}M params), one sequence of {args.seq} tokens, "
           f"gloo, zigzag layout; static (params + grads + AdamW) {static / MIB:.1f} MiB per rank; "
           f"budget {budget / MIB:.1f} MiB per rank")
-    print(f"{'cp':>3} {'core':<10}{'step (s)':>9}{'ratio':>7}{'peak live MiB':>15}{'attn wire MiB':>15}"
+    print(f"{'cp':>3} {'core':<10}{'step (s)':>9}{'ratio':>7}{'vs ring':>8}{'peak live MiB':>15}{'attn wire MiB':>15}"
           f"{'total wire MiB':>16}{'max seq in budget':>19}")
     for row in rows:
-        for name in ("hybridpar", "naive"):
+        for name in ("hybridpar", "naive", *(n for n, _ in modes(row["cp"]))):
             m = row[name]
             step = f"{m['median_step_s']:.2f}" if m["median_step_s"] else "-"
             ratio = f"{row['step_time_ratio']:.3f}" if name == "hybridpar" and "step_time_ratio" in row else ""
-            print(f"{row['cp']:>3} {name:<10}{step:>9}{ratio:>7}{m['peak_live_mib']:>15.1f}{m['attn_wire_mib']:>15.2f}"
+            ratio = f"{m['step_time_ratio']:.3f}" if "step_time_ratio" in m else ratio
+            vs_ring = f"{m['vs_ring']:.3f}" if "vs_ring" in m else ""
+            print(f"{row['cp']:>3} {name:<10}{step:>9}{ratio:>7}{vs_ring:>8}{m['peak_live_mib']:>15.1f}{m['attn_wire_mib']:>15.2f}"
                   f"{m['total_wire_mib']:>16.2f}{m['max_seq_in_budget']:>19}")
     print(json.dumps({"benchmark": "cp", "seq": args.seq, "budget_mib": round(budget / MIB, 2),
                       "static_mib": round(static / MIB, 2), "rows": rows}, default=lambda x: round(x, 4)))

@@ -24,6 +24,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "2bw"]
 Recompute = Literal["none", "selective", "full"]
 GradCompression = Literal["none", "bf16", "fp16", "int8"]
 OffloadTarget = Literal["cpu", "disk"]
+CpMode = Literal["ring", "ulysses", "hybrid"]
 RouterScore = Literal["softmax", "sigmoid"]
 
 
@@ -188,6 +189,16 @@ class LayoutChoice(MeshAxes):
     # data-parallel gradient payload: int8 (block-wise, error feedback; any ZeRO stage) or
     # bf16/fp16 (ZeRO stages 1-3); see hybridpar.distributed.compression
     grad_compression: GradCompression = "none"
+    # context parallelism over cp: ring attention, Ulysses all-to-all (heads), or hybrid (USP:
+    # cp_ulysses ranks of Ulysses inside cp, ring across cp / cp_ulysses); hybridpar.parallel.ulysses
+    cp_mode: CpMode = "ring"
+    cp_ulysses: int = 0  # hybrid: the Ulysses degree (read only with cp_mode = "hybrid")
+
+    def cp_split(self) -> tuple[int, int]:
+        """``(ulysses, ring)`` degrees of the cp axis (their product is cp): ring (1, cp),
+        ulysses (cp, 1), hybrid (cp_ulysses, cp / cp_ulysses)."""
+        u = {"ring": 1, "ulysses": self.cp}.get(self.cp_mode, self.cp_ulysses)
+        return u, self.cp // max(1, u)
 
 
 @dataclass

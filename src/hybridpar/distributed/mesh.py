@@ -256,6 +256,22 @@ class Topology:
         return (self._subgroup_axis(f"{axis.name}.intra", intra_sets),
                 self._subgroup_axis(f"{axis.name}.inter", inter_sets))
 
+    def split_axis(self, axis: Axis, inner: int, names: tuple[str, str]) -> tuple[Axis, Axis]:
+        """``axis`` cut into runs of ``inner`` consecutive local ranks: ``(inner axis, outer
+        axis)`` named ``names``; the outer one joins the ranks at the same place in every run
+        (Ulysses groups inside cp and the ring across them). A side of size ``axis.size`` is
+        ``axis`` itself (same group and counter name); a side of size 1 has no group.
+        Collective when both sides exceed 1 (every rank creates every group, in order)."""
+        if inner < 1 or axis.size % inner:
+            raise ValueError(f"{axis.name} of {axis.size} ranks cannot be cut into runs of {inner}")
+        alone = Axis(names[0] if inner == 1 else names[1], 1, 0, (self.rank,), None, self.comm)
+        if inner == axis.size or inner == 1:
+            return (axis, alone) if inner == axis.size else (alone, axis)
+        runs_of = [[ranks[i:i + inner] for i in range(0, len(ranks), inner)]
+                   for ranks in self.dims.flat_group_ranks(tuple(axis.name.split("_")))]
+        return (self._subgroup_axis(names[0], [run for runs in runs_of for run in runs]),
+                self._subgroup_axis(names[1], [list(c) for runs in runs_of for c in zip(*runs, strict=True)]))
+
     def _subgroup_axis(self, name: str, sets: list[list[int]]) -> Axis:
         mine = next(ranks for ranks in sets if self.rank in ranks)
         group = None

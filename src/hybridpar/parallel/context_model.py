@@ -39,6 +39,7 @@ from hybridpar.parallel.context import (
     ring_attention,
     shard_positions,
 )
+from hybridpar.parallel.ulysses import UlyssesLayout, ulysses_attention
 
 __all__ = ["ContextParallel", "enable_context_parallel", "ring_core_of"]
 
@@ -46,12 +47,19 @@ __all__ = ["ContextParallel", "enable_context_parallel", "ring_core_of"]
 class ContextParallel:
     """The handle :func:`enable_context_parallel` returns: the cp axis, layout, current plan and
     executed attention work (``stats``) of one model. ``paused()`` runs plain local attention
-    (e.g. to sample on one rank); ``remove()`` restores the original cores."""
+    (e.g. to sample on one rank); ``remove()`` restores the original cores.
 
-    def __init__(self, model: nn.Module, axis: Axis, layout: Layout) -> None:
+    With ``ulysses = (group, ring)`` (Ulysses or hybrid cp, :mod:`hybridpar.parallel.ulysses`)
+    the plan is the ring's over ``ring``, and attention gathers heads over ``group`` first."""
+
+    def __init__(self, model: nn.Module, axis: Axis, layout: Layout,
+                 ulysses: tuple[Axis, Axis] | None = None) -> None:
         self.model = model
         self.axis = axis
         self.layout = layout
+        self.ulysses, self.ring = ulysses if ulysses is not None else (None, axis)
+        self._where: dict[tuple[int, str], UlyssesLayout] = {}
+        self._segments: tuple[Tensor, Tensor] | None = None  # (local labels, the group's), per forward
         self.active = True
         self.plan: RingPlan | None = None
         self.stats = AttentionStats()
@@ -63,9 +71,28 @@ class ContextParallel:
         """This rank's :class:`RingPlan` for full sequences of ``seq_len`` tokens (cached)."""
         key = (seq_len, str(device))
         if key not in self._plans:
-            self._plans[key] = RingPlan.for_layout(seq_len, self.axis.size, self.axis.rank,
+            self._plans[key] = RingPlan.for_layout(seq_len, self.ring.size, self.ring.rank,
                                                    self.layout, device)
         return self._plans[key]
+
+    def ulysses_layout(self, seq_len: int, device: torch.device) -> UlyssesLayout:
+        """The Ulysses group's token order and ring plan for ``seq_len``-token sequences (cached)."""
+        if self.ulysses is None:
+            raise RuntimeError("ulysses_layout() of a ring-only context-parallel handle")
+        key = (seq_len, str(device))
+        if key not in self._where:
+            self._where[key] = UlyssesLayout.build(seq_len, self.ulysses, self.ring, self.layout, device)
+        return self._where[key]
+
+    def group_segments(self, segments: Tensor) -> Tensor:
+        """The Ulysses group's document labels ``[B, u T]`` (group rank order) of this rank's
+        ``segments``: one all-gather, reused by every layer of the same forward (same tensor)."""
+        group = self.ulysses
+        if group is None:
+            raise RuntimeError("group_segments() of a ring-only context-parallel handle")
+        if self._segments is None or self._segments[0] is not segments:
+            self._segments = (segments, group.comm.all_gather(segments.contiguous(), group, 1))
+        return self._segments[1]
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -118,6 +145,10 @@ class _RingCore:
         if cp.plan is None:
             raise RuntimeError("context-parallel attention called outside the model's forward")
         segments = None if docs is None else docs.segments
+        if cp.ulysses is not None:
+            where = cp.ulysses_layout(q.shape[2] * cp.axis.size, q.device)
+            group = None if segments is None else cp.group_segments(segments)
+            return ulysses_attention(q, k, v, cp.ulysses, cp.ring, where, stats=cp.stats, segments=group)
         return ring_attention(q, k, v, cp.axis, cp.plan, stats=cp.stats, segments=segments)
 
 
@@ -128,14 +159,16 @@ def ring_core_of(module: nn.Module) -> ContextParallel | None:
 
 
 def enable_context_parallel(model: nn.Module, axis: Axis, cores: Iterable[nn.Module],
-                            layout: Layout = "zigzag") -> ContextParallel:
+                            layout: Layout = "zigzag", *,
+                            ulysses: tuple[Axis, Axis] | None = None) -> ContextParallel:
     """Make ``model`` compute attention across the cp ``axis`` (in place) and return the handle.
 
     ``cores``: the model's attention modules (each with a ``core(q, k, v, docs=None)`` method),
     as the family lists them. Afterwards ``model(tokens, positions)`` expects this rank's shard of
     every sequence (``zigzag_shard`` of the full batch along dim 1) and its original positions
     (``zigzag_positions``; filled in when left out, checked when given). Must be called on every
-    cp rank; at ``axis.size == 1`` it is the plain model computed blockwise.
+    cp rank; at ``axis.size == 1`` it is the plain model computed blockwise. ``ulysses``: the
+    (Ulysses group, ring) split of ``axis`` (``Topology.split_axis``) for Ulysses or hybrid cp.
     """
     modules = list(cores)
     if any(ring_core_of(m) is not None for m in modules):
@@ -143,7 +176,7 @@ def enable_context_parallel(model: nn.Module, axis: Axis, cores: Iterable[nn.Mod
     if not modules:
         raise ValueError(f"no attention modules given for {type(model).__name__}; context parallelism "
                          "needs the family's attention modules (their core(q, k, v) is replaced)")
-    cp = ContextParallel(model, axis, layout)
+    cp = ContextParallel(model, axis, layout, ulysses)
     for module in modules:
         ring = _RingCore(module.core, cp)
         module.ring = ring  # plain attributes on the instance: names and parameters unchanged

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
+from hybridpar.planner.cp_modes import cp_reason
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.layout import Layout, Workload, model_key, parse_layout
 from hybridpar.planner.memory import COMPONENTS
@@ -187,6 +188,7 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
     lines.append(f"memory {m.total / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB on the worst pipeline rank "
                  f"(ZeRO-{L.zero_stage}, recompute {L.recompute})")
     lines += pipeline_reasons(model, best, work, cluster)
+    lines += cp_reason(model, L, work, cluster)
     return [f"why {_named(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
 
 

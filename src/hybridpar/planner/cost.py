@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.schedules import rank_stages
 from hybridpar.planner import pipesim
+from hybridpar.planner.cp_modes import cp_times
 from hybridpar.planner.dp_cost import dp_time, gradients, optimizer_time
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
@@ -248,17 +249,12 @@ def _tp_cp_comm(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster,
     """Seconds of the block's tensor-parallel collectives per entry/exit pair, of its exit
     collective alone, and of one ring-attention pass of K/V over cp."""
     t, h, ab = L.tp, model.dim, work.act_bytes
-    kv = model.n_kv_heads * model.head_dim
     if L.sequence_parallel:  # all-gather of the sequence shard, reduce-scatter of the full output
         exit_comm = cluster.collective_time("reduce_scatter", tok * h * ab, t, 1)
         ar = cluster.collective_time("all_gather", tok * h * ab / t, t, 1) + exit_comm
     else:
         ar = exit_comm = cluster.collective_time("all_reduce", tok * h * ab, t, 1)
-    cp_pass = 0.0
-    if L.cp > 1:
-        cp_bw, cp_lat, _ = cluster.axis_bandwidth(L.cp, t)
-        cp_pass = (L.cp - 1) * (2 * tok * kv / t * ab / cp_bw + cp_lat)
-    return ar, exit_comm, cp_pass
+    return ar, exit_comm, cp_times(model, L, work, cluster)[0]
 
 
 def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster,
@@ -279,8 +275,9 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     ar, exit_comm, cp_pass = _tp_cp_comm(model, L, work, cluster, tok)
     hide = overlap_fraction(g)  # ring attention passes K/V while attention computes
     ep_comm = 2 * a2a + (all_to_all_time(cluster, model.n_experts * 8, L.ep, L.tp) if moe else 0.0)  # + counts
-    f = fwd_gemm + core + elem + max(0.0, cp_pass - hide * core) + 2 * ar + ep_comm
-    b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - hide * core) + 2 * ar + 2 * a2a
+    a2a_cp = cp_times(model, L, work, cluster)[1]  # Ulysses all-to-alls: on the critical path
+    f = fwd_gemm + core + elem + max(0.0, cp_pass - hide * core) + 2 * ar + ep_comm + a2a_cp
+    b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - hide * core) + 2 * ar + 2 * a2a + a2a_cp
     # full recompute reruns the block's forward; in this runtime it stops after the last tensor
     # backward needs (torch's checkpoint), skipping the MLP's down projection (an MoE layer's
     # experts all rerun: the last tensor saved is the combine's) and the exit collective

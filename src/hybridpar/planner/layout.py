@@ -44,7 +44,9 @@ class Layout(LayoutChoice):
 
     def short(self) -> str:
         """``dp=8,tp=8,pp=2,cp=1`` (and ``,ep=4`` with expert parallelism), for messages."""
-        return f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp}" + (f",ep={self.ep}" if self.ep > 1 else "")
+        cp = f",cp_mode={self.cp_mode}" + (f"x{self.cp_ulysses}" if self.cp_mode == "hybrid" else "") \
+            if self.cp > 1 and self.cp_mode != "ring" else ""
+        return f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp}" + cp + (f",ep={self.ep}" if self.ep > 1 else "")
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

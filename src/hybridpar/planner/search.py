@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.planner.cost import CostReport, step_cost
+from hybridpar.planner.cp_modes import cp_fields
 from hybridpar.planner.hardware import Cluster, GiB
 from hybridpar.planner.layout import Layout, Workload, layout_rule, runtime_note
 from hybridpar.planner.memory import MemoryReport, plan_memory
@@ -182,6 +183,7 @@ def _candidates(model: ModelConfig, partial: dict[str, object], work: Workload,
     out = []
     for ep, mb in ((e, b) for e in eps for b in mbs):
         m = work.global_batch // (dp * int(mb))  # type: ignore[call-overload]
+        cp_mode = cp_fields(model, dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=mb), partial, work, cluster)
         scheds = schedules(model, pp, m)
         if "pipeline_schedule" in partial:
             v = int(partial.get("virtual_stages", 2 if partial["pipeline_schedule"] == "interleaved" else 1))  # type: ignore[call-overload]
@@ -191,7 +193,7 @@ def _candidates(model: ModelConfig, partial: dict[str, object], work: Workload,
                 ("interleaved", int(partial["virtual_stages"]))]  # type: ignore[call-overload]
         for sched, v in scheds:
             out.append(dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=mb, pipeline_schedule=sched,
-                            virtual_stages=v))
+                            virtual_stages=v, **cp_mode))
     return out
 
 

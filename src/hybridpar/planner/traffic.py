@@ -53,6 +53,7 @@ from hybridpar.distributed.compression import wire_numel
 from hybridpar.parallel.pipeline.partition import ChunkSpec
 from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.parallel.zero.reducer import cut_buckets
+from hybridpar.planner.cp_modes import cp_collectives
 from hybridpar.planner.layout import Layout, Workload, model_key
 from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
 from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, v_shaped
@@ -223,7 +224,6 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
     s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
     m = L.microbatches(work.global_batch)
     d = b * s * h  # one full-length hidden state of a micro-batch on this rank
-    kv = 2 * b * s * model.n_kv_heads * model.head_dim // t  # one stacked K/V block
     n_c, norms_c = len(c.layers), 2 * len(c.layers) + c.head
     # tensor parallelism, per micro-batch: norm entries (f / SP all-gather forward), row-parallel
     # exits (g / SP reduce-scatter), the embedding's exit, the vocab-parallel loss
@@ -237,10 +237,6 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
         add("all_reduce", "tp", t, norms_c * d * r, m)  # norm entries, backward
     if c.head:
         add("all_reduce", "tp", t, 3 * b * s * 4, m)  # max, then (sum of exp, target logit)
-    # ring attention: K/V blocks forward; K/V blocks and fp32 dK/dV blocks backward
-    for op in ("send", "recv"):
-        add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, m)
-        add(op, "cp", L.cp, n_c * (L.cp - 1) * (kv * a + kv * 4), m)
     # recomputation reruns, in every backward traversal, the forward collectives of each
     # block (full: SP's gathers, ring attention, the attention exit) or of its attention
     # core (selective: ring attention). torch's checkpoint stops a block's recomputation once
@@ -252,8 +248,8 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
         add("reduce_scatter", "tp", t, n_c * d * a, rerun)
     elif L.recompute == "full":
         add("all_reduce", "tp", t, n_c * d * a, rerun)
-    for op in ("send", "recv"):
-        add(op, "cp", L.cp, n_c * (L.cp - 1) * kv * a, rerun)
+    # context parallelism: ring attention's K/V hops, Ulysses' all-to-alls (and their reruns)
+    cp_collectives(add, model, L, work, n_c, m, rerun)
     moe_ids = set(model.moe_layer_ids())
     _moe_collectives(add, model, L, work, sum(i in moe_ids for i in c.layers), m, 1,
                      m if L.recompute == "full" else 0, load)  # ZB's W runs no collective

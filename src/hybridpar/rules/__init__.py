@@ -19,7 +19,8 @@ from hybridpar.rules.model import MOE_FAMILIES, OPTIMIZER_IMPLS, model_error, op
 
 # isort: split
 # the layout rules register after the model's: rule order
-from hybridpar.rules.layout import partition_error, schedule_error, tp_split_error
+from hybridpar.rules.layout import partition_error, schedule_error, tp_split_error, ulysses_error
 
 __all__ = ["MOE_FAMILIES", "OPTIMIZER_IMPLS", "RULES", "Broken", "PipelineShape", "Rule", "first_broken",
-           "model_error", "optimizer_impl_error", "partition_error", "schedule_error", "tp_split_error"]
+           "model_error", "optimizer_impl_error", "partition_error", "schedule_error", "tp_split_error",
+           "ulysses_error"]

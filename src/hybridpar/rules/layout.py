@@ -217,6 +217,46 @@ def _cp_seq(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("cp-ulysses-degree")
+def _cp_ulysses(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    if p.cp_mode != "hybrid":
+        if p.cp_ulysses:
+            return (f"parallel.cp_ulysses = {p.cp_ulysses} is read only with parallel.cp_mode = 'hybrid' (got "
+                    f"{p.cp_mode!r}); set cp_mode = 'hybrid' or leave cp_ulysses = 0")
+        return None
+    if p.cp_ulysses < 2 or p.cp % p.cp_ulysses:
+        return (f"parallel.cp_mode = 'hybrid' needs parallel.cp_ulysses >= 2 dividing parallel.cp = {p.cp} (the "
+                f"Ulysses ranks inside each ring position), got {p.cp_ulysses}; use a divisor of {p.cp} such as "
+                f"{min([d for d in range(2, p.cp + 1) if p.cp % d == 0] or [p.cp])}")
+    return None
+
+
+def ulysses_error(model: ModelConfig, tp: int, u: int, cp_mode: str) -> str | None:
+    """The message of rule ``cp-ulysses-heads`` for Ulysses degree ``u`` (the heads left
+    per tp rank split into ``u`` whole groups; KV heads split too, or replicated ``u / kv``
+    ways), or None: what the planner asks before it proposes a cp mode."""
+    heads, kv = model.n_heads // tp, model.n_kv_heads // tp
+    if u == 1:
+        return None
+    if heads % u:
+        return (f"model.n_heads = {model.n_heads} over parallel.tp = {tp} leaves {heads} heads per tp rank, not "
+                f"divisible by the Ulysses degree {u} (parallel.cp_mode = {cp_mode!r}); Ulysses gives every rank "
+                f"whole heads: use a Ulysses degree that divides {heads}, or cp_mode = 'ring'")
+    if kv % u and u % kv:
+        return (f"model.n_kv_heads = {model.n_kv_heads} over parallel.tp = {tp} leaves {kv} KV heads per tp rank: "
+                f"the Ulysses degree {u} must divide them or be a multiple of them (then KV heads are "
+                f"replicated {u} / {kv} ways); use a Ulysses degree that divides {kv} or a multiple of {kv}, "
+                "or cp_mode = 'ring'")
+    return None
+
+
+@rule("cp-ulysses-heads")
+def _ulysses_heads(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    return ulysses_error(cfg.model, p.tp, p.cp_split()[0], p.cp_mode)
+
+
 @rule("sp-seq-len")
 def _sp_seq(cfg: Config, world: int | None) -> str | None:
     p, t = cfg.parallel, cfg.train

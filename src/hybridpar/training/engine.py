@@ -145,10 +145,14 @@ class Engine(StepEngine):
         return self.plan.read_shard(name, lazy, self.topo.tp)
 
     def _apply_cp(self, model: nn.Module) -> ContextParallel | None:
-        """Context parallelism: ring attention in the attention cores (None at cp=1)."""
-        if self.topo.cp.size == 1:
+        """Context parallelism: ring, Ulysses or hybrid attention in the attention cores
+        (``parallel.cp_mode``; None at cp=1)."""
+        topo = self.topo
+        if topo.cp.size == 1:
             return None
-        return enable_context_parallel(model, self.topo.cp, self.family.attention_modules(model))
+        u = self.cfg.parallel.cp_split()[0]
+        split = topo.split_axis(topo.cp, u, ("cp.ulysses", "cp.ring")) if u > 1 else None
+        return enable_context_parallel(model, topo.cp, self.family.attention_modules(model), ulysses=split)
 
     def _compile(self, model: nn.Module) -> int:
         """``train.compile``: the blocks' math (recomputation, next, reruns the compiled forward);
