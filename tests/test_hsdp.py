@@ -1,0 +1,52 @@
+"""Hybrid sharding (HSDP, ``parallel.dp_shard``): ZeRO-1/2/3 split inside groups of dp_shard ranks
+and all-reduce across the replica groups. The layout promise (same losses and weights as one
+process), checkpoints that reshard between any dp_shard, and traffic counted per group equal to
+the planner's formula.
+
+The layouts are dp4 = 2 replicas x 2 shards at each ZeRO stage, with tp2, with pp2 and with ep2
+(a mixture-of-experts family), plus the two ways the replicas' all-reduce can travel
+(hierarchical, int8); same comparison and tolerances as :mod:`test_layouts`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from layouts import Run, assert_trains_like, reference, train_layout
+from test_layouts import MODEL, WEIGHT_ATOL
+from test_moe_layouts import MOE
+
+pytestmark = pytest.mark.numerics
+
+HSDP = ["--parallel.dp", "4", "--parallel.dp_shard", "2"]
+
+LAYOUTS = {
+    "hsdp-zero1": [*HSDP, "--parallel.zero_stage", "1"],
+    "hsdp-zero2": [*HSDP, "--parallel.zero_stage", "2"],
+    "hsdp-zero3": [*HSDP, "--parallel.zero_stage", "3"],
+    # 8 ranks: tp splits each shard's rows of its tp piece; pp shards each stage over its group
+    "hsdp-tp2-zero3": [*HSDP, "--parallel.tp", "2", "--parallel.zero_stage", "3"],
+    "hsdp-pp2-zero2": [*HSDP, "--parallel.pp", "2", "--parallel.zero_stage", "2"],
+    # the replicas' all-reduce two-level: replicas {0, 2} share a node of 4 ranks (reduce-scatter
+    # and all-gather inside it; nothing crosses nodes)
+    "hsdp-zero2-hierarchical": [*HSDP, "--parallel.zero_stage", "2", "--parallel.hierarchical_dp", "true",
+                                "--parallel.node_size", "4"],
+}
+MOE_LAYOUTS = {
+    # experts: ep runs of 2 inside each ZeRO group of 2, so each expert shard group is one rank
+    # and the experts are plain data parallel over their replicas; the dense part is HSDP
+    "hsdp-ep2-zero3": [*HSDP, "--parallel.ep", "2", "--parallel.zero_stage", "3"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_hsdp_layout_matches_single_process(name, tmp_path_factory):
+    tmp = str(tmp_path_factory.getbasetemp() / "layouts")  # test_layouts' reference, when in the same session
+    results = train_layout(Run(tmp, (*MODEL, *LAYOUTS[name])))
+    assert_trains_like(results, reference(Run(tmp, MODEL)), atol=WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_hsdp_moe_layout_matches_single_process(name, tmp_path_factory):
+    tmp = str(tmp_path_factory.getbasetemp() / "moe_layouts")
+    results = train_layout(Run(tmp, (*MOE, *MOE_LAYOUTS[name])))
+    assert_trains_like(results, reference(Run(tmp, MOE)), atol=WEIGHT_ATOL, same_keys=True)
