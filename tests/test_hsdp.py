@@ -50,3 +50,24 @@ def test_hsdp_moe_layout_matches_single_process(name, tmp_path_factory):
     tmp = str(tmp_path_factory.getbasetemp() / "moe_layouts")
     results = train_layout(Run(tmp, (*MOE, *MOE_LAYOUTS[name])))
     assert_trains_like(results, reference(Run(tmp, MOE)), atol=WEIGHT_ATOL, same_keys=True)
+
+
+# Saved at step 2 under one layout, continued under another: same as never changing. HSDP's
+# optimizer state is Shard(0) over its ZeRO group of 2 (each replica group writes the same
+# pieces), read back as rows over 4 ranks or 2, and the other way round.
+RESHARD = {
+    "dp4-zero3": ["--parallel.dp", "4", "--parallel.zero_stage", "3"],
+    "dp2-zero1": ["--parallel.dp", "2", "--parallel.zero_stage", "1"],
+    "dp2": ["--parallel.dp", "2"],
+}
+
+
+@pytest.mark.parametrize("saved, loaded", [("hsdp-zero3", "dp4-zero3"), ("dp4-zero3", "hsdp-zero3"),
+                                           ("hsdp-zero3", "dp2-zero1"), ("dp2", "hsdp-zero2")])
+def test_checkpoint_reshards_between_dp_shard(saved, loaded, tmp_path):
+    ref = reference(Run(str(tmp_path / "ref"), MODEL))
+    layouts = {**LAYOUTS, **RESHARD}
+    train_layout(Run(str(tmp_path), (*MODEL, *layouts[saved]), steps=2, save_at=2))
+    results = train_layout(Run(str(tmp_path), (*MODEL, *layouts[loaded]), resume_from=2))
+    assert results[0].start == 2
+    assert_trains_like(results, ref, atol=WEIGHT_ATOL)
