@@ -11,9 +11,14 @@ The layouts are dp4 = 2 replicas x 2 shards at each ZeRO stage, with tp2, with p
 from __future__ import annotations
 
 import pytest
-from layouts import Run, assert_trains_like, reference, train_layout
+from harness import run_distributed
+from layouts import Run, assert_trains_like, make_config, reference, train_layout, trainer_for
 from test_layouts import MODEL, WEIGHT_ATOL
 from test_moe_layouts import MOE
+
+from hybridpar.config import Config
+from hybridpar.planner.layout import from_config
+from hybridpar.planner.traffic import comm_bytes, comm_bytes_per_axis
 
 pytestmark = pytest.mark.numerics
 
@@ -71,3 +76,59 @@ def test_checkpoint_reshards_between_dp_shard(saved, loaded, tmp_path):
     results = train_layout(Run(str(tmp_path), (*MODEL, *layouts[loaded]), resume_from=2))
     assert results[0].start == 2
     assert_trains_like(results, ref, atol=WEIGHT_ATOL)
+
+
+# ----------------------------------------------------------------------------- traffic per group
+
+# int8 across the replicas changes the result (test_compression), so it is here and not above
+TRAFFIC = {**LAYOUTS, "hsdp-zero2-int8": [*HSDP, "--parallel.zero_stage", "2", "--parallel.grad_compression", "int8"],
+           "hsdp-zero3-bf16": [*HSDP, "--parallel.zero_stage", "3", "--parallel.grad_compression", "bf16"]}
+TRAFFIC_4 = ["hsdp-zero1", "hsdp-zero2", "hsdp-zero3", "hsdp-zero2-hierarchical", "hsdp-zero2-int8",
+             "hsdp-zero3-bf16", "hsdp-ep2-zero3"]
+
+
+def _config(tmp: str, name: str) -> Config:
+    return make_config(tmp, *(MOE if name in MOE_LAYOUTS else MODEL), *{**TRAFFIC, **MOE_LAYOUTS}[name])
+
+
+def _count_steps(rank: int, world: int, tmp: str, names: list[str]) -> dict[str, tuple[int, int, dict[str, int]]]:
+    """Per layout: (pipeline rank, rank in its ZeRO group, payload bytes per axis of the second step)."""
+    out = {}
+    for name in names:
+        with trainer_for(_config(tmp, name)) as trainer:
+            trainer.train_step(1)
+            counter = trainer.topo.comm.counter
+            counter.reset()
+            trainer.train_step(2)
+            axes = {key.split("/")[1] for key in counter.snapshot()}
+            out[name] = (trainer.topo.pp.rank, trainer.topo.zero.rank,
+                         {a: counter.bytes(axis=a) for a in axes if counter.bytes(axis=a)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("hsdp-traffic"))
+    return tmp, run_distributed(4, _count_steps, tmp, TRAFFIC_4, timeout=600)
+
+
+@pytest.mark.parametrize("name", TRAFFIC_4)
+def test_counted_bytes_per_group_equal_the_planner(name, counted):
+    """Every rank's counted payload bytes per axis (the ZeRO group ``dp_shard``, the replicas
+    ``dp_replicate`` and its ``.intra`` / ``.inter`` levels, the experts' groups) equal
+    planner.traffic's, exactly; and the replicas carry 1/dp_shard of the in-group reduce-scatter."""
+    tmp, results = counted
+    cfg = _config(tmp, name)
+    layout, work = from_config(cfg)
+    node = cfg.parallel.node_size if cfg.parallel.hierarchical_dp else 0
+    for rank, result in enumerate(results):
+        pp_rank, zero_rank, measured = result[name]
+        predicted = comm_bytes_per_axis(cfg.model, layout, work, pp_rank, zero_rank=zero_rank, hierarchical_node=node)
+        if name in MOE_LAYOUTS:  # the ep all-to-all depends on the routing (test_planner_moe, on known routes)
+            predicted.pop("ep"), measured.pop("ep")
+        assert predicted == measured, f"rank {rank}"
+    by_op = comm_bytes(cfg.model, layout, work)
+    assert any(axis.startswith("dp_replicate") for _, axis in by_op)  # the replicas' sum is counted
+    if cfg.parallel.grad_compression == "none" and not cfg.parallel.hierarchical_dp:
+        # a flat all-reduce of each reduced shard: the reduce-scatter's input over dp_shard = 2
+        assert 2 * by_op[("all_reduce", "dp_replicate")] == by_op[("reduce_scatter", "dp_shard")]
