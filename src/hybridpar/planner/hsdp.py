@@ -16,7 +16,9 @@ when ep spans the group: then they are plain data parallel over their replicas).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from hybridpar.distributed.compression import padded as padded_blocks
 from hybridpar.distributed.compression import wire_numel
@@ -24,6 +26,7 @@ from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.planner.layout import Layout
 from hybridpar.planner.shapes import padded
 
+E = TypeVar("E", bound=Any)  # a search Evaluation (layout, rule, fits): search imports this module
 Adder = Callable[..., None]  # traffic.Adder: add(op, axis, axis size, payload bytes, times=1)
 Across = Callable[[int], None] | None  # a reduced shard's sum across the replicas (None: one replica)
 
@@ -105,6 +108,16 @@ def replica_sum(add: Adder, L: Layout, axis: str, replicas: int, shard: int, ele
     add("all_reduce", axis, replicas, shard * elem)
 
 
+def replica_residual_bytes(L: Layout, shard: int) -> int:
+    """int8 compression's error feedback of the replicas' int8 all-reduce of a rank's ``shard``
+    elements (fp32: its input split in ``r`` blocks, and this rank's summed block re-quantised);
+    block padding left out. 0 without HSDP or int8."""
+    replicas = zero_group(L)[2]
+    if replicas == 1 or L.grad_compression != "int8":
+        return 0
+    return 4 * (shard + -(-shard // replicas))
+
+
 def replica_node_split(L: Layout, pp_rank: int, node_size: int) -> tuple[int, int]:
     """(intra, inter) sizes of the dense replicas group of rank (pp_rank, 0, 0, 0) cut at node
     boundaries (``Topology.node_split`` of ``dp_replicate``)."""
@@ -125,16 +138,78 @@ def grad_norm_axis(L: Layout, experts: bool) -> tuple[str, int] | None:
     return "cp", L.cp
 
 
-def collective_seconds(time: Callable[[str, float, int, int], float], L: Layout, nbytes: float,
-                       expert: bool = False) -> tuple[float, float]:
-    """(seconds inside the ZeRO group, seconds across replicas) of reducing ``nbytes`` of gradient
-    (one reduce-scatter inside the group, the all-reduce of its ``1/D`` across the replicas) and
-    all-gathering the updated ``1/D`` shard: ``time(op, payload, size, stride)`` is
-    :meth:`~hybridpar.planner.hardware.Cluster.collective_time`. The group's stride is tp (tp x ep
-    for experts), the replicas' the group's span, so a group inside a node is priced on the
-    node's links and the replicas on the inter-node ones."""
-    _, size, replicas = expert_group(L) if expert else zero_group(L)
-    stride = L.tp * (L.ep if expert else 1)
-    inside = time("reduce_scatter", nbytes, size, stride) + time("all_gather", nbytes / size, size, stride)
-    across = time("all_reduce", nbytes / size, replicas, stride * size)
-    return inside, across
+def collective_seconds(time: Callable[[str, float, int, int], float], L: Layout, reduced: float,
+                       params: float) -> tuple[float, float]:
+    """(seconds inside the ZeRO group, seconds across its replicas) of one ZeRO-1/2 bucket:
+    the reduce-scatter of its ``reduced`` gradient bytes and the all-gather of the updated
+    ``params / D`` inside the group (stride tp), the all-reduce of the reduced ``1 / D`` across
+    the replicas (stride ``D x tp``): ``time(op, payload, size, stride)`` is
+    :meth:`~hybridpar.planner.hardware.Cluster.collective_time`, so a group inside a node is
+    priced on the node's links and the replicas on the inter-node ones."""
+    _, size, replicas = zero_group(L)
+    inside = time("reduce_scatter", reduced, size, L.tp) + time("all_gather", params / size, size, L.tp)
+    return inside, time("all_reduce", reduced / size, replicas, L.tp * size)
+
+
+def shard_sizes(L: Layout, gpus_per_node: int) -> list[int]:
+    """The ``dp_shard`` values the search tries for a ZeRO layout (besides one group of all dp x
+    cp): the largest ZeRO group that fits in one node (its ranks are tp apart) and twice that
+    (two nodes), where they divide dp x cp, nest with ep and leave at least two replicas."""
+    n = L.dp * L.cp
+    if L.zero_stage == 0 or n < 4:
+        return []
+    in_node = max((d for d in range(1, n + 1) if n % d == 0 and d * L.tp <= gpus_per_node), default=1)
+    out = []
+    for d in (in_node, 2 * in_node):
+        if 2 <= d <= n // 2 and n % d == 0 and (d % L.ep == 0 or L.ep % d == 0):
+            out.append(d)
+    return out
+
+
+def with_shard_groups(fits: list[E], evaluate: Callable[[Layout], E], gpus_per_node: int) -> list[E]:
+    """``fits`` (evaluations of fitting layouts) and, for each ZeRO one, its hybrid-sharded
+    variants (:func:`shard_sizes`) that fit too: the search then ranks them by step time like
+    any other option (``evaluate``: the memory-only evaluation of a layout)."""
+    out = list(fits)
+    for ev in fits:
+        for d in shard_sizes(ev.layout, gpus_per_node):
+            other = evaluate(dataclasses.replace(ev.layout, dp_shard=d))
+            if other.rule is None and other.fits:
+                out.append(other)
+    return out
+
+
+def _span(L: Layout, d: int, gpus_per_node: int) -> str:
+    gpus = d * L.tp
+    return f"{gpus} GPUs, inside one node" if gpus <= gpus_per_node else f"{gpus} GPUs on {-(-gpus // gpus_per_node)} nodes"
+
+
+def dp_shard_reason(ev: E, evaluate: Callable[[Layout], E], gpus_per_node: int) -> str:
+    """Why the chosen layout ``ev`` has its ``dp_shard``: the step time and memory of the other
+    choices on the same layout (``evaluate``: a layout's evaluation with its cost)."""
+    L, n = ev.layout, ev.layout.dp * ev.layout.cp
+    if L.zero_stage == 0 or n == 1:
+        return (f"dp_shard: none (ZeRO-{L.zero_stage} over {n} dp x cp ranks: no optimizer state is sharded, "
+                "so there is nothing to split into groups)")
+    t = ev.cost.step_time_s
+
+    def versus(d: int) -> str:
+        other = evaluate(dataclasses.replace(L, dp_shard=d))
+        if other.rule is not None or other.cost is None:
+            return f"dp_shard={d or n} breaks a rule"
+        fit = "" if other.fits else f", does not fit by {other.shortfall_gib:.1f} GiB"
+        return (f"dp_shard={d or n}: {other.cost.step_time_s:.3f} s ({100 * (other.cost.step_time_s / t - 1):+.1f}%), "
+                f"{other.memory.total / 2**30:.1f} GiB{fit}")
+
+    mine = f"{ev.memory.total / 2**30:.1f} GiB"
+    if hsdp(L):
+        _, d, r = zero_group(L)
+        return (f"dp_shard={d}: ZeRO-{L.zero_stage} shards in groups of {d} dp x cp ranks ({_span(L, d, gpus_per_node)}: "
+                f"reduce-scatters and all-gathers on the group's links), one all-reduce of each 1/{d} shard across "
+                f"{r} replicas on the inter-node links; {t:.3f} s, {mine} against "
+                + "; ".join(versus(x) for x in [0, *(s for s in shard_sizes(L, gpus_per_node) if s != d)]))
+    alts = shard_sizes(L, gpus_per_node)
+    if not alts:
+        return f"dp_shard={n}: ZeRO-{L.zero_stage} shards over all {n} dp x cp ranks (no smaller group nests)"
+    return (f"dp_shard={n}: ZeRO-{L.zero_stage} shards over all {n} dp x cp ranks ({t:.3f} s, {mine}); hybrid "
+            "sharding " + "; ".join(versus(x) for x in alts))
