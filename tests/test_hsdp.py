@@ -10,14 +10,22 @@ The layouts are dp4 = 2 replicas x 2 shards at each ZeRO stage, with tp2, with p
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 from harness import run_distributed
 from layouts import Run, assert_trains_like, make_config, reference, train_layout, trainer_for
 from test_layouts import MODEL, WEIGHT_ATOL
 from test_moe_layouts import MOE
 
-from hybridpar.config import Config
-from hybridpar.planner.layout import from_config
+from hybridpar.cli import main
+from hybridpar.config import Config, model_preset
+from hybridpar.planner.hardware import GPUS, Cluster
+from hybridpar.planner.hsdp import collective_seconds
+from hybridpar.planner.layout import Layout, Workload, from_config
+from hybridpar.planner.memory import plan_memory
+from hybridpar.planner.search import complete, evaluate
 from hybridpar.planner.traffic import comm_bytes, comm_bytes_per_axis
 
 pytestmark = pytest.mark.numerics
@@ -132,3 +140,57 @@ def test_counted_bytes_per_group_equal_the_planner(name, counted):
     if cfg.parallel.grad_compression == "none" and not cfg.parallel.hierarchical_dp:
         # a flat all-reduce of each reduced shard: the reduce-scatter's input over dp_shard = 2
         assert 2 * by_op[("all_reduce", "dp_replicate")] == by_op[("reduce_scatter", "dp_shard")]
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+def test_memory_model_divides_zero_state_by_dp_shard():
+    """HSDP dp8 = 2 x 4 holds the ZeRO state of ZeRO over 4 ranks (same micro-batches per step),
+    at every stage; more than ZeRO over all 8."""
+    model = model_preset("llama3-8b")
+    for z in (1, 2, 3):
+        hybrid = plan_memory(model, Layout(dp=8, tp=2, zero_stage=z, dp_shard=4), Workload(64, 4096)).components
+        four = plan_memory(model, Layout(dp=4, tp=2, zero_stage=z), Workload(32, 4096)).components
+        eight = plan_memory(model, Layout(dp=8, tp=2, zero_stage=z), Workload(64, 4096)).components
+        for k in ("params", "grads", "optimizer"):
+            assert hybrid[k] == four[k], (z, k)
+        assert hybrid["optimizer"] > eight["optimizer"]
+
+
+def test_planner_prices_the_group_inside_a_node_and_the_replicas_across():
+    """dp16 x tp4 on nodes of 8: groups of 2 (8 GPUs) run on NVLink, the 8 replicas (one per node)
+    on the inter-node links; the replicas all-reduce 1/2 of what the group reduce-scatters."""
+    cluster = Cluster.of(GPUS["H100-SXM"], 64, 8)
+    L = Layout(dp=16, tp=4, zero_stage=2, dp_shard=2)
+    assert cluster.axis_bandwidth(2, 4)[2] and not cluster.axis_bandwidth(8, 8)[2]
+    inside, across = collective_seconds(cluster.collective_time, L, 2e9, 2e9)
+    assert inside == cluster.collective_time("reduce_scatter", 2e9, 2, 4) + cluster.collective_time("all_gather", 1e9, 2, 4)
+    assert across == cluster.collective_time("all_reduce", 1e9, 8, 8)
+
+
+def test_search_chooses_dp_shard_by_step_time():
+    """Llama 3 70B ZeRO-3 on 256 H200 (dp32 x tp8): with 2 sequences a micro-batch the per-micro-batch
+    gathers over all 32 dp ranks cross 32 nodes, groups of 4 (4 nodes) are fastest and fit; groups of 2
+    do not fit. With one sequence a micro-batch, groups of 2 fit and win."""
+    model, work, cluster = model_preset("llama3-70b"), Workload(256, 4096), Cluster.of(GPUS["H200"], 256, 8)
+    for mb, chosen in ((2, 4), (1, 2)):
+        best, tried = complete(model, {"dp": 32, "tp": 8, "zero_stage": 3, "micro_batch": mb, "recompute": "none"},
+                               work, cluster)
+        assert best.layout.dp_shard == chosen and best.fits
+        times = {e.layout.dp_shard: e.cost.step_time_s for e in tried if e.cost is not None and e.fits}
+        plain = evaluate(model, dataclasses.replace(best.layout, dp_shard=0), work, cluster)
+        assert plain.fits and best.cost.step_time_s < plain.cost.step_time_s
+        assert times.get(chosen, best.cost.step_time_s) == best.cost.step_time_s
+
+
+def test_plan_shows_dp_shard_and_why(capsys):
+    """`plan --layout` names the dp_shard it chose with the others' step time and memory; --json
+    carries a dp_shard field."""
+    args = ["plan", "--model", "llama3-70b", "--gpu", "H200", "--gpus", "256", "--global-batch", "256",
+            "--seq-len", "4096", "--layout", "dp=32,tp=8,zero_stage=3,micro_batch=2,recompute=none"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "dp_shard=4: ZeRO-3 shards in groups of 4 dp x cp ranks" in out and "against dp_shard=32: " in out
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["dp_shard"] == 4

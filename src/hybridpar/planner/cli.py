@@ -202,6 +202,8 @@ def _plan_layout(args: argparse.Namespace, model: ModelConfig, work: Workload, c
                           "alternatives": [e.to_json() for e in tried if e is not best]}, indent=1))
     else:
         print(explain(best, moe))
+        if best.cost is not None:
+            print(dp_shard_reason(best, lambda lay: evaluate(model, lay, work, cluster), cluster.gpus_per_node))
         print("\n".join(pipeline_reasons(model, best, work, cluster)))
         if moe and best.cost is not None:
             print(explain_ep(model, best, work, cluster, *moe_source))

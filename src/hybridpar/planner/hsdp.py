@@ -153,14 +153,15 @@ def collective_seconds(time: Callable[[str, float, int, int], float], L: Layout,
 
 def shard_sizes(L: Layout, gpus_per_node: int) -> list[int]:
     """The ``dp_shard`` values the search tries for a ZeRO layout (besides one group of all dp x
-    cp): the largest ZeRO group that fits in one node (its ranks are tp apart) and twice that
-    (two nodes), where they divide dp x cp, nest with ep and leave at least two replicas."""
+    cp): the largest ZeRO group that fits in one node (its ranks are tp apart), twice and four
+    times that (two, four nodes), where they divide dp x cp, nest with ep and leave at least two
+    replicas."""
     n = L.dp * L.cp
     if L.zero_stage == 0 or n < 4:
         return []
     in_node = max((d for d in range(1, n + 1) if n % d == 0 and d * L.tp <= gpus_per_node), default=1)
     out = []
-    for d in (in_node, 2 * in_node):
+    for d in (in_node, 2 * in_node, 4 * in_node):
         if 2 <= d <= n // 2 and n % d == 0 and (d % L.ep == 0 or L.ep % d == 0):
             out.append(d)
     return out
