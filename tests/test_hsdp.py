@@ -41,6 +41,8 @@ LAYOUTS = {
     "hsdp-zero1": [*HSDP, "--parallel.zero_stage", "1"],
     "hsdp-zero2": [*HSDP, "--parallel.zero_stage", "2"],
     "hsdp-zero3": [*HSDP, "--parallel.zero_stage", "3"],
+    # dp2 x cp2 in groups of 2: each ZeRO group is a cp group (the gradient norm: one sum over cp)
+    "hsdp-cp2-zero1": ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.dp_shard", "2", "--parallel.zero_stage", "1"],
     # 8 ranks: tp splits each shard's rows of its tp piece; pp shards each stage over its group
     "hsdp-tp2-zero3": [*HSDP, "--parallel.tp", "2", "--parallel.zero_stage", "3"],
     "hsdp-pp2-zero2": [*HSDP, "--parallel.pp", "2", "--parallel.zero_stage", "2"],
@@ -96,7 +98,7 @@ def test_checkpoint_reshards_between_dp_shard(saved, loaded, tmp_path):
 # int8 across the replicas changes the result (test_compression), so it is here and not above
 TRAFFIC = {**LAYOUTS, "hsdp-zero2-int8": [*HSDP, "--parallel.zero_stage", "2", "--parallel.grad_compression", "int8"],
            "hsdp-zero3-bf16": [*HSDP, "--parallel.zero_stage", "3", "--parallel.grad_compression", "bf16"]}
-TRAFFIC_4 = ["hsdp-zero1", "hsdp-zero2", "hsdp-zero3", "hsdp-zero2-hierarchical", "hsdp-zero2-int8",
+TRAFFIC_4 = ["hsdp-zero1", "hsdp-zero2", "hsdp-zero3", "hsdp-cp2-zero1", "hsdp-zero2-hierarchical", "hsdp-zero2-int8",
              "hsdp-zero3-bf16", "hsdp-ep2-zero3"]
 
 
