@@ -264,3 +264,21 @@ def test_int8_composes_with_hsdp_bit_for_bit(dist_run):
         want = [workers[r].residual, scatter[r].residual, gather[r].residual]
         assert all(torch.equal(a, b) for a, b in zip(result["residuals"], want, strict=True))
         assert set(result["traffic"]) == {"all_to_all/dp_shard", "all_to_all/dp_replicate", "all_gather/dp_replicate"}
+
+
+def test_auto_keeps_a_configured_dp_shard(tmp_path):
+    """``parallel.auto`` keeps ``dp_shard`` as it keeps the axes it is given (only dp x cp it divides;
+    ZeRO 1-3 where it leaves replicas), and it reaches the run's config (planner/auto.py)."""
+    from test_planner_auto import write_profile
+
+    from hybridpar.planner.auto import apply_layout, choose_layout
+
+    write_profile(tmp_path / "hw.toml")
+    cfg = Config()
+    cfg.parallel.auto, cfg.train.hardware, cfg.parallel.dp_shard = True, str(tmp_path / "hw.toml"), 2
+    choice = choose_layout(cfg, 8)
+    assert choice.ranked and all(e.layout.dp_shard == 2 and (e.layout.dp * e.layout.cp) % 2 == 0 for e in choice.ranked)
+    # ZeRO-0 only where the group is all of dp x cp (no replicas); hybrid sharding ranked too
+    assert all(e.layout.zero_stage >= 1 or e.layout.dp * e.layout.cp == 2 for e in choice.ranked)
+    assert any(e.layout.dp * e.layout.cp > 2 for e in choice.ranked)
+    assert apply_layout(cfg, choice.best.layout).parallel.dp_shard == 2
