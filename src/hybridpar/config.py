@@ -182,6 +182,9 @@ class LayoutChoice(MeshAxes):
     offload_to: OffloadTarget = "cpu"  # where offloaded state lives: host memory, or files (ZeRO-Infinity)
     offload_params: bool = False  # ZeRO-3: parameter shards offloaded too (to offload_to)
     ep: int = 1  # expert parallelism: experts sharded over ep ranks carved out of dp x cp
+    # hybrid sharding (HSDP): ZeRO-1/2/3 shard inside groups of dp_shard consecutive dp x cp ranks and
+    # all-reduce across the dp x cp / dp_shard groups (replicas); 0 = one group of all dp x cp ranks
+    dp_shard: int = 0
     pipeline_schedule: Schedule = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -34,9 +35,15 @@ class ParallelDims(MeshAxes):
 
     ``ep`` (expert parallelism) is no mesh axis of its own: it is carved out of dp x cp, whose
     ranks are cut into consecutive groups of ``ep`` (cp varies fastest, so a sequence's cp ranks
-    share experts first)."""
+    share experts first).
+
+    ``dp_shard`` (hybrid sharding, HSDP) is no mesh axis either: the ZeRO groups are consecutive
+    runs of ``dp_shard`` ranks of each dp x cp group (neighbours: a node, or a few), and the ranks
+    at the same place in those runs are replicas that all-reduce their shards' gradients
+    (:meth:`zero_group_ranks`). 0 (or dp x cp) is one ZeRO group of all of dp x cp."""
 
     ep: int = 1
+    dp_shard: int = 0
 
     def __post_init__(self) -> None:
         for name in AXES:
@@ -45,11 +52,25 @@ class ParallelDims(MeshAxes):
                 raise ValueError(f"ParallelDims.{name} = {size!r} must be an integer >= 1")
         if not isinstance(self.ep, int) or self.ep < 1 or (self.dp * self.cp) % self.ep:
             raise ValueError(f"ParallelDims.ep = {self.ep!r} must divide dp * cp = {self.dp * self.cp}")
+        if not isinstance(self.dp_shard, int) or self.dp_shard < 0 or (self.dp_shard and (self.dp * self.cp) % self.dp_shard):
+            raise ValueError(f"ParallelDims.dp_shard = {self.dp_shard!r} must divide dp * cp = {self.dp * self.cp}")
+        if self.ep > 1 and self.shard_size % self.ep and self.ep % self.shard_size:
+            raise ValueError(f"ParallelDims.ep = {self.ep} and dp_shard = {self.shard_size}: one must divide the other")
 
     @classmethod
     def from_config(cls, p: MeshAxes) -> ParallelDims:
         """The axes of any layout: a run's ``[parallel]``, a planner candidate."""
-        return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1))
+        return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1), dp_shard=getattr(p, "dp_shard", 0))
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks in one ZeRO group: ``dp_shard``, or all of dp x cp when it is 0."""
+        return self.dp_shard or self.dp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """ZeRO groups per dp x cp group (HSDP's replicate degree; 1 without hybrid sharding)."""
+        return self.dp * self.cp // self.shard_size
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -106,17 +127,36 @@ class ParallelDims(MeshAxes):
         """``(ep groups, edp groups)``: each dp x cp group cut into consecutive runs of ``ep``
         ranks (which hold different experts), and the ranks at the same place in those runs
         (which hold the same experts and average their gradients)."""
-        ep_sets: list[list[int]] = []
-        edp_sets: list[list[int]] = []
-        for ranks in self.flat_group_ranks(("dp", "cp")):
-            runs = [ranks[i:i + self.ep] for i in range(0, len(ranks), self.ep)]
-            ep_sets += runs
-            edp_sets += [list(column) for column in zip(*runs, strict=True)]
-        return ep_sets, edp_sets
+        return runs_and_columns(self.flat_group_ranks(("dp", "cp")), self.ep)
+
+    def zero_group_ranks(self) -> tuple[list[list[int]], list[list[int]]]:
+        """``(shard groups, replicate groups)`` of the dense parameters' ZeRO: each dp x cp group
+        cut into consecutive runs of :attr:`shard_size` ranks (which split the state), and the
+        ranks at the same place in those runs (which hold the same shard: HSDP's replicas)."""
+        return runs_and_columns(self.flat_group_ranks(("dp", "cp")), self.shard_size)
+
+    def expert_zero_group_ranks(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The experts' ZeRO groups: each edp group (the ranks holding the same experts, one per
+        ep run) cut into runs of the ep runs inside one dense ZeRO group (``dp_shard / ep`` of
+        them; 1 when ep spans whole ZeRO groups), and the replicas at the same place in those."""
+        run = max(self.shard_size // self.ep, 1)
+        return runs_and_columns(self.expert_group_ranks()[1], run)
 
     def build(self, device_type: str = "cpu") -> Topology:
         """The :class:`Topology` of this process (collective when world size > 1)."""
         return Topology(self, device_type)
+
+
+def runs_and_columns(sets: list[list[int]], run: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Every set of ``sets`` cut into consecutive runs of ``run`` ranks, and the columns of each
+    set's runs (the ranks at the same place in every run)."""
+    runs_out: list[list[int]] = []
+    columns: list[list[int]] = []
+    for ranks in sets:
+        runs = [ranks[i:i + run] for i in range(0, len(ranks), run)]
+        runs_out += runs
+        columns += [list(column) for column in zip(*runs, strict=True)]
+    return runs_out, columns
 
 
 def _check_axis(axis: str) -> None:
@@ -151,6 +191,10 @@ class Topology:
     ``topo.cp`` (or ``topo.axis(name)``) are :class:`Axis` objects; ``topo.world`` spans all
     ranks; ``topo.dp_cp`` spans dp x cp (the ranks that average gradients under context
     parallelism; it is ``topo.dp`` or ``topo.cp`` itself when the other has size 1).
+    ``topo.zero`` is the dense parameters' ZeRO group and ``topo.replicas`` the ranks holding the
+    same ZeRO shard (hybrid sharding, ``dp_shard``: axes named ``dp_shard`` and ``dp_replicate``;
+    without it ``zero`` is ``dp_cp`` and ``replicas`` has size 1); ``topo.ezero`` and
+    ``topo.ereplicas`` the same for the experts (``edp_shard``, ``edp_replicate``; else ``edp``).
     ``close()`` (or a ``with`` block) frees the process groups it created.
     """
 
@@ -197,8 +241,21 @@ class Topology:
                           world_group, self.comm)
         self._flat_groups: list[dist.ProcessGroup] = []
         self._side: dict[str, Axis] = {}
+        self._sets: dict[str, list[list[int]]] = {}  # every group of each sub-group axis (node_split)
         self.dp_cp = self._flat_axis(("dp", "cp"))
         self.ep, self.edp = self._expert_axes()
+        self.zero, self.replicas = self._zero_axes("dp", self.dp_cp, dims.zero_group_ranks)
+        self.ezero, self.ereplicas = (self._zero_axes("edp", self.edp, dims.expert_zero_group_ranks) if dims.ep > 1
+                                      else (self.zero, self.replicas))
+
+    def _zero_axes(self, name: str, whole: Axis, sets: Callable[[], tuple[list[list[int]], list[list[int]]]]
+                   ) -> tuple[Axis, Axis]:
+        """``(shard, replicate)`` axes of ZeRO over ``whole`` (named ``{name}_shard`` and
+        ``{name}_replicate`` under hybrid sharding); without it ``whole`` and a size-1 axis."""
+        if self.dims.replicas == 1 or whole.size == 1:
+            return whole, Axis(f"{name}_replicate", 1, 0, (self.rank,), None, self.comm)
+        shard_sets, replica_sets = sets()
+        return self._subgroup_axis(f"{name}_shard", shard_sets), self._subgroup_axis(f"{name}_replicate", replica_sets)
 
     def _expert_axes(self) -> tuple[Axis, Axis]:
         """``(ep, edp)`` axes (see :meth:`ParallelDims.expert_group_ranks`)."""
@@ -238,8 +295,10 @@ class Topology:
         Collective: every rank creates every group, in the same order."""
         if node_size < 1:
             raise ValueError(f"node size {node_size} must be >= 1")
-        names = tuple(axis.name.split("_"))
-        every = self.dims.group_ranks(names[0]) if len(names) == 1 else self.dims.flat_group_ranks(names)
+        every = self._sets.get(axis.name)
+        if every is None:
+            names = tuple(axis.name.split("_"))
+            every = self.dims.group_ranks(names[0]) if len(names) == 1 else self.dims.flat_group_ranks(names)
         intra_sets: list[list[int]] = []
         inter_sets: list[list[int]] = []
         for ranks in every:
@@ -273,6 +332,7 @@ class Topology:
                 self._subgroup_axis(names[1], [list(c) for runs in runs_of for c in zip(*runs, strict=True)]))
 
     def _subgroup_axis(self, name: str, sets: list[list[int]]) -> Axis:
+        self._sets[name] = sets
         mine = next(ranks for ranks in sets if self.rank in ranks)
         group = None
         for ranks in sets:

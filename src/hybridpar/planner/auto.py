@@ -43,7 +43,7 @@ CPU_CORE = GPUSpec("cpu core (uncalibrated)", bf16_flops=60e9, fp32_flops=60e9, 
 
 # Fields the planner may set; everything else in [parallel] and [train] stays the user's.
 CHOSEN = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "pipeline_schedule", "virtual_stages", "recompute",
-          "micro_batch")
+          "micro_batch", "dp_shard")
 
 
 def resolve_hardware(cfg: Config, device_type: str) -> tuple[GPUSpec, str]:
@@ -134,14 +134,32 @@ def _runnable(cfg: Config, ev: Evaluation, world: int) -> str | None:
 
 def pinned_choices(cfg: Config) -> dict[str, object]:
     """The layout choices the config makes explicitly, which ``parallel.auto`` keeps: mesh axes
-    above 1, a ZeRO stage above 0, a recompute mode (their defaults mean "planner's choice")."""
+    above 1, a ZeRO stage above 0, a recompute mode, a ZeRO group size (their defaults mean
+    "planner's choice")."""
     p = cfg.parallel
     out: dict[str, object] = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp", "ep") if getattr(p, k) > 1}
     if p.zero_stage > 0:
         out["zero_stage"] = p.zero_stage
     if p.recompute != "none":
         out["recompute"] = p.recompute
+    if p.dp_shard > 0:
+        out["dp_shard"] = p.dp_shard
     return out
+
+
+def _partial(pinned: dict[str, object], partial: dict[str, object]) -> dict[str, object] | None:
+    """``partial`` (axes, ZeRO stage, kept settings) with the pinned ep and dp_shard, which must
+    divide its dp x cp (None where they do not); sequence parallelism off without tp or with cp.
+    Without a pinned ep, complete() tries every ep of dp x cp (a mixture-of-experts model)."""
+    n = int(partial["dp"]) * int(partial["cp"])  # type: ignore[call-overload]
+    for key in ("ep", "dp_shard"):
+        if key in pinned:
+            partial[key] = pinned[key]
+            if n % int(pinned[key]):  # type: ignore[call-overload]
+                return None
+    if partial["tp"] == 1 or int(partial["cp"]) > 1:  # type: ignore[call-overload]
+        partial["sequence_parallel"] = False
+    return partial
 
 
 def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_node: int | None = None,
@@ -175,13 +193,9 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
         if any(dict(dp=dp, tp=tp, pp=pp, cp=cp)[k] != v for k, v in axes.items()):
             continue
         # each ZeRO stage separately: the fastest may be one this trainer refuses for the layout
-        partial: dict[str, object] = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, **keep)
-        if "ep" in pinned:  # else complete() tries every ep of dp x cp (a mixture-of-experts model)
-            partial["ep"] = pinned["ep"]
-            if (dp * cp) % int(pinned["ep"]):  # type: ignore[call-overload]
-                continue
-        if tp == 1 or cp > 1:
-            partial["sequence_parallel"] = False
+        partial = _partial(pinned, dict(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, **keep))
+        if partial is None:
+            continue
         try:
             _, tried = complete(cfg.model, partial, work, cluster)
         except (ConfigError, PlanError) as e:

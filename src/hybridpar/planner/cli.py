@@ -16,6 +16,7 @@ from pathlib import Path
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
 from hybridpar.planner.cp_modes import cp_reason
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
+from hybridpar.planner.hsdp import dp_shard_reason
 from hybridpar.planner.layout import Layout, Workload, model_key, parse_layout
 from hybridpar.planner.memory import COMPONENTS
 from hybridpar.planner.moe import DEFAULT_IMBALANCE, imbalance_from_run, rank_load
@@ -187,6 +188,7 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
                      f"(+{100 * (nxt.cost.step_time_s / c.step_time_s - 1):.1f}%)")
     lines.append(f"memory {m.total / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB on the worst pipeline rank "
                  f"(ZeRO-{L.zero_stage}, recompute {L.recompute})")
+    lines.append(dp_shard_reason(best, lambda lay: evaluate(model, lay, work, cluster), cluster.gpus_per_node))
     lines += pipeline_reasons(model, best, work, cluster)
     lines += cp_reason(model, L, work, cluster)
     return [f"why {_named(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
@@ -202,6 +204,8 @@ def _plan_layout(args: argparse.Namespace, model: ModelConfig, work: Workload, c
                           "alternatives": [e.to_json() for e in tried if e is not best]}, indent=1))
     else:
         print(explain(best, moe))
+        if best.cost is not None:
+            print(dp_shard_reason(best, lambda lay: evaluate(model, lay, work, cluster), cluster.gpus_per_node))
         print("\n".join(pipeline_reasons(model, best, work, cluster)))
         if moe and best.cost is not None:
             print(explain_ep(model, best, work, cluster, *moe_source))

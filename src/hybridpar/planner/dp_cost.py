@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from hybridpar.config import ModelConfig
 from hybridpar.planner.hardware import Cluster, GPUSpec
+from hybridpar.planner.hsdp import collective_seconds, expert_group, hsdp, zero_group
 from hybridpar.planner.layout import Layout, Workload, model_key
 from hybridpar.planner.memory import rank_state_numels
 from hybridpar.planner.shapes import rank_numel, v_shaped
@@ -60,6 +61,8 @@ def bucketed_comm(L: Layout, work: Workload, cluster: Cluster, gr: Gradients) ->
     n, t = L.dp * L.cp, L.tp
     buckets = max(1, math.ceil(gr.grad_bytes / (work.bucket_mb * 2**20)))
     last_bucket = cluster.collective_time("all_reduce", gr.grad_bytes / buckets, n, t)
+    if hsdp(L):  # reduce-scatter and all-gather in the ZeRO group, the shard's all-reduce across it
+        last_bucket = sum(collective_seconds(cluster.collective_time, L, gr.reduced / buckets, gr.param_total / buckets))
     dp_comm = buckets * last_bucket
     if gr.expert_bytes and n // L.ep > 1:
         expert_buckets = max(1, math.ceil(gr.expert_bytes / (work.bucket_mb * 2**20)))
@@ -71,25 +74,27 @@ def bucketed_comm(L: Layout, work: Workload, cluster: Cluster, gr: Gradients) ->
 def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m: int,
                stage_lt: LayerTime, hide: float) -> tuple[float, float]:
     """(ZeRO-3's data-parallel seconds per step, the part of them prefetching leaves exposed)."""
-    n, t, v = L.dp * L.cp, L.tp, L.virtual_stages
+    (_, n, replicas), t, v = zero_group(L), L.tp, L.virtual_stages  # HSDP: the ZeRO group, then its replicas
     if L.pp > 1:
         # under pp (hybridpar.parallel.zero.zero3_pp.StageSharded) each of the rank's v chunks is gathered once
         # per step, before its first forward, and reduce-scattered once after its last backward
         return v * (cluster.collective_time("all_gather", gr.param_total / v / n, n, t)
-                    + cluster.collective_time("reduce_scatter", gr.reduced / v, n, t)), 0.0
+                    + cluster.collective_time("reduce_scatter", gr.reduced / v, n, t)
+                    + cluster.collective_time("all_reduce", gr.reduced / v / n, replicas, t * n)), 0.0
     # one all-gather per unit (each block, the embedding, the root) forward and backward, one
     # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero.zero3).
     # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
     # collective would run on the same cores), so on a CPU profile nothing hides them.
     units = model.n_layers + (1 if model.tie_embeddings else 2)
     gather = units * cluster.collective_time("all_gather", gr.param_total / units / n, n, t)
-    edp, e_units = n // L.ep, len(set(model.moe_layer_ids()))
+    edp, e_units = expert_group(L)[1], len(set(model.moe_layer_ids()))
     if gr.expert_bytes and edp > 1:  # each MoE layer's experts: a unit of their own over edp
         gather += e_units * cluster.collective_time("all_gather", gr.expert_bytes / e_units / edp, edp, t * L.ep)
     cal = cluster.rank_gpu.calibration
     hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
     exposed = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
-    dp_comm = units * cluster.collective_time("reduce_scatter", gr.reduced / units, n, t) + exposed
+    dp_comm = units * (cluster.collective_time("reduce_scatter", gr.reduced / units, n, t)
+                       + cluster.collective_time("all_reduce", gr.reduced / units / n, replicas, t * n)) + exposed
     if gr.expert_bytes and edp > 1:
         dp_comm += e_units * cluster.collective_time("reduce_scatter", gr.expert_bytes / e_units, edp, t * L.ep)
     return dp_comm, exposed

@@ -43,10 +43,12 @@ class Layout(LayoutChoice):
         return global_batch // (self.dp * self.micro_batch)
 
     def short(self) -> str:
-        """``dp=8,tp=8,pp=2,cp=1`` (and ``,ep=4`` with expert parallelism), for messages."""
+        """``dp=8,tp=8,pp=2,cp=1`` (and ``,cp_mode=...`` for a cp other than ring, ``,ep=4`` with
+        expert parallelism, ``,dp_shard=4`` with hybrid sharding), for messages."""
         cp = f",cp_mode={self.cp_mode}" + (f"x{self.cp_ulysses}" if self.cp_mode == "hybrid" else "") \
             if self.cp > 1 and self.cp_mode != "ring" else ""
-        return f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp}" + cp + (f",ep={self.ep}" if self.ep > 1 else "")
+        return (f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp}" + cp + (f",ep={self.ep}" if self.ep > 1 else "")
+                + (f",dp_shard={self.dp_shard}" if self.dp_shard else ""))
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -124,11 +126,12 @@ def model_of(key: ModelKey) -> ModelConfig:
 
 def layout_rule(model: ModelConfig, layout: Layout, work: Workload) -> Broken | None:
     """The layout rule ``validate`` says this layout breaks, with its message (None if it breaks
-    none), judging only shapes and divisibility: ZeRO, offload, recompute and compression are
-    switched off for this check."""
-    if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none" or layout.grad_compression != "none":
+    none), judging only shapes and divisibility: ZeRO (and its dp_shard), offload, recompute and
+    compression are switched off for this check."""
+    if layout.zero_stage or layout.offload_optimizer or layout.recompute != "none" or layout.grad_compression != "none" \
+            or layout.dp_shard:
         layout = dataclasses.replace(layout, zero_stage=0, offload_optimizer=False, recompute="none",
-                                     grad_compression="none", offload_to="cpu", offload_params=False)
+                                     grad_compression="none", offload_to="cpu", offload_params=False, dp_shard=0)
     return _broken(model_key(model), layout, work)
 
 

@@ -65,6 +65,7 @@ from hybridpar.planner.activations import korthikanti_layer_bytes as korthikanti
 from hybridpar.planner.activations import llama_layer_bytes as llama_layer_bytes
 from hybridpar.planner.activations import moe_ffn_bytes as moe_ffn_bytes
 from hybridpar.planner.hardware import GiB
+from hybridpar.planner.hsdp import expert_group, replica_residual_bytes, zero_group
 from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
 from hybridpar.planner.moe import dispatch_rows, rank_load
 from hybridpar.planner.shapes import (
@@ -375,7 +376,8 @@ def _rank_parts(key: ModelKey, L: Layout, work: Workload,
     st = _states(full, shard, L.zero_stage, work.param_bytes, L.offload_optimizer, L.offload_to, L.offload_params,
                  pipelined=L.pp > 1, accumulates=L.microbatches(work.global_batch) > 1)
     if L.grad_compression == "int8" and L.dp * L.cp > 1:  # error feedback: fp32, gradient-sized
-        st = dataclasses.replace(st, grads=st.grads + int8_residual_bytes(full, L.dp * L.cp, L.zero_stage))
+        st = dataclasses.replace(st, grads=st.grads + int8_residual_bytes(full, L.dp * L.cp, L.zero_stage)
+                                 + replica_residual_bytes(L, shard))
     if L.pipeline_schedule == "2bw" and L.pp > 1:  # PipeDream-2BW: the stage's second weight version
         st = dataclasses.replace(st, params=st.params + work.param_bytes * full)
     return st, _rank_activations(key, _activation_fields(L), work, pp_rank)
@@ -393,13 +395,14 @@ def rank_state_numels(key: ModelKey, L: Layout, pp_rank: int) -> tuple[int, int]
     """(elements held, elements of the worst ZeRO shard) of pipeline rank ``pp_rank``: ZeRO
     shards over dp x cp (the runtime's ``dp_cp`` axis); with ep > 1 the routed experts are an
     optimizer of their own sharded over ``edp = dp * cp / ep`` (each ``[E/ep, ...]`` tensor in
-    ``ceil((E/ep) / edp)``-row blocks: with one expert per rank, one edp rank holds it all)."""
-    n, args = L.dp * L.cp, (key, L.tp, L.pp, L.virtual_stages, pp_rank)
+    ``ceil((E/ep) / edp)``-row blocks: with one expert per rank, one edp rank holds it all).
+    Hybrid sharding (``dp_shard``): over the ZeRO group instead (:func:`.hsdp.zero_group`)."""
+    n, args = zero_group(L)[1], (key, L.tp, L.pp, L.virtual_stages, pp_rank)
     vs = {"v_shape": v_shaped(L.pipeline_schedule)}
     if L.ep == 1:
         return rank_numel(*args, **vs), rank_numel(*args, n, **vs)
     full = rank_numel(*args, 1, L.ep, "dense", **vs) + rank_numel(*args, 1, L.ep, "experts", **vs)
-    return full, rank_numel(*args, n, L.ep, "dense", **vs) + rank_numel(*args, n // L.ep, L.ep, "experts", **vs)
+    return full, rank_numel(*args, n, L.ep, "dense", **vs) + rank_numel(*args, expert_group(L)[1], L.ep, "experts", **vs)
 
 
 def _total(st: ModelStates, acts: float, logits: float, comm: float) -> float:

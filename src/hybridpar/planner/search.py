@@ -30,6 +30,7 @@ from hybridpar.config import ModelConfig
 from hybridpar.planner.cost import CostReport, step_cost
 from hybridpar.planner.cp_modes import cp_fields
 from hybridpar.planner.hardware import Cluster, GiB
+from hybridpar.planner.hsdp import with_shard_groups
 from hybridpar.planner.layout import Layout, Workload, layout_rule, runtime_note
 from hybridpar.planner.memory import MemoryReport, plan_memory
 from hybridpar.rules import Broken
@@ -221,10 +222,12 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
     sp = bool(partial.get("sequence_parallel", sp_default))
     recs = [partial["recompute"]] if "recompute" in partial else list(RECOMPUTE)
     zeros = [partial["zero_stage"]] if "zero_stage" in partial else list(ZERO)
+    zeros = [z for z in zeros if z or "dp_shard" not in partial] or zeros  # dp_shard shards ZeRO-1/2/3 state
     offload = bool(partial.get("offload_optimizer", False))
     compression = str(partial.get("grad_compression", "none"))
     layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
-                                offload_optimizer=offload, grad_compression=compression)  # type: ignore[arg-type]
+                                offload_optimizer=offload, grad_compression=compression,  # type: ignore[arg-type]
+                                dp_shard=int(partial.get("dp_shard", 0)))  # type: ignore[call-overload]
                for rec in recs for z in zeros}
     rule = layout_rule(model, next(iter(layouts.values())), work)  # the same for all of them
     smallest: Evaluation | None = None
@@ -269,12 +272,22 @@ def _cheapest_fit(model: ModelConfig, partial: dict[str, object], fixed: dict[st
                   work: Workload, cluster: Cluster) -> Evaluation:
     """Given the axes, micro-batch and schedule: among the ZeRO stages that fit at the cheapest
     recompute level, the fastest (less memory on a tie); if none fits, the smallest one."""
-    fits, smallest = _fitting_options(model, partial, fixed, work, cluster)
+    fits, smallest = _with_hsdp(model, partial, work, cluster, *_fitting_options(model, partial, fixed, work, cluster))
     if not fits:
         return _finish(smallest, model, work, cluster)
     for ev in fits:
         ev.cost = step_cost(model, ev.layout, work, cluster)
     return _finish(min(fits, key=rank_key), model, work, cluster)
+
+
+def _with_hsdp(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
+               fits: list[Evaluation], smallest: Evaluation) -> tuple[list[Evaluation], Evaluation]:
+    """:func:`_fitting_options`' answer with the fitting ZeRO options' hybrid-sharded variants
+    added (:func:`.hsdp.with_shard_groups`), unless ``partial`` fixes ``dp_shard``."""
+    if "dp_shard" in partial or not fits:
+        return fits, smallest
+    return with_shard_groups(fits, lambda lay: _memory_only(model, lay, work, cluster, rule=fits[0].broken),
+                             cluster.gpus_per_node), smallest
 
 
 Option = tuple[float, int, Evaluation]  # (lower bound of the step time, order tried, evaluation)
@@ -287,7 +300,7 @@ def _options(model: ModelConfig, partial: dict[str, object], work: Workload,
     options: list[Option] = []
     misses: list[Evaluation] = []
     for fixed in _candidates(model, partial, work, cluster):
-        fits, smallest = _fitting_options(model, partial, fixed, work, cluster)
+        fits, smallest = _with_hsdp(model, partial, work, cluster, *_fitting_options(model, partial, fixed, work, cluster))
         if not fits:
             misses.append(smallest)
         for ev in fits:

@@ -38,7 +38,8 @@ experts' gradients go over ``edp`` (their own ZeRO optimizer); once per step the
 statistics (loads, auxiliary loss), once per step (the bias update reuses the load).
 
 ZeRO-3 with pp > 1 gathers each of the rank's chunks once per step and reduce-scatters it once
-(:class:`hybridpar.parallel.zero.zero3_pp.StageSharded`).
+(:class:`hybridpar.parallel.zero.zero3_pp.StageSharded`). Hybrid sharding (:mod:`.hsdp`):
+ZeRO on ``dp_shard`` (``edp_shard``), then each reduced shard on ``dp_replicate`` (``edp_replicate``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from hybridpar.distributed.compression import wire_numel
 from hybridpar.parallel.pipeline.partition import ChunkSpec
 from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.parallel.zero.reducer import cut_buckets
+from hybridpar.planner import hsdp as hs
 from hybridpar.planner.cp_modes import cp_collectives
 from hybridpar.planner.layout import Layout, Workload, model_key
 from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
@@ -295,7 +297,7 @@ def _gradient_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workl
     elif L.zero_stage == 0:
         _reduce_grads(add, L, [sh for _, sh in names], r, bucket_bytes, pp_rank, hierarchical_node)
     else:
-        _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes, pp_rank)
+        _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes, pp_rank, hierarchical_node)
     if experts:
         _expert_grads(add, L, experts, r, m, bucket_bytes)
     return names, experts
@@ -311,7 +313,7 @@ def _step_scalars(add: Adder, model: ModelConfig, L: Layout, work: Workload, nam
         # over tp (of ZeRO's rows)
         repl = [sh for nm, sh in names if nm.endswith("norm.weight") or replicated_ffn(nm)]
         if L.zero_stage > 0:
-            add("all_reduce", "tp", t, sum(_rows_of(sh[0], n, zero_rank) * _numel(sh[1:]) for sh in repl) * r)
+            add("all_reduce", "tp", t, sum(_rows_of(sh[0], hs.zero_group(L)[1], zero_rank) * _numel(sh[1:]) for sh in repl) * r)
         else:
             add("all_reduce", "tp", t, sum(map(_numel, repl)) * r)
     add("all_reduce", zero_axis, n, 4)  # the logged loss
@@ -333,6 +335,8 @@ def _grad_norm(add: Adder, L: Layout, experts: bool) -> None:
     rows), then the stages, in turn."""
     sizes = {"pp": L.pp, "dp": L.dp, "cp": L.cp, "tp": L.tp}
     spans = [_norm_dims(L, False)] + ([_norm_dims(L, True)] if experts else [])
+    if hs.hsdp(L):  # a ZeRO group of dp_shard ranks: a whole sub-mesh only as the cp axis
+        spans = [None] if hs.grad_norm_axis(L, experts) is None else [{"cp"}]
     if all(d is not None for d in spans):
         union = set().union(*spans)
         axes = (("tp", {"tp"}), ("pp", {"pp"}), ("dp", {"dp"}), ("cp", {"cp"}), (_dp_cp_name(L), {"dp", "cp"}),
@@ -341,13 +345,13 @@ def _grad_norm(add: Adder, L: Layout, experts: bool) -> None:
             if {d for d in dims if sizes[d] > 1} == union:
                 add("all_reduce", name, math.prod(sizes[d] for d in union), 4)
                 return
-    n = L.dp * L.cp
     for part_is_experts in ([False, True] if experts else [False]):
         add("all_reduce", "tp", L.tp, 4)
         if part_is_experts:
             add("all_reduce", "ep", L.ep, 4)
         if L.zero_stage > 0:
-            add("all_reduce", "edp" if part_is_experts else _dp_cp_name(L), n // L.ep if part_is_experts else n, 4)
+            name, size, _ = hs.expert_group(L) if part_is_experts else hs.zero_group(L)
+            add("all_reduce", name, size, 4)
         add("all_reduce", "pp", L.pp, 4)
 
 
@@ -396,23 +400,25 @@ def _int8_reduce(add: Adder, axis: str, n: int, shard: int, gather: bool = False
         add("all_gather", axis, n, msg)
 
 
-def _reduce_scatter(add: Adder, layout: Layout, axis: str, n: int, shard: int, elem: int) -> None:
-    """ZeRO's gradient reduce-scatter of ``n`` blocks of ``shard`` elements, as compressed."""
+def _reduce_scatter(add: Adder, layout: Layout, axis: str, n: int, shard: int, elem: int, across: hs.Across = None) -> None:
+    """ZeRO's gradient reduce-scatter of ``n`` blocks of ``shard`` elements, as compressed (HSDP: then ``across``)."""
     if layout.grad_compression == "int8":
         _int8_reduce(add, axis, n, shard)
     else:
         payload = 2 if layout.grad_compression in ("bf16", "fp16") else elem
         add("reduce_scatter", axis, n, n * shard * payload)
+    if across is not None:
+        across(shard)
 
 
 def _zero_buckets(add: Adder, axis: str, n: int, shapes: list[Shape], elem: int, bucket_bytes: int,
-                  layout: Layout) -> None:
+                  layout: Layout, across: hs.Across = None) -> None:
     """ZeRO-1/2 over ``axis``: the optimizer's order (matrices, then vectors) cut in buckets from
     the end, each reduce-scattered once (as compressed) and its updated shard all-gathered."""
     order = [s for s in shapes if len(s) >= 2] + [s for s in shapes if len(s) < 2]
     for bucket in buckets(order, elem, bucket_bytes):
         shard = shard_elems(bucket, n)
-        _reduce_scatter(add, layout, axis, n, shard, elem)
+        _reduce_scatter(add, layout, axis, n, shard, elem, across)
         add("all_gather", axis, n, shard * elem)
 
 
@@ -421,23 +427,23 @@ def _expert_grads(add: Adder, layout: Layout, experts: Named, elem: int, m: int,
     experts; nothing when ep = dp x cp): bucketed gradient all-reduces, ZeRO-1/2's buckets, or
     ZeRO-3's units (each MoE layer's experts: gathered twice per micro-batch, reduce-scattered
     once)."""
-    n, shapes = layout.dp * layout.cp // layout.ep, [sh for _, sh in experts]
-    if layout.zero_stage == 0:
+    (axis, n, stage, across), shapes = hs.expert_reduction(add, layout, elem), [sh for _, sh in experts]
+    if stage == 0:
         for bucket in buckets(shapes, elem, bucket_bytes):
             if layout.grad_compression == "int8":
-                _int8_reduce(add, "edp", n, -(-sum(_numel(s) for s in bucket) // n), gather=True)
+                _int8_reduce(add, axis, n, -(-sum(_numel(s) for s in bucket) // n), gather=True)
             else:
-                add("all_reduce", "edp", n, sum(_numel(s) for s in bucket) * elem)
-    elif layout.zero_stage < 3:
-        _zero_buckets(add, "edp", n, shapes, elem, bucket_bytes, layout)
+                add("all_reduce", axis, n, sum(_numel(s) for s in bucket) * elem)
+    elif stage < 3:
+        _zero_buckets(add, axis, n, shapes, elem, bucket_bytes, layout, across)
     else:
         units: dict[str, list[Shape]] = {}
         for nm, sh in experts:
             units.setdefault(nm.rsplit(".", 1)[0], []).append(sh)
         for unit in units.values():
             shard = shard_elems(unit, n)
-            add("all_gather", "edp", n, shard * elem, 2 * m)
-            _reduce_scatter(add, layout, "edp", n, shard, elem)
+            add("all_gather", axis, n, shard * elem, 2 * m)
+            _reduce_scatter(add, layout, axis, n, shard, elem, across)
 
 
 def _rows_of(rows: int, n: int, rank: int) -> int:
@@ -447,22 +453,22 @@ def _rows_of(rows: int, n: int, rank: int) -> int:
 
 
 def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem: int, m: int,
-          bucket_bytes: int, pp_rank: int = 0) -> None:
+          bucket_bytes: int, pp_rank: int = 0, node: int = 0) -> None:
     """ZeRO over dp x cp, of the parameters this pipeline rank trains (tp pieces): stages 1/2
     bucket the optimizer's order (matrices, then vectors, reversed), reduce-scatter each bucket
     once and all-gather the updated shards; stage 3 gathers every unit (root: norm and head;
     embedding; each layer) twice per micro-batch and reduce-scatters it once; under pp its units
-    are the rank's chunks, each gathered and reduce-scattered once per step."""
-    axis, n = _dp_cp_name(layout), layout.dp * layout.cp
+    are the rank's chunks, each gathered and reduce-scattered once per step (HSDP: :mod:`.hsdp`)."""
+    axis, n, across = hs.zero_reduction(add, layout, elem, pp_rank, node)
     named = [(nm, s) for nm, s in model_params(model, layout.tp) if nm in names]
     if layout.zero_stage < 3:
-        _zero_buckets(add, axis, n, [s for _, s in named], elem, bucket_bytes, layout)
+        _zero_buckets(add, axis, n, [s for _, s in named], elem, bucket_bytes, layout, across)
         return
     if layout.pp > 1:
         for chunk in rank_chunk_params(model, layout, pp_rank):
             shard = shard_elems([s for _, s in chunk], n)
             add("all_gather", axis, n, shard * elem)
-            _reduce_scatter(add, layout, axis, n, shard, elem)
+            _reduce_scatter(add, layout, axis, n, shard, elem, across)
         return
     tied = model.tie_embeddings
     root = [s for nm, s in named if nm in ("norm.weight", "output.weight") or (tied and nm.startswith("tok_"))]
@@ -473,7 +479,7 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
     for unit in units:
         shard = shard_elems(unit, n)
         add("all_gather", axis, n, shard * elem, 2 * m)
-        _reduce_scatter(add, layout, axis, n, shard, elem)
+        _reduce_scatter(add, layout, axis, n, shard, elem, across)
 
 
 def comm_bytes_per_axis(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int = 0, *,

@@ -85,6 +85,28 @@ def _ep(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("dp-shard-divides-dp-cp")
+def _dp_shard(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    n = p.dp * p.cp
+    if p.dp_shard == 0 or p.dp_shard == n:
+        return None
+    divisors = [d for d in range(2, n + 1) if n % d == 0]
+    if p.dp_shard < 0 or n % p.dp_shard:
+        return (f"parallel.dp_shard = {p.dp_shard} does not divide parallel.dp * parallel.cp = {p.dp} * {p.cp} = {n} "
+                f"(the ZeRO groups are runs of dp_shard of those ranks); use one of {divisors} or 0 (all {n})")
+    if p.zero_stage == 0:
+        return (f"parallel.dp_shard = {p.dp_shard} with parallel.zero_stage = 0 means nothing: stage 0 shards "
+                "nothing, every rank holds everything; set zero_stage to 1, 2 or 3 (hybrid sharding) or dp_shard = 0")
+    if p.dp_shard == 1:
+        return (f"parallel.dp_shard = 1 shards nothing: ZeRO groups of one rank are plain data parallelism over all "
+                f"{n} ranks; use zero_stage = 0, or dp_shard in {divisors}")
+    if p.ep > 1 and p.dp_shard % p.ep and p.ep % p.dp_shard:
+        return (f"parallel.ep = {p.ep} and parallel.dp_shard = {p.dp_shard} do not nest (the experts shard over "
+                "the ep runs inside one ZeRO group); make one divide the other")
+    return None
+
+
 def partition_error(n_layers: int, pp: int, virtual_stages: int) -> str | None:
     """The message of the layer-per-chunk rule for ``n_layers`` on ``pp * virtual_stages``
     chunks, or None: what the pipeline partitioner checks."""

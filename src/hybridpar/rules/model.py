@@ -129,9 +129,11 @@ def _parallel_sizes(cfg: Config, world: int | None) -> str | None:
 @rule("hierarchical-dp-without-zero")
 def _hierarchical(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel
-    if p.hierarchical_dp and p.zero_stage > 0:
-        return (f"parallel.hierarchical_dp = true with parallel.zero_stage = {p.zero_stage} is not supported yet; "
-                "ZeRO reduce-scatters over dp itself: use zero_stage = 0 or hierarchical_dp = false")
+    if p.hierarchical_dp and p.zero_stage > 0 and p.dp_shard in (0, p.dp * p.cp):
+        return (f"parallel.hierarchical_dp = true with parallel.zero_stage = {p.zero_stage} and one ZeRO group of all "
+                f"{p.dp * p.cp} dp x cp ranks leaves no all-reduce to split (ZeRO reduce-scatters over the group "
+                "itself); set parallel.dp_shard to the ranks of a node or fewer (hybrid sharding: the replicas' "
+                "all-reduce is then hierarchical), or zero_stage = 0, or hierarchical_dp = false")
     return None
 
 

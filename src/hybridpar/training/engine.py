@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.config import Config
-from hybridpar.distributed.mesh import Topology
+from hybridpar.distributed.mesh import Axis, Topology
 from hybridpar.models.common import Documents
 from hybridpar.models.hf import init_from_hf
 from hybridpar.models.lazy import Narrowed
@@ -54,6 +54,7 @@ from hybridpar.parallel.zero import (
     DataParallelOptimizer,
     ExpertSplitOptimizer,
     OuterSplit,
+    Replicas,
     ShardedModel,
     StageSharded,
     ZeroOptimizer,
@@ -210,23 +211,34 @@ class Engine(StepEngine):
         names = {n for n, q in model.named_parameters() if id(q) in ids}  # before ZeRO-3 swaps in shards
         sharded, expert_sharded = self._shard_parameters(model, runner, outer, split)
         named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
-        hierarchy = None
-        if p.zero_stage == 0 and p.hierarchical_dp and topo.dp_cp.size > 1:  # node boundaries from the launcher
-            node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
-            hierarchy = topo.node_split(topo.dp_cp, node)
+        hierarchy, replicas = self._dp_hierarchy()
         opts = dict(stage=p.zero_stage, offload=p.offload_optimizer, bucket_bytes=int(p.bucket_mb * 2**20),
                     reduce_dtype=COMPRESSION_DTYPES[p.grad_compression], offload_to=p.offload_to,
                     offload_dir=p.offload_dir or None, offload_params=p.offload_params,
                     optimizer_impl=t.optimizer_impl, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         dense = [(n, q) for n, q in named if n not in self.expert_names]
-        optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.dp_cp, sharded=sharded, outer=outer,
-                                  hierarchy=hierarchy, **opts)
+        optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.zero, sharded=sharded, outer=outer,
+                                  hierarchy=hierarchy, replicas=replicas, **opts)
         if self.expert_names:
             experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
-            optimizer = ExpertSplitOptimizer(optimizer, ZeroOptimizer(decay_groups(experts, t.weight_decay), topo.edp,
-                                                                      sharded=expert_sharded, outer=split, **opts),
+            optimizer = ExpertSplitOptimizer(optimizer, ZeroOptimizer(decay_groups(experts, t.weight_decay), topo.ezero,
+                                                                      sharded=expert_sharded, outer=split,
+                                                                      replicas=Replicas(topo.ereplicas), **opts),
                                              topo.ep)
         return optimizer, [q for _, q in named if q.requires_grad]
+
+    def _dp_hierarchy(self) -> tuple[tuple[Axis, Axis] | None, Replicas]:
+        """``(hierarchy, replicas)`` of the dense gradients' reduction: with
+        ``parallel.hierarchical_dp``, stage 0's all-reduce over dp x cp is two-level; under ZeRO
+        with hybrid sharding (``parallel.dp_shard``) the replicas' all-reduce is (node boundaries
+        from ``parallel.node_size`` or the launcher)."""
+        p, topo = self.cfg.parallel, self.topo
+        node = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+        if p.hierarchical_dp and p.zero_stage == 0 and topo.dp_cp.size > 1:
+            return topo.node_split(topo.dp_cp, node), Replicas(topo.replicas)
+        if p.hierarchical_dp and topo.replicas.size > 1:
+            return None, Replicas(topo.replicas, topo.node_split(topo.replicas, node))
+        return None, Replicas(topo.replicas)
 
     def _shard_parameters(self, model: nn.Module, runner: PipelineRunner | None, outer: OuterSplit | None,
                           split: OuterSplit) -> tuple[ShardedModel | None, ShardedModel | None]:
@@ -241,13 +253,13 @@ class Engine(StepEngine):
         expert_ids = frozenset(id(q) for n, q in model.named_parameters() if n in self.expert_names)
         if runner is not None:
             tied = tied_embedding_weight(self.chunks)  # its two copies' gradients are summed after the pipeline
-            sharded = shard_stages(model, topo.dp_cp, self.chunks, outer=outer,
+            sharded = shard_stages(model, topo.zero, self.chunks, outer=outer,
                                    hold=frozenset() if tied is None else frozenset({id(tied)}))
             runner.stage_hooks = sharded
         else:
-            sharded = shard_model(model, topo.dp_cp, self.family.zero3_units(model), prefetch=prefetch, outer=outer,
+            sharded = shard_model(model, topo.zero, self.family.zero3_units(model), prefetch=prefetch, outer=outer,
                                   skip=expert_ids)
-        expert_sharded = (shard_model(model, topo.edp, expert_units(model), prefetch=prefetch, outer=split,
+        expert_sharded = (shard_model(model, topo.ezero, expert_units(model), prefetch=prefetch, outer=split,
                                       skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
                           if expert_ids else None)
         return sharded, expert_sharded

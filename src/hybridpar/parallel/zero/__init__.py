@@ -16,6 +16,7 @@ module              what it holds
 ``stages``          stage 0 (``Replicated``), 1/2 (``ShardedState``), 3 (``ShardedParams``)
 ``reducer``         stage 0's bucketed gradient all-reduce (:class:`GradientReducer`)
 ``shard``           the dim-0 shard layout and the gradient reduce-scatter
+``replicate``       hybrid sharding (HSDP): the shard's sum across replica groups
 ``unit``            a ZeRO-3 unit and its gather state
 ``zero3``           ZeRO-3 parameter sharding (:func:`shard_model`)
 ``zero3_pp``        ZeRO-3 under pipeline parallelism (:func:`shard_stages`)
@@ -29,10 +30,11 @@ from hybridpar.parallel.zero.expert_split import ExpertSplitOptimizer
 from hybridpar.parallel.zero.optimizer import ZeroOptimizer
 from hybridpar.parallel.zero.options import COMPRESSION_DTYPES, decay_groups
 from hybridpar.parallel.zero.reducer import GradientReducer
+from hybridpar.parallel.zero.replicate import Replicas
 from hybridpar.parallel.zero.shard import OuterSplit
 from hybridpar.parallel.zero.zero3 import ShardedModel, shard_model
 from hybridpar.parallel.zero.zero3_pp import StageSharded, shard_stages
 
 __all__ = ["COMPRESSION_DTYPES", "DataParallelOptimizer", "ExpertSplitOptimizer", "GradientReducer",
-           "LocalOptimizer", "OuterSplit", "ShardedModel", "StageSharded", "ZeroOptimizer", "decay_groups", "shard_model",
+           "LocalOptimizer", "OuterSplit", "Replicas", "ShardedModel", "StageSharded", "ZeroOptimizer", "decay_groups", "shard_model",
            "shard_stages"]

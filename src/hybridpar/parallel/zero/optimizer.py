@@ -77,6 +77,7 @@ from hybridpar.parallel.zero.base import NamedGrads, NormPart, clip_grads
 from hybridpar.parallel.zero.offload import DiskStore
 from hybridpar.parallel.zero.options import check_options, impl_kwargs, kernel_of, normalize_groups
 from hybridpar.parallel.zero.reducer import GradientReducer
+from hybridpar.parallel.zero.replicate import Replicas
 from hybridpar.parallel.zero.shard import OuterSplit, ShardMesh, storage_bytes
 from hybridpar.parallel.zero.stage import ShardGroup, Slot, ZeroStage
 from hybridpar.parallel.zero.stages import Replicated, ShardedParams, ShardedState
@@ -100,6 +101,10 @@ class ZeroOptimizer:
     1-3). ``outer`` says how the parameters are
     themselves tensor-parallel pieces (checkpoints then store pieces of the full tensors).
     ``hierarchy`` (stage 0): (intra-node, inter-node) axes for a two-level all-reduce.
+    ``replicas`` (hybrid sharding, stages 1-3): the ranks holding the same shard as this one
+    (:mod:`hybridpar.parallel.zero.replicate`): ``axis`` is then the ZeRO group inside which the
+    state is split, and each reduced shard is summed over the replicas too. A size-1 ``axis``
+    with replicas is plain data parallelism over them (stage 0 on the replicas' axis).
     ``optimizer_impl`` picks the kernel that updates this rank's tensors (its shards, fp32
     masters, or with ``offload`` their host copies): ``"auto"`` torch's fused kernel wherever
     the optimizer has one and the tensors' device and dtype allow (CPU and CUDA floats: with
@@ -119,9 +124,13 @@ class ZeroOptimizer:
                  sharded: ShardedModel | None = None, outer: OuterSplit | None = None,
                  hierarchy: tuple[Axis, Axis] | None = None, offload_to: str = "cpu",
                  offload_dir: str | None = None, offload_params: bool = False, optimizer_impl: str = "auto",
-                 **optim_kwargs: Any) -> None:
+                 replicas: Replicas | None = None, **optim_kwargs: Any) -> None:
         check_options(stage, offload, reduce_dtype, offload_to, offload_params, sharded)
-        self.axis, self.stage, self.offload = axis, stage, offload
+        self.stage, self.offload = stage, offload
+        if replicas is not None and replicas.size > 1 and axis.size == 1:  # shards of one rank: plain dp
+            axis, hierarchy, replicas = replicas.axis, replicas.hierarchy, None
+            stage = 0 if reduce_dtype in (None, torch.int8) and not offload else min(stage, 2)
+        self.axis = axis
         if axis.size == 1:
             reduce_dtype = None  # nothing crosses a size-1 axis: nothing to compress
         groups = normalize_groups(params)
@@ -133,10 +142,10 @@ class ZeroOptimizer:
             self._stage = Replicated(named, axis, bucket_bytes, hierarchy, outer, int8=reduce_dtype == torch.int8)
         elif self.mode == 3:
             assert sharded is not None
-            self._stage = ShardedParams(named, axis, sharded, reduce_dtype, offload)
+            self._stage = ShardedParams(named, axis, sharded, reduce_dtype, offload, replicas)
         else:
             self._stage = ShardedState(named, axis, bucket_bytes, keep_full=self.mode == 1,
-                                       reduce_dtype=reduce_dtype, offload=offload, outer=outer)
+                                       reduce_dtype=reduce_dtype, offload=offload, outer=outer, replicas=replicas)
         slots = self._stage.slots
         self._slots: dict[str, Slot] = {name: slots[id(p)] for name, p in named}
         kernel = impl_kwargs(optimizer_cls, optimizer_impl, [s.opt for s in self._slots.values()], optim_kwargs)

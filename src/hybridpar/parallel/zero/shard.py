@@ -27,6 +27,7 @@ from hybridpar.compat import storage_ptr_nbytes
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.compression import Int8ReduceScatter
 from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.zero.replicate import Replicas, ReplicaSum, replica_sum
 
 
 class ShardLayout:
@@ -211,17 +212,25 @@ class GradShard:
     pre-divided by ``n`` before the sum, then cast back; with ``torch.int8`` it is quantised
     block-wise with error feedback and summed in fp32 after the transfer
     (:class:`~hybridpar.distributed.compression.Int8ReduceScatter`).
+
+    With ``replicas`` (hybrid sharding, :mod:`hybridpar.parallel.zero.replicate`) the reduced
+    shard is then summed over the groups holding the same shard, and the average is over all of
+    them (``n x replicas`` ranks).
     """
 
     def __init__(self, layout: ShardLayout, params: Sequence[nn.Parameter], axis: Axis, *,
-                 keep_full: bool = False, reduce_dtype: torch.dtype | None = None) -> None:
+                 keep_full: bool = False, reduce_dtype: torch.dtype | None = None,
+                 replicas: Replicas | None = None) -> None:
         self.layout, self.params, self.axis = layout, list(params), axis
         self.keep_full = keep_full
         first = self.params[0]
         self.dtype, self.device = first.dtype, first.device
         self.int8: Int8ReduceScatter | None = None
         self.reduce_dtype = first.dtype
+        self.replicas: Replicas | None = None
+        self._across: ReplicaSum | None = None
         self.compress(reduce_dtype)
+        self.replicate(replicas)
         self.trainable = {i for i, p in enumerate(self.params) if p.requires_grad}
         self.flat: torch.Tensor | None = None  # reduced shard (not keep_full); None after zero()
         self._staging: torch.Tensor | None = None
@@ -236,6 +245,18 @@ class GradShard:
         (staged in the parameter dtype, quantised on the way out, with error feedback)."""
         self.int8 = Int8ReduceScatter(self.axis, self.layout.size, self.device) if reduce_dtype == torch.int8 else None
         self.reduce_dtype = self.dtype if self.int8 is not None else reduce_dtype or self.dtype
+        self.replicate(self.replicas)
+
+    def replicate(self, replicas: Replicas | None) -> None:
+        """Sum the reduced shard over ``replicas`` too (HSDP; None: the group is all of dp),
+        int8 across them when the reduce-scatter is int8."""
+        self.replicas = replicas
+        self._across = replica_sum(replicas, self.layout.size, self.device, self.int8 is not None)
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks' gradients the reduced shard sums: the group's times its replicas'."""
+        return self.layout.n * (self._across.replicas.size if self._across is not None else 1)
 
     def note_grad(self) -> None:
         """A backward produced gradients for this group (in or out of ``no_sync``)."""
@@ -283,7 +304,7 @@ class GradShard:
             return
         compressed = self.reduce_dtype != self.dtype
         if compressed:
-            self._staging.div_(self.layout.n)  # pre-divide: a low-precision sum must not overflow
+            self._staging.div_(self.ranks)  # pre-divide: a low-precision sum must not overflow
         if self.flat is None and not compressed and not self.keep_full:
             self.flat = torch.empty(self.layout.size, dtype=self.dtype, device=self.device)
             self._out = self.flat  # first reduction of the step lands in place
@@ -301,8 +322,10 @@ class GradShard:
         out = self._out if self.int8 is None else self.int8.result()  # int8: a new fp32 sum
         self._pending, self._staging = None, None
         self._out, self._packed, self.dirty = None, set(), False
+        if self._across is not None:
+            self._across(out)
         if self.reduce_dtype == self.dtype:
-            out.div_(self.layout.n)
+            out.div_(self.ranks)
         if self.keep_full:
             for i, (p, view) in enumerate(zip(self.params, self.layout.views(out), strict=True)):
                 lo, hi = self.layout.local_rows(i)
@@ -340,7 +363,8 @@ class GradShard:
 
     def residuals(self) -> list[torch.Tensor]:
         """int8 compression's error-feedback state (none without it)."""
-        return self.int8.residuals() if self.int8 is not None else []
+        own = self.int8.residuals() if self.int8 is not None else []
+        return own + (self._across.residuals() if self._across is not None else [])
 
     def held_tensors(self) -> list[torch.Tensor | None]:
         """Gradient tensors this group keeps alive (for memory accounting)."""

@@ -35,6 +35,7 @@ from torch import nn
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.zero.reducer import GradientReducer, cut_buckets, param_bytes
+from hybridpar.parallel.zero.replicate import Replicas
 from hybridpar.parallel.zero.shard import GradShard, OuterSplit, ShardLayout, ShardMesh
 from hybridpar.parallel.zero.stage import (
     LOW_PRECISION,
@@ -239,13 +240,14 @@ class ShardedState(_Grouped):
     reduced gradient; stage 2 keeps only the reduced rows."""
 
     def __init__(self, named: list[NamedParam], axis: Axis, bucket_bytes: int, *, keep_full: bool,
-                 reduce_dtype: torch.dtype | None, offload: bool, outer: OuterSplit | None) -> None:
+                 reduce_dtype: torch.dtype | None, offload: bool, outer: OuterSplit | None,
+                 replicas: Replicas | None = None) -> None:
         super().__init__(named, axis, offload)
         self.params = [p for _, p in named]
         for bucket in buckets(self.params, bucket_bytes):
             layout = ShardLayout([p.shape for p in bucket], axis.size, axis.rank)
             values = [p.detach()[slice(*layout.local_rows(i))] for i, p in enumerate(bucket)]
-            grads = GradShard(layout, bucket, axis, keep_full=keep_full, reduce_dtype=reduce_dtype)
+            grads = GradShard(layout, bucket, axis, keep_full=keep_full, reduce_dtype=reduce_dtype, replicas=replicas)
             self._add(ShardGroup(layout, values, grads, bucket, self._needs_master(bucket[0].dtype), offload), bucket)
             for i, p in enumerate(bucket):
                 if keep_full and p.grad is None:
@@ -312,10 +314,11 @@ class ShardedParams(_Grouped):
     """Stage 3: one group per unit of the :class:`ShardedModel`, which gathers parameters around
     each unit's forward/backward and reduce-scatters its gradients; the inner optimizer updates
     the unit shards (the model's parameters between forwards) in place or through masters.
-    ``named`` must be the sharded model's parameters."""
+    ``named`` must be the sharded model's parameters; ``replicas``: hybrid sharding's replicas
+    of every unit's shard (their gradients summed over them too)."""
 
     def __init__(self, named: list[NamedParam], axis: Axis, sharded: ShardedModel,
-                 reduce_dtype: torch.dtype | None, offload: bool) -> None:
+                 reduce_dtype: torch.dtype | None, offload: bool, replicas: Replicas | None = None) -> None:
         super().__init__(named, axis, offload)
         owner = {id(s) for u in sharded.units for s in u.shards}
         for name, p in named:
@@ -326,6 +329,7 @@ class ShardedParams(_Grouped):
         for u in sharded.units:
             if reduce_dtype is not None:  # compression may be asked here or in shard_model()
                 u.grads.compress(reduce_dtype)
+            u.grads.replicate(replicas)
             self._add(ShardGroup(u.layout, list(u.shards), u.grads, None, self._needs_master(u.dtype), offload),
                       list(u.shards))
 
