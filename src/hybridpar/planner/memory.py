@@ -323,7 +323,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
         transient = (max(layer_activation_bytes(model, L, work, "none", moe=moe)
                          for moe in {False, bool(model.moe_layer_ids())})
                      - layer_activation_bytes(model, L, work, "full"))
-        freed = max((cb.head for cb in sizes), default=0.0) if work.style is BlockStyle.EAGER else 0.0
+        freed = max((cb.head for cb in sizes), default=0.0) if work.style is not BlockStyle.MEGATRON else 0.0
         acts = max(acts, acts - freed + transient)
     return acts, logits, in_flight
 
