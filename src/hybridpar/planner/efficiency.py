@@ -88,15 +88,16 @@ DEFAULTS: dict[str, Efficiency] = {
 
 def efficiency_of(gpu: GPUSpec) -> Efficiency:
     """The device's :class:`Efficiency`: its own (a profile's ``[efficiency]`` table), else the
-    family default by name, else one built from its ``gemm_efficiency`` and ``launch_overhead``
-    (custom and calibrated devices: a calibrated CPU's rates already are what it reaches)."""
+    family default by name, else the planner's earlier single-efficiency model built from its
+    ``gemm_efficiency`` and ``launch_overhead`` (custom and calibrated devices: a calibrated CPU's
+    tables already hold what it reaches; attention at 0.7 of peak, FlashAttention-2 on A100)."""
     if gpu.efficiency is not None:
         return gpu.efficiency
     for family, eff in DEFAULTS.items():
         if gpu.name.upper().startswith(family):
             return replace(eff, launch=gpu.launch_overhead)
-    return Efficiency(gemm=gpu.gemm_efficiency, attention=gpu.gemm_efficiency * 0.9, memory=1.0,
-                      launch=gpu.launch_overhead, host=0.0, host_compiled=0.0)
+    return Efficiency(gemm=gpu.gemm_efficiency, gemm_knee=0.0, attention=0.7, attention_bwd=1.0, attention_knee=0.0,
+                      memory=1.0, launch=gpu.launch_overhead, host=0.0, host_compiled=0.0)
 
 
 def _q(x: float) -> float:
