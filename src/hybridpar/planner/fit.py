@@ -234,19 +234,17 @@ class FittedRuns:
                                    moe_imbalance=imbalance)
 
     def rows(self) -> list[dict[str, object]]:
-        """Per run: measured, predicted before and after the fit (s), memory measured and predicted."""
-        from hybridpar.planner.memory import plan_memory
-
+        """Per run: measured, predicted before and after the fit (s), memory measured and predicted
+        (:func:`predicted_peak`)."""
         out = []
         for r in self.runs:
             before, after = predict(r, self.base), predict(r, self.gpu)
-            mem = plan_memory(r.model, r.layout, r.work)
             out.append({"run": str(r.path), "layout": r.layout.short(), "micro_batch": r.layout.micro_batch,
                         "measured_step_s": r.step_time_s, "steps_timed": r.steps_timed,
                         "predicted_before_s": before, "predicted_after_s": after,
                         "moved": after / before - 1, "error_after": after / r.step_time_s - 1,
                         "measured_peak_bytes": max(r.peak_memory, default=0),
-                        "predicted_peak_bytes": mem.total})
+                        "predicted_peak_bytes": predicted_peak(r)})
         return out
 
     def to_json(self) -> dict[str, object]:
@@ -266,6 +264,23 @@ class FittedRuns:
                 out.append(f"    peak memory: measured {int(row['measured_peak_bytes']) / 2**30:.2f} GiB, predicted "
                            f"{float(row['predicted_peak_bytes']) / 2**30:.2f} GiB")
         return out
+
+
+def predicted_peak(run: RunRecord) -> float:
+    """The planner's prediction of what the run logged as peak memory: on CPU the resident set
+    (:func:`hybridpar.planner.allocator.cpu_resident_bytes`), on GPUs the allocator's peak of
+    allocated bytes (``max_memory_allocated``: the live tensors, without the ``overhead`` the
+    context and fragmentation add to what is reserved)."""
+    from hybridpar.planner.allocator import cpu_resident_bytes
+    from hybridpar.planner.memory import plan_memory
+
+    mem = plan_memory(run.model, run.layout, run.work)
+    live = mem.total - mem.components["overhead"]
+    if run.device != "cpu":
+        return live
+    layers = run.model.n_layers / run.layout.pp
+    layer_acts = mem.components["activations"] / max(1, mem.in_flight) / layers
+    return cpu_resident_bytes(live, layer_acts, mem.components["params"] / run.work.param_bytes)
 
 
 def from_run(args: object) -> FittedRuns:
