@@ -294,8 +294,10 @@ def weight_traffic(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec) ->
 
 def clip_time(model: ModelConfig, L: Layout, g: GPUSpec) -> float:
     """Seconds of gradient clipping on a rank's fp32 gradients (``train.grad_clip``): the norm
-    reads them (4 bytes per parameter), the scale reads and writes them (8)."""
-    return eff.memory_time(12 * model.num_params() / (L.tp * L.pp), g)
+    reads them (4 bytes per parameter), the scale reads and writes them (8); ZeRO-2 and 3 clip
+    the rank's shard."""
+    shards = L.tp * L.pp * (L.dp * L.cp if L.zero_stage >= 2 else 1)
+    return eff.memory_time(12 * model.num_params() / shards, g)
 
 
 def _tp_cp_comm(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, tok: int) -> tuple[float, float, float]:
