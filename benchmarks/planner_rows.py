@@ -97,7 +97,6 @@ def h100_rows() -> list[dict[str, Any]]:
         work = Workload(row["global_batch"], row["seq_len"], "bf16", half_params=False, style="llama-compiled",
                         loss_chunk_tokens=0)
         layout = Layout(micro_batch=row["micro_batch"])
-
         t = step_cost(model, layout, work, cluster).step_time_s
         mem = plan_memory(model, layout, work)
         allocated = (mem.total - mem.components["overhead"]) / GiB

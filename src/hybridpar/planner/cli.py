@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
-from hybridpar.planner.fit import from_run
+from hybridpar.planner.fit import from_run, read_run, training_run
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.layout import Layout, Workload, model_key, parse_layout
 from hybridpar.planner.memory import COMPONENTS
@@ -210,13 +210,17 @@ def _plan_layout(args: argparse.Namespace, model: ModelConfig, work: Workload, c
 
 def cmd_plan(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    fitted = from_run(args) if args.from_run else None  # fills --model, --gpus, ... from the run
+    # a training run's directory: fit to it (fills --model, --gpus, ... from it); an MoE run's
+    # summary alone: only its routing imbalance (moe_imbalance)
+    fitted = from_run(args) if args.from_run and all(map(training_run, args.from_run)) else None
     missing = [f"--{k.replace('_', '-')}" for k in ("model", "gpus", "global_batch", "seq_len") if getattr(args, k) is None]
     if missing:
         raise PlanError(f"hybridpar plan needs {', '.join(missing)} (or --from-run DIR of a training run)")
     model = fitted.runs[0].model if fitted and args.model == fitted.model_name else load_model(args.model)
     cluster = Cluster.of(fitted.gpu if fitted else gpu_spec(args.gpu or "H100-SXM"), args.gpus, args.gpus_per_node)
     moe = model.n_experts > 0
+    if args.from_run and fitted is None and not moe:
+        read_run(next(d for d in args.from_run if not training_run(d)))  # says what the directory lacks
     imbalance, source = moe_imbalance(args) if moe else (DEFAULT_IMBALANCE, "")
     work = Workload(args.global_batch, args.seq_len, args.precision, moe_imbalance=imbalance,
                     loss_chunk_tokens=args.loss_chunk_tokens)

@@ -272,34 +272,6 @@ def _host_floors(work: Workload, counted: list[tuple[float, float, float, float]
             eff.host_floor(2 * gemms + 1 + kernels[1], g, compiled))
 
 
-def layer_param_numel(model: ModelConfig) -> float:
-    """Matmul parameters of the mean decoder layer (all but the embedding, head and norms)."""
-    return (model.num_params() - model.vocab_size * model.dim * (1 if model.tie_embeddings else 2)
-            - model.dim * (2 * model.n_layers + 1)) / model.n_layers
-
-
-def weight_traffic(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec) -> tuple[float, float]:
-    """(forward, backward) seconds per layer and micro-batch of this runtime's per-parameter
-    memory traffic under autocast (fp32 parameters, half-precision matmuls): forward, each
-    weight's half-precision copy (read 4, write 2 bytes per parameter); backward, the weight
-    gradient's cast back to fp32 (read 2, write 4) and, after the step's first micro-batch, its
-    accumulation into ``.grad`` (read 4 + 4, write 4), averaged over the step's micro-batches.
-    Megatron-LM keeps half-precision weights (no casts): none; fp32: none."""
-    if work.style is BlockStyle.MEGATRON or work.act_bytes == 4 or work.half_params:
-        return 0.0, 0.0
-    p = layer_param_numel(model) / L.tp
-    m = L.microbatches(work.global_batch)
-    return eff.memory_time(6 * p, g), eff.memory_time(6 * p + 12 * p * (m - 1) / m, g)
-
-
-def clip_time(model: ModelConfig, L: Layout, g: GPUSpec) -> float:
-    """Seconds of gradient clipping on a rank's fp32 gradients (``train.grad_clip``): the norm
-    reads them (4 bytes per parameter), the scale reads and writes them (8); ZeRO-2 and 3 clip
-    the rank's shard."""
-    shards = L.tp * L.pp * (L.dp * L.cp if L.zero_stage >= 2 else 1)
-    return eff.memory_time(12 * model.num_params() / shards, g)
-
-
 def _tp_cp_comm(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, tok: int) -> tuple[float, float, float]:
     """Seconds of the block's tensor-parallel collectives per entry/exit pair, of its exit
     collective alone, and of one ring-attention pass of K/V over cp."""
@@ -336,7 +308,7 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     hide = overlap_fraction(g)  # ring attention passes K/V while attention computes
     ep_comm = 2 * a2a + (all_to_all_time(cluster, model.n_experts * 8, L.ep, L.tp) if moe else 0.0)  # + counts
     host_f, host_b = _host_floors(work, counted, g)  # the layer's device time is at least its launches
-    cast_f, cast_b = weight_traffic(model, L, work, g)
+    cast_f, cast_b = eff.weight_traffic(model, L, work, g)
     elem, elem_b = elem + cast_f, elem_b + cast_b
     f = max(fwd_gemm + core + elem, host_f) + max(0.0, cp_pass - hide * core) + 2 * ar + ep_comm
     b_time = max(bwd_in + core_b + elem_b, host_b) + max(0.0, 2 * cp_pass - hide * core) + 2 * ar + 2 * a2a
@@ -476,7 +448,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     gr = gradients(model, L, work, cluster.rank_gpu)
     dp_comm, dp_exposed = dp_time(model, L, work, cluster, gr, m, stage_lt, scale, overlap_fraction(cluster.rank_gpu))
     opt = optimizer_time(model, L, work, cluster.rank_gpu, gr.worst, m)
-    clip = clip_time(model, L, cluster.rank_gpu)
+    clip = eff.clip_time(model, L, cluster.rank_gpu)
     step = span + dp_exposed + opt + gr.quantize + clip
     flops = model_flops(model, work)
     hw = flops + recompute_flops(model, L, work)

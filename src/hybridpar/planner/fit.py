@@ -72,11 +72,16 @@ def _step_times(metrics: Path) -> list[float]:
     return times
 
 
+def training_run(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds what :func:`read_run` needs (``config.json`` and ``metrics.jsonl``)."""
+    return (Path(run_dir) / "config.json").is_file() and (Path(run_dir) / "metrics.jsonl").is_file()
+
+
 def read_run(run_dir: str | Path) -> RunRecord:
     """The :class:`RunRecord` of a ``hybridpar train`` run directory; a :class:`PlanError`
     naming what is missing otherwise."""
     root = Path(run_dir)
-    if not (root / "config.json").is_file() or not (root / "metrics.jsonl").is_file():
+    if not training_run(root):
         raise PlanError(f"--from-run {str(run_dir)!r} is not a training run directory (no config.json and "
                         "metrics.jsonl); give a run's train.run_dir")
     doc = _read_json(root / "config.json")
