@@ -93,3 +93,23 @@ def test_two_runs_fit_two_multipliers_and_predict_a_third():
     (held_out,) = _synthetic([(Layout(micro_batch=4), 16)], truth)
     assert predict(held_out, fitted) == pytest.approx(held_out.step_time_s, rel=1e-3)
     assert predict(held_out, base) != pytest.approx(held_out.step_time_s, rel=0.05)  # the fit did the work
+
+
+def test_fitted_profile_keeps_a_calibrated_base(tmp_path):
+    """A fitted profile written over a calibrated base keeps the base's measured tables and
+    replaces only its [efficiency] table; a bad [efficiency] value is one clear error."""
+    from hybridpar.planner.fit import FittedRuns, write_profile
+    from hybridpar.planner.hardware import PlanError
+
+    base_file = tmp_path / "base.toml"
+    base_file.write_text('[gpu]\nbase = "A100-80GB"\n\n[calibration]\ngemm = [[64, 64, 64, 1e12]]\n\n'
+                         '[efficiency]\nfit = [2.0, 2.0, 2.0, 2.0]\n')
+    base = load_gpu_toml(base_file)
+    fitted = with_fit(base, (3.0, 3.0, 1.5, 1.5))
+    out = write_profile(FittedRuns([], base, "test", fitted, "m", base_file), tmp_path / "fitted.toml")
+    back = load_gpu_toml(out)
+    assert back.calibration == base.calibration and efficiency_of(back).fit == (3.0, 3.0, 1.5, 1.5)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[gpu]\nbase = "A100-80GB"\n\n[efficiency]\nfit = [1.0, -1.0, 1.0, 1.0]\n')
+    with pytest.raises(PlanError, match="efficiency.fit"):
+        load_gpu_toml(bad)

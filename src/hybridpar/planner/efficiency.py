@@ -198,8 +198,9 @@ def to_table(e: Efficiency) -> dict[str, object]:
             "host_compiled": e.host_compiled, "fit": list(e.fit)}
 
 
-def from_table(data: dict[str, object], where: str) -> Efficiency:
-    """An :class:`Efficiency` from a profile's ``[efficiency]`` table, checked key by key."""
+def from_table(data: dict[str, object], where: str, base: Efficiency | None = None) -> Efficiency:
+    """An :class:`Efficiency` from a profile's ``[efficiency]`` table, checked key by key; keys
+    it leaves out keep ``base``'s values (the device's family default)."""
     from hybridpar.planner.hardware import PlanError
 
     known = set(to_table(Efficiency()))
@@ -218,4 +219,4 @@ def from_table(data: dict[str, object], where: str) -> Efficiency:
             raise PlanError(f"{where}: efficiency.{key} = {value!r} must be a non-negative number")
         else:
             values[key] = float(value)
-    return Efficiency(**values)  # type: ignore[arg-type]
+    return replace(base or Efficiency(), **values)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.errors import UserError
-from hybridpar.planner.efficiency import Efficiency, from_table
+from hybridpar.planner.efficiency import Efficiency, efficiency_of, from_table
 
 GB = 1e9
 GiB = 2**30
@@ -277,7 +277,6 @@ def load_gpu_toml(path: str | Path) -> GPUSpec:
     eff = doc.get("efficiency")
     if eff is not None and not isinstance(eff, dict):
         raise PlanError(f"{p}: efficiency must be an [efficiency] table")
-    efficiency = from_table(eff, str(p)) if eff is not None else None
     base = gpu_spec(str(data.pop("base"))) if "base" in data else None
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
@@ -291,14 +290,17 @@ def load_gpu_toml(path: str | Path) -> GPUSpec:
     values: dict[str, Any] = {k: (v if k == "name" else float(v)) for k, v in data.items()}
     if calibration is not None:
         values["calibration"] = calibration
-    if efficiency is not None:
-        values["efficiency"] = efficiency
     if base is not None:
-        return dataclasses.replace(base, **values)
-    missing = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and n not in data]
-    if missing:
-        raise PlanError(f"{p}: [gpu] lacks {missing} (or set base = one of {list(GPUS)})")
-    return GPUSpec(**values)
+        spec = dataclasses.replace(base, **values)
+    else:
+        missing = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and n not in data]
+        if missing:
+            raise PlanError(f"{p}: [gpu] lacks {missing} (or set base = one of {list(GPUS)})")
+        spec = GPUSpec(**values)
+    if eff is None:
+        return spec
+    # keys the [efficiency] table leaves out keep the device's own (its family default)
+    return dataclasses.replace(spec, efficiency=from_table(eff, str(p), efficiency_of(spec)))
 
 
 def _numbers(value: object, width: int, where: str) -> tuple[tuple[float, ...], ...]:
