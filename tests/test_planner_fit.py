@@ -33,9 +33,13 @@ RUN = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """One real CPU run in its own process (its peak resident set is its own)."""
+    """One real CPU run in a process of its own, started through a bare interpreter: Linux keeps
+    ``ru_maxrss`` (the runtime's CPU peak) across fork and exec, so a run forked straight from
+    this test process would report this process's resident set when that is larger; forked from
+    a process that imports nothing, it starts from that one's few MiB."""
     run = tmp_path_factory.mktemp("fit") / "run"
-    cmd = [sys.executable, "-m", "hybridpar.cli", "train", *RUN, "--train.run_dir", str(run)]
+    bare = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
+    cmd = [*bare, sys.executable, "-m", "hybridpar.cli", "train", *RUN, "--train.run_dir", str(run)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     return run
 
