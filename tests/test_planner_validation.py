@@ -388,3 +388,47 @@ def test_ties_prefer_less_memory(monkeypatch):
         assert search_mod.rank_key(a) <= search_mod.rank_key(b)
         if a.cost.step_time_s == b.cost.step_time_s:
             assert a.memory.total <= b.memory.total
+
+
+# ----------------------------------------------------------------------------- published rows
+
+def _rows_module():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("planner_rows")
+
+
+def test_published_rows_within_15_percent():
+    """Every published row of docs/planner-validation.md section 3 (benchmarks/planner_rows.json:
+    Megatron-LM Table 1, Korthikanti et al. 2022, Llama 3 Table 4, torchtitan's H100 tables)
+    predicted within 15% of its published throughput or MFU (issue 34). A row the doc states as a
+    known miss (a published setting the planner cannot price) must keep the error the doc records
+    (to 1 point), so a change that moves it shows."""
+    rows = _rows_module()
+    data = {r["id"]: r for r in rows.load_rows()["rows"]}
+    for r in rows.published_rows():
+        row = data[r["id"]]
+        if "known_miss" in row:
+            assert r["error"] == pytest.approx(row["recorded_error"], abs=0.01), r
+        else:
+            assert abs(r["error"]) <= rows.TOLERANCE, r
+    assert sum("known_miss" not in r for r in data.values()) >= 15
+
+
+def test_single_h100_rows():
+    """The two single-H100 runs of issue 34 at their measured micro-batch: step time within 7% of
+    the measured range's midpoint, peak allocated memory within 10% (the doc's stated exception
+    keeps its recorded error)."""
+    rows = _rows_module()
+    data = {r["id"]: r for r in rows.load_rows()["h100"]}
+    for r in rows.h100_rows():
+        assert abs(r["time_error"]) <= rows.H100_TIME, r
+        if "memory_known_miss" in data[r["id"]]:
+            assert r["memory_error"] == pytest.approx(data[r["id"]]["recorded_memory_error"], abs=0.01), r
+        else:
+            assert abs(r["memory_error"]) <= rows.H100_MEMORY, r

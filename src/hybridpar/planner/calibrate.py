@@ -446,7 +446,20 @@ def cmd_calibrate(argv: list[str]) -> int:
                         "(default: CPU cores, or GPUs)")
     p.add_argument("--quick", action="store_true", help="smaller grids and shorter timings (well under a minute)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--from-run", metavar="DIR", action="append",
+                   help="instead of measuring: fit the planner's efficiency terms to a hybridpar train run "
+                        "(repeatable) and write that profile (hybridpar.planner.fit)")
+    p.add_argument("--gpu", default=None, help="with --from-run: the device model to fit from (default: the run's)")
     args = p.parse_args(argv)
+    if args.from_run:
+        from hybridpar.planner.fit import from_run, write_profile
+
+        args.model = args.gpus = args.global_batch = args.seq_len = None
+        fitted = from_run(args)
+        print("\n".join(fitted.lines()))
+        out = write_profile(fitted, Path(args.out) if args.out else default_profile_path())
+        print(f"wrote {out}")
+        return 0
     cuda = devices.prefers_gpu(args.device)
     nproc = args.nproc if args.nproc is not None else (
         devices.accelerator_count() if cuda else max(2, usable_cores()))

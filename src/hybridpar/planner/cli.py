@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
 from hybridpar.planner.cp_modes import cp_reason
+from hybridpar.planner.fit import from_run, read_run, training_run
 from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.hsdp import dp_shard_reason
 from hybridpar.planner.layout import Layout, Workload, model_key, parse_layout
@@ -36,13 +37,13 @@ from hybridpar.planner.shapes import layer_partition, v_shaped
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridpar plan",
                                 description="Predict memory and step time of parallel layouts and rank them.")
-    p.add_argument("--model", required=True,
-                   help=f"a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json / model directory")
-    p.add_argument("--gpu", default="H100-SXM", help=f"one of {', '.join(GPUS)}, or a TOML spec file")
-    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--model", help=f"a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json / model "
+                                   "directory (default with --from-run: the run's)")
+    p.add_argument("--gpu", default=None, help=f"one of {', '.join(GPUS)}, or a TOML spec file (default H100-SXM)")
+    p.add_argument("--gpus", type=int, help="total GPUs (default with --from-run: the run's world size)")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--loss-chunk-tokens", type=int, default=Workload.loss_chunk_tokens,
                    help="train.loss_chunk_tokens: the head and loss in chunks of this many tokens (0: unchunked)")
@@ -52,9 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     moe = p.add_mutually_exclusive_group()
     moe.add_argument("--moe-imbalance", type=float, default=None,
                      help=f"mixture of experts: max/mean tokens per expert to plan for (default {DEFAULT_IMBALANCE})")
-    moe.add_argument("--from-run", metavar="DIR",
-                     help="mixture of experts: take the imbalance a training run measured (its summary.json / "
-                          "metrics.jsonl)")
+    moe.add_argument("--from-run", metavar="DIR", action="append",
+                     help="a hybridpar train run directory (repeatable): fit the efficiency model to its measured "
+                          "step time, re-plan and say how the prediction for its layout moved; for mixture of "
+                          "experts also take the routing imbalance it measured")
     return p
 
 
@@ -62,7 +64,7 @@ def moe_imbalance(args: argparse.Namespace) -> tuple[float, str]:
     """The routing imbalance to plan for and where it came from (``--moe-imbalance``,
     ``--from-run`` or the default)."""
     if args.from_run:
-        return imbalance_from_run(args.from_run)
+        return imbalance_from_run(args.from_run[0])
     if args.moe_imbalance is not None:
         if not args.moe_imbalance >= 1.0:
             raise PlanError(f"--moe-imbalance {args.moe_imbalance} must be >= 1 (max/mean tokens per expert; "
@@ -214,17 +216,31 @@ def _plan_layout(args: argparse.Namespace, model: ModelConfig, work: Workload, c
 
 def cmd_plan(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    model = load_model(args.model)
-    cluster = Cluster.of(gpu_spec(args.gpu), args.gpus, args.gpus_per_node)
+    # a training run's directory: fit to it (fills --model, --gpus, ... from it); an MoE run's
+    # summary alone: only its routing imbalance (moe_imbalance)
+    fitted = from_run(args) if args.from_run and all(map(training_run, args.from_run)) else None
+    missing = [f"--{k.replace('_', '-')}" for k in ("model", "gpus", "global_batch", "seq_len") if getattr(args, k) is None]
+    if missing:
+        raise PlanError(f"hybridpar plan needs {', '.join(missing)} (or --from-run DIR of a training run)")
+    model = fitted.runs[0].model if fitted and args.model == fitted.model_name else load_model(args.model)
+    cluster = Cluster.of(fitted.gpu if fitted else gpu_spec(args.gpu or "H100-SXM"), args.gpus, args.gpus_per_node)
     moe = model.n_experts > 0
+    if args.from_run and fitted is None and not moe:
+        read_run(next(d for d in args.from_run if not training_run(d)))  # says what the directory lacks
     imbalance, source = moe_imbalance(args) if moe else (DEFAULT_IMBALANCE, "")
     work = Workload(args.global_batch, args.seq_len, args.precision, moe_imbalance=imbalance,
                     loss_chunk_tokens=args.loss_chunk_tokens)
+    if fitted is not None:  # the run's runtime: autocast, its block style and loss chunking
+        work = fitted.workload(args.global_batch, args.seq_len, imbalance)
     head: dict[str, object] = {"model": args.model, "gpu": cluster.gpu.name, "gpus": cluster.world_size,
                                "gpus_per_node": cluster.gpus_per_node, "global_batch": work.global_batch,
                                "seq_len": work.seq_len}
     if moe:
         head |= {"moe_imbalance": imbalance, "moe_imbalance_source": source}
+    if fitted is not None:
+        head["from_run"] = fitted.to_json()
+        if not args.json:
+            print("\n".join(fitted.lines()) + "\n")
     if args.layout:
         return _plan_layout(args, model, work, cluster, head, (imbalance, source))
     result = search(model, work, cluster, top=args.top, runnable_top=True)

@@ -1,18 +1,21 @@
 """Step time of a layout: compute per pipeline stage, communication per mesh axis, the pipeline
 bubble from the schedule simulator, and what overlaps.
 
-Compute: every GEMM the layout produces on one GPU (fused QKV, attention output, MLP in/out,
-the output head) is timed by a roofline with shape-dependent efficiency,
-``max(2mnk / (peak * eff * q(m) q(n) q(k)), bytes / HBM bandwidth) + launch``, where ``q`` is
-tile quantisation (a dimension uses ``x / ceil(x/128)*128`` of its tiles): thin tensor-parallel
-shards and small micro-batches lose efficiency by shape, not by a fitted factor. Attention
-cores, norms, activations and the cross-entropy are memory-bound element-wise passes. Backward
+Compute: every kernel is priced by its class (:mod:`hybridpar.planner.efficiency`, which states
+the sources): every GEMM the layout produces on one GPU (fused QKV, attention output, MLP in/out,
+the output head) by a roofline whose efficiency falls with its shape (tile quantisation and
+small dimensions: thin tensor-parallel shards and small micro-batches lose efficiency by shape,
+not by a fitted factor); fused attention from its own FLOPs at the attention kernel's efficiency
+with a memory-bound floor; norms, activations, RoPE and the cross-entropy as memory-bound passes
+over the achieved bandwidth; and a layer never faster than the host can issue its kernels
+(the launch floor, which binds for small models). Backward
 GEMMs are the input- and weight-gradient GEMMs, priced by their own shapes (ZB-H1 runs them as
 B and W: W runs only the linears' weight-gradient GEMMs, :mod:`hybridpar.parallel.pipeline.wsplit`). The
 block is the workload's ``style`` (:class:`~hybridpar.planner.layout.BlockStyle`):
 ``BlockStyle.EAGER`` is this runtime's eager block (separate q/k/v/o and w1/w3/w2 GEMMs, unfused
-element-wise ops, :func:`eager_elementwise_elements`); ``BlockStyle.MEGATRON`` is Megatron-LM's
-fused GPT block.
+element-wise ops, :func:`eager_elementwise_elements`); ``BlockStyle.COMPILED`` the same block under
+``train.compile`` (element-wise ops fused: :func:`fused_elementwise_elements`);
+``BlockStyle.MEGATRON`` is Megatron-LM's fused GPT block.
 
 With a calibrated profile (``hybridpar calibrate``; :class:`hybridpar.planner.hardware.Calibration`)
 the measured rates replace peak x efficiency: GEMM FLOP/s interpolated on the measured shape grid,
@@ -50,11 +53,11 @@ steady-state rate (exact for periodic steady states). The data-parallel and opti
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.schedules import rank_stages
+from hybridpar.planner import efficiency as eff
 from hybridpar.planner import pipesim
 from hybridpar.planner.cp_modes import cp_times
 from hybridpar.planner.dp_cost import dp_time, gradients, optimizer_time
@@ -62,13 +65,6 @@ from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
 from hybridpar.planner.moe import dispatch_rows, rank_load
 from hybridpar.planner.shapes import layer_partition, padded, v_shaped
-
-TILE = 128  # GEMM tile edge used for quantisation (cuBLAS/CUTLASS bf16 tiles are 128-256 wide)
-FLASH_EFFICIENCY = 0.7  # FlashAttention-2 forward reaches ~70% of A100 peak (Dao 2023, fig. 4)
-
-
-def _q(x: float) -> float:
-    return x / (math.ceil(x / TILE) * TILE)
 
 
 def peak_flops(gpu: GPUSpec, ab: int) -> float:
@@ -85,10 +81,8 @@ def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, ab: int) -> float:
     rate = cal.gemm_rate(m, n, k) if cal is not None else None
     if rate is not None:
         assert cal is not None
-        return flops / (rate * peak_flops(gpu, ab) / peak_flops(gpu, cal.dtype_bytes))
-    eff = gpu.gemm_efficiency * _q(m) * _q(n) * _q(k)
-    mem = ab * (m * k + k * n + m * n) / gpu.hbm_bw
-    return max(flops / (peak_flops(gpu, ab) * eff), mem) + gpu.launch_overhead
+        return flops / (rate * peak_flops(gpu, ab) / peak_flops(gpu, cal.dtype_bytes)) * eff.efficiency_of(gpu).fit[0]
+    return eff.gemm_device_time(m, n, k, peak_flops(gpu, ab), gpu, ab)
 
 
 def overlap_fraction(gpu: GPUSpec) -> float:
@@ -128,6 +122,22 @@ def eager_elementwise_elements(h: float, q: float, kv: float, f: float) -> tuple
     RoPE ``x*cos, -x2, cat, x*sin, add`` 10 per element of q and of k, ``silu(a) * b`` 5f.
     Backward (autograd's kernels, counted the same way at several widths): 63h + 12q + 12kv + 9f."""
     return 20 * h + 10 * q + 10 * kv + 5 * f, 63 * h + 12 * q + 12 * kv + 9 * f
+
+
+def fused_elementwise_elements(h: float, q: float, kv: float, f: float) -> tuple[float, float]:
+    """(forward, backward) elements per token of the same block's element-wise work fused by
+    Inductor (``BlockStyle.COMPILED``): each fused kernel reads its inputs once and writes its
+    outputs once. Forward: two RMSNorms (read h, write h and its bf16 cast: 3h each), RoPE of q
+    and k (read and write), ``silu(a) * b`` (read 2f, write f), two residual adds (3h each);
+    backward about twice that (each pass also reads the output gradient and writes the input's)."""
+    fwd = 12 * h + 2 * (q + kv) + 3 * f
+    return fwd, 2 * fwd
+
+
+# Kernels one block launches besides its GEMMs and attention (forward, backward): the eager
+# block's element-wise kernels (EAGER_KERNELS), and under torch.compile Inductor's fused kernels
+# (about one per norm, RoPE, SwiGLU and residual region).
+COMPILED_KERNELS = (6, 12)
 
 
 @dataclass(frozen=True)
@@ -215,15 +225,16 @@ def _attention_core(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, s
     if work.style is BlockStyle.MEGATRON:  # unfused: batched QK^T and AV GEMMs + scale-mask-softmax + dropout
         heads = L.micro_batch * a / t
         core = heads * 2 * gemm_time(s, s_kv, h / a, g, ab)
-        core += heads * s * s_kv * 9 / g.hbm_bw  # softmax in/out, mask, dropout in/out (bytes)
+        core += eff.memory_time(heads * s * s_kv * 9, g)  # softmax in/out, mask, dropout in/out (bytes)
         return core, 2.0 * core
     # fused causal SDPA: half the score matrix is computed; backward 2.5x (FlashAttention-2)
     attn_flops = 4 * tok * s_kv * h / t / 2
     rates = g.calibration.attention_rates(s_kv, h / a) if g.calibration is not None else None
     if rates is not None:
-        return attn_flops / rates[0], 2.5 * attn_flops / rates[1]
-    core = attn_flops / (peak_flops(g, ab) * FLASH_EFFICIENCY)
-    return core, 2.5 * core
+        return eff.scale_attention((attn_flops / rates[0], 2.5 * attn_flops / rates[1]), g)
+    kv = model.n_kv_heads * model.head_dim
+    io = tok * ab * (2 * h + 2 * kv * s_kv / s) / t  # q and o per query token, k and v per key token
+    return eff.attention_time(attn_flops, s_kv, h / a, io, peak_flops(g, ab), g)
 
 
 def _elementwise_time(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, tok: int, f_inner: float,
@@ -234,15 +245,32 @@ def _elementwise_time(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec,
     q, kv = h, model.n_kv_heads * model.head_dim
     sp = t if L.sequence_parallel else 1
     if work.style is BlockStyle.MEGATRON:  # Megatron-LM's fused kernels: one pass per norm, bias-GELU, dropout-add
-        elem = tok * ab * (14 * h / sp + 6 * (q + kv) / t + 4 * f_inner / t) / g.hbm_bw
+        elem = eff.memory_time(tok * ab * (14 * h / sp + 6 * (q + kv) / t + 4 * f_inner / t), g)
         return elem, 2 * elem
-    # this runtime's eager block: every op reads its inputs and writes its output
-    fwd_el, bwd_el = eager_elementwise_elements(h / sp, q / t, kv / t, f_inner / t)
+    # this runtime's block: eager, every op reads its inputs and writes its output; compiled, fused
+    compiled = work.style is BlockStyle.COMPILED
+    elements = fused_elementwise_elements if compiled else eager_elementwise_elements
+    fwd_el, bwd_el = elements(h / sp, q / t, kv / t, f_inner / t)
+    kernels = COMPILED_KERNELS if compiled else EAGER_KERNELS
     cal = g.calibration
-    fixed = cal.block if cal is not None and cal.block else (EAGER_KERNELS[0] * g.launch_overhead,
-                                                             EAGER_KERNELS[1] * g.launch_overhead)
-    return (tok * ab * (fwd_el + routing) / g.hbm_bw + fixed[0],
-            tok * ab * (bwd_el + 1.5 * routing) / g.hbm_bw + fixed[1])
+    fixed = cal.block if cal is not None and cal.block else (kernels[0] * g.launch_overhead,
+                                                             kernels[1] * g.launch_overhead)
+    return (eff.memory_time(tok * ab * (fwd_el + routing), g) + eff.fixed_time(fixed[0], g),
+            eff.memory_time(tok * ab * (bwd_el + 1.5 * routing), g) + eff.fixed_time(fixed[1], g))
+
+
+def _host_floors(work: Workload, counted: list[tuple[float, float, float, float]], g: GPUSpec) -> tuple[float, float]:
+    """(forward, backward) seconds the host needs to issue one layer's kernels (its GEMMs, the
+    attention kernel and the element-wise kernels; backward: two GEMMs per forward GEMM and the
+    attention's backward), the launch floor of :func:`hybridpar.planner.efficiency.host_floor`.
+    Megatron-LM's fused block is not host-bound at the sizes it is used for: none."""
+    if work.style is BlockStyle.MEGATRON:
+        return 0.0, 0.0
+    compiled = work.style is BlockStyle.COMPILED
+    kernels = COMPILED_KERNELS if compiled else EAGER_KERNELS
+    gemms = sum(c for c, *_ in counted)
+    return (eff.host_floor(gemms + 1 + kernels[0], g, compiled),
+            eff.host_floor(2 * gemms + 1 + kernels[1], g, compiled))
 
 
 def _tp_cp_comm(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, tok: int) -> tuple[float, float, float]:
@@ -276,8 +304,12 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     hide = overlap_fraction(g)  # ring attention passes K/V while attention computes
     ep_comm = 2 * a2a + (all_to_all_time(cluster, model.n_experts * 8, L.ep, L.tp) if moe else 0.0)  # + counts
     a2a_cp = cp_times(model, L, work, cluster)[1]  # Ulysses all-to-alls: on the critical path
-    f = fwd_gemm + core + elem + max(0.0, cp_pass - hide * core) + 2 * ar + ep_comm + a2a_cp
-    b_time = bwd_in + core_b + elem_b + max(0.0, 2 * cp_pass - hide * core) + 2 * ar + 2 * a2a + a2a_cp
+    host_f, host_b = _host_floors(work, counted, g)  # the layer's device time is at least its launches
+    cast_f, cast_b = eff.weight_traffic(model, L, work, g)
+    elem, elem_b = elem + cast_f, elem_b + cast_b
+    f = max(fwd_gemm + core + elem, host_f) + max(0.0, cp_pass - hide * core) + 2 * ar + ep_comm + a2a_cp
+    b_time = (max(bwd_in + core_b + elem_b, host_b) + max(0.0, 2 * cp_pass - hide * core) + 2 * ar + 2 * a2a
+              + a2a_cp)
     # full recompute reruns the block's forward; in this runtime it stops after the last tensor
     # backward needs (torch's checkpoint), skipping the MLP's down projection (an MoE layer's
     # experts all rerun: the last tensor saved is the combine's) and the exit collective
@@ -364,7 +396,7 @@ def _stage_scale(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster
     g, ab, t, pp, v = cluster.rank_gpu, work.act_bytes, L.tp, L.pp, L.virtual_stages
     moe_ids = set(model.moe_layer_ids())
     vocab = padded(model.vocab_size, t) / t
-    head_f = gemm_time(tok, vocab, model.dim, g, ab) + 3 * tok * vocab * (ab + 4) / g.hbm_bw
+    head_f = gemm_time(tok, vocab, model.dim, g, ab) + eff.memory_time(3 * tok * vocab * (ab + 4), g)
     emb_f = cluster.collective_time("all_reduce", tok * model.dim * ab, t, 1)  # vocab-parallel embedding
     part = layer_partition(model_key(model), pp, v, pp > 1 and v_shaped(L.pipeline_schedule))  # the runtime's, cached
     stage_cost = []
@@ -414,14 +446,15 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     gr = gradients(model, L, work, cluster.rank_gpu)
     dp_comm, dp_exposed = dp_time(model, L, work, cluster, gr, m, stage_lt, scale, overlap_fraction(cluster.rank_gpu))
     opt = optimizer_time(model, L, work, cluster.rank_gpu, gr.worst, m)
-    step = span + dp_exposed + opt + gr.quantize
+    clip = eff.clip_time(model, L, cluster.rank_gpu)
+    step = span + dp_exposed + opt + gr.quantize + clip
     flops = model_flops(model, work)
     hw = flops + recompute_flops(model, L, work)
     world = L.world_size
     terms = {"pipeline_makespan": span, "compute_busy": busy, "bubble": max(0.0, span - busy),
              "tp_comm": m * lt.tp_comm * per_stage_layers * v, "pp_p2p_per_message": p2p,
              **({"ep_all_to_all": m * lt.ep_comm * per_stage_layers * v} if moe_ids else {}),
-             "dp_comm": dp_comm, "dp_exposed": dp_exposed, "optimizer": opt, "quantize": gr.quantize,
+             "dp_comm": dp_comm, "dp_exposed": dp_exposed, "optimizer": opt, "grad_clip": clip, "quantize": gr.quantize,
              "layer_fwd": lt.f, "layer_bwd": lt.b + lt.w}
     return CostReport(step_time_s=step, mfu=flops / (step * world * cluster.gpu.bf16_flops),
                       tflops_per_gpu=flops / (step * world) / 1e12,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.errors import UserError
+from hybridpar.planner.efficiency import Efficiency, efficiency_of, from_table
 
 GB = 1e9
 GiB = 2**30
@@ -204,6 +205,9 @@ class GPUSpec:
     host_bytes: float = 128 * GB
     disk_bw: float = 3.5 * GB
     calibration: Calibration | None = None  # measured tables (hybridpar calibrate)
+    # per-kernel-class efficiencies (hybridpar.planner.efficiency; None: the family default), as
+    # a profile's [efficiency] table writes them (hybridpar calibrate --from-run fits them)
+    efficiency: Efficiency | None = None
 
 
 # Latency: NCCL's per-hop base latency is a few microseconds on NVLink and about ten across
@@ -251,7 +255,7 @@ def gpu_spec(name_or_path: str) -> GPUSpec:
                     "(or pass a TOML file with a [gpu] table, see hybridpar.planner.hardware)")
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(GPUSpec) if f.name != "calibration"}
+_FIELDS = {f.name: f for f in dataclasses.fields(GPUSpec) if f.name not in ("calibration", "efficiency")}
 
 
 def load_gpu_toml(path: str | Path) -> GPUSpec:
@@ -270,6 +274,9 @@ def load_gpu_toml(path: str | Path) -> GPUSpec:
         raise PlanError(f"GPU spec file {str(p)!r} needs a [gpu] table")
     data = dict(data)
     calibration = _calibration(doc["calibration"], p) if "calibration" in doc else None
+    eff = doc.get("efficiency")
+    if eff is not None and not isinstance(eff, dict):
+        raise PlanError(f"{p}: efficiency must be an [efficiency] table")
     base = gpu_spec(str(data.pop("base"))) if "base" in data else None
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
@@ -284,11 +291,16 @@ def load_gpu_toml(path: str | Path) -> GPUSpec:
     if calibration is not None:
         values["calibration"] = calibration
     if base is not None:
-        return dataclasses.replace(base, **values)
-    missing = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and n not in data]
-    if missing:
-        raise PlanError(f"{p}: [gpu] lacks {missing} (or set base = one of {list(GPUS)})")
-    return GPUSpec(**values)
+        spec = dataclasses.replace(base, **values)
+    else:
+        missing = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and n not in data]
+        if missing:
+            raise PlanError(f"{p}: [gpu] lacks {missing} (or set base = one of {list(GPUS)})")
+        spec = GPUSpec(**values)
+    if eff is None:
+        return spec
+    # keys the [efficiency] table leaves out keep the device's own (its family default)
+    return dataclasses.replace(spec, efficiency=from_table(eff, str(p), efficiency_of(spec)))
 
 
 def _numbers(value: object, width: int, where: str) -> tuple[tuple[float, ...], ...]:

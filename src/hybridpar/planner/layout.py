@@ -62,6 +62,10 @@ class BlockStyle(enum.StrEnum):
     """This runtime's eager Llama block (:class:`hybridpar.models.llama.Block`): separate q/k/v/o
     and w1/w3/w2 GEMMs, fused causal attention, unfused element-wise ops, activations as
     autograd saves them."""
+    COMPILED = "llama-compiled"
+    """The same block under ``train.compile``: the same GEMMs and saved tensors as ``EAGER`` (the
+    planner's activation model), element-wise ops fused by Inductor into a few passes and
+    launched by its generated code (:mod:`hybridpar.planner.efficiency`'s host floor)."""
     MEGATRON = "gpt"
     """Megatron-LM's fused GPT block: fused QKV, a 4h GELU MLP, unfused attention (scores,
     softmax, dropout), fused element-wise kernels, activations per Korthikanti et al. 2022."""

@@ -40,8 +40,9 @@ Mixture of experts (:mod:`.moe`): the routed experts' states are a ZeRO group of
 MLP's with :func:`moe_ffn_bytes` at the busiest ep rank's load; the all-to-all's send and receive
 buffers are comm buffers.
 
-Allowance (stated, not fitted): 1 GiB for the CUDA context, cuBLAS and NCCL workspaces, plus 10%
-of everything else for caching-allocator fragmentation.
+Allowance (``overhead``, stated, not fitted: :mod:`.allocator`): the CUDA context, cuBLAS
+workspaces, one NCCL communicator's buffers per mesh axis with peers, and the caching allocator's
+fragmentation of the activations it frees and re-allocates every micro-batch.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from hybridpar.planner.activations import gpt_layer_bytes as gpt_layer_bytes
 from hybridpar.planner.activations import korthikanti_layer_bytes as korthikanti_layer_bytes
 from hybridpar.planner.activations import llama_layer_bytes as llama_layer_bytes
 from hybridpar.planner.activations import moe_ffn_bytes as moe_ffn_bytes
+from hybridpar.planner.allocator import communicators, gpu_overhead
 from hybridpar.planner.hardware import GiB
 from hybridpar.planner.hsdp import expert_group, replica_residual_bytes, zero_group
 from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
@@ -76,9 +78,6 @@ from hybridpar.planner.shapes import (
     rank_numel,
     v_shaped,
 )
-
-CONTEXT_BYTES = 1 * GiB  # CUDA context + library workspaces
-FRAGMENTATION = 0.10  # caching-allocator slack on top of live bytes
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers", "overhead")
 
@@ -324,7 +323,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
         transient = (max(layer_activation_bytes(model, L, work, "none", moe=moe)
                          for moe in {False, bool(model.moe_layer_ids())})
                      - layer_activation_bytes(model, L, work, "full"))
-        freed = max((cb.head for cb in sizes), default=0.0) if work.style is BlockStyle.EAGER else 0.0
+        freed = max((cb.head for cb in sizes), default=0.0) if work.style is not BlockStyle.MEGATRON else 0.0
         acts = max(acts, acts - freed + transient)
     return acts, logits, in_flight
 
@@ -363,8 +362,7 @@ def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int
 def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, pp_rank: int,
                  comm: float) -> MemoryReport:
     st, (acts, logits, in_flight) = _rank_parts(key, L, work, pp_rank)
-    live = st.params + st.grads + st.optimizer + acts + logits + comm
-    overhead = CONTEXT_BYTES + FRAGMENTATION * live
+    overhead = gpu_overhead(acts + logits, communicators(L.dp, L.tp, L.pp, L.cp))
     comps = {"params": float(st.params), "grads": float(st.grads), "optimizer": float(st.optimizer),
              "activations": acts, "logits": logits, "comm_buffers": comm, "overhead": overhead}
     return MemoryReport(comps, pp_rank, float(st.cpu_optimizer), in_flight, disk_bytes=float(st.disk))
@@ -405,10 +403,10 @@ def rank_state_numels(key: ModelKey, L: Layout, pp_rank: int) -> tuple[int, int]
     return full, rank_numel(*args, n, L.ep, "dense", **vs) + rank_numel(*args, expert_group(L)[1], L.ep, "experts", **vs)
 
 
-def _total(st: ModelStates, acts: float, logits: float, comm: float) -> float:
-    """``MemoryReport.total`` of these parts (the same sum, in the same order)."""
-    live = st.params + st.grads + st.optimizer + acts + logits + comm
-    overhead = CONTEXT_BYTES + FRAGMENTATION * live
+def _total(st: ModelStates, acts: float, logits: float, comm: float, axes: int) -> float:
+    """``MemoryReport.total`` of these parts (the same sum, in the same order); ``axes`` mesh axes
+    with peers."""
+    overhead = gpu_overhead(acts + logits, axes)
     return sum((float(st.params), float(st.grads), float(st.optimizer), acts, logits, comm, overhead))
 
 
@@ -448,6 +446,6 @@ def plan_memory(model: ModelConfig, layout: Layout, work: Workload) -> MemoryRep
     totals = []
     for r in ranks:
         st, (acts, logits, _) = _rank_parts(key, layout, work, r)
-        totals.append(_total(st, acts, logits, comm))
+        totals.append(_total(st, acts, logits, comm, communicators(layout.dp, layout.tp, layout.pp, layout.cp)))
     worst = ranks[totals.index(max(totals))]  # the first of equals, as max over reports
     return _rank_memory(model, key, layout, work, worst, comm)
