@@ -159,7 +159,7 @@ def _long_llama(name: str):
 
 
 def test_planner_prices_every_cp_mode_and_keeps_the_fastest():
-    """On 16 H100s (2 nodes) with cp8 across them, llama3-8b at 8k tokens: every legal mode is
+    """On 16 H100s (2 nodes) with cp8 across them, llama3-8b at 4k tokens: every legal mode is
     priced, the search's layout carries the fastest (a hybrid: the ring's hops to the other node
     are no longer hidden behind attention, the all-to-alls stay smaller), and a fixed cp_mode stands."""
     from hybridpar.planner.cp_modes import layer_seconds, modes
@@ -167,7 +167,7 @@ def test_planner_prices_every_cp_mode_and_keeps_the_fastest():
     from hybridpar.planner.layout import Layout, Workload
     from hybridpar.planner.search import complete
 
-    model, cluster, work = _long_llama("llama3-8b"), Cluster.of(gpu_spec("H100-SXM"), 16, 8), Workload(64, 8192)
+    model, cluster, work = _long_llama("llama3-8b"), Cluster.of(gpu_spec("H100-SXM"), 16, 8), Workload(64, 4096)
     axes = {"dp": 2, "tp": 1, "pp": 1, "cp": 8}
     priced = {(c.cp_mode, c.cp_ulysses): layer_seconds(model, c, work, cluster)
               for c in modes(model, Layout(**axes, micro_batch=1))}
@@ -191,7 +191,7 @@ def test_plan_json_names_the_cp_mode(tmp_path, capsys):
                                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                                "vocab_size": 128256, "max_position_embeddings": 65536, "rms_norm_eps": 1e-5,
                                "rope_theta": 500000.0, "tie_word_embeddings": False}))
-    assert main(["plan", "--model", str(cfg), "--gpus", "16", "--global-batch", "64", "--seq-len", "8192",
+    assert main(["plan", "--model", str(cfg), "--gpus", "16", "--global-batch", "64", "--seq-len", "4096",
                  "--layout", "dp=2,tp=1,pp=1,cp=8", "--json"]) == 0
     layout = json.loads(capsys.readouterr().out)["layout"]
     assert (layout["cp_mode"], layout["cp_ulysses"]) == ("hybrid", 2)
