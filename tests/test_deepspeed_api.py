@@ -1,0 +1,121 @@
+"""The DeepSpeed front door (``import hybridpar as deepspeed``) on the issue's seed: a small tied-head
+GPT-2 from a transformers config, the seed's loop, under 2 gloo processes at ZeRO 0-3 against our
+own single process on the whole batch (per-step losses within numerics.LOSS_RTOL: the same math,
+summed in another order); parameter groups as DeepSpeed means them; a checkpoint saved at dp2 x
+ZeRO-2 that loads at dp1 and at dp4 x ZeRO-3 and continues on the uninterrupted trajectory, with
+the client state round-tripped. DeepSpeed itself is not needed (benchmarks/deepspeed_peer.py
+compares with it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from numerics import LOSS_RTOL
+
+import hybridpar as deepspeed
+
+pytestmark = pytest.mark.numerics
+
+STEPS, GLOBAL, SEQ = 3, 4, 16
+
+
+def gpt2(tied: bool = True) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=SEQ,
+                                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def ds_config(stage: int) -> dict:
+    return {"train_batch_size": GLOBAL, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1, "torch_adam": True}},
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+
+
+def train_dataloader(engine, steps: range) -> list[dict]:
+    """A fixed batch stream: step s's global batch, this dp rank's rows."""
+    dp = engine.topo.dp
+    rows = GLOBAL // dp.size
+    out = []
+    for s in steps:
+        ids = torch.randint(0, 256, (GLOBAL, SEQ), generator=torch.Generator().manual_seed(100 + s))
+        mine = ids[dp.rank * rows:(dp.rank + 1) * rows]
+        out.append({"input_ids": mine, "labels": mine})
+    return out
+
+
+def loop(model_engine, steps: range) -> list[float]:
+    """The seed's loop; the loss averaged over dp (what one process on the whole batch sees)."""
+    losses = []
+    for batch in train_dataloader(model_engine, steps):
+        loss = model_engine(**batch).loss
+        model_engine.backward(loss)
+        model_engine.step()
+        mean = model_engine.topo.comm.all_reduce(loss.detach().clone(), model_engine.topo.dp, op="avg")
+        losses.append(float(mean))
+    return losses
+
+
+def _seed(rank: int, world: int, stage: int) -> list[float]:
+    model = gpt2()
+    model_engine, optimizer, _, _ = deepspeed.initialize(model=model, config_params=ds_config(stage))
+    assert optimizer is model_engine.optimizer and model_engine.train_micro_batch_size_per_gpu() == GLOBAL // world
+    try:
+        return loop(model_engine, range(STEPS))
+    finally:
+        model_engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_seed_dp2_matches_single_process(dist_run, stage):
+    reference = _seed(0, 1, 0)
+    for losses in dist_run(2, _seed, stage):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=0)
+
+
+def test_parameter_groups_as_deepspeed_means_them():
+    """A plain model.parameters() decays everything; groups keep their own weight decay."""
+    model = gpt2()
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(0))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1]
+    engine.close()
+    model = gpt2()
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(0))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    engine.close()
+
+
+def _train_save(rank: int, world: int, path: str) -> dict:
+    engine, *_ = deepspeed.initialize(model=gpt2(tied=False), config=ds_config(2))
+    try:
+        before = loop(engine, range(2))
+        engine.save_checkpoint(path, client_state={"epoch": 7, "seen": torch.arange(3)})
+        after = loop(engine, range(2, STEPS))
+        return {"before": before, "after": after}
+    finally:
+        engine.close()
+
+
+def _load_continue(rank: int, world: int, path: str, stage: int) -> dict:
+    torch.manual_seed(5)
+    cfg = {**ds_config(stage), "train_batch_size": GLOBAL}
+    engine, *_ = deepspeed.initialize(model=gpt2(tied=False), config=cfg)
+    try:
+        where, client = engine.load_checkpoint(path)
+        assert where.endswith("global_step2") and engine.global_steps == 2
+        assert client["epoch"] == 7 and torch.equal(client["seen"], torch.arange(3))
+        return {"after": loop(engine, range(2, STEPS))}
+    finally:
+        engine.close()
+
+
+def test_checkpoint_dp2_zero2_resumes_at_dp1_and_dp4_zero3(dist_run, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = dist_run(2, _train_save, path)[0]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+    for resumed in (_load_continue(0, 1, path, 0), dist_run(4, _load_continue, path, 3)[0]):
+        torch.testing.assert_close(torch.tensor(resumed["after"]), torch.tensor(saved["after"]), rtol=LOSS_RTOL, atol=0)
