@@ -184,6 +184,13 @@ def _units(model: nn.Module, spec: str | list[str]) -> list[nn.Module]:
     return units
 
 
+def _by_name(model: nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` with each ``(name, parameter)`` resolved by name on ``model`` now: a tensor-parallel
+    plan or ZeRO-3's sharding replaced the parameters the groups were made of."""
+    current = dict(model.named_parameters())
+    return [{**g, "params": [(n, current[n]) for n, _ in g["params"]]} for g in groups]
+
+
 class ModelEngine:
     """One model, its (ZeRO) optimizer and gradient reduction under a dp x tp topology; see the
     module doc. Build it with :func:`initialize`."""
@@ -211,7 +218,7 @@ class ModelEngine:
             kwargs["momentum"] = cfg.momentum
         else:
             kwargs.update(betas=cfg.betas, eps=cfg.eps)
-        groups = decay_groups(model, cfg.weight_decay) if param_groups is None else param_groups
+        groups = decay_groups(model, cfg.weight_decay) if param_groups is None else _by_name(model, param_groups)
         self.optimizer = ZeroOptimizer(groups, topo.dp, stage=cfg.zero_stage,
                                        optimizer_cls=OPTIMIZERS[cfg.optimizer], offload=cfg.offload_optimizer,
                                        bucket_bytes=int(cfg.bucket_mb * 2**20), sharded=sharded,
