@@ -119,3 +119,30 @@ def test_checkpoint_dp2_zero2_resumes_at_dp1_and_dp4_zero3(dist_run, tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
     for resumed in (_load_continue(0, 1, path, 0), dist_run(4, _load_continue, path, 3)[0]):
         torch.testing.assert_close(torch.tensor(resumed["after"]), torch.tensor(saved["after"]), rtol=LOSS_RTOL, atol=0)
+
+
+def test_fp16_overflow_skips_the_step_and_hysteresis_delays_the_backoff():
+    """Loss scale 2**40 overflows fp16 gradients: the step is skipped (weights unchanged, the
+    LR schedule not advanced, global_steps counted, as DeepSpeed), and with hysteresis 2 the scale
+    halves only at the second overflow."""
+    model = gpt2()
+    cfg = {**ds_config(0), "fp16": {"enabled": True, "initial_scale_power": 40, "hysteresis": 2}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loop(engine, range(1))
+    assert (engine.global_steps, engine.skipped_steps, engine.was_step_applied()) == (1, 1, False)
+    assert engine.loss_scale == 2.0**40
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    loop(engine, range(1, 2))
+    assert engine.skipped_steps == 2 and engine.loss_scale == 2.0**39
+    engine.close()
+
+
+def test_bf16_runs_within_bf16_rounding_of_fp32():
+    """bf16 (autocast) against fp32 on one process: per-step losses within 2 (2 layers + 1) u,
+    u = 2**-8, the bound benchmarks/deepspeed_peer.py derives."""
+    fp32 = _seed(0, 1, 0)
+    engine, *_ = deepspeed.initialize(model=gpt2(), config={**ds_config(0), "bf16": {"enabled": True}})
+    bf16 = loop(engine, range(STEPS))
+    engine.close()
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=2 * (2 * 2 + 1) * 2.0**-8, atol=0)
