@@ -146,3 +146,30 @@ def test_bf16_runs_within_bf16_rounding_of_fp32():
     bf16 = loop(engine, range(STEPS))
     engine.close()
     torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=2 * (2 * 2 + 1) * 2.0**-8, atol=0)
+
+
+def _pipeline(rank: int, world: int) -> list[float]:
+    import torch.nn.functional as F
+    from test_api_pipeline import CLIP, GLOBAL as PGLOBAL, HID, M, OPT, STEPS as PSTEPS, batch, make_layers
+
+    from hybridpar.distributed.mesh import ParallelDims
+
+    with ParallelDims(pp=2).build() as topo:
+        pipe = deepspeed.PipelineModule(layers=make_layers(), topo=topo, num_microbatches=M, loss_fn=F.mse_loss,
+                                        activation_shape=(PGLOBAL // M, HID))
+        cfg = {"train_micro_batch_size_per_gpu": PGLOBAL // M, "gradient_accumulation_steps": M,
+               "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {
+                   "lr": OPT["lr"], "betas": list(OPT["betas"]), "weight_decay": OPT["weight_decay"]}}}
+        engine, *_ = deepspeed.initialize(model=pipe, config=cfg)
+        losses = []
+        for step in range(PSTEPS):
+            x, y = batch(step)
+            losses.append(float(engine.train_batch(iter(zip(x.chunk(M), y.chunk(M), strict=True)))))
+        return losses
+
+
+def test_pipeline_module_train_batch_matches_single_process(dist_run):
+    from test_api_pipeline import reference
+
+    for losses in dist_run(2, _pipeline):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference()[0]), rtol=LOSS_RTOL, atol=0)
