@@ -150,7 +150,9 @@ def test_bf16_runs_within_bf16_rounding_of_fp32():
 
 def _pipeline(rank: int, world: int) -> list[float]:
     import torch.nn.functional as F
-    from test_api_pipeline import CLIP, GLOBAL as PGLOBAL, HID, M, OPT, STEPS as PSTEPS, batch, make_layers
+    from test_api_pipeline import CLIP, HID, OPT, M, batch, make_layers
+    from test_api_pipeline import GLOBAL as PGLOBAL
+    from test_api_pipeline import STEPS as PSTEPS
 
     from hybridpar.distributed.mesh import ParallelDims
 
