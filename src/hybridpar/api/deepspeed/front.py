@@ -121,7 +121,7 @@ def deepspeed_initialize(model: nn.Module, config: Any = None, *, topo: Topology
                           "tensor_parallel.autotp_size in the ds_config")
     if config is None and config_params is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
-    if lr_scheduler is not None and not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+    if lr_scheduler is not None and (not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)):
         raise ConfigError("initialize(lr_scheduler=<scheduler object>) is not supported (the engine builds its own "
                           "optimizer); pass a callable optimizer -> scheduler, or a scheduler block in the ds_config")
     if isinstance(model, _pipeline_module()):
