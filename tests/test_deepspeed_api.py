@@ -175,3 +175,19 @@ def test_pipeline_module_train_batch_matches_single_process(dist_run):
 
     for losses in dist_run(2, _pipeline):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference()[0]), rtol=LOSS_RTOL, atol=0)
+
+
+def test_client_optimizer_and_scheduler_callable():
+    """optimizer= (a torch AdamW on the model's parameters) trains as the same optimizer block; a
+    callable lr_scheduler= is built on the engine's optimizer and stepped once per optimizer step."""
+    reference = _seed(0, 1, 0)
+    model = gpt2()
+    client = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    cfg = {k: v for k, v in ds_config(0).items() if k != "optimizer"}
+    engine, _, _, sched = deepspeed.initialize(
+        model=model, optimizer=client, config=cfg,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0))
+    losses = loop(engine, range(STEPS))
+    assert sched.last_epoch == STEPS and engine.get_lr() == [1e-3]
+    engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=0)
