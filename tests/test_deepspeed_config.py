@@ -130,3 +130,27 @@ def test_load_checkpoint_refuses_what_is_not_ours(tmp_path):
         resolve(ds, None)
     with pytest.raises(CheckpointError, match="not a checkpoint written by save_checkpoint"):
         resolve(tmp_path, "nothing")
+
+
+def test_initialize_refusals_before_any_process_group(monkeypatch):
+    """errors.md's "outside the config" refusals, each one line, with no process group created."""
+    import torch
+    from test_deepspeed_api import gpt2
+
+    model = gpt2()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    tp3 = {"train_batch_size": 8, "tensor_parallel": {"autotp_size": 3}}
+    with pytest.raises(ConfigError, match="autotp_size = 3 does not divide the model's 4 attention heads"):
+        hybridpar.initialize(model=model, config=tp3)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = {"train_batch_size": 8, "optimizer": {"type": "AdamW"}}
+    with pytest.raises(ConfigError, match="optimizer= was passed and the ds_config has an optimizer block"):
+        hybridpar.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
+    with pytest.raises(ConfigError, match="mpu="):
+        hybridpar.initialize(model=model, mpu=object(), config=cfg)
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    with pytest.raises(ConfigError, match="lr_scheduler=<scheduler object>"):
+        hybridpar.initialize(model=model, lr_scheduler=sched, config=cfg)
+    with pytest.raises(ConfigError, match="not a parameter of model"):
+        hybridpar.initialize(model=model, model_parameters=[torch.nn.Parameter(torch.zeros(2))], config=cfg)
+    assert not torch.distributed.is_initialized()
