@@ -4,8 +4,8 @@ A small ``GPT2LMHeadModel`` from a config (2 layers, n_embd 64, vocab 256, head 
 embedding), the same ds_config for both (AdamW lr 1e-3, weight decay 0.1 on every parameter,
 clipping 1.0, ``torch_adam``), a fixed batch stream (global batch 8 x 32 tokens, each dp rank its
 rows), ZeRO stages 0-3 at dp 2 in fp32 and bf16, 20 steps. Prints the per-step losses of both, the
-largest relative difference, and the step-time ratio (ours / DeepSpeed's, median step of each of
-``--repeats`` fresh runs in one process), a table for people and one JSON line.
+largest relative difference, and the step-time ratio (ours / DeepSpeed's: the median over
+``--repeats`` launches of each side, alternating, of each launch's median step), a table for people and one JSON line.
 
 DeepSpeed runs from its own virtual environment (``--ds-python``, default ``/work/dsvenv/bin/python``:
 DeepSpeed must not go into the project's venv); ours runs with the same interpreter and
@@ -152,23 +152,35 @@ def main() -> None:
     for precision in args.precisions:
         for stage in args.stages:
             try:
-                ours = launch(python, "hybridpar", stage, precision, args.repeats)
+                row = compare(python, stage, precision, args.repeats, with_deepspeed=missing is None)
             except RuntimeError as e:  # one configuration failing does not hide the others' numbers
-                rows.append({"stage": stage, "precision": precision, "error": str(e).splitlines()[-1]})
-                print(f"stage {stage} {precision}: hybridpar failed: {rows[-1]['error']}")
+                row = {"stage": stage, "precision": precision, "error": str(e).splitlines()[-1]}
+                print(f"stage {stage} {precision}: failed: {row['error']}")
+                rows.append(row)
                 continue
-            row: dict[str, Any] = {"stage": stage, "precision": precision, "ours_losses": ours["losses"],
-                                   "ours_step_s": statistics.median(ours["step_s"])}
-            if missing is None:
-                theirs = launch(python, "deepspeed", stage, precision, args.repeats)
-                diffs = [abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"], strict=True)]
-                bound = FP32_BOUND if precision == "fp32" else BF16_BOUND
-                row.update(ds_losses=theirs["losses"], ds_step_s=statistics.median(theirs["step_s"]),
-                           max_rel_diff=max(diffs), bound=bound, within=max(diffs) <= bound,
-                           time_ratio=row["ours_step_s"] / statistics.median(theirs["step_s"]))
             rows.append(row)
             _print_row(row)
     print(json.dumps({"benchmark": "deepspeed_peer", "deepspeed": missing is None, "steps": STEPS, "rows": rows}))
+
+
+def compare(python: str, stage: int, precision: str, repeats: int, with_deepspeed: bool) -> dict[str, Any]:
+    """One configuration: ``repeats`` launches of each side, alternating (ours, DeepSpeed, ours,
+    ...) so that a shared machine's changing load falls on both alike; losses of the first."""
+    ours: list[dict[str, Any]] = []
+    theirs: list[dict[str, Any]] = []
+    for _ in range(repeats):
+        ours.append(launch(python, "hybridpar", stage, precision, 1))
+        if with_deepspeed:
+            theirs.append(launch(python, "deepspeed", stage, precision, 1))
+    row: dict[str, Any] = {"stage": stage, "precision": precision, "ours_losses": ours[0]["losses"],
+                           "ours_step_s": statistics.median(r["step_s"][0] for r in ours)}
+    if with_deepspeed:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(ours[0]["losses"], theirs[0]["losses"], strict=True)]
+        bound = FP32_BOUND if precision == "fp32" else BF16_BOUND
+        ds_step = statistics.median(r["step_s"][0] for r in theirs)
+        row.update(ds_losses=theirs[0]["losses"], ds_step_s=ds_step, max_rel_diff=max(diffs), bound=bound,
+                   within=max(diffs) <= bound, time_ratio=row["ours_step_s"] / ds_step)
+    return row
 
 
 def _print_row(row: dict[str, Any]) -> None:
