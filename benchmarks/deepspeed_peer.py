@@ -115,8 +115,9 @@ def launch(python: str, side: str, stage: int, precision: str, repeats: int) -> 
                "--repeats", str(repeats), "--out", str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0 or not out.is_file():
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise RuntimeError(f"{side} stage {stage} {precision} failed:\n{tail}")
+            lines = (proc.stdout + proc.stderr).strip().splitlines() or ["no output"]
+            why = next((line for line in reversed(lines) if "Error:" in line), lines[-1])
+            raise RuntimeError(f"{side} stage {stage} {precision} failed: {why.strip()}\n" + "\n".join(lines[-15:]))
         return json.loads(out.read_text())
 
 
@@ -154,7 +155,7 @@ def main() -> None:
             try:
                 row = compare(python, stage, precision, args.repeats, with_deepspeed=missing is None)
             except RuntimeError as e:  # one configuration failing does not hide the others' numbers
-                row = {"stage": stage, "precision": precision, "error": str(e).splitlines()[-1]}
+                row = {"stage": stage, "precision": precision, "error": str(e).splitlines()[0]}
                 print(f"stage {stage} {precision}: failed: {row['error']}")
                 rows.append(row)
                 continue
