@@ -25,7 +25,7 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from hybridpar.training.checkpoint import (
 )
 from hybridpar.training.metrics import atomic_write_text
 from hybridpar.training.optim import warmup_cosine
+from hybridpar.training.precision import LossScaler, autocast
 from hybridpar.training.step import StepEngine
 
 __all__ = ["EngineConfig", "ModelEngine", "initialize"]
@@ -101,6 +102,13 @@ class EngineConfig:
     warmup_steps: int = 0  # linear LR warm-up over this many steps
     decay_steps: int = 0  # cosine decay to min_lr over this many steps after warm-up; 0: constant
     min_lr: float = 0.0
+    precision: str = "fp32"  # fp32 | bf16 | fp16: fp32 weights and optimizer, the forward under torch.autocast
+    loss_scale: float = 0.0  # fp16: a static loss scale; 0 = dynamic (the next four keys)
+    loss_scale_init: float = 65536.0  # fp16 dynamic loss scale: start value
+    loss_scale_window: int = 200  # fp16: clean steps before the scale doubles
+    loss_scale_hysteresis: int = 1  # fp16: overflows in a row before the scale halves
+    min_loss_scale: float = 1.0  # fp16: the scale never halves below this
+    zero3_prefetch: bool = True  # ZeRO-3: gather the next unit while this one computes
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
@@ -126,7 +134,8 @@ class EngineConfig:
         train = {"lr": self.lr, "min_lr": self.min_lr, "weight_decay": self.weight_decay, "eps": self.eps,
                  "beta1": self.betas[0], "beta2": self.betas[1], "grad_clip": self.grad_clip,
                  "warmup_steps": self.warmup_steps, "optimizer_impl": self.optimizer_impl, "micro_batch": 1,
-                 "global_batch": dp * self.gradient_accumulation_steps}
+                 "global_batch": dp * self.gradient_accumulation_steps, "precision": self.precision,
+                 "loss_scale_init": self.loss_scale or self.loss_scale_init, "loss_scale_window": self.loss_scale_window}
         try:
             return parse_config({"parallel": parallel, "train": train}, "the engine config")
         except ConfigError as e:
@@ -144,6 +153,9 @@ class EngineConfig:
             raise ConfigError(f"optimizer = {self.optimizer!r} must be one of {sorted(OPTIMIZERS)}")
         if self.zero3_units != "children" and not isinstance(self.zero3_units, list):
             raise ConfigError(f"zero3_units = {self.zero3_units!r} must be 'children' or a list of patterns")
+        if self.loss_scale < 0 or self.loss_scale_hysteresis < 1 or self.min_loss_scale <= 0:
+            raise ConfigError(f"loss_scale = {self.loss_scale} must be >= 0 (0: dynamic), loss_scale_hysteresis = "
+                              f"{self.loss_scale_hysteresis} >= 1 and min_loss_scale = {self.min_loss_scale} > 0")
 
     def lr_factor(self, step: int) -> float:
         """LR multiplier for optimizer step ``step`` (from 1): linear warm-up, then constant or
@@ -174,11 +186,21 @@ def _units(model: nn.Module, spec: str | list[str]) -> list[nn.Module]:
     return units
 
 
+def _by_name(model: nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` with each ``(name, parameter)`` resolved by name on ``model`` now: a tensor-parallel
+    plan or ZeRO-3's sharding replaced the parameters the groups were made of."""
+    current = dict(model.named_parameters())
+    return [{**g, "params": [(n, current[n]) for n, _ in g["params"]]} for g in groups]
+
+
 class ModelEngine:
     """One model, its (ZeRO) optimizer and gradient reduction under a dp x tp topology; see the
     module doc. Build it with :func:`initialize`."""
 
-    def __init__(self, model: nn.Module, cfg: EngineConfig, topo: Topology, owns_topology: bool = False) -> None:
+    def __init__(self, model: nn.Module, cfg: EngineConfig, topo: Topology, owns_topology: bool = False,
+                 param_groups: list[dict[str, Any]] | None = None) -> None:
+        """``param_groups``: named torch-style groups (``[{"params": [(name, p), ...], "weight_decay": ...}]``)
+        instead of :func:`decay_groups` (``weight_decay`` on matrices only)."""
         cfg.validate()
         if topo.pp.size > 1 or topo.cp.size > 1:
             raise ValueError(f"initialize() handles dp x tp layouts; this topology has pp = {topo.pp.size}, "
@@ -194,13 +216,15 @@ class ModelEngine:
             partial = autotp(model, topo.tp).partial
         self.module = model
         self.tp_sharded = tp_sharded_params(model)
-        sharded = shard_model(model, topo.dp, _units(model, cfg.zero3_units)) if cfg.zero_stage == 3 else None
+        sharded = shard_model(model, topo.dp, _units(model, cfg.zero3_units), prefetch=cfg.zero3_prefetch) \
+            if cfg.zero_stage == 3 else None
         kwargs: dict[str, Any] = {"lr": cfg.lr}
         if cfg.optimizer == "sgd":
             kwargs["momentum"] = cfg.momentum
         else:
             kwargs.update(betas=cfg.betas, eps=cfg.eps)
-        self.optimizer = ZeroOptimizer(decay_groups(model, cfg.weight_decay), topo.dp, stage=cfg.zero_stage,
+        groups = decay_groups(model, cfg.weight_decay) if param_groups is None else _by_name(model, param_groups)
+        self.optimizer = ZeroOptimizer(groups, topo.dp, stage=cfg.zero_stage,
                                        optimizer_cls=OPTIMIZERS[cfg.optimizer], offload=cfg.offload_optimizer,
                                        bucket_bytes=int(cfg.bucket_mb * 2**20), sharded=sharded,
                                        reduce_dtype=COMPRESSION_DTYPES[cfg.grad_compression], offload_to=cfg.offload_to,
@@ -213,6 +237,11 @@ class ModelEngine:
         self.micro_step = 0  # backward() calls since the last optimizer step
         self._finished = False  # this step's gradients reduced (grad_norm() before step())
         self._last_grad_norm: Tensor | float | None = None  # on the device until read
+        static = cfg.loss_scale > 0  # fp16 with a static scale: overflowing steps are skipped, the scale stays
+        self.scaler = LossScaler(cfg.precision == "fp16", cfg.loss_scale or cfg.loss_scale_init, cfg.loss_scale_window,
+                                 growth=1.0 if static else 2.0, backoff=1.0 if static else 0.5,
+                                 min_scale=cfg.min_loss_scale, hysteresis=cfg.loss_scale_hysteresis)
+        self.skipped_steps = 0  # fp16: optimizer steps skipped on an overflow
         self.optimizer.zero_grad()
         self._set_lr(1)
 
@@ -221,7 +250,8 @@ class ModelEngine:
         """Forward: tensors are moved to this rank's device, then ``module(*args, **kwargs)``."""
         def move(x: Any) -> Any:
             return x.to(self.topo.device) if isinstance(x, Tensor) else x
-        return self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
+        with autocast(self.cfg.precision, self.topo.device):
+            return self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
 
     def backward(self, loss: Tensor) -> None:
         """Backward of one micro-batch's loss, scaled by ``1 / gradient_accumulation_steps``.
@@ -230,7 +260,7 @@ class ModelEngine:
         if self.micro_step >= ga:
             raise RuntimeError(f"{self.micro_step} backward() calls since the last step() with "
                                f"gradient_accumulation_steps = {ga}: call engine.step()")
-        self.core.backward(lambda: loss / ga, 1.0, last=self.micro_step == ga - 1)
+        self.core.backward(lambda: loss / ga, self.scaler.scale, last=self.micro_step == ga - 1)
         self.micro_step += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -244,7 +274,12 @@ class ModelEngine:
         if not self.is_gradient_accumulation_boundary():
             return False
         self._finish()
-        self._last_grad_norm = self.core.update(self.cfg.grad_clip).detach()  # on the device: no read
+        overflow = self.scaler.unscale(self.core.gradients(), self.topo.world)  # fp16 only: the flag, on the device
+        if overflow is not None and not self.scaler.decide(bool(overflow.item() > 0), self.core.gradients()):
+            self.skipped_steps += 1  # every rank saw the overflow: all skip, the scale shrank
+            self._last_grad_norm = None
+        else:
+            self._last_grad_norm = self.core.update(self.cfg.grad_clip).detach()  # on the device: no read
         self._finished = False
         self.optimizer.zero_grad()
         self.global_step += 1
@@ -303,19 +338,25 @@ class ModelEngine:
         tp = self.topo.tp
         return core if tp.size == 1 else {f"tp{tp.rank}_of_{tp.size}": core}
 
-    def save(self, path: str | os.PathLike[str], client_state: Mapping[str, Any] | None = None) -> Path:
+    def save(self, path: str | os.PathLike[str], client_state: Mapping[str, Any] | None = None,
+             files: Callable[[Path], None] | None = None) -> Path:
         """Write model + optimizer (each rank its shards, through ``torch.distributed.checkpoint``)
         and ``client_state`` (JSON-serialisable) to directory ``path``, atomically and durably,
         with the trainer's writer (:func:`hybridpar.training.checkpoint.write_checkpoint`: a full
-        disk is one clear error and leaves no partial directory). Collective: every rank calls it."""
+        disk is one clear error and leaves no partial directory). ``files(tmp)``: more small files
+        rank 0 writes into the checkpoint before it is published. Collective: every rank calls it."""
         topo = self.topo
         info = {"global_step": self.global_step, "dp": topo.dp.size, "tp": topo.tp.size,
-                "zero_stage": self.cfg.zero_stage, "client_state": dict(client_state or {})}
+                "zero_stage": self.cfg.zero_stage, "client_state": dict(client_state or {}),
+                "loss_scaler": {**self.scaler.state_dict(), "tolerance": self.scaler.tolerance},
+                "skipped_steps": self.skipped_steps}
 
-        def files(tmp: Path) -> None:
+        def write(tmp: Path) -> None:
             atomic_write_text(tmp / ENGINE_INFO, json.dumps(info, indent=2) + "\n")
+            if files is not None:
+                files(tmp)
 
-        return write_checkpoint(Path(path), self._state(), topo, self.global_step, files)
+        return write_checkpoint(Path(path), self._state(), topo, self.global_step, write)
 
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore a checkpoint written by :meth:`save` (any dp size and ZeRO stage; the same
@@ -338,6 +379,10 @@ class ModelEngine:
         core = state if self.topo.tp.size == 1 else next(iter(state.values()))
         self.optimizer.load_checkpoint_state(self.module, core)
         self.global_step, self.micro_step = int(info["global_step"]), 0
+        if self.scaler.enabled and "loss_scaler" in info:
+            self.scaler.load_state_dict(info["loss_scaler"])
+            self.scaler.tolerance = int(info["loss_scaler"]["tolerance"])
+        self.skipped_steps = int(info.get("skipped_steps", 0))
         self._set_lr(self.global_step + 1)
         self.optimizer.zero_grad()
         return dict(info.get("client_state", {}))
@@ -348,15 +393,31 @@ class ModelEngine:
             self.topo.close()
 
 
-def initialize(model: nn.Module, config: EngineConfig | Mapping[str, Any] | None = None, *,
-               topo: Topology | None = None) -> ModelEngine:
+def initialize(model: nn.Module | None = None, config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+               *, topo: Topology | None = None, args: Any = None, model_parameters: Any = None, optimizer: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Any = None, config_params: Mapping[str, Any] | None = None) -> Any:
     """Wrap ``model`` (initialised identically on every rank) for data parallel / ZeRO training
     and, with ``tensor_parallel_plan``, tensor parallelism; returns a :class:`ModelEngine`.
 
     ``topo`` (e.g. from :func:`~hybridpar.initialize_parallelism`) gives the layout; without it
     the engine initializes ``torch.distributed`` from the torchrun environment and builds a
-    dp x tp topology from ``data_parallel_size`` / ``tensor_parallel_size``."""
-    cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config or {})
+    dp x tp topology from ``data_parallel_size`` / ``tensor_parallel_size``.
+
+    Called DeepSpeed's way (any of ``config_params``, ``model_parameters``, ``optimizer``,
+    ``training_data``, ``lr_scheduler``, ``args``, ``mpu``, a ds_config file path, or a dict with
+    DeepSpeed's keys), it returns ``(engine, optimizer, dataloader, lr_scheduler)`` as
+    ``deepspeed.initialize`` does (:mod:`hybridpar.api.deepspeed`; docs/deepspeed.md).
+    ``dist_init_required`` is accepted and has no effect (the process group is created when needed)."""
+    if model is None:
+        raise ValueError("initialize() needs a model (model=...)")
+    if _deepspeed_call(config, args, model_parameters, optimizer, training_data, lr_scheduler, mpu, config_params):
+        from hybridpar.api.deepspeed import deepspeed_initialize
+
+        return deepspeed_initialize(model, config, topo=topo, args=args, model_parameters=model_parameters,
+                                    optimizer=optimizer, training_data=training_data, lr_scheduler=lr_scheduler,
+                                    mpu=mpu, collate_fn=collate_fn, config_params=config_params)
+    cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config or {})  # type: ignore[arg-type]
     if (cfg.tensor_parallel_size or 1) > 1 and not cfg.tensor_parallel_plan:  # AutoTP: refused before any group
         check_autotp(model, cfg.tensor_parallel_size)
     owns = topo is None
@@ -374,3 +435,16 @@ def initialize(model: nn.Module, config: EngineConfig | Mapping[str, Any] | None
     elif cfg.data_parallel_size not in (None, topo.dp.size):
         raise ValueError(f"data_parallel_size = {cfg.data_parallel_size} but the topology has dp = {topo.dp.size}")
     return ModelEngine(model, cfg, topo, owns_topology=owns)
+
+
+def _deepspeed_call(config: Any, *deepspeed_only: Any) -> bool:
+    """Whether ``initialize`` was called DeepSpeed's way: a DeepSpeed-only argument given, a
+    config file path, or a dict with a DeepSpeed key that no :class:`EngineConfig` field shares."""
+    if any(a is not None for a in deepspeed_only) or isinstance(config, str | os.PathLike):
+        return True
+    if not isinstance(config, Mapping):
+        return False
+    from hybridpar.api.deepspeed.schema import BLOCKS, KNOWN_UNSUPPORTED
+
+    ours = {f.name for f in dataclasses.fields(EngineConfig)}
+    return any(k not in ours and (k in BLOCKS[""] or k in KNOWN_UNSUPPORTED) for k in config)

@@ -49,8 +49,10 @@ class LossScaler:
     with the step's other values (one device synchronization), :meth:`decide`."""
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, window: int = 200,
-                 growth: float = 2.0, backoff: float = 0.5, min_scale: float = 1.0) -> None:
+                 growth: float = 2.0, backoff: float = 0.5, min_scale: float = 1.0, hysteresis: int = 1) -> None:
         self.enabled = enabled
+        self.hysteresis = hysteresis  # overflows in a row that the scale survives before it shrinks (DeepSpeed's)
+        self.tolerance = hysteresis  # what is left of it
         self.scale = init_scale if enabled else 1.0
         self.window = window
         self.growth = growth
@@ -76,18 +78,23 @@ class LossScaler:
 
     def decide(self, overflow: bool, grads: list[torch.Tensor]) -> bool:
         """With the flag :meth:`unscale` returned, read: on overflow zero ``grads``, shrink the
-        scale and return False (skip the step); otherwise count a clean step (the scale grows
-        after ``window`` of them) and return True."""
+        scale (with ``hysteresis`` > 1: once that many overflows came without a growth between
+        them, as DeepSpeed's) and return False (skip the step); otherwise count a clean step (the
+        scale grows after ``window`` of them, which restores the hysteresis) and return True."""
         if overflow:
             for g in grads:
                 g.zero_()
-            self.scale = max(self.min_scale, self.scale * self.backoff)
+            if self.tolerance > 1:
+                self.tolerance -= 1
+            else:
+                self.scale = max(self.min_scale, self.scale * self.backoff)
             self.clean_steps = 0
             self.skipped += 1
             return False
         self.clean_steps += 1
         if self.clean_steps % self.window == 0:
             self.scale *= self.growth
+            self.tolerance = self.hysteresis
         return True
 
     def state_dict(self) -> dict[str, float]:

@@ -1,0 +1,199 @@
+"""The seed's GPT-2 loop under real DeepSpeed and under hybridpar's DeepSpeed front door, side by side.
+
+A small ``GPT2LMHeadModel`` from a config (2 layers, n_embd 64, vocab 256, head tied to the
+embedding), the same ds_config for both (AdamW lr 1e-3, weight decay 0.1 on every parameter,
+clipping 1.0, ``torch_adam``), a fixed batch stream (global batch 8 x 32 tokens, each dp rank its
+rows), ZeRO stages 0-3 at dp 2 in fp32 and bf16, 20 steps. Prints the per-step losses of both, the
+largest relative difference, and the step-time ratio (ours / DeepSpeed's: the median over
+``--repeats`` launches of each side, alternating, of each launch's median step), a table for people and one JSON line.
+
+DeepSpeed runs from its own virtual environment (``--ds-python``, default ``/work/dsvenv/bin/python``:
+DeepSpeed must not go into the project's venv); ours runs with the same interpreter and
+``PYTHONPATH=src``, so both use one torch. DeepSpeed on CPU: ``DS_ACCELERATOR=cpu``, gloo,
+``OMP_NUM_THREADS=1``. Without DeepSpeed the script says so and runs only our side.
+
+Bounds: fp32 1e-5 relative per step (the issue's target). bf16: DeepSpeed keeps the weights in
+bf16 (fp32 masters in the optimizer) while hybridpar keeps fp32 weights and runs the forward under
+autocast, so the two forwards round differently: each matmul operand is rounded to bf16 on one
+side and not on the other, one rounding of u = 2**-8 relative per operand; the loss of a
+cross-entropy moves by at most the logits' relative error times |logit|/loss, and the logits pass
+through about 2 matmuls per layer plus the head, so we allow ``BF16_BOUND = 2 * (2 * layers + 1) * u``
+relative per step (3.9e-2 at 2 layers) and report the measured value.
+
+Usage: ``python benchmarks/deepspeed_peer.py [--stages 0 1 2 3] [--precisions fp32 bf16] [--repeats 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, GLOBAL, SEQ, LAYERS = 20, 8, 32, 2
+FP32_BOUND = 1e-5
+BF16_BOUND = 2 * (2 * LAYERS + 1) * 2.0**-8
+
+
+def ds_config(stage: int, precision: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"train_batch_size": GLOBAL, "gradient_accumulation_steps": 1,
+                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1, "torch_adam": True}},
+                           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _model() -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=LAYERS, n_embd=64, n_head=4, vocab_size=256, n_positions=SEQ, bos_token_id=0,
+                        eos_token_id=0, tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def _run_once(side: str, stage: int, precision: str) -> tuple[list[float], list[float]]:
+    """One fresh model and engine, 20 steps: (mean loss over dp per step, step seconds)."""
+    import torch
+    import torch.distributed as dist
+
+    ds = __import__("deepspeed" if side == "deepspeed" else "hybridpar")
+    model = _model()
+    engine, _, _, _ = ds.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage, precision))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = GLOBAL // world
+    losses, times = [], []
+    for step in range(STEPS):
+        ids = torch.randint(0, 256, (GLOBAL, SEQ), generator=torch.Generator().manual_seed(1000 + step))
+        mine = ids[rank * rows:(rank + 1) * rows]
+        start = time.perf_counter()
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - start)
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    if hasattr(engine, "close"):
+        engine.close()
+    return losses, times
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Inside torchrun: ``--repeats`` fresh runs; rank 0 writes the losses of the first and the
+    median step time (steps 3 on) of each to ``--out``."""
+    import torch.distributed as dist
+
+    if args.worker == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    runs = [_run_once(args.worker, args.stage, args.precision) for _ in range(args.repeats)]
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"losses": runs[0][0],
+                                              "step_s": [statistics.median(t[3:]) for _, t in runs]}))
+    dist.destroy_process_group()
+
+
+def launch(python: str, side: str, stage: int, precision: str, repeats: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT / "src")}
+        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(29500 + stage),
+               str(Path(__file__).resolve()), "--worker", side, "--stage", str(stage), "--precision", precision,
+               "--repeats", str(repeats), "--out", str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0 or not out.is_file():
+            lines = (proc.stdout + proc.stderr).strip().splitlines() or ["no output"]
+            why = next((line for line in reversed(lines) if "Error:" in line), lines[-1])
+            raise RuntimeError(f"{side} stage {stage} {precision} failed: {why.strip()}\n" + "\n".join(lines[-15:]))
+        return json.loads(out.read_text())
+
+
+def has_deepspeed(python: str) -> str | None:
+    """None when ``python`` imports deepspeed, else why not."""
+    if not Path(python).exists():
+        return f"{python} does not exist"
+    probe = subprocess.run([python, "-c", "import deepspeed"], capture_output=True, text=True,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    return None if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["import failed"])[-1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/dsvenv/bin/python"))
+    p.add_argument("--worker", choices=["deepspeed", "hybridpar"])
+    p.add_argument("--stage", type=int, default=0)
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    missing = has_deepspeed(args.ds_python)
+    python = args.ds_python if missing is None else sys.executable
+    if missing is not None:
+        print(f"DeepSpeed is not installed ({missing}): running only hybridpar's side. Install it in its own venv: "
+              "python -m venv /work/dsvenv && DS_BUILD_OPS=0 /work/dsvenv/bin/pip install deepspeed transformers")
+    rows = []
+    for precision in args.precisions:
+        for stage in args.stages:
+            try:
+                row = compare(python, stage, precision, args.repeats, with_deepspeed=missing is None)
+            except RuntimeError as e:  # one configuration failing does not hide the others' numbers
+                row = {"stage": stage, "precision": precision, "error": str(e).splitlines()[0]}
+                print(f"stage {stage} {precision}: failed: {row['error']}")
+                rows.append(row)
+                continue
+            rows.append(row)
+            _print_row(row)
+    print(json.dumps({"benchmark": "deepspeed_peer", "deepspeed": missing is None, "steps": STEPS, "rows": rows}))
+
+
+def compare(python: str, stage: int, precision: str, repeats: int, with_deepspeed: bool) -> dict[str, Any]:
+    """One configuration: ``repeats`` launches of each side, alternating (ours, DeepSpeed, ours,
+    ...) so that a shared machine's changing load falls on both alike; losses of the first."""
+    ours: list[dict[str, Any]] = []
+    theirs: list[dict[str, Any]] = []
+    for _ in range(repeats):
+        ours.append(launch(python, "hybridpar", stage, precision, 1))
+        if with_deepspeed:
+            theirs.append(launch(python, "deepspeed", stage, precision, 1))
+    row: dict[str, Any] = {"stage": stage, "precision": precision, "ours_losses": ours[0]["losses"],
+                           "ours_step_s": statistics.median(r["step_s"][0] for r in ours)}
+    if with_deepspeed:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(ours[0]["losses"], theirs[0]["losses"], strict=True)]
+        bound = FP32_BOUND if precision == "fp32" else BF16_BOUND
+        ds_step = statistics.median(r["step_s"][0] for r in theirs)
+        row.update(ds_losses=theirs[0]["losses"], ds_step_s=ds_step, max_rel_diff=max(diffs), bound=bound,
+                   within=max(diffs) <= bound, time_ratio=row["ours_step_s"] / ds_step)
+    return row
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    head = f"stage {row['stage']} {row['precision']}: ours {row['ours_step_s'] * 1e3:.1f} ms/step"
+    if "ds_losses" not in row:
+        print(head + f"; losses {[round(x, 5) for x in row['ours_losses']]}")
+        return
+    print(head + f", DeepSpeed {row['ds_step_s'] * 1e3:.1f} ms/step, ratio {row['time_ratio']:.2f}; max relative "
+          f"loss difference {row['max_rel_diff']:.2e} (bound {row['bound']:.1e}, {'ok' if row['within'] else 'OVER'})")
+    for i, (a, b) in enumerate(zip(row["ours_losses"], row["ds_losses"], strict=True)):
+        print(f"    step {i + 1:2d}  ours {a:.7f}  deepspeed {b:.7f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""``hybridpar.initialize`` called as ``deepspeed.initialize``: the ds_config read
+(:mod:`~hybridpar.api.deepspeed.config`), the parameter groups and optimizer DeepSpeed would
+build, the data loader, and the engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+Parameter groups as DeepSpeed means them: ``model_parameters`` given as groups are used as
+given (a group without ``weight_decay`` takes the optimizer's), a plain iterable of parameters
+(or none: the model's) is one group, decayed whole. A client ``optimizer=`` (an Adam, AdamW or SGD
+instance, or a callable building one from the parameters) gives its class, hyperparameters and
+groups; the engine's ZeRO optimizer then runs that class.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from hybridpar.api.autotp import check_autotp
+from hybridpar.api.deepspeed.config import DeepSpeedConfig, load_ds_config, parse_ds_config
+from hybridpar.api.deepspeed.engine import DeepSpeedEngine
+from hybridpar.api.engine import EngineConfig
+from hybridpar.config import ConfigError
+from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
+
+__all__ = ["deepspeed_initialize", "named_groups"]
+
+CLIENT_OPTIMIZERS = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
+GROUP_OPTIONS = ("lr", "weight_decay", "betas", "eps", "momentum", "name")
+
+
+def named_groups(model: nn.Module, model_parameters: Any, weight_decay: float) -> list[dict[str, Any]]:
+    """``model_parameters`` (None: the model's trainable ones) as named groups, DeepSpeed's way:
+    groups as given, a plain iterable one group; ``weight_decay`` where a group has none."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    items = list(model_parameters) if model_parameters is not None else \
+        [p for p in model.parameters() if p.requires_grad]
+    if not items:
+        raise ConfigError("initialize(): model_parameters is empty; pass model.parameters() or parameter groups")
+    groups = items if isinstance(items[0], Mapping) else [{"params": items}]
+    out = []
+    for g in groups:
+        params = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
+        named = []
+        for x in params:
+            p = x[1] if isinstance(x, tuple) else x
+            if id(p) not in names:
+                raise ConfigError(f"initialize(): model_parameters holds a tensor of shape {tuple(p.shape)} that is not "
+                                  "a parameter of model; pass model.parameters() or groups of them")
+            named.append((names[id(p)], p))
+        extra = sorted(set(g) - {"params", *GROUP_OPTIONS})
+        if extra:
+            raise ConfigError(f"initialize(): parameter group options {extra} are not supported; a group may set "
+                              f"{', '.join(GROUP_OPTIONS)}")
+        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": named,
+                    "weight_decay": g.get("weight_decay", weight_decay)})
+    return out
+
+
+def _client_optimizer(optimizer: Any, model: nn.Module, model_parameters: Any) -> tuple[dict[str, Any], Any]:
+    """A client optimizer (or a callable making one) as EngineConfig keys and its groups."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        params = model_parameters if model_parameters is not None else model.parameters()
+        optimizer = optimizer(params)
+    name = CLIENT_OPTIMIZERS.get(type(optimizer))
+    if name is None:
+        raise ConfigError(f"initialize(): optimizer={type(optimizer).__name__} is not supported; pass a torch.optim "
+                          "Adam, AdamW or SGD (or an optimizer block in the ds_config)")
+    d = optimizer.defaults
+    if d.get("amsgrad") or d.get("nesterov") or d.get("maximize") or d.get("dampening"):
+        raise ConfigError(f"initialize(): optimizer={type(optimizer).__name__} with amsgrad/nesterov/maximize/dampening "
+                          "is not supported")
+    keys: dict[str, Any] = {"optimizer": name, "lr": float(d["lr"]), "weight_decay": float(d.get("weight_decay", 0.0))}
+    if name == "sgd":
+        keys["momentum"] = float(d.get("momentum", 0.0))
+    else:
+        keys.update(betas=tuple(float(b) for b in d["betas"]), eps=float(d["eps"]))
+    groups = [{**{k: g[k] for k in GROUP_OPTIONS if k in g}, "params": g["params"]} for g in optimizer.param_groups]
+    return keys, groups
+
+
+def _world(topo: Topology | None) -> int:
+    if topo is not None:
+        return topo.world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _hidden(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    return int(hidden) if isinstance(hidden, int) else None
+
+
+def _dataloader(data: Any, ds: DeepSpeedConfig, topo: Topology, collate_fn: Callable[..., Any] | None) -> DataLoader:
+    """DeepSpeed's loader: this dp rank's share (DistributedSampler, shuffled with seed 0) in
+    micro-batches of ``train_micro_batch_size_per_gpu``."""
+    sampler = DistributedSampler(data, num_replicas=topo.dp.size, rank=topo.dp.rank)
+    return DataLoader(data, batch_size=ds.micro_batch, sampler=sampler, collate_fn=collate_fn)
+
+
+def deepspeed_initialize(model: nn.Module, config: Any = None, *, topo: Topology | None = None, args: Any = None,
+                         model_parameters: Any = None, optimizer: Any = None, training_data: Any = None,
+                         lr_scheduler: Any = None, mpu: Any = None, collate_fn: Any = None,
+                         config_params: Mapping[str, Any] | None = None) -> tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize``'s arguments -> ``(engine, optimizer, dataloader, lr_scheduler)``
+    (module doc). Every config check runs before a process group is created."""
+    if mpu is not None:
+        raise ConfigError("initialize(mpu=...) (Megatron's model-parallel unit) is not supported; give "
+                          "tensor_parallel.autotp_size in the ds_config")
+    if config is None and config_params is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if lr_scheduler is not None and (not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)):
+        raise ConfigError("initialize(lr_scheduler=<scheduler object>) is not supported (the engine builds its own "
+                          "optimizer); pass a callable optimizer -> scheduler, or a scheduler block in the ds_config")
+    if isinstance(model, _pipeline_module()):
+        from hybridpar.api.deepspeed.pipe import pipeline_initialize
+
+        return pipeline_initialize(model, load_ds_config(config, config_params), training_data, collate_fn)
+    raw = load_ds_config(config, config_params)
+    ds = parse_ds_config(raw, _world(topo), _hidden(model), client_optimizer=optimizer is not None)
+    tp = ds.engine.tensor_parallel_size or 1
+    if tp > 1:  # AutoTP's checks (plan, heads, tied vocab): before any group
+        try:
+            check_autotp(model, tp)
+        except ValueError as e:
+            raise ConfigError(f"ds_config: tensor_parallel.autotp_size = {tp}: {e}") from None
+    groups: Any = None
+    if optimizer is not None:
+        keys, groups = _client_optimizer(optimizer, model, model_parameters)
+        ds.engine = EngineConfig.from_dict({**_fields(ds.engine), **keys})
+        ds.engine.validate()
+    groups = named_groups(model, groups if groups is not None else model_parameters, ds.engine.weight_decay)
+    owns = topo is None
+    if topo is None:
+        init_distributed()
+        tp = ds.engine.tensor_parallel_size or 1
+        topo = ParallelDims(dp=_world(None) // tp, tp=tp).build(_device())
+    engine = DeepSpeedEngine(model, ds, topo, owns, groups, lr_scheduler)
+    if ds.no_effect and topo.rank == 0:
+        print(f"[hybridpar] ds_config keys accepted without effect here (docs/deepspeed.md): {', '.join(ds.no_effect)}",
+              flush=True)
+    loader = None if training_data is None else _dataloader(training_data, ds, topo, collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _fields(cfg: EngineConfig) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _device() -> str:
+    import torch.distributed as dist
+
+    return "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+
+
+def _pipeline_module() -> type:
+    from hybridpar.api.pipeline import PipelineModule
+
+    return PipelineModule
