@@ -1,0 +1,103 @@
+"""Activation offload in the planner (``parallel.offload_activations``,
+:mod:`hybridpar.parallel.offload_activations`): what it takes off the device, what it brings
+back, what it puts in host memory, and what its copies cost.
+
+Per micro-batch of a pipeline chunk, the first ``offloaded_count(n, fraction)`` of its ``n``
+layers keep in device memory none of what they save for backward (:func:`layer_offload_bytes`):
+their activations as :mod:`.activations` counts them (with ``recompute``: what recomputation
+keeps) and, under autocast, the half weight copies their linears saved. What stays anyway:
+
+* ZB-H1 / ZBV: the inputs the deferred linears keep until W (saved by the W split itself);
+* pipeline chunks after the first, fp32 residual: the first layer's input, which the runner holds
+  as the received activation.
+
+While backward runs, the offloaded storages of two layers are back on the device at once (the one
+whose backward runs and the one fetched next, :func:`working_bytes`), plus with full recompute the
+recomputed layer's activations; by then the head's tensors and the chunk's later (not offloaded)
+layers' activations are freed (:func:`offload_peak` in :mod:`.memory`).
+
+Time: each offloaded layer moves its bytes to host during forward and back during backward over
+the GPU's host link (``GPUSpec.host_bw``); the copies run on a side stream, so only what exceeds
+the layer's own forward (backward) compute is exposed (:func:`exposed_seconds`).
+"""
+
+from __future__ import annotations
+
+from hybridpar.config import ModelConfig
+from hybridpar.parallel.offload_activations import offloaded_count
+from hybridpar.parallel.pipeline.partition import ChunkSpec
+from hybridpar.planner.activations import (
+    deferred_layer_bytes,
+    layer_activation_bytes,
+    layer_weight_cast_bytes,
+)
+from hybridpar.planner.layout import BlockStyle, Layout, Workload
+
+__all__ = ["ChunkOffload", "chunk_offload", "exposed_seconds", "layer_offload_bytes", "offloaded_layers"]
+
+
+def offloaded_layers(layout: Layout, chunk: ChunkSpec) -> list[int]:
+    """The layers of ``chunk`` whose activations go to host memory (its first ones)."""
+    if not layout.offload_activations:
+        return []
+    n = len(chunk.layers)
+    return list(chunk.layers[:offloaded_count(n, layout.offload_activations_fraction)])
+
+
+def _zero_bubble(layout: Layout) -> bool:
+    return layout.pp > 1 and layout.pipeline_schedule in ("zb-h1", "zbv")
+
+
+def layer_kept_bytes(model: ModelConfig, layout: Layout, work: Workload, layer: int) -> float:
+    """What layer ``layer`` keeps for backward per micro-batch without offload: its activations
+    and, under autocast and without full recompute, its saved half weight copies."""
+    moe = layer in set(model.moe_layer_ids())
+    kept = layer_activation_bytes(model, layout, work, moe=moe)
+    if work.act_bytes != work.param_bytes and layout.recompute != "full" and work.style is BlockStyle.EAGER:
+        kept += layer_weight_cast_bytes(model, layer, layout.tp, layout.ep, work.act_bytes)
+    return kept
+
+
+def layer_offload_bytes(model: ModelConfig, layout: Layout, work: Workload, layer: int) -> float:
+    """Bytes one offloaded layer moves to host memory per micro-batch (and back): what it keeps
+    (:func:`layer_kept_bytes`) but what a zero-bubble schedule's deferred linears hold on the
+    device until W (their inputs; the half weight copies they keep are counted with W's)."""
+    kept = layer_kept_bytes(model, layout, work, layer)
+    if _zero_bubble(layout) and layout.recompute != "full":
+        tok = layout.micro_batch * (work.seq_len // layout.cp)
+        inputs, _ = deferred_layer_bytes(model, layout.tp, work.act_bytes, work.param_bytes)
+        kept -= tok * inputs
+        if work.act_bytes != work.param_bytes:
+            kept -= layer_weight_cast_bytes(model, layer, layout.tp, layout.ep, work.act_bytes)
+    return max(0.0, kept)
+
+
+class ChunkOffload:
+    """What offload changes for one micro-batch of one chunk: ``saved`` (device bytes it takes
+    off the chunk's body), ``later`` (the chunk's layers not offloaded, freed before the offloaded
+    ones' backward), ``working`` (bytes back on the device during their backward)."""
+
+    def __init__(self, saved: float, later: float, working: float) -> None:
+        self.saved, self.later, self.working = saved, later, working
+
+
+def chunk_offload(model: ModelConfig, layout: Layout, work: Workload, chunk: ChunkSpec) -> ChunkOffload:
+    """:class:`ChunkOffload` of ``chunk`` under ``layout`` (module docstring)."""
+    chosen = offloaded_layers(layout, chunk)
+    if not chosen:
+        return ChunkOffload(0.0, 0.0, 0.0)
+    moved = [layer_offload_bytes(model, layout, work, i) for i in chosen]
+    saved = sum(moved)
+    if layout.pp > 1 and not chunk.embedding and work.param_bytes == 4:
+        sp = layout.sequence_parallel and layout.tp > 1
+        tok = layout.micro_batch * (work.seq_len // layout.cp)
+        saved -= tok * model.dim * work.param_bytes / (layout.tp if sp else 1)  # the runner's received input
+    later = sum(layer_kept_bytes(model, layout, work, i) for i in chunk.layers if i not in chosen)
+    working = sum(sorted(moved)[-2:])
+    return ChunkOffload(saved, later, working)
+
+
+def exposed_seconds(nbytes: float, compute_s: float, host_bw: float) -> float:
+    """Seconds a copy of ``nbytes`` over the host link adds beside ``compute_s`` of compute it
+    overlaps (a side stream: only the excess shows)."""
+    return max(0.0, nbytes / host_bw - compute_s)
