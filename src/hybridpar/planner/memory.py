@@ -69,7 +69,12 @@ from hybridpar.planner.activations import moe_ffn_bytes as moe_ffn_bytes
 from hybridpar.planner.hardware import GiB
 from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
 from hybridpar.planner.moe import dispatch_rows, rank_load
-from hybridpar.planner.offload import chunk_offload, layer_offload_bytes, offloaded_layers
+from hybridpar.planner.offload import (
+    ChunkOffload,
+    chunk_offload,
+    layer_offload_bytes,
+    offloaded_layers,
+)
 from hybridpar.planner.shapes import (
     layer_partition,
     layer_shapes,
@@ -322,7 +327,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
         if body + head > best[0]:
             best = (body + head, body, head, sum(vec[:v]))
     _, acts, logits, in_flight = best
-    transient, base = 0.0, acts
+    transient = 0.0
     if L.recompute == "full":
         # The layer being recomputed holds its full activations (but shares its stored input)
         # until its backward ends. The first recomputation on a rank with the loss follows that
@@ -332,10 +337,23 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
                      - layer_activation_bytes(model, L, work, "full"))
         freed = max((cb.head for cb in sizes), default=0.0) if work.style is BlockStyle.EAGER else 0.0
         acts = max(acts, acts - freed + transient)
-    for cb, o in zip(sizes, offloads, strict=True):  # an offloaded layer's backward: two layers back
-        if o.working:  # on the device, the head and the chunk's later layers freed (planner/offload.py)
-            acts = max(acts, base - cb.head - o.later + o.working + transient)
+    if any(o.working for o in offloads):
+        acts = max(acts, offload_peak(vectors, sizes, offloads, transient) - logits)
     return acts, logits, in_flight
+
+
+def offload_peak(vectors: tuple[tuple[int, ...], ...], sizes: list[ChunkBytes], offloads: list[ChunkOffload],
+                 transient: float) -> float:
+    """The most an offloaded layer's backward holds (:mod:`.offload`): at a peak vector where a
+    micro-batch of chunk ``c`` is alive, its two layers back on the device (and with full
+    recompute the recomputed one's activations), its head and its later layers freed by then."""
+    v, most = len(sizes), 0.0
+    for vec in vectors:
+        total = sum(n * (cb.body + cb.head) + g * cb.deferred for n, g, cb in zip(vec[:v], vec[v:], sizes, strict=True))
+        for n, cb, o in zip(vec[:v], sizes, offloads, strict=True):
+            if n and o.working:
+                most = max(most, total - cb.head - o.later + o.working + transient)
+    return most
 
 
 @functools.lru_cache(maxsize=16384)
@@ -349,7 +367,8 @@ def _host_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v, sequence_parallel=sp,
                recompute=rec, micro_batch=mb, ep=ep, offload_activations=offload, offload_activations_fraction=fraction)
     chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
-    moved = [sum(layer_offload_bytes(model, L, work, i) for i in offloaded_layers(L, c)) for c in chunks]
+    moved = [sum(layer_offload_bytes(model, L, work, i, split=not c.embedding) for i in offloaded_layers(L, c))
+             for c in chunks]
     vectors = live_chunk_counts(sched, pp, len(chunks), L.microbatches(work.global_batch), pp_rank)
     return max(sum(n * b for n, b in zip(vec, moved, strict=False)) for vec in vectors)
 

@@ -7,7 +7,8 @@ layers keep in device memory none of what they save for backward (:func:`layer_o
 their activations as :mod:`.activations` counts them (with ``recompute``: what recomputation
 keeps) and, under autocast, the half weight copies their linears saved. What stays anyway:
 
-* ZB-H1 / ZBV: the inputs the deferred linears keep until W (saved by the W split itself);
+* ZB-H1 / ZBV: the inputs the deferred linears keep until W (saved by the W split itself; not on
+  the first stage, which runs B and W as one backward);
 * pipeline chunks after the first, fp32 residual: the first layer's input, which the runner holds
   as the received activation.
 
@@ -23,6 +24,8 @@ the layer's own forward (backward) compute is exposed (:func:`exposed_seconds`).
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.offload_activations import offloaded_count
 from hybridpar.parallel.pipeline.partition import ChunkSpec
@@ -31,9 +34,11 @@ from hybridpar.planner.activations import (
     layer_activation_bytes,
     layer_weight_cast_bytes,
 )
+from hybridpar.planner.hardware import Cluster
 from hybridpar.planner.layout import BlockStyle, Layout, Workload
 
-__all__ = ["ChunkOffload", "chunk_offload", "exposed_seconds", "layer_offload_bytes", "offloaded_layers"]
+__all__ = ["ChunkOffload", "chunk_offload", "exposed_seconds", "layer_offload_bytes", "offload_layer_times",
+           "offload_reason", "offloaded_layers"]
 
 
 def offloaded_layers(layout: Layout, chunk: ChunkSpec) -> list[int]:
@@ -58,12 +63,14 @@ def layer_kept_bytes(model: ModelConfig, layout: Layout, work: Workload, layer: 
     return kept
 
 
-def layer_offload_bytes(model: ModelConfig, layout: Layout, work: Workload, layer: int) -> float:
+def layer_offload_bytes(model: ModelConfig, layout: Layout, work: Workload, layer: int, split: bool = True) -> float:
     """Bytes one offloaded layer moves to host memory per micro-batch (and back): what it keeps
     (:func:`layer_kept_bytes`) but what a zero-bubble schedule's deferred linears hold on the
-    device until W (their inputs; the half weight copies they keep are counted with W's)."""
+    device until W (their inputs; the half weight copies they keep are counted with W's).
+    ``split``: its chunk's backward is split (not on the first stage, whose B the runner fuses
+    with its W: :func:`hybridpar.parallel.pipeline.runtime.fused_backward`)."""
     kept = layer_kept_bytes(model, layout, work, layer)
-    if _zero_bubble(layout) and layout.recompute != "full":
+    if split and _zero_bubble(layout) and layout.recompute != "full":
         tok = layout.micro_batch * (work.seq_len // layout.cp)
         inputs, _ = deferred_layer_bytes(model, layout.tp, work.act_bytes, work.param_bytes)
         kept -= tok * inputs
@@ -86,7 +93,7 @@ def chunk_offload(model: ModelConfig, layout: Layout, work: Workload, chunk: Chu
     chosen = offloaded_layers(layout, chunk)
     if not chosen:
         return ChunkOffload(0.0, 0.0, 0.0)
-    moved = [layer_offload_bytes(model, layout, work, i) for i in chosen]
+    moved = [layer_offload_bytes(model, layout, work, i, split=not chunk.embedding) for i in chosen]
     saved = sum(moved)
     if layout.pp > 1 and not chunk.embedding and work.param_bytes == 4:
         sp = layout.sequence_parallel and layout.tp > 1
@@ -101,3 +108,42 @@ def exposed_seconds(nbytes: float, compute_s: float, host_bw: float) -> float:
     """Seconds a copy of ``nbytes`` over the host link adds beside ``compute_s`` of compute it
     overlaps (a side stream: only the excess shows)."""
     return max(0.0, nbytes / host_bw - compute_s)
+
+
+def offload_layer_times(model: ModelConfig, layout: Layout, work: Workload, host_bw: float, f: float, b: float,
+                        moe: bool = False) -> tuple[float, float]:
+    """A layer's forward and backward seconds ``(f, b)`` with activation offload: the offloaded
+    share of the layers adds what of its copy to host (back to the device) the forward (backward)
+    compute does not hide (:func:`exposed_seconds`)."""
+    if not layout.offload_activations:
+        return f, b
+    per_chunk = max(1, model.n_layers // (layout.pp * layout.virtual_stages))
+    share = offloaded_count(per_chunk, layout.offload_activations_fraction) / per_chunk
+    moe_ids = model.moe_layer_ids()
+    layer = moe_ids[0] if moe and moe_ids else next((i for i in range(model.n_layers) if i not in moe_ids), 0)
+    nbytes = layer_offload_bytes(model, layout, work, layer)
+    return (f + share * exposed_seconds(nbytes, f, host_bw), b + share * exposed_seconds(nbytes, b, host_bw))
+
+
+def offload_reason(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, capacity: float) -> str | None:
+    """Why ``layout`` offloads activations, for ``hybridpar plan``: what it takes off the device,
+    what it costs, and what the same layout needs without it (None when it does not offload)."""
+    if not layout.offload_activations:
+        return None
+    from hybridpar.planner.cost import step_cost  # both price offload with this module
+    from hybridpar.planner.memory import plan_memory
+
+    on = plan_memory(model, layout, work)
+    without = dataclasses.replace(layout, offload_activations=False, offload_activations_fraction=1.0)
+    off = plan_memory(model, without, work)
+    gib = 2**30
+    per_chunk = max(1, model.n_layers // (layout.pp * layout.virtual_stages))
+    k = offloaded_count(per_chunk, layout.offload_activations_fraction)
+    nbytes = layer_offload_bytes(model, layout, work, 0)
+    added = step_cost(model, layout, work, cluster).step_time_s - step_cost(model, without, work, cluster).step_time_s
+    verdict = (f"without it this layout needs {off.total / gib:.1f} GiB of {capacity / gib:.1f}"
+               if off.total > capacity else f"it fits without ({off.total / gib:.1f} GiB)")
+    return (f"activation offload: {k} of each chunk's ~{per_chunk} layers keep what they save for backward in host "
+            f"memory ({nbytes / gib:.2f} GiB a layer and micro-batch, {nbytes / cluster.rank_gpu.host_bw * 1e3:.1f} ms "
+            f"each way over the host link, overlapped with compute: +{added:.3f} s per step); device "
+            f"{on.total / gib:.1f} GiB, host {on.cpu_bytes / gib:.1f} GiB; {verdict}")
