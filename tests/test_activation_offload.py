@@ -168,20 +168,26 @@ def test_offload_lowers_the_measured_peak_by_the_planned_bytes(name):
 # ----------------------------------------------------------------------------- planner
 
 
+SEQ = 98304  # llama3-8b on 8 H100s, global batch 16: micro-batch 2 fits only with activation offload
+
+
 def test_search_offloads_before_a_smaller_micro_batch():
-    """llama3-8b at 32k tokens on 8 H100s, dp8 and micro-batch 2 fixed: no recompute level fits
-    without offload, so the search offloads; with offload ruled out only micro-batch 1 fits."""
+    """llama3-8b at 96k tokens on 8 H100s (dp8): micro-batch 2 fits no other way (not with full
+    recompute, nor with ZeRO-3's optimizer offload), micro-batch 1 would fit without offloading
+    activations, and the search takes micro-batch 2 with activation offload."""
     from hybridpar.config import model_preset
     from hybridpar.planner.hardware import GPUS, Cluster
     from hybridpar.planner.layout import Workload
     from hybridpar.planner.search import complete
 
-    model, work, cluster = model_preset("llama3-8b"), Workload(16, 32768), Cluster.of(GPUS["H100-SXM"], 8, 8)
-    model.max_seq_len = 32768
-    best, _ = complete(model, {"dp": 8, "micro_batch": 2}, work, cluster)
-    assert best.fits and best.layout.offload_activations
+    model, work, cluster = model_preset("llama3-8b"), Workload(16, SEQ), Cluster.of(GPUS["H100-SXM"], 8, 8)
+    model.max_seq_len = SEQ
     without, _ = complete(model, {"dp": 8, "micro_batch": 2, "offload_activations": False}, work, cluster)
     assert not without.fits
+    smaller, _ = complete(model, {"dp": 8, "micro_batch": 1, "offload_activations": False}, work, cluster)
+    assert smaller.fits
+    best, _ = complete(model, {"dp": 8}, work, cluster)
+    assert best.fits and best.layout.offload_activations and best.layout.micro_batch == 2
     assert best.memory.cpu_bytes > 0  # the offloaded activations are in host memory
 
 
@@ -189,10 +195,11 @@ def test_plan_json_and_text_show_offload(capsys, tmp_path):
     from hybridpar.cli import main
 
     spec = tmp_path / "config.json"
-    spec.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
-                                "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-                                "vocab_size": 128256, "max_position_embeddings": 32768}))
-    args = ["plan", "--model", str(spec), "--gpus", "8", "--global-batch", "16", "--seq-len", "32768",
+    spec.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": SEQ,
+                                "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False}))
+    args = ["plan", "--model", str(spec), "--gpus", "8", "--global-batch", "16", "--seq-len", str(SEQ),
             "--layout", "dp=8,micro_batch=2"]
     assert main([*args, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
