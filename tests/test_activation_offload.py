@@ -207,3 +207,20 @@ def test_plan_json_and_text_show_offload(capsys, tmp_path):
     assert all("offload_activations" in alt for alt in doc["alternatives"])
     assert main(args) == 0
     assert "activation offload:" in capsys.readouterr().out
+
+
+def _host_peak(trainer) -> dict[str, float]:
+    return {"summary": trainer.hooks.summary()["activation_offload_host_mb"],
+            "blocks": trainer.engine.offload.blocks}
+
+
+def test_the_run_reports_host_bytes(tmp_path):
+    """summary.json's ``activation_offload_host_mb``: the planner's host bytes of the one-process
+    run (every layer of every micro-batch alive at once, at the end of the forwards)."""
+    run = Run(str(tmp_path), (*MODEL, *OFF), steps=1, after=_host_peak)
+    got = train(0, 1, run)
+    cfg = run.config()
+    layout, work = from_config(cfg)
+    one = sum(layer_offload_bytes(cfg.model, layout, work, i) for i in range(8))
+    assert got.extra["blocks"] == 8
+    assert got.extra["summary"] == round(one / 2**20, 3)  # micro-batches run forward then backward, one by one

@@ -41,7 +41,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from hybridpar.distributed.device import CopyStream
 
-__all__ = ["ActivationOffload", "offloaded_count"]
+__all__ = ["ActivationOffload", "HostBytes", "offloaded_count"]
 
 
 def offloaded_count(layers: int, fraction: float) -> int:
@@ -69,11 +69,25 @@ class _Entry:
         self.event: object | None = None
 
 
+class HostBytes:
+    """Bytes the offload holds in host memory now, and the most it held (since :meth:`reset_peak`)."""
+
+    def __init__(self) -> None:
+        self.current = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
 class _Group:
     """The saved storages of one call of one block, and the group that ran before it."""
 
-    def __init__(self, copies: CopyStream, skip: set[int]) -> None:
-        self.copies, self.skip = copies, skip
+    def __init__(self, copies: CopyStream, skip: set[int], host: HostBytes) -> None:
+        self.copies, self.skip, self.host = copies, skip, host
         self.entries: dict[int, _Entry] = {}
         self.prev: Callable[[], _Group | None] = lambda: None
 
@@ -89,6 +103,7 @@ class _Group:
             raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             entry = self.entries[key] = _Entry(raw, self.copies.host_buffer(storage.nbytes()))
             self.copies.to_host(raw, entry.host)
+            self.host.add(storage.nbytes())
         entry.pending += 1
         return _Handle(self, key, t.dtype, t.shape, t.stride(), t.storage_offset())
 
@@ -102,6 +117,7 @@ class _Group:
         for entry in self.entries.values():
             if entry.device is None and entry.host is not None:
                 tensor, entry.event = self.copies.to_device(entry.host)
+                self.host.add(-entry.host.numel())
                 entry.device, entry.host = _Resident(tensor), None
 
     def take(self, handle: _Handle) -> Tensor:
@@ -121,6 +137,8 @@ class _Group:
         entry = self.entries[key]
         entry.pending -= 1
         if entry.pending == 0:
+            if entry.host is not None:  # never brought back (no backward ran)
+                self.host.add(-entry.host.numel())
             del self.entries[key]
 
 
@@ -166,19 +184,20 @@ class ActivationOffload:
 
     def __init__(self, device: torch.device) -> None:
         self.copies = CopyStream(device)
+        self.blocks = 0  # blocks wrapped
+        self.host = HostBytes()  # what is in host memory (training/features/activation_offload.py reports it)
 
     def apply(self, blocks: Iterable[nn.Module]) -> int:
-        """Wrap each block's ``forward``; returns how many were wrapped."""
-        count = 0
+        """Wrap each block's ``forward``; returns how many were wrapped (also in ``blocks``)."""
         for block in blocks:
             block.forward = functools.partial(self._offloaded, block.forward)  # type: ignore[method-assign]
-            count += 1
-        return count
+            self.blocks += 1
+        return self.blocks
 
     def _offloaded(self, forward: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(x, *args, **kwargs)
-        group = _Group(self.copies, _storages((*args, *kwargs.values())))
+        group = _Group(self.copies, _storages((*args, *kwargs.values())), self.host)
         before = getattr(x, "_offload_group", None)
         if before is not None:
             group.prev = weakref.ref(before)

@@ -101,7 +101,8 @@ class Engine(StepEngine):
         self.compiled = self._compile(model)
         self._apply_recompute(model)
         runner, owned, train = self._pipeline(model)
-        self.offloaded_blocks = self._offload_activations(model)
+        self.offload = self._offload_activations(model)  # None without parallel.offload_activations
+        self.offloaded_blocks = self.offload.blocks if self.offload is not None else 0
         optimizer, self.params = self._optimizer(model, runner, train)
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
@@ -193,16 +194,18 @@ class Engine(StepEngine):
         train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
         return runner, owned_named_parameters(self.chunks), train
 
-    def _offload_activations(self, model: nn.Module) -> int:
+    def _offload_activations(self, model: nn.Module) -> ActivationOffload | None:
         """``parallel.offload_activations``: the first ``offload_activations_fraction`` of each
         pipeline chunk's blocks (the whole model's at pp=1) save for backward in host memory;
-        after recompute, so what a checkpoint keeps is what goes there. Returns how many."""
+        after recompute, so what a checkpoint keeps is what goes there (None when off)."""
         p = self.cfg.parallel
         if not p.offload_activations:
-            return 0
+            return None
         runs = [list(c.layers.values()) for c in self.chunks] if self.chunks else [self.family.blocks(model)]
         chosen = [b for run in runs for b in run[:offloaded_count(len(run), p.offload_activations_fraction)]]
-        return ActivationOffload(self.device).apply(chosen)
+        offload = ActivationOffload(self.device)
+        offload.apply(chosen)
+        return offload
 
     def _optimizer(self, model: nn.Module, runner: PipelineRunner | None, train: list[nn.Parameter]
                    ) -> tuple[DataParallelOptimizer, list[nn.Parameter]]:
