@@ -70,9 +70,9 @@ from hybridpar.planner.hardware import GiB
 from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
 from hybridpar.planner.moe import dispatch_rows, rank_load
 from hybridpar.planner.offload import (
-    ChunkOffload,
     chunk_offload,
     layer_offload_bytes,
+    offload_peak,
     offloaded_layers,
 )
 from hybridpar.planner.shapes import (
@@ -341,19 +341,6 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
         acts = max(acts, offload_peak(vectors, sizes, offloads, transient) - logits)
     return acts, logits, in_flight
 
-
-def offload_peak(vectors: tuple[tuple[int, ...], ...], sizes: list[ChunkBytes], offloads: list[ChunkOffload],
-                 transient: float) -> float:
-    """The most an offloaded layer's backward holds (:mod:`.offload`): at a peak vector where a
-    micro-batch of chunk ``c`` is alive, its two layers back on the device (and with full
-    recompute the recomputed one's activations), its head and its later layers freed by then."""
-    v, most = len(sizes), 0.0
-    for vec in vectors:
-        total = sum(n * (cb.body + cb.head) + g * cb.deferred for n, g, cb in zip(vec[:v], vec[v:], sizes, strict=True))
-        for n, cb, o in zip(vec[:v], sizes, offloads, strict=True):
-            if n and o.working:
-                most = max(most, total - cb.head - o.later + o.working + transient)
-    return most
 
 
 @functools.lru_cache(maxsize=16384)

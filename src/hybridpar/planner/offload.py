@@ -25,6 +25,7 @@ the layer's own forward (backward) compute is exposed (:func:`exposed_seconds`).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.offload_activations import offloaded_count
@@ -37,8 +38,11 @@ from hybridpar.planner.activations import (
 from hybridpar.planner.hardware import Cluster
 from hybridpar.planner.layout import BlockStyle, Layout, Workload
 
+if TYPE_CHECKING:
+    from hybridpar.planner.memory import ChunkBytes
+
 __all__ = ["ChunkOffload", "chunk_offload", "exposed_seconds", "layer_offload_bytes", "offload_layer_times",
-           "offload_reason", "offloaded_layers"]
+           "offload_peak", "offload_reason", "offloaded_layers"]
 
 
 def offloaded_layers(layout: Layout, chunk: ChunkSpec) -> list[int]:
@@ -102,6 +106,20 @@ def chunk_offload(model: ModelConfig, layout: Layout, work: Workload, chunk: Chu
     later = sum(layer_kept_bytes(model, layout, work, i) for i in chunk.layers if i not in chosen)
     working = sum(sorted(moved)[-2:])
     return ChunkOffload(saved, later, working)
+
+
+def offload_peak(vectors: tuple[tuple[int, ...], ...], sizes: list[ChunkBytes], offloads: list[ChunkOffload],
+                 transient: float) -> float:
+    """The most an offloaded layer's backward holds (:mod:`.offload`): at a peak vector where a
+    micro-batch of chunk ``c`` is alive, its two layers back on the device (and with full
+    recompute the recomputed one's activations), its head and its later layers freed by then."""
+    v, most = len(sizes), 0.0
+    for vec in vectors:
+        total = sum(n * (cb.body + cb.head) + g * cb.deferred for n, g, cb in zip(vec[:v], vec[v:], sizes, strict=True))
+        for n, cb, o in zip(vec[:v], sizes, offloads, strict=True):
+            if n and o.working:
+                most = max(most, total - cb.head - o.later + o.working + transient)
+    return most
 
 
 def exposed_seconds(nbytes: float, compute_s: float, host_bw: float) -> float:
