@@ -11,7 +11,8 @@ stream (:class:`hybridpar.distributed.device.CopyStream`); the device storage is
 the block's forward returns, then freed (what else holds it, a pipeline runner's record or a
 ZB-H1 deferred linear, keeps it alive as before). Not offloaded: parameters and views of them
 (ZeRO-3's gathered ones included), the block's other tensor arguments (RoPE tables shared by
-all blocks, document masks) and non-strided tensors.
+all blocks, document masks), tensors on another device than the run's (a CPU scalar in a CUDA run)
+and non-strided tensors.
 
 When the gradient of a block's output arrives (a tensor hook: the block's backward is about to
 start) its storages are brought back, and so are those of the block that ran before it in the
@@ -92,7 +93,7 @@ class _Group:
         self.prev: Callable[[], _Group | None] = lambda: None
 
     def pack(self, t: Tensor) -> Any:
-        if t.layout != torch.strided or t.numel() == 0 or _is_parameter(t):
+        if t.layout != torch.strided or t.numel() == 0 or t.device != self.copies.device or _is_parameter(t):
             return _keep(t)
         storage = t.untyped_storage()
         key = storage.data_ptr()
