@@ -71,9 +71,7 @@ from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, mod
 from hybridpar.planner.moe import dispatch_rows, rank_load
 from hybridpar.planner.offload import (
     chunk_offload,
-    layer_offload_bytes,
     offload_peak,
-    offloaded_layers,
 )
 from hybridpar.planner.shapes import (
     layer_partition,
@@ -346,7 +344,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
 @functools.lru_cache(maxsize=16384)
 def _host_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int) -> float:
     """Bytes activation offload holds in host memory on pipeline rank ``pp_rank`` at most: each
-    chunk's offloaded layers (:func:`.offload.layer_offload_bytes`) times its micro-batches alive."""
+    chunk's offloaded layers (:func:`.offload.chunk_offload`) times its micro-batches alive."""
     dp, tp, pp, cp, sched, v, sp, rec, mb, ep, offload, fraction = fields
     if not offload:
         return 0.0
@@ -354,8 +352,7 @@ def _host_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v, sequence_parallel=sp,
                recompute=rec, micro_batch=mb, ep=ep, offload_activations=offload, offload_activations_fraction=fraction)
     chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
-    moved = [sum(layer_offload_bytes(model, L, work, i, split=not c.embedding) for i in offloaded_layers(L, c))
-             for c in chunks]
+    moved = [chunk_offload(model, L, work, c).moved for c in chunks]
     vectors = live_chunk_counts(sched, pp, len(chunks), L.microbatches(work.global_batch), pp_rank)
     return max(sum(n * b for n, b in zip(vec, moved, strict=False)) for vec in vectors)
 

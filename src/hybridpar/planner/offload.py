@@ -86,10 +86,11 @@ def layer_offload_bytes(model: ModelConfig, layout: Layout, work: Workload, laye
 class ChunkOffload:
     """What offload changes for one micro-batch of one chunk: ``saved`` (device bytes it takes
     off the chunk's body), ``later`` (the chunk's layers not offloaded, freed before the offloaded
-    ones' backward), ``working`` (bytes back on the device during their backward)."""
+    ones' backward), ``working`` (bytes back on the device during their backward), ``moved``
+    (bytes in host memory)."""
 
-    def __init__(self, saved: float, later: float, working: float) -> None:
-        self.saved, self.later, self.working = saved, later, working
+    def __init__(self, saved: float, later: float, working: float, moved: float = 0.0) -> None:
+        self.saved, self.later, self.working, self.moved = saved, later, working, moved
 
 
 def chunk_offload(model: ModelConfig, layout: Layout, work: Workload, chunk: ChunkSpec) -> ChunkOffload:
@@ -97,15 +98,19 @@ def chunk_offload(model: ModelConfig, layout: Layout, work: Workload, chunk: Chu
     chosen = offloaded_layers(layout, chunk)
     if not chosen:
         return ChunkOffload(0.0, 0.0, 0.0)
-    moved = [layer_offload_bytes(model, layout, work, i, split=not chunk.embedding) for i in chosen]
+    moe_ids = set(model.moe_layer_ids())
+    kinds = {i in moe_ids: i for i in chunk.layers}  # a layer of each kind: their bytes are the same
+    per_kind = {moe: layer_offload_bytes(model, layout, work, i, split=not chunk.embedding) for moe, i in kinds.items()}
+    kept = {moe: layer_kept_bytes(model, layout, work, i) for moe, i in kinds.items()}
+    moved = [per_kind[i in moe_ids] for i in chosen]
     saved = sum(moved)
     if layout.pp > 1 and not chunk.embedding and work.param_bytes == 4:
         sp = layout.sequence_parallel and layout.tp > 1
         tok = layout.micro_batch * (work.seq_len // layout.cp)
         saved -= tok * model.dim * work.param_bytes / (layout.tp if sp else 1)  # the runner's received input
-    later = sum(layer_kept_bytes(model, layout, work, i) for i in chunk.layers if i not in chosen)
+    later = sum(kept[i in moe_ids] for i in chunk.layers if i not in chosen)
     working = sum(sorted(moved)[-2:])
-    return ChunkOffload(saved, later, working)
+    return ChunkOffload(saved, later, working, sum(moved))
 
 
 def offload_peak(vectors: tuple[tuple[int, ...], ...], sizes: list[ChunkBytes], offloads: list[ChunkOffload],

@@ -9,7 +9,7 @@ memory model and the cost model decide. For each factorisation the fields a user
 filled by the planner: micro-batch size, schedule and virtual stages are searched; sequence
 parallelism is on whenever tp > 1 and allowed (same traffic, less memory); recomputation is the
 cheapest level at which some ZeRO stage fits (none < selective < full: recomputing only adds
-time; then the same levels with activation offload of half, then all of each chunk's layers,
+time; then the same levels with activation offload of all of each chunk's layers,
 :func:`memory_levels`), and among the ZeRO stages that fit there the fastest, the one with less memory on a tie
 (ZeRO-2 over ZeRO-1 over ZeRO-0 when their step times are equal).
 
@@ -41,7 +41,9 @@ ZERO = (0, 1, 2, 3)
 # then the same on disk (ZeRO-Offload, then ZeRO-Infinity); the first that fits is proposed
 OFFLOAD_LADDER = (("cpu", False), ("cpu", True), ("disk", False), ("disk", True))
 # activation offload, tried per recompute level when nothing fits without (memory_levels)
-OFFLOAD_FRACTIONS = (0.5, 1.0)
+# (all of each chunk's layers: a fraction is the user's choice, parallel.offload_activations_fraction;
+# more fractions would double the search's memory evaluations where nothing fits)
+OFFLOAD_FRACTIONS = (1.0,)
 TIE_DIGITS = 9  # step times equal to this many significant digits tie; memory decides
 PRUNE_MARGIN = 1e-7  # a bound this far (relative) above the best may still tie after rounding
 # the rules (by name) that another micro-batch size may mend: a factorisation whose probe breaks
@@ -273,7 +275,7 @@ Level = tuple[str, bool, float]  # (recompute, offload_activations, offload_acti
 def memory_levels(partial: dict[str, object]) -> list[Level]:
     """What the search trades for memory, in order, as far as ``partial`` leaves it open: the
     recompute levels (none < selective < full) without activation offload, then, when not even
-    full recomputation fits, each level again offloading half of each chunk's layers, then all
+    full recomputation fits, each level again offloading all of each chunk's layers
     (:data:`OFFLOAD_FRACTIONS`): offload needs host memory and a host link the step shares, so it
     comes in where recomputation alone cannot make a layout (its micro-batch size) fit, before
     the search has to settle for a smaller micro-batch (another candidate, ranked by step time)."""
