@@ -4,8 +4,9 @@ Every tensor autograd saves for backward passes through a ``saved_tensors_hooks`
 which counts its *storage* once (views and tensors saved by several nodes share one) and
 releases it through a ``weakref.finalize`` on the packed handle when autograd frees it;
 parameters (and views of them) are not activations and are skipped. The pipeline runner's own
-records and ZB-H1's deferred linears are counted the same way (tests/test_planner_validation.py
-says more). Shared by the planner-validation tests and the chunked-loss tests.
+records, ZB-H1's deferred linears and the storages activation offload brings back to the device
+are counted the same way (tests/test_planner_validation.py says more; tensors offloaded to host
+memory are not device bytes and pass the meter by). Shared by the planner-validation tests and the chunked-loss tests.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _metered_recompute(meter: SavedBytesMeter):
 def measure_activations(rank: int, world: int, layouts: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
     """Per layout (name -> trainer config arguments): (this rank's pipeline rank, its peak saved
     bytes over one forward_backward)."""
-    from hybridpar.parallel import recompute
+    from hybridpar.parallel import offload_activations, recompute
     from hybridpar.parallel.context import zigzag_shard
     from hybridpar.parallel.pipeline import runtime, wsplit
     from hybridpar.training.engine import Engine
@@ -125,6 +126,8 @@ def measure_activations(rank: int, world: int, layouts: dict[str, list[str]]) ->
     out = {}
     original, original_recompute, original_linear = runtime._Saved, recompute._recomputed, wsplit._Linear
     original_hooks = wsplit._pack, wsplit._unpack
+    original_resident = offload_activations._Resident
+    original_kept = offload_activations._keep, offload_activations._kept
     for name, argv in layouts.items():
         cfg = load_config(None, argv)
         meter = SavedBytesMeter()
@@ -132,6 +135,8 @@ def measure_activations(rank: int, world: int, layouts: dict[str, list[str]]) ->
         wsplit._Linear = _metered(original_linear, meter)
         wsplit._pack, wsplit._unpack = meter.pack, meter.unpack  # what deferred linears' nodes save
         recompute._recomputed = _metered_recompute(meter)
+        offload_activations._Resident = _metered(original_resident, meter)  # brought back before backward
+        offload_activations._keep, offload_activations._kept = meter.pack, meter.unpack  # left on the device
         try:
             with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
                 engine = Engine(cfg, topo, torch.device("cpu"))
@@ -149,4 +154,6 @@ def measure_activations(rank: int, world: int, layouts: dict[str, list[str]]) ->
         finally:
             runtime._Saved, recompute._recomputed, wsplit._Linear = original, original_recompute, original_linear
             wsplit._pack, wsplit._unpack = original_hooks
+            offload_activations._Resident = original_resident
+            offload_activations._keep, offload_activations._kept = original_kept
     return out

@@ -279,15 +279,17 @@ def test_live_chunk_counts_cap_and_worst_rank():
 
 
 def _every_zero_stage(model, fixed, work, cluster, sp):
-    """_fitting_options without its shortcut: every ZeRO stage at every recompute level."""
+    """_fitting_options without its shortcut: every ZeRO stage at every recompute level (and
+    activation offload, S.memory_levels)."""
     from hybridpar.planner import search as S
     from hybridpar.planner.layout import Layout
 
     smallest = None
-    for rec in S.RECOMPUTE:
+    for rec, act, frac in S.memory_levels({}):
         fits = []
         for z in S.ZERO:
-            ev = S._memory_only(model, Layout(**fixed, sequence_parallel=sp, recompute=rec, zero_stage=z),
+            ev = S._memory_only(model, Layout(**fixed, sequence_parallel=sp, recompute=rec, zero_stage=z,
+                                              offload_activations=act, offload_activations_fraction=frac),
                                 work, cluster)
             if ev.rule is not None:
                 return [], ev
@@ -297,7 +299,8 @@ def _every_zero_stage(model, fixed, work, cluster, sp):
             return fits, fits[0]
     for where, params in S.OFFLOAD_LADDER:  # nothing fits on the GPUs: offload, the first that fits
         ev = S._memory_only(model, Layout(**fixed, sequence_parallel=sp, recompute=S.RECOMPUTE[-1], zero_stage=3,
-                                          offload_optimizer=True, offload_to=where, offload_params=params),
+                                          offload_optimizer=True, offload_to=where, offload_params=params,
+                                          offload_activations=True),
                             work, cluster)
         if ev.fits:
             return [ev], ev

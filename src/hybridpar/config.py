@@ -189,6 +189,11 @@ class LayoutChoice(MeshAxes):
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Recompute = "none"
+    # activation offload: what the first offload_activations_fraction of each pipeline chunk's blocks save
+    # for backward goes to host memory in forward and comes back ahead of their backward
+    # (hybridpar.parallel.offload_activations; rule offload-activations-fraction)
+    offload_activations: bool = False
+    offload_activations_fraction: float = 1.0
     # data-parallel gradient payload: int8 (block-wise, error feedback; any ZeRO stage) or
     # bf16/fp16 (ZeRO stages 1-3); see hybridpar.distributed.compression
     grad_compression: GradCompression = "none"

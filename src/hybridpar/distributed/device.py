@@ -205,3 +205,51 @@ def keep_host_heap() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _host_heap_kept = bool(mallopt(_M_MMAP_THRESHOLD, _HEAP_KEPT)) and bool(mallopt(_M_TRIM_THRESHOLD, _HEAP_KEPT))
     return _host_heap_kept
+
+
+class CopyStream:
+    """Host <-> device copies beside compute: a side stream and its events on CUDA, plain
+    synchronous copies elsewhere (on CPU "host" memory is the same memory, so a copy is a separate
+    buffer and nothing overlaps). Activation offload (:mod:`hybridpar.parallel.offload_activations`)
+    asks this instead of calling ``torch.cuda``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.asynchronous = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self.asynchronous else None
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """An empty byte buffer in host memory (pinned on CUDA, so copies into it are asynchronous)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.asynchronous)
+
+    def to_host(self, source: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy ``source`` (bytes on the device) into ``host``: on the side stream, after the work
+        queued so far on the current stream (which produced it); ``source``'s memory is not reused
+        before the copy has read it."""
+        if self._stream is None:
+            host.copy_(source)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            host.copy_(source, non_blocking=True)
+        source.record_stream(self._stream)
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        """A device copy of ``host`` started on the side stream, and the event that marks it done
+        (on CPU ``host`` itself, already the separate buffer the offload copied into, and None)."""
+        if self._stream is None:
+            return host, None
+        with torch.cuda.stream(self._stream):
+            out = host.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return out, event
+
+    def wait(self, tensor: torch.Tensor, event: object | None) -> None:
+        """Make the current stream wait for ``tensor``'s copy (``event``) before using it, and keep
+        its memory from reuse on the side stream while the current one reads it."""
+        if event is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(event)  # type: ignore[arg-type]
+        tensor.record_stream(stream)

@@ -43,7 +43,7 @@ CPU_CORE = GPUSpec("cpu core (uncalibrated)", bf16_flops=60e9, fp32_flops=60e9, 
 
 # Fields the planner may set; everything else in [parallel] and [train] stays the user's.
 CHOSEN = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "pipeline_schedule", "virtual_stages", "recompute",
-          "micro_batch", "dp_shard")
+          "offload_activations", "offload_activations_fraction", "micro_batch", "dp_shard")
 
 
 def resolve_hardware(cfg: Config, device_type: str) -> tuple[GPUSpec, str]:
@@ -134,7 +134,8 @@ def _runnable(cfg: Config, ev: Evaluation, world: int) -> str | None:
 
 def pinned_choices(cfg: Config) -> dict[str, object]:
     """The layout choices the config makes explicitly, which ``parallel.auto`` keeps: mesh axes
-    above 1, a ZeRO stage above 0, a recompute mode, a ZeRO group size (their defaults mean
+    above 1, a ZeRO stage above 0, a recompute mode, a ZeRO group size, activation offload (their
+    defaults mean
     "planner's choice")."""
     p = cfg.parallel
     out: dict[str, object] = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp", "ep") if getattr(p, k) > 1}
@@ -144,6 +145,8 @@ def pinned_choices(cfg: Config) -> dict[str, object]:
         out["recompute"] = p.recompute
     if p.dp_shard > 0:
         out["dp_shard"] = p.dp_shard
+    if p.offload_activations:
+        out |= {"offload_activations": True, "offload_activations_fraction": p.offload_activations_fraction}
     return out
 
 
@@ -184,8 +187,9 @@ def choose_layout(cfg: Config, world: int, device_type: str = "cpu", gpus_per_no
     work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb,
                     loss_chunk_tokens=t.loss_chunk_tokens)
     keep: dict[str, object] = {"sequence_parallel": p.sequence_parallel, "offload_optimizer": p.offload_optimizer}
-    if "recompute" in pinned:  # else the search recomputes only where nothing fits without it
-        keep["recompute"] = pinned["recompute"]
+    for k in ("recompute", "offload_activations", "offload_activations_fraction"):
+        if k in pinned:  # else the search recomputes (offloads) only where nothing fits without it
+            keep[k] = pinned[k]
     ranked: list[Evaluation] = []
     rejected: dict[str, int] = {}
     zeros = [pinned["zero_stage"]] if "zero_stage" in pinned else ZERO

@@ -21,6 +21,7 @@ from hybridpar.planner.hsdp import dp_shard_reason
 from hybridpar.planner.layout import Layout, Workload, model_key, parse_layout
 from hybridpar.planner.memory import COMPONENTS
 from hybridpar.planner.moe import DEFAULT_IMBALANCE, imbalance_from_run, rank_load
+from hybridpar.planner.offload import offload_reason
 from hybridpar.planner.search import (
     Evaluation,
     SearchResult,
@@ -94,8 +95,10 @@ def _row(ev: Evaluation, moe: bool = False) -> str:
             if c else "")
     ep = f" {L.ep:>3}" if moe else ""
     offload = (f"{L.offload_to}{'+p' if L.offload_params else ''}" if L.offload_optimizer else "-")
+    rec = L.recompute + (("+ao" + (f"{round(100 * L.offload_activations_fraction)}"  # activation offload
+                                    if L.offload_activations_fraction < 1 else "")) if L.offload_activations else "")
     return (f"{L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3}{ep} {L.micro_batch:>3} {L.zero_stage:>4} {offload:>7} "
-            f"{L.recompute:>9} {'y' if L.sequence_parallel else 'n':>2} {extra:>13} {mem} {rate}")
+            f"{rec:>9} {'y' if L.sequence_parallel else 'n':>2} {extra:>13} {mem} {rate}")
 
 
 def header(moe: bool = False) -> str:
@@ -193,6 +196,8 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
     lines.append(dp_shard_reason(best, lambda lay: evaluate(model, lay, work, cluster), cluster.gpus_per_node))
     lines += pipeline_reasons(model, best, work, cluster)
     lines += cp_reason(model, L, work, cluster)
+    reason = offload_reason(model, L, work, cluster, best.capacity)
+    lines += [reason] if reason else []
     return [f"why {_named(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
 
 
@@ -209,6 +214,8 @@ def _plan_layout(args: argparse.Namespace, model: ModelConfig, work: Workload, c
         if best.cost is not None:
             print(dp_shard_reason(best, lambda lay: evaluate(model, lay, work, cluster), cluster.gpus_per_node))
         print("\n".join(pipeline_reasons(model, best, work, cluster)))
+        if best.rule is None and (reason := offload_reason(model, best.layout, work, cluster, best.capacity)):
+            print(reason)
         if moe and best.cost is not None:
             print(explain_ep(model, best, work, cluster, *moe_source))
     return 0 if best.fits else 1

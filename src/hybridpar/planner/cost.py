@@ -64,6 +64,7 @@ from hybridpar.planner.dp_cost import dp_time, gradients, optimizer_time
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
 from hybridpar.planner.moe import dispatch_rows, rank_load
+from hybridpar.planner.offload import offload_layer_times
 from hybridpar.planner.shapes import layer_partition, padded, v_shaped
 
 
@@ -323,6 +324,7 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
         ep_total += ep_comm
     elif L.recompute == "selective":
         b_time += core
+    f, b_time = offload_layer_times(model, L, work, g.host_bw, f, b_time, moe)  # host copies beyond compute
     return LayerTime(f, b_time, bwd_w, tp_comm, ep_total)
 
 

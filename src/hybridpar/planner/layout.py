@@ -173,6 +173,11 @@ def parse_layout(text: str) -> dict[str, object]:
                 out[key] = int(value)
             except ValueError:
                 raise ConfigError(f"--layout {key}={value!r} must be an integer") from None
+        elif kind == "float":
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise ConfigError(f"--layout {key}={value!r} must be a number") from None
         elif kind == "bool":
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ConfigError(f"--layout {key}={value!r} must be true or false")

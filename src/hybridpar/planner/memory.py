@@ -23,7 +23,9 @@ host memory (reported as ``cpu_gib``), or with ``offload_to = "disk"`` to files 
 resident only while a group updates); ``offload_params`` moves the ZeRO-3 shards there too. int8 gradient
 compression adds its fp32 error-feedback residuals (4 bytes per gradient element) to ``grads``.
 
-Activations per layer come from :mod:`.activations` (the block style's formulas).
+Activations per layer come from :mod:`.activations` (the block style's formulas); activation
+offload (``parallel.offload_activations``) takes its layers' off the device, and puts them in
+host memory (``cpu_gib``), as :mod:`.offload` says.
 
 Per micro-batch and pipeline chunk come the embedding's token ids (int64, plus a mask under tp),
 the fp32 RoPE tables, under autocast a half copy of every matmul weight (autocast caches casts per
@@ -70,6 +72,10 @@ from hybridpar.planner.hardware import GiB
 from hybridpar.planner.hsdp import expert_group, replica_residual_bytes, zero_group
 from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
 from hybridpar.planner.moe import dispatch_rows, rank_load
+from hybridpar.planner.offload import (
+    chunk_offload,
+    offload_peak,
+)
 from hybridpar.planner.shapes import (
     layer_partition,
     layer_shapes,
@@ -294,19 +300,22 @@ def rank_activations(model: ModelConfig, layout: Layout, work: Workload,
 def _activation_fields(L: Layout) -> tuple:
     """The layout fields activations depend on (all but the ZeRO stage and offload)."""
     return (L.dp, L.tp, L.pp, L.cp, L.pipeline_schedule, L.virtual_stages, L.sequence_parallel,
-            L.recompute, L.micro_batch, L.ep)
+            L.recompute, L.micro_batch, L.ep, L.offload_activations, L.offload_activations_fraction)
 
 
 @functools.lru_cache(maxsize=65536)
 def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
                       pp_rank: int) -> tuple[float, float, int]:
-    dp, tp, pp, cp, sched, v, sp, rec, mb, ep = fields
+    dp, tp, pp, cp, sched, v, sp, rec, mb, ep, offload, fraction = fields
     model = model_of(key)
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v,
-               sequence_parallel=sp, recompute=rec, micro_batch=mb, ep=ep)
+               sequence_parallel=sp, recompute=rec, micro_batch=mb, ep=ep, offload_activations=offload,
+               offload_activations_fraction=fraction)
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
     chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
-    sizes = [chunk_bytes(model, L, work, c) for c in chunks]
+    offloads = [chunk_offload(model, L, work, c) for c in chunks]  # parallel.offload_activations (.offload)
+    sizes = [dataclasses.replace(cb, body=cb.body - o.saved)
+             for cb, o in zip((chunk_bytes(model, L, work, c) for c in chunks), offloads, strict=True)]
     v = len(chunks)
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
     best = (-1.0, 0.0, 0.0, 0)
@@ -316,6 +325,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
         if body + head > best[0]:
             best = (body + head, body, head, sum(vec[:v]))
     _, acts, logits, in_flight = best
+    transient = 0.0
     if L.recompute == "full":
         # The layer being recomputed holds its full activations (but shares its stored input)
         # until its backward ends. The first recomputation on a rank with the loss follows that
@@ -325,7 +335,26 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
                      - layer_activation_bytes(model, L, work, "full"))
         freed = max((cb.head for cb in sizes), default=0.0) if work.style is not BlockStyle.MEGATRON else 0.0
         acts = max(acts, acts - freed + transient)
+    if any(o.working for o in offloads):
+        acts = max(acts, offload_peak(vectors, sizes, offloads, transient) - logits)
     return acts, logits, in_flight
+
+
+
+@functools.lru_cache(maxsize=16384)
+def _host_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int) -> float:
+    """Bytes activation offload holds in host memory on pipeline rank ``pp_rank`` at most: each
+    chunk's offloaded layers (:func:`.offload.chunk_offload`) times its micro-batches alive."""
+    dp, tp, pp, cp, sched, v, sp, rec, mb, ep, offload, fraction = fields
+    if not offload:
+        return 0.0
+    model = model_of(key)
+    L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v, sequence_parallel=sp,
+               recompute=rec, micro_batch=mb, ep=ep, offload_activations=offload, offload_activations_fraction=fraction)
+    chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
+    moved = [chunk_offload(model, L, work, c).moved for c in chunks]
+    vectors = live_chunk_counts(sched, pp, len(chunks), L.microbatches(work.global_batch), pp_rank)
+    return max(sum(n * b for n, b in zip(vec, moved, strict=False)) for vec in vectors)
 
 
 def comm_buffer_bytes(model: ModelConfig, layout: Layout, work: Workload) -> float:
@@ -365,7 +394,8 @@ def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, p
     overhead = gpu_overhead(acts + logits, communicators(L.dp, L.tp, L.pp, L.cp))
     comps = {"params": float(st.params), "grads": float(st.grads), "optimizer": float(st.optimizer),
              "activations": acts, "logits": logits, "comm_buffers": comm, "overhead": overhead}
-    return MemoryReport(comps, pp_rank, float(st.cpu_optimizer), in_flight, disk_bytes=float(st.disk))
+    host = float(st.cpu_optimizer) + _host_activations(key, _activation_fields(L), work, pp_rank)
+    return MemoryReport(comps, pp_rank, host, in_flight, disk_bytes=float(st.disk))
 
 
 def _rank_parts(key: ModelKey, L: Layout, work: Workload,

@@ -9,7 +9,8 @@ memory model and the cost model decide. For each factorisation the fields a user
 filled by the planner: micro-batch size, schedule and virtual stages are searched; sequence
 parallelism is on whenever tp > 1 and allowed (same traffic, less memory); recomputation is the
 cheapest level at which some ZeRO stage fits (none < selective < full: recomputing only adds
-time), and among the ZeRO stages that fit there the fastest, the one with less memory on a tie
+time; then the same levels with activation offload of all of each chunk's layers,
+:func:`memory_levels`), and among the ZeRO stages that fit there the fastest, the one with less memory on a tie
 (ZeRO-2 over ZeRO-1 over ZeRO-0 when their step times are equal).
 
 Speed: :func:`search` answers a 64- or 1024-GPU question in about a second. Rules and memory are
@@ -41,6 +42,10 @@ ZERO = (0, 1, 2, 3)
 # when nothing fits on the GPUs: ZeRO-3's state to host memory, then its parameter shards too,
 # then the same on disk (ZeRO-Offload, then ZeRO-Infinity); the first that fits is proposed
 OFFLOAD_LADDER = (("cpu", False), ("cpu", True), ("disk", False), ("disk", True))
+# activation offload, tried per recompute level when nothing fits without (memory_levels)
+# (all of each chunk's layers: a fraction is the user's choice, parallel.offload_activations_fraction;
+# more fractions would double the search's memory evaluations where nothing fits)
+OFFLOAD_FRACTIONS = (1.0,)
 TIE_DIGITS = 9  # step times equal to this many significant digits tie; memory decides
 PRUNE_MARGIN = 1e-7  # a bound this far (relative) above the best may still tie after rounding
 # the rules (by name) that another micro-batch size may mend: a factorisation whose probe breaks
@@ -220,18 +225,19 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
     tp, cp = int(fixed["tp"]), int(fixed["cp"])  # type: ignore[call-overload]
     sp_default = tp > 1 and work.seq_len % (tp * (2 * cp if cp > 1 else 1)) == 0  # the sp-seq-len rule
     sp = bool(partial.get("sequence_parallel", sp_default))
-    recs = [partial["recompute"]] if "recompute" in partial else list(RECOMPUTE)
+    levels = memory_levels(partial)
     zeros = [partial["zero_stage"]] if "zero_stage" in partial else list(ZERO)
     zeros = [z for z in zeros if z or "dp_shard" not in partial] or zeros  # dp_shard shards ZeRO-1/2/3 state
     offload = bool(partial.get("offload_optimizer", False))
     compression = str(partial.get("grad_compression", "none"))
-    layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
+    layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec[0]), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
                                 offload_optimizer=offload, grad_compression=compression,  # type: ignore[arg-type]
+                                offload_activations=rec[1], offload_activations_fraction=rec[2],
                                 dp_shard=int(partial.get("dp_shard", 0)))  # type: ignore[call-overload]
-               for rec in recs for z in zeros}
+               for rec in levels for z in zeros}
     rule = layout_rule(model, next(iter(layouts.values())), work)  # the same for all of them
     smallest: Evaluation | None = None
-    for rec in recs:
+    for rec in levels:
         done: dict[object, Evaluation] = {}
         order = list(zeros)
         if order == list(ZERO):
@@ -260,12 +266,32 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
         # nothing fits on the device: offload ZeRO-3's optimizer state, then its parameter shards,
         # to host memory, and where the host cannot hold them either, to disk (ZeRO-Infinity)
         for where, params in OFFLOAD_LADDER:
-            ev = _memory_only(model, dataclasses.replace(layouts[(recs[-1], 3)], offload_optimizer=True,
+            ev = _memory_only(model, dataclasses.replace(layouts[(levels[-1], 3)], offload_optimizer=True,
                                                          offload_to=where, offload_params=params),  # type: ignore[arg-type]
                               work, cluster, rule=rule)
             if ev.fits:
                 return [ev], ev
     return [], smallest
+
+
+Level = tuple[str, bool, float]  # (recompute, offload_activations, offload_activations_fraction)
+
+
+def memory_levels(partial: dict[str, object]) -> list[Level]:
+    """What the search trades for memory, in order, as far as ``partial`` leaves it open: the
+    recompute levels (none < selective < full) without activation offload, then, when not even
+    full recomputation fits, each level again offloading all of each chunk's layers
+    (:data:`OFFLOAD_FRACTIONS`): offload needs host memory and a host link the step shares, so it
+    comes in where recomputation alone cannot make a layout (its micro-batch size) fit, before
+    the search has to settle for a smaller micro-batch (another candidate, ranked by step time)."""
+    recs = [str(partial["recompute"])] if "recompute" in partial else list(RECOMPUTE)
+    if "offload_activations" in partial:
+        chosen = bool(partial["offload_activations"])
+        fractions = [float(partial.get("offload_activations_fraction", 1.0))]  # type: ignore[arg-type]
+        return [(rec, chosen, f) for rec in recs for f in fractions]
+    if "offload_activations_fraction" in partial:
+        return [(rec, True, float(partial["offload_activations_fraction"])) for rec in recs]  # type: ignore[arg-type]
+    return [(rec, False, 1.0) for rec in recs] + [(rec, True, f) for rec in recs for f in OFFLOAD_FRACTIONS]
 
 
 def _cheapest_fit(model: ModelConfig, partial: dict[str, object], fixed: dict[str, object],

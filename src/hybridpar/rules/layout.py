@@ -315,6 +315,19 @@ def _offload(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("offload-activations-fraction")
+def _offload_activations(cfg: Config, world: int | None) -> str | None:
+    p = cfg.parallel
+    f = p.offload_activations_fraction
+    if not 0 < f <= 1:
+        return (f"parallel.offload_activations_fraction = {f} must be in (0, 1]: the share of each pipeline chunk's "
+                "blocks whose saved activations go to host memory; use 1 for all of them")
+    if f != 1 and not p.offload_activations:
+        return (f"parallel.offload_activations_fraction = {f} has no effect with parallel.offload_activations = "
+                "false; set offload_activations = true (or leave the fraction at 1)")
+    return None
+
+
 @rule("dp-compression")
 def _compression(cfg: Config, world: int | None) -> str | None:
     p = cfg.parallel

@@ -9,7 +9,7 @@ clips, steps and logs; it branches on nothing.
 
 ``Engine.__init__`` reads as the build does, one short method per step, in order (as
 torchtitan's ``parallelize_<model>``): build -> apply tp -> apply ep -> load weights -> apply cp
--> compile -> recompute -> pipeline -> optimizer. What happens around each training step for a
+-> compile -> recompute -> pipeline -> activation offload -> optimizer. What happens around each training step for a
 feature (MoE statistics and balancing, 2BW's read-ahead and weight versions, ...) is not here:
 :mod:`hybridpar.training.features`.
 """
@@ -37,6 +37,7 @@ from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import ContextParallel, enable_context_parallel
 from hybridpar.parallel.experts import expert_param_names, expert_units
 from hybridpar.parallel.loss import HeadInput, chunked_head, head_cross_entropy
+from hybridpar.parallel.offload_activations import ActivationOffload, offloaded_count
 from hybridpar.parallel.pipeline import build_schedule, partition_model
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
@@ -101,6 +102,8 @@ class Engine(StepEngine):
         self.compiled = self._compile(model)
         self._apply_recompute(model)
         runner, owned, train = self._pipeline(model)
+        self.offload = self._offload_activations(model)  # None without parallel.offload_activations
+        self.offloaded_blocks = self.offload.blocks if self.offload is not None else 0
         optimizer, self.params = self._optimizer(model, runner, train)
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
@@ -195,6 +198,19 @@ class Engine(StepEngine):
             runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits, **stage)
         train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
         return runner, owned_named_parameters(self.chunks), train
+
+    def _offload_activations(self, model: nn.Module) -> ActivationOffload | None:
+        """``parallel.offload_activations``: the first ``offload_activations_fraction`` of each
+        pipeline chunk's blocks (the whole model's at pp=1) save for backward in host memory;
+        after recompute, so what a checkpoint keeps is what goes there (None when off)."""
+        p = self.cfg.parallel
+        if not p.offload_activations:
+            return None
+        runs = [list(c.layers.values()) for c in self.chunks] if self.chunks else [self.family.blocks(model)]
+        chosen = [b for run in runs for b in run[:offloaded_count(len(run), p.offload_activations_fraction)]]
+        offload = ActivationOffload(self.device)
+        offload.apply(chosen)
+        return offload
 
     def _optimizer(self, model: nn.Module, runner: PipelineRunner | None, train: list[nn.Parameter]
                    ) -> tuple[DataParallelOptimizer, list[nn.Parameter]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybridpar.parallel.pipeline.twobw import TwoBWRunner
+from hybridpar.training.features.activation_offload import ActivationOffloadReport
 from hybridpar.training.features.async_checkpoint import AsyncCheckpointStaging
 from hybridpar.training.features.base import StepFeature, StepHooks
 from hybridpar.training.features.compile import CompileReport
@@ -40,6 +41,8 @@ def features_for(trainer: Trainer) -> StepHooks:
     if t.async_checkpoint:
         features.append(AsyncCheckpointStaging(lambda: trainer.writer, lambda: trainer.checkpoint_stalls,
                                                any(f.backward_writes_checkpoint_state for f in features)))
+    if engine.offload is not None:
+        features.append(ActivationOffloadReport(trainer.topo, trainer.device, engine.offload))
     if engine.compiled:
         features.append(CompileReport(trainer.topo, trainer.device, engine.compiled, t.compile_backend))
     if trainer.elastic is not None:
