@@ -5,7 +5,13 @@ the axes that split it (``parallel/fp8``), so each FP8 scale of the first step (
 inputs equal everywhere then) equals the single-process one exactly: the tensorwise runs
 record every scale of step 1 (forward and backward) on each rank and the union over the ranks
 that hold different tokens or layers (dp, pp; tp and cp ranks hold the same scalars) must be
-the single-process multiset. With equal scales, the quantized operands differ only where the
+the single-process multiset. One exception, exact too: each rank's loss is the mean over its
+own micro-batches and tokens and data/context parallelism averages the gradients afterwards, so
+inside backward the output gradients (tensorwise: the e5m2 operands) are ``dp x cp`` times one
+process's, and so their amax; for a power-of-two factor (every layout here) the power-of-two
+scale is exactly ``1 / (dp x cp)`` of one process's and the quantized elements ``dy * s`` are
+identical; the test compares ``scale x dp x cp``. (For dp x cp not a power of two the quantized
+gradients would differ by one FP8 rounding, the format's error.) With equal scales, the quantized operands differ only where the
 GEMM inputs differ, i.e. by the layouts' fp32 accumulation order.
 
 **Tolerance, from the format.** An accumulation difference of one ulp can move a value across
@@ -30,6 +36,7 @@ from layouts import LR, STEPS, Run, reference, train_layout
 from numerics import LOSS_RTOL, layout_weight_atol
 
 import hybridpar.parallel.fp8 as fp8_module
+from hybridpar.parallel.fp8 import E5M2
 from hybridpar.training.trainer import Trainer
 
 pytestmark = pytest.mark.numerics
@@ -48,14 +55,14 @@ LAYOUTS = {
     "dp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
 }
 ROWWISE = ("tp2-sp", "pp2-zb-h1", "cp2", "dp2-tp2-pp2")
-SCALES: list[float] = []
+SCALES: list[tuple[str, float]] = []
 _ORIGINAL = fp8_module.scale_of
 
 
 def _recording_scale_of(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     s = _ORIGINAL(a, dtype)
     if SCALES is not None and not getattr(_recording_scale_of, "done", False):
-        SCALES.extend(s.flatten().tolist())
+        SCALES.extend((str(dtype), v) for v in s.flatten().tolist())
     return s
 
 
@@ -76,10 +83,12 @@ def record_first_step(trainer: Trainer) -> dict[str, Any]:
 
 
 def report_scales(trainer: Trainer) -> dict[str, Any]:
-    """After probe: step 1's scales, and which ranks hold the same ones (tp, cp peers)."""
+    """After probe: step 1's scales, which ranks hold the same ones (tp, cp peers), and the
+    factor this layout's output gradients carry against one process's (module doc)."""
     fp8_module.scale_of = _ORIGINAL
-    topo = trainer.topo
-    return {"scales": list(SCALES), "replica": topo.tp.rank != 0 or topo.cp.rank != 0}
+    topo, p = trainer.topo, trainer.cfg.parallel
+    return {"scales": list(SCALES), "replica": topo.tp.rank != 0 or topo.cp.rank != 0,
+            "grad_factor": p.dp * p.cp}
 
 
 def _family(name: str) -> tuple[str, ...]:
@@ -87,10 +96,11 @@ def _family(name: str) -> tuple[str, ...]:
 
 
 def _check_scales(results: list[Any], expected: Any) -> None:
-    union: collections.Counter[float] = collections.Counter()
+    union: collections.Counter[tuple[str, float]] = collections.Counter()
     for r in results:
         if not r.extra["replica"]:
-            union.update(r.extra["scales"])
+            f = r.extra["grad_factor"]  # a power of two here: output-gradient scales are 1/f of one process's
+            union.update((dt, v * f if dt == str(E5M2) else v) for dt, v in r.extra["scales"])
     assert len(expected.extra["scales"]) > 0
     assert union == collections.Counter(expected.extra["scales"])
 
