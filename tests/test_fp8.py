@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridpar.parallel.fp8 as fp8_module
+from hybridpar import compat
 from hybridpar.distributed.comm import Comm
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.fp8 import E4M3, E5M2, Fp8Layout, to_fp8
@@ -106,9 +107,13 @@ def _data(seed: int) -> tuple[torch.Tensor, ...]:
     return x, torch.randn(N, K, generator=g) * 0.1, torch.randn(M, N, generator=g) * 1e-3, torch.randn(N, generator=g)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["scaled_mm", "cpu-fp32-gemm"])
 @pytest.mark.parametrize("kind", ["linear", "column", "row"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fp8_gemms_equal_float64_of_quantized_operands(kind: str, recipe: str) -> None:
+def test_fp8_gemms_equal_float64_of_quantized_operands(kind: str, recipe: str, kernel: bool, monkeypatch: Any) -> None:
+    """Both CPU paths of ``compat.scaled_mm``: torch's ``_scaled_mm`` kernel, and the fp32 GEMM of
+    the dequantized operands the CPU runs by default."""
+    monkeypatch.setattr(compat, "CPU_SCALED_MM_KERNEL", kernel)
     x, w, dy, b = _data(0)
     got = _run(_make(kind, recipe, w, b if kind != "row" else None), x, dy)  # row: bias after the tp sum
     for name, (left, right) in _gemms(x, w, dy).items():
