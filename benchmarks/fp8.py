@@ -40,7 +40,7 @@ def run(name: str, steps: int, nproc: int, extra: list[str], root: Path) -> dict
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in records if "step_time_s" in r and "loss" in r]
-    return {"final_loss": summary["final_loss"], "wall_s": wall,
+    return {"final_loss": summary["final_loss"], "val_loss": summary.get("val_loss"), "wall_s": wall,
             "median_step_s": statistics.median(times) if times else None, "fp8": summary.get("fp8")}
 
 
@@ -55,10 +55,11 @@ def main() -> None:
         bf16 = run("bf16", args.steps, args.nproc, extra, root)
         fp8 = run("fp8", args.steps, args.nproc, [*extra, "--train.fp8", args.recipe], root)
     rel = fp8["final_loss"] / bf16["final_loss"] - 1
-    print(f"{'run':<16}{'final loss':>12}{'median step s':>16}{'wall s':>10}")
+    print(f"{'run':<16}{'final loss':>12}{'val loss':>10}{'median step s':>16}{'wall s':>10}")
     for name, r in (("bf16", bf16), (f"fp8 {args.recipe}", fp8)):
         step = "n/a" if r["median_step_s"] is None else f"{r['median_step_s']:.4f}"
-        print(f"{name:<16}{r['final_loss']:>12.4f}{step:>16}{r['wall_s']:>10.1f}")
+        val = "n/a" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+        print(f"{name:<16}{r['final_loss']:>12.4f}{val:>10}{step:>16}{r['wall_s']:>10.1f}")
     print(f"fp8 / bf16 final loss - 1 = {rel:+.4f} (target |.| <= 0.02); steps {args.steps}, nproc {args.nproc}")
     print(json.dumps({"benchmark": "fp8", "steps": args.steps, "nproc": args.nproc, "recipe": args.recipe,
                       "bf16": bf16, "fp8": fp8, "final_loss_rel": rel, "within_2pct": abs(rel) <= 0.02}))
