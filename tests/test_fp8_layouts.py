@@ -54,7 +54,12 @@ LAYOUTS = {
     "zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],
     "dp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
 }
-ROWWISE = ("tp2-sp", "pp2-zb-h1", "cp2", "dp2-tp2-pp2")
+# one process, other kernels or schedules of the same math (rowwise only: no scale check needed)
+SINGLE = {
+    "recompute-full": ["--parallel.recompute", "full"],
+    "compile": ["--train.compile", "true", "--train.compile_backend", "aot_eager"],
+}
+ROWWISE = ("tp2-sp", "pp2-zb-h1", "cp2", "dp2-tp2-pp2", *SINGLE)
 SCALES: list[tuple[str, float]] = []
 _ORIGINAL = fp8_module.scale_of
 
@@ -112,7 +117,7 @@ def test_fp8_layout_trains_like_one_process(tmp_path: Any, recipe: str, name: st
     fp8 = ("--train.fp8", recipe)
     expected = reference(Run(tmp, (*base, *fp8), **probes))
     plain = reference(Run(tmp, base))
-    results = train_layout(Run(tmp, (*base, *fp8, *LAYOUTS[name]), **probes), timeout=600)
+    results = train_layout(Run(tmp, (*base, *fp8, *{**LAYOUTS, **SINGLE}[name]), **probes), timeout=600)
     if probes:
         _check_scales(results, expected)
     fmt = [abs(a - b) for a, b in zip(expected.losses, plain.losses, strict=True)]

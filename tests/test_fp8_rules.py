@@ -35,9 +35,9 @@ def test_bf16_and_fp32_with_fp8_are_accepted() -> None:
 def test_device_without_fp8_kernels_is_refused(tmp_path) -> None:
     cfg = make_config(str(tmp_path), "--model.dim", "64", "--train.fp8", "rowwise")
     assert fp8_device_error("rowwise", "cpu", True) is None and fp8_device_error("none", "cuda:0", False) is None
-    with trainer_for(make_config(str(tmp_path), "--model.dim", "64")) as trainer:
-        with pytest.raises(UserError, match="needs FP8 matmul kernels, which cuda does not have"):
-            apply_fp8(cfg, trainer.topo, torch.device("cuda"), [])  # no CUDA here, or one below 8.9
+    with (trainer_for(make_config(str(tmp_path), "--model.dim", "64")) as trainer,
+          pytest.raises(UserError, match="needs FP8 matmul kernels, which cuda does not have")):
+        apply_fp8(cfg, trainer.topo, torch.device("cuda"), [])  # no CUDA here, or one below 8.9
 
 
 def test_the_blocks_linears_and_nothing_else_run_fp8(tmp_path) -> None:

@@ -154,7 +154,8 @@ class Engine(StepEngine):
     def _apply_fp8(self, model: nn.Module) -> int:
         """``train.fp8``: the blocks' linear layers get FP8 GEMMs (after tp and cp, which decide
         the axes their scales are reduced over); returns how many."""
-        from hybridpar.training.features.fp8 import apply_fp8  # the features package imports this module
+        # imported here: the features package imports this module
+        from hybridpar.training.features.fp8 import apply_fp8
 
         return apply_fp8(self.cfg, self.topo, self.device, self.family.blocks(model))
 
