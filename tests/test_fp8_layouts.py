@@ -41,7 +41,7 @@ from hybridpar.training.trainer import Trainer
 
 pytestmark = pytest.mark.numerics
 
-# every GEMM dimension a multiple of 16 at tp2 / cp2 (rule fp8-dims): head_dim 16, kv 2 x 16
+# every GEMM dimension a multiple of 16 at tp2 / cp2 (rule train-fp8-dims): head_dim 16, kv 2 x 16
 MODEL = ("--model.dim", "64")
 MOE = ("--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2",
        "--model.moe_ffn_hidden", "32", "--model.n_kv_heads", "4")

@@ -21,14 +21,14 @@ FP8_MODES = ("none", "tensorwise", "rowwise")
 FP8_MULTIPLE = 16
 
 
-@rule("fp8-mode")
+@rule("train-fp8-mode")
 def _mode(cfg: Config, world: int | None) -> str | None:
     if cfg.train.fp8 not in FP8_MODES:
         return f"train.fp8 = {cfg.train.fp8!r} is not an FP8 recipe; use 'none', 'tensorwise' or 'rowwise'"
     return None
 
 
-@rule("fp8-precision")
+@rule("train-fp8-precision")
 def _precision(cfg: Config, world: int | None) -> str | None:
     if cfg.train.fp8 != "none" and cfg.train.precision == "fp16":
         return ("train.fp8 with train.precision = 'fp16' is not supported (FP8 GEMMs return bf16 or fp32, and "
@@ -50,7 +50,7 @@ def fp8_gemm_dims(cfg: Config) -> dict[str, int]:
     return dims
 
 
-@rule("fp8-dims")
+@rule("train-fp8-dims")
 def _dims(cfg: Config, world: int | None) -> str | None:
     if cfg.train.fp8 == "none":
         return None

@@ -38,7 +38,7 @@ def apply_fp8(cfg: Config, topo: Topology, device: torch.device, blocks: list[nn
     features, row-parallel ones along the input features, and every activation amax over the
     tokens is reduced over cp (:mod:`hybridpar.parallel.fp8`); plain ``nn.Linear`` layers become
     :class:`~hybridpar.parallel.fp8.Fp8Linear`. Raises ``UserError`` on a device without FP8
-    kernels (rule ``fp8-device``)."""
+    kernels (``rules.fp8_device_error``)."""
     recipe = cfg.train.fp8
     if recipe == "none":
         return 0
