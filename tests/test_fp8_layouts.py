@@ -51,6 +51,7 @@ LAYOUTS = {
     "pp2-zb-h1": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-h1"],
     "cp2": ["--parallel.cp", "2"],
     "ep2": ["--parallel.dp", "2", "--parallel.ep", "2"],
+    "zero2": ["--parallel.dp", "2", "--parallel.zero_stage", "2"],
     "zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],
     "dp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
 }
