@@ -22,7 +22,12 @@ the whole script takes about a minute (``tests/test_gpu_benchmark.py`` runs it s
 On CPU the profile counts forced transfers as the aten ops that read a tensor's value on the
 host (``aten::_local_scalar_dense``, ``aten::is_nonzero``) and kernel time as the ops' self time.
 
-    python benchmarks/gpu.py [--device cuda|cpu] [--quick] [--steps N]
+``--fp8`` runs only hybridpar's step with ``train.fp8`` = tensorwise and rowwise against bf16 at the
+0.7B shape (eager, and compiled on CUDA): the FP8 / bf16 step ratios of issue 33 (target <= 0.75
+on one H100). On CPU the FP8 GEMM is an fp32 GEMM of the dequantized operands (``compat.scaled_mm``),
+so its ratio there says nothing about GPUs.
+
+    python benchmarks/gpu.py [--device cuda|cpu] [--quick] [--steps N] [--fp8]
 """
 
 from __future__ import annotations
@@ -223,10 +228,49 @@ def profile_steps(shape: list[str], device: torch.device, steps: int) -> dict[st
             "kernel_over_wall": round(kernel_us / 1e6 / wall, 4)}
 
 
+FP8_RECIPES = ("none", "tensorwise", "rowwise")
+
+
+def fp8_steps(shape: list[str], device: torch.device, steps: int) -> dict[str, Any]:
+    """``--fp8``: hybridpar's step at ``shape`` with ``train.fp8`` none / tensorwise / rowwise,
+    eager (and compiled on CUDA), one trainer at a time (two 0.7B trainers do not fit beside
+    each other): median step time after a warm-up, and each recipe's ratio to ``none`` (issue
+    33's target on an H100: <= 0.75 at the 0.7B shape)."""
+    out: dict[str, Any] = {}
+    for compiled in ([False, True] if device.type == "cuda" else [False]):
+        med: dict[str, float] = {}
+        for recipe in FP8_RECIPES:
+            cfg = load_config(None, [*shape, "--train.device", device.type, "--train.compile", str(compiled).lower(),
+                                     "--train.fp8", recipe])
+            trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build(device.type), device)
+            for s in range(1, 4):  # warm-up (and compile)
+                trainer.train_step(s)
+            times = []
+            for s in range(10, 10 + steps):
+                devices.synchronize(device)
+                start = time.perf_counter()
+                trainer.train_step(s)
+                devices.synchronize(device)
+                times.append(time.perf_counter() - start)
+            med[recipe] = statistics.median(times)
+            del trainer
+            release(device)
+        out["compiled" if compiled else "eager"] = {
+            "median_step_ms": {r: round(1e3 * t, 2) for r, t in med.items()},
+            "ratio": {r: round(med[r] / med["none"], 4) for r in FP8_RECIPES[1:]}}
+    return out
+
+
 def table(result: dict[str, Any]) -> str:
     """The human-readable table of one run's result."""
     lines = [f"device {result['device']} ({result['device_name']}), torch {result['torch']}"
              + (" [quick]" if result["quick"] else "")]
+    for mode, r in result.get("fp8", {}).items():
+        ms = ", ".join(f"{k} {v:.1f} ms" for k, v in r["median_step_ms"].items())
+        ratios = ", ".join(f"{k} {v:.3f}" for k, v in r["ratio"].items())
+        lines.append(f"  fp8 {mode:<9} step / bf16 step: {ratios} (target <= 0.75 on H100); {ms}")
+    if "smoke" not in result:
+        return "\n".join(lines)
     for name, r in result["smoke"].items():
         lines.append(f"  smoke {name:<26}{r['status'][:70]:<72}{r['seconds']:>7.1f} s")
     for mode in ("eager", "compiled"):
@@ -253,6 +297,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": "gpu", "device": str(device), "device_name": devices.device_name(device),
                               "torch": torch.__version__, "quick": args.quick,
                               "cli_shape": "tiny" if args.quick else "llama-3.2-1b"}
+    if args.fp8:  # only the FP8 / bf16 step ratio
+        result["fp8"] = fp8_steps(big, device, 3 if args.quick else args.steps)
+        return result
     result["smoke"] = smoke(args.device, args.jobs or (2 if device.type == "cpu" else 4), args.timeout)
     result["overhead"] = {"eager": overhead(big, device, steps, rounds, compiled=False)}
     if device.type == "cuda":
@@ -269,6 +316,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per loop per round (overhead)")
     ap.add_argument("--jobs", type=int, default=0, help="smoke runs at a time (default: 4 on CUDA, 2 on CPU)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per CLI run before it counts as failed")
+    ap.add_argument("--fp8", action="store_true",
+                    help="only the step with train.fp8 = tensorwise / rowwise against bf16 (the 0.7B shape)")
     args = ap.parse_args()
     if args.device == "cuda" and devices.accelerator_count() == 0:
         print("benchmarks/gpu.py: no GPU is visible (torch.cuda.is_available() is False, torch "
@@ -278,6 +327,8 @@ def main() -> int:
     result = run(args)
     print(table(result))
     print(json.dumps(result))
+    if args.fp8:
+        return 0
     failed = [k for k, v in result["smoke"].items() if v["status"] != "ok"] + \
         ([] if result["cli_mfu"]["status"] == "ok" else ["cli_mfu"])
     return 1 if failed else 0

@@ -313,3 +313,39 @@ def test_foreach_mul_scales_in_place_like_mul_per_tensor():
     compat.foreach_mul_(tensors, factor)
     for t, e in zip(tensors, expected, strict=True):
         assert torch.equal(t, e)  # bit-equal: clipping by either gives the same weights
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_scaled_mm_takes_what_the_fp8_linear_passes(kernel, monkeypatch):
+    """e4m3 x e4m3 and e5m2 x e4m3, tensorwise and rowwise scales, bf16 and fp32 out; with
+    power-of-two scales the fp32 result is the exact product (small integers: no rounding)."""
+    monkeypatch.setattr(compat, "CPU_SCALED_MM_KERNEL", kernel)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randint(-8, 8, (16, 32), generator=gen).float(), torch.randint(-8, 8, (48, 32), generator=gen).float()
+    exact = (a.double() / 4) @ (b.double() * 2).t()
+    for left in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for sa, sb in ((torch.tensor(0.25), torch.tensor(2.0)), (torch.full((16, 1), 0.25), torch.full((1, 48), 2.0))):
+            for out in (torch.float32, torch.bfloat16):
+                y = compat.scaled_mm(a.to(left), b.to(torch.float8_e4m3fn).t(), sa, sb, out)
+                assert y.dtype == out and torch.equal(y.double(), exact.to(out).double())
+
+
+def test_will_engine_execute_tells_which_branch_a_backward_needs():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(tuple(compat.will_engine_execute(ctx.next_functions[i][0]) for i in (0, 1)))
+            return g, g
+
+    x, w = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    y = Probe.apply(x * 1, w * 1)  # non-leaf inputs: the engine is asked about their nodes
+    torch.autograd.grad(y.sum(), x, retain_graph=True)
+    y.sum().backward(inputs=[w], retain_graph=True)
+    y.sum().backward()
+    assert seen == [(True, False), (False, True), (True, True)]

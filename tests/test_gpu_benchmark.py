@@ -36,6 +36,19 @@ def test_gpu_benchmark_cpu_quick_reports_every_part():
     assert 0 < profile["optimizer_share"] < 1 and profile["wall_ms_per_step"] > 0
 
 
+@pytest.mark.timeout(900)
+def test_gpu_benchmark_fp8_cpu_quick_reports_the_ratios():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--quick", "--fp8"],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith('{"benchmark": "gpu"')][-1])
+    eager = result["fp8"]["eager"]
+    assert eager["median_step_ms"].keys() == {"none", "tensorwise", "rowwise"}
+    assert all(v > 0 for v in eager["ratio"].values()) and eager["ratio"].keys() == {"tensorwise", "rowwise"}
+    assert "fp8 eager" in done.stdout
+
+
 def test_gpu_benchmark_says_when_no_gpu_is_visible():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}

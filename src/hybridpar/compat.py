@@ -227,6 +227,60 @@ def saved_tensor_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def will_engine_execute(node: Any) -> bool:
+    """Whether the running backward will execute autograd ``node`` (a non-leaf node: the
+    engine refuses the question for a leaf's AccumulateGrad under ``autograd.grad``). The FP8
+    linear (``parallel/fp8``) asks it for its input and weight edges, so that the zero-bubble
+    split's B (``autograd.grad`` of the input) runs only the input-gradient GEMM and its W
+    (``backward(inputs=params)``) only the weight-gradient GEMM, where ``ctx.needs_input_grad``
+    is fixed at forward time and would run both twice.
+
+    Why private: ``torch._C._will_engine_execute_node`` is the only way to ask (``torch.autograd.
+    graph`` uses it for its multi-grad hooks). Outside ``inputs=``-restricted runs it is True.
+
+    Checked on: torch 2.13.0.
+    """
+    return bool(torch._C._will_engine_execute_node(node))
+
+
+#: CPU FP8 GEMMs: False (default) runs :func:`scaled_mm` as an fp32 GEMM of the dequantized
+#: operands, True runs torch's ``_scaled_mm`` CPU kernel (the tests check both agree)
+CPU_SCALED_MM_KERNEL = False
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` in ``out_dtype`` for FP8 ``a [M, K]`` (row-major) and
+    ``b [K, N]`` (column-major), accumulated in fp32: ``torch._scaled_mm``, the only FP8 GEMM in
+    torch (``parallel/fp8`` is its one caller). Scales are fp32 dequantization factors: 0-dim
+    (tensorwise) or ``[M, 1]`` and ``[1, N]`` (rowwise).
+
+    What it accepts, tried on torch 2.13.0 CPU: e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2 and
+    e5m2 x e5m2, tensorwise and rowwise, bf16 or fp32 output (the default output is the FP8
+    dtype itself, never wanted here), any strides. CUDA (capability >= 8.9) is narrower: ``b``
+    column-major, not e5m2 x e5m2, and rowwise scaling only with e4m3 operands and a bf16
+    output, so a rowwise fp32 result is computed in bf16 there and widened.
+
+    On the CPU, torch's kernel is a slow reference (measured on this 2-core machine, torch 2.13:
+    a ``[256, 128] @ [128, 384]`` product takes ~1 s tensorwise and ~0.09 s rowwise, against
+    0.02 s for an fp32 GEMM), so by default (:data:`CPU_SCALED_MM_KERNEL` False) the same product
+    is computed as an fp32 GEMM of the dequantized operands: FP8 values and their products are
+    exact in fp32 and the scales are powers of two (``parallel/fp8``), so this is the same
+    arithmetic with fp32 accumulation, in another summation order (``tests/test_fp8.py`` holds
+    both to the same float64 bound).
+
+    Why private: FP8 matmuls have no public API in torch 2.13 (torchao wraps the same op).
+
+    Checked on: torch 2.13.0 (CPU); the CUDA constraints from torch's ``_scaled_mm`` checks.
+    """
+    if a.device.type == "cpu" and not CPU_SCALED_MM_KERNEL:
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    if a.device.type == "cuda" and rowwise and out_dtype != torch.bfloat16:
+        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
+
+
 # ----------------------------------------------------------------------------- launcher
 
 

@@ -274,6 +274,8 @@ class TrainConfig:
     # the head and loss in chunks of this many tokens (per micro-batch and rank), so the whole fp32 logits
     # never exist; micro-batches of at most this many tokens are not chunked; 0 = never chunk
     loss_chunk_tokens: int = 4096
+    # FP8 GEMMs in the blocks' linear layers: "none", "tensorwise" or "rowwise" scaling (rules train-fp8-*)
+    fp8: str = "none"
 
     @property
     def grad_accum(self) -> int:

@@ -85,6 +85,14 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def fp8_supported(device: torch.device) -> bool:
+    """Whether ``device`` has FP8 matmul kernels (``torch._scaled_mm``): CPU (torch's reference
+    kernel, 2.13), or a CUDA GPU of capability 8.9 (Ada) or later, where FP8 tensor cores exist."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
 def total_memory(device: torch.device) -> int:
     """Capacity in bytes: the GPU's memory, or this machine's RAM for ``cpu``."""
     if device.type == "cuda":

@@ -41,6 +41,7 @@ from hybridpar.distributed.autograd import (
     scatter_to_tp,
 )
 from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.fp8 import Fp8Layout, fp8_linear
 from hybridpar.parallel.loss import vocab_statistics
 
 __all__ = [
@@ -110,7 +111,17 @@ def _linear_init(out_f: int, in_f: int, bias: bool, init_seed: int | None) -> tu
 
 
 class _ParallelLinear(nn.Module):
-    """What column- and row-parallel linears share: building one from the full weight."""
+    """What column- and row-parallel linears share: building one from the full weight, and the
+    GEMM's kernel: ``F.linear``, or with ``fp8`` set (``train.fp8``) the FP8 GEMMs of
+    :func:`~hybridpar.parallel.fp8.fp8_linear`, scaled as that layout says."""
+
+    fp8: Fp8Layout | None = None
+
+    def _matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """``x W^T (+ bias)`` of this rank's shard, with the layer's kernel."""
+        if self.fp8 is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, self.weight, bias, self.fp8)
 
     @classmethod
     def from_full(cls, weight: Tensor, axis: Axis, bias: Tensor | None = None, **kwargs: Any) -> Any:
@@ -172,7 +183,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sync_input:
             x = (gather_from_sp(x, self.axis, self.seq_dim) if self.sequence_parallel
                  else copy_to_tp(x, self.axis))
-        y = F.linear(x, self.weight, self.bias)
+        y = self._matmul(x, self.bias)
         return gather_from_tp(y, self.axis) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -216,7 +227,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.axis)
-        y = F.linear(x, self.weight)
+        y = self._matmul(x, None)
         y = (reduce_scatter_to_sp(y, self.axis, self.seq_dim) if self.sequence_parallel
              else reduce_from_tp(y, self.axis))
         return y if self.bias is None else y + self.bias

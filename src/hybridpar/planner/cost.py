@@ -61,6 +61,7 @@ from hybridpar.planner import efficiency as eff
 from hybridpar.planner import pipesim
 from hybridpar.planner.cp_modes import cp_times
 from hybridpar.planner.dp_cost import dp_time, gradients, optimizer_time
+from hybridpar.planner.fp8 import fp8_gemm_deltas
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
 from hybridpar.planner.moe import dispatch_rows, rank_load
@@ -299,6 +300,10 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     fwd_gemm = sum(c * gemm_time(m, n, k, g, ab) for c, m, n, k in counted)
     bwd_in, bwd_w = (sum(x) for x in zip(*((c * i, c * w) for c, m, n, k in counted
                                           for i, w in [gemm_backward_time(m, n, k, g, ab)]), strict=True))
+    if work.fp8 != "none":  # the dense linears (not an MoE layer's experts) in FP8
+        dense = gemms[:len(gemms) - (3 if moe and not megatron else 2 if moe else 0)]
+        df, di, dw = fp8_gemm_deltas(dense, g, work.fp8, lambda m, n, k: gemm_time(m, n, k, g, ab))
+        fwd_gemm, bwd_in, bwd_w = fwd_gemm + df, bwd_in + di, bwd_w + dw
     core, core_b = _attention_core(model, L, work, g, s, tok)
     elem, elem_b = _elementwise_time(model, L, work, g, tok, f_inner, routing)
     ar, exit_comm, cp_pass = _tp_cp_comm(model, L, work, cluster, tok)

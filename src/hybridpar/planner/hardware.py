@@ -208,6 +208,7 @@ class GPUSpec:
     # per-kernel-class efficiencies (hybridpar.planner.efficiency; None: the family default), as
     # a profile's [efficiency] table writes them (hybridpar calibrate --from-run fits them)
     efficiency: Efficiency | None = None
+    fp8_flops: float = 0.0  # dense FP8 tensor-core peak (train.fp8; planner/fp8.py); 0 = none
 
 
 # Latency: NCCL's per-hop base latency is a few microseconds on NVLink and about ten across
@@ -230,16 +231,19 @@ GPUS: dict[str, GPUSpec] = {
     # FP32 67 TFLOPS, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (bidirectional). DGX H100
     # datasheet: 8x ConnectX-7 400 Gb/s NDR, one per GPU = 50 GB/s.
     "H100-SXM": GPUSpec("H100-SXM", 989.4e12, 67e12, 80 * GiB, 3350 * GB, 450 * GB, 50 * GB,
-                        gemm_efficiency=0.75, host_bw=50 * GB, host_bytes=256 * GB),  # PCIe Gen5 x16: 64 GB/s raw
+                        gemm_efficiency=0.75, host_bw=50 * GB, host_bytes=256 * GB,  # PCIe Gen5 x16: 64 GB/s raw
+                        fp8_flops=1978.9e12),  # same datasheet: FP8 3,958 TFLOPS with sparsity = 1,979 dense
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM (989 dense BF16,
     # 67 FP32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; DGX H200: 8x 400 Gb/s NDR.
     "H200": GPUSpec("H200", 989.4e12, 67e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB,
-                    gemm_efficiency=0.75, host_bw=50 * GB, host_bytes=256 * GB),
+                    gemm_efficiency=0.75, host_bw=50 * GB, host_bytes=256 * GB,
+                    fp8_flops=1978.9e12),  # H200 datasheet: FP8 3,958 TFLOPS with sparsity
     # NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs = 4.5 PF FP8 dense per GPU,
     # so 2.25 PF BF16 dense; 1,440 GB HBM3e total = 180 GB per GPU at 8 TB/s (HGX B200 spec
     # sheet, FP32 75 TFLOPS); NVLink 5 1.8 TB/s per GPU (bidirectional); 8x 400 Gb/s ConnectX-7.
     "B200": GPUSpec("B200", 2250e12, 75e12, 180 * GB, 8000 * GB, 900 * GB, 50 * GB,
-                    gemm_efficiency=0.7, host_bw=50 * GB, host_bytes=512 * GB),
+                    gemm_efficiency=0.7, host_bw=50 * GB, host_bytes=512 * GB,
+                    fp8_flops=4500e12),  # the 72 PFLOPS FP8 / 8 above
 }
 
 

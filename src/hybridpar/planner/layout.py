@@ -88,6 +88,7 @@ class Workload:
     style: BlockStyle = BlockStyle.EAGER
     moe_imbalance: float = DEFAULT_IMBALANCE
     loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the chunked loss (hybridpar.parallel.loss)
+    fp8: str = "none"  # train.fp8: the blocks' linear GEMMs in FP8 (planner/fp8.py)
 
     def __post_init__(self) -> None:
         # "gpt" -> BlockStyle.MEGATRON (a ValueError naming the value for anything else)
@@ -109,7 +110,7 @@ def to_config(model: ModelConfig, layout: Layout, work: Workload) -> Config:
     par = ParallelConfig(**fields, microbatches=0, bucket_mb=work.bucket_mb)  # type: ignore[arg-type]
     train = TrainConfig(global_batch=work.global_batch, micro_batch=layout.micro_batch,
                         seq_len=work.seq_len, precision=work.precision,  # type: ignore[arg-type]
-                        loss_chunk_tokens=work.loss_chunk_tokens)
+                        loss_chunk_tokens=work.loss_chunk_tokens, fp8=work.fp8)
     return Config(model=dataclasses.replace(model), parallel=par, train=train)
 
 
@@ -195,5 +196,5 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     fields = {k: getattr(p, k) for k in LAYOUT_KEYS if k != "micro_batch"}
     layout = Layout(**fields, micro_batch=t.micro_batch)  # type: ignore[arg-type]
     work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb,
-                    loss_chunk_tokens=t.loss_chunk_tokens)
+                    loss_chunk_tokens=t.loss_chunk_tokens, fp8=t.fp8)
     return layout, work

@@ -21,6 +21,9 @@ from hybridpar.rules.model import MOE_FAMILIES, OPTIMIZER_IMPLS, model_error, op
 # the layout rules register after the model's: rule order
 from hybridpar.rules.layout import partition_error, schedule_error, tp_split_error, ulysses_error
 
-__all__ = ["MOE_FAMILIES", "OPTIMIZER_IMPLS", "RULES", "Broken", "PipelineShape", "Rule", "first_broken",
-           "model_error", "optimizer_impl_error", "partition_error", "schedule_error", "tp_split_error",
+# isort: split
+from hybridpar.rules.fp8 import FP8_MODES, fp8_device_error
+
+__all__ = ["FP8_MODES", "MOE_FAMILIES", "OPTIMIZER_IMPLS", "RULES", "Broken", "PipelineShape", "Rule", "first_broken",
+           "fp8_device_error", "model_error", "optimizer_impl_error", "partition_error", "schedule_error", "tp_split_error",
            "ulysses_error"]

@@ -9,7 +9,7 @@ clips, steps and logs; it branches on nothing.
 
 ``Engine.__init__`` reads as the build does, one short method per step, in order (as
 torchtitan's ``parallelize_<model>``): build -> apply tp -> apply ep -> load weights -> apply cp
--> compile -> recompute -> pipeline -> activation offload -> optimizer. What happens around each training step for a
+-> fp8 -> compile -> recompute -> pipeline -> activation offload -> optimizer. What happens around each training step for a
 feature (MoE statistics and balancing, 2BW's read-ahead and weight versions, ...) is not here:
 :mod:`hybridpar.training.features`.
 """
@@ -99,6 +99,7 @@ class Engine(StepEngine):
         self._apply_ep(model)
         self._load_weights(model)
         self.cp = self._apply_cp(model)
+        self.fp8_linears = self._apply_fp8(model)
         self.compiled = self._compile(model)
         self._apply_recompute(model)
         runner, owned, train = self._pipeline(model)
@@ -157,6 +158,14 @@ class Engine(StepEngine):
         u = self.cfg.parallel.cp_split()[0]
         split = topo.split_axis(topo.cp, u, ("cp.ulysses", "cp.ring")) if u > 1 else None
         return enable_context_parallel(model, topo.cp, self.family.attention_modules(model), ulysses=split)
+
+    def _apply_fp8(self, model: nn.Module) -> int:
+        """``train.fp8``: the blocks' linear layers get FP8 GEMMs (after tp and cp, which decide
+        the axes their scales are reduced over); returns how many."""
+        # imported here: the features package imports this module
+        from hybridpar.training.features.fp8 import apply_fp8
+
+        return apply_fp8(self.cfg, self.topo, self.device, self.family.blocks(model))
 
     def _compile(self, model: nn.Module) -> int:
         """``train.compile``: the blocks' math (recomputation, next, reruns the compiled forward);

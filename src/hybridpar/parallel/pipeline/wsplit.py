@@ -38,6 +38,7 @@ runs under the mode too, so a recomputed forward records the same saved tensors 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ from torch.autograd.graph import GradientEdge, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
 from hybridpar.compat import saved_tensor_hooks_active
+from hybridpar.parallel.fp8 import fp8_linear
 from hybridpar.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 LINEAR_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
@@ -178,11 +180,12 @@ class _DeferLinear(TorchFunctionMode):
     @_eager
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
-            x, weight, bias = _linear_args(*args, **kwargs)
+        if (func is F.linear or func is fp8_linear) and torch.is_grad_enabled():
+            x, weight, bias = _linear_args(*args[:3], **kwargs)
             deferrable = self.split.deferrable
             if weight in deferrable and x.requires_grad and (bias is None or bias in deferrable):
-                return self.split.defer(x, weight, bias)
+                linear = F.linear if func is F.linear else functools.partial(fp8_linear, layout=args[3])
+                return self.split.defer(x, weight, bias, linear)
         return func(*args, **kwargs)
 
 
@@ -242,7 +245,7 @@ class WeightGradSplit:
         """Run B inside this (recomputed forwards defer alike; they are not recorded)."""
         return self._active(None)
 
-    def defer(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def defer(self, x: Tensor, weight: Tensor, bias: Tensor | None, linear: Any = F.linear) -> Tensor:
         """``F.linear(x, weight, bias)`` as a deferred linear (module docstring). Runs once per
         linear layer per micro-batch, so it keeps to few Python and autograd calls: between GEMMs
         each costs several times what it does in a tight loop (on the compute benchmark's stages,
@@ -253,10 +256,13 @@ class WeightGradSplit:
         holds nothing the linear does not, and what W keeps is ``x'``'s storage. Otherwise (a cast
         or a contiguous copy is saved) it comes from :class:`_Source`, and pack hooks record the
         storages saved; they also run whenever other saved-tensor hooks are active (a checkpoint's,
-        which would drop the tensors W needs), so that the inner graph saves for real."""
+        which would drop the tensors W needs), so that the inner graph saves for real.
+
+        ``linear``: the layer's GEMM, ``F.linear`` or (``train.fp8``) an FP8 one, whose backward
+        runs only the GEMM its caller asks for (B: the input's; W: the weight's)."""
         params = (weight,) if bias is None else (weight, bias)
         own = {p.untyped_storage().data_ptr() for p in params}
-        leaf = x.is_contiguous() and not torch.is_autocast_enabled(x.device.type)
+        leaf = linear is F.linear and x.is_contiguous() and not torch.is_autocast_enabled(x.device.type)
         inp = x.detach().requires_grad_() if leaf else _Source.apply(_ANCHOR, x.detach())
         if leaf and not saved_tensor_hooks_active():
             out = F.linear(inp, weight, bias)  # saves x' (or a view of it) and the weight
@@ -271,7 +277,7 @@ class WeightGradSplit:
                 return _pack(t)
 
             with saved_tensors_hooks(pack, _unpack):  # saved for real, also inside a checkpoint
-                out = F.linear(inp, weight, bias)
+                out = linear(inp, weight, bias)
         source = inp if leaf else GradientEdge(inp.grad_fn, inp.output_nr)
         lin = _Linear(GradientEdge(out.grad_fn, out.output_nr), source, params, saved)
         if self.record is not None:

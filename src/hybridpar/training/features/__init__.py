@@ -16,6 +16,7 @@ from hybridpar.training.features.async_checkpoint import AsyncCheckpointStaging
 from hybridpar.training.features.base import StepFeature, StepHooks
 from hybridpar.training.features.compile import CompileReport
 from hybridpar.training.features.elastic import ElasticLayouts
+from hybridpar.training.features.fp8 import Fp8Report
 from hybridpar.training.features.int8 import Int8Residuals
 from hybridpar.training.features.moe import ExpertBalance
 from hybridpar.training.features.twobw import TwoBWReadAhead
@@ -43,6 +44,8 @@ def features_for(trainer: Trainer) -> StepHooks:
                                                any(f.backward_writes_checkpoint_state for f in features)))
     if engine.offload is not None:
         features.append(ActivationOffloadReport(trainer.topo, trainer.device, engine.offload))
+    if engine.fp8_linears:
+        features.append(Fp8Report(t.fp8, engine.fp8_linears))
     if engine.compiled:
         features.append(CompileReport(trainer.topo, trainer.device, engine.compiled, t.compile_backend))
     if trainer.elastic is not None:

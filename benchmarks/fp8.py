@@ -1,0 +1,77 @@
+"""FP8 training against bf16 on the demo: final loss and step time, side by side.
+
+Runs ``hybridpar train`` twice with the built-in demo's layout (``dp2 x tp2 x pp2``, 8
+processes, the ``tiny`` model, 300 steps), once with ``train.precision = bf16`` and once with
+``train.fp8 = rowwise`` as well (``--recipe`` for another), and compares the loss at the last
+step (issue 33's target: FP8 within 2% of bf16) and the median step time (on CPUs
+``torch._scaled_mm`` is a reference kernel, slower than the bf16 GEMM: the speed claim is the GPU's,
+``benchmarks/gpu.py --fp8``). Prints a table and one JSON line.
+
+    python benchmarks/fp8.py [--steps 300] [--recipe rowwise] [--nproc 8] [--section.key value ...]
+
+``--nproc 1`` drops the demo layout (one process, same model and data).
+
+Measured on this 2-core machine (shared, load ~20-30), torch 2.13, 2026-11-27: bf16 final loss
+1.8497 (val 1.6734), FP8 rowwise 1.8048 (val 1.6178): FP8 2.4% *lower*, outside the 2% band on
+the favourable side; median step 0.96 s vs 2.21 s (CPU GEMM emulation, see compat.scaled_mm);
+wall 346 s + 802 s, hence this benchmark and the short ``tests/test_fp8_training.py``. For scale,
+the same demo in fp32 (one more CLI run, by hand): 1.7946 (val 1.6247): FP8 is within 0.6% of
+fp32 and bf16 autocast 3.1% above it (autocast returns the weight and input gradients of its GEMMs
+in bf16; the FP8 linear returns the weight gradient in fp32 and the input gradient in the input's dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEMO = ("--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--train.micro_batch", "4")
+
+
+def run(name: str, steps: int, nproc: int, extra: list[str], root: Path) -> dict[str, Any]:
+    """One CLI training run; its final loss (from summary.json) and median logged step time."""
+    run_dir = root / name
+    layout = list(DEMO) if nproc == 8 else []
+    cmd = [sys.executable, "-m", "hybridpar.cli", "train", "--nproc", str(nproc), *layout,
+           "--train.steps", str(steps), "--train.precision", "bf16", "--train.eval_every", str(steps),
+           "--train.log_every", "10", "--train.run_dir", str(run_dir), *extra]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in records if "step_time_s" in r and "loss" in r]
+    return {"final_loss": summary["final_loss"], "val_loss": summary.get("val_loss"), "wall_s": wall,
+            "median_step_s": statistics.median(times) if times else None, "fp8": summary.get("fp8")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--recipe", default="rowwise", choices=["tensorwise", "rowwise"])
+    p.add_argument("--nproc", type=int, default=8, choices=[1, 8])
+    args, extra = p.parse_known_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        bf16 = run("bf16", args.steps, args.nproc, extra, root)
+        fp8 = run("fp8", args.steps, args.nproc, [*extra, "--train.fp8", args.recipe], root)
+    rel = fp8["final_loss"] / bf16["final_loss"] - 1
+    print(f"{'run':<16}{'final loss':>12}{'val loss':>10}{'median step s':>16}{'wall s':>10}")
+    for name, r in (("bf16", bf16), (f"fp8 {args.recipe}", fp8)):
+        step = "n/a" if r["median_step_s"] is None else f"{r['median_step_s']:.4f}"
+        val = "n/a" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+        print(f"{name:<16}{r['final_loss']:>12.4f}{val:>10}{step:>16}{r['wall_s']:>10.1f}")
+    print(f"fp8 / bf16 final loss - 1 = {rel:+.4f} (target |.| <= 0.02); steps {args.steps}, nproc {args.nproc}")
+    print(json.dumps({"benchmark": "fp8", "steps": args.steps, "nproc": args.nproc, "recipe": args.recipe,
+                      "bf16": bf16, "fp8": fp8, "final_loss_rel": rel, "within_2pct": abs(rel) <= 0.02}))
+
+
+if __name__ == "__main__":
+    main()

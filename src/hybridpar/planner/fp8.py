@@ -1,0 +1,65 @@
+"""FP8 in the planner (``train.fp8``; ``hybridpar plan --fp8``): the blocks' linear GEMMs at the
+GPU's FP8 rate, plus the scaling passes that quantize their operands.
+
+Rates: the data sheets' dense FP8 tensor-core peaks (:class:`~hybridpar.planner.hardware.GPUSpec`
+``fp8_flops``), twice the bf16 peak on H100, H200 and B200; a GPU without FP8 tensor cores
+(``fp8_flops`` 0: A100, or a CPU profile) is refused, as the trainer refuses it. A GEMM of FP8
+operands reads 1 byte per operand element and writes the 2-byte output.
+
+Scaling overhead (``parallel/fp8``): quantizing an operand of ``e`` elements reads it twice
+(amax, then scale-and-cast) and writes one byte each: ``5 e`` bytes of memory traffic at
+``hbm_bw``, and three kernels (amax, scale, cast). Per linear ``[m, k] @ [k, n]``: tensorwise
+quantizes ``x`` and ``W`` in forward and ``dy`` once in backward (its ``dW`` reuses them);
+rowwise quantizes ``x`` and ``W`` in forward, ``dy`` and ``W`` again (other axis) for ``dx``,
+and ``dy`` and ``x`` again for ``dW``. The amax all-reduces under tp and cp are a few floats
+each (latency only) and are left out. Experts (grouped GEMMs) and attention stay bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridpar.planner.hardware import GPUSpec, PlanError
+
+__all__ = ["fp8_gemm_deltas"]
+
+_QUANT_BYTES = 5  # per element: read for the amax, read again, write one FP8 byte
+_QUANT_KERNELS = 3
+
+
+def _quantize_time(elements: float, gpu: GPUSpec) -> float:
+    return _QUANT_BYTES * elements / gpu.hbm_bw + _QUANT_KERNELS * gpu.launch_overhead
+
+
+def _fp8_gemm(m: float, n: float, k: float, gpu: GPUSpec, eff: float) -> float:
+    """Seconds of one FP8 GEMM: the roofline at the FP8 peak (``eff``: the bf16 GEMM's achieved
+    fraction of peak for this shape, carried over), 1-byte operands, a 2-byte output."""
+    flops = 2.0 * m * n * k
+    mem = (m * k + k * n + 2 * m * n) / gpu.hbm_bw
+    return max(flops / (gpu.fp8_flops * eff), mem) + gpu.launch_overhead
+
+
+def fp8_gemm_deltas(gemms: Sequence[tuple[float, float, float]], gpu: GPUSpec, recipe: str,
+                    bf16_time: object) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds FP8 adds to one block's dense linear
+    ``gemms`` (``(m, n, k)`` each, as ``planner.cost`` prices them with ``bf16_time(m, n, k)``):
+    the FP8 GEMMs and their scaling passes minus the bf16 GEMMs they replace (negative: a gain)."""
+    if gpu.fp8_flops <= 0:
+        raise PlanError(f"train.fp8 = {recipe!r}: {gpu.name} has no FP8 tensor cores in its spec (fp8_flops = 0); "
+                        "plan without --fp8, or give the GPU's fp8_flops in a TOML spec")
+    fwd = bwd_in = bwd_w = 0.0
+    for m, n, k in gemms:
+        times = (bf16_time(m, n, k), bf16_time(m, k, n), bf16_time(k, n, m))  # type: ignore[operator]
+        shapes = ((m, n, k), (m, k, n), (k, n, m))
+        # the bf16 time's efficiency at this shape, so tile quantisation carries over
+        fp8 = [_fp8_gemm(*s, gpu, min(1.0, 2.0 * s[0] * s[1] * s[2] / ((t - gpu.launch_overhead) * gpu.bf16_flops)))
+               for s, t in zip(shapes, times, strict=True)]
+        x, w, dy = m * k, n * k, m * n
+        if recipe == "tensorwise":
+            scale = (_quantize_time(x + w, gpu), _quantize_time(dy, gpu), 0.0)
+        else:
+            scale = (_quantize_time(x + w, gpu), _quantize_time(dy + w, gpu), _quantize_time(dy + x, gpu))
+        fwd += fp8[0] + scale[0] - times[0]
+        bwd_in += fp8[1] + scale[1] - times[1]
+        bwd_w += fp8[2] + scale[2] - times[2]
+    return fwd, bwd_in, bwd_w

@@ -1,0 +1,70 @@
+"""The rules of FP8 training (``train.fp8``): what the recipe composes with and the GEMM
+shapes FP8 kernels take.
+
+The device rule (a GPU without FP8 kernels) needs the device, which a config does not know:
+:func:`fp8_device_error` is asked by the engine's build with the device it got, before the
+first step (``training/features/fp8.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridpar.rules.base import rule
+
+if TYPE_CHECKING:
+    from hybridpar.config import Config
+
+#: train.fp8: the scaling recipes (parallel/fp8.py), and "none"
+FP8_MODES = ("none", "tensorwise", "rowwise")
+#: every dimension of an FP8 GEMM must be a multiple of this (CUDA's _scaled_mm)
+FP8_MULTIPLE = 16
+
+
+@rule("train-fp8-mode")
+def _mode(cfg: Config, world: int | None) -> str | None:
+    if cfg.train.fp8 not in FP8_MODES:
+        return f"train.fp8 = {cfg.train.fp8!r} is not an FP8 recipe; use 'none', 'tensorwise' or 'rowwise'"
+    return None
+
+
+@rule("train-fp8-precision")
+def _precision(cfg: Config, world: int | None) -> str | None:
+    if cfg.train.fp8 != "none" and cfg.train.precision == "fp16":
+        return ("train.fp8 with train.precision = 'fp16' is not supported (FP8 GEMMs return bf16 or fp32, and "
+                "fp16's loss scale would rescale the FP8 amaxes); use train.precision = 'bf16'")
+    return None
+
+
+def fp8_gemm_dims(cfg: Config) -> dict[str, int]:
+    """Each dimension one rank's FP8 GEMMs have, by what it is: the tokens of a micro-batch
+    (``M``) and the linear layers' features after the tensor-parallel split (``N``, ``K``)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    dims = {"train.micro_batch x train.seq_len / cp (tokens)": t.micro_batch * t.seq_len // p.cp,
+            "model.dim": m.dim,
+            "n_heads x head_dim / tp": m.n_heads * m.head_dim // p.tp,
+            "n_kv_heads x head_dim / tp": m.n_kv_heads * m.head_dim // p.tp,
+            "model.ffn_hidden / tp": m.ffn_hidden // p.tp}
+    if m.n_experts and m.n_shared_experts:
+        dims["n_shared_experts x expert hidden / tp"] = m.n_shared_experts * m.expert_hidden // p.tp
+    return dims
+
+
+@rule("train-fp8-dims")
+def _dims(cfg: Config, world: int | None) -> str | None:
+    if cfg.train.fp8 == "none":
+        return None
+    for what, size in fp8_gemm_dims(cfg).items():
+        if size % FP8_MULTIPLE:
+            return (f"train.fp8: {what} = {size} is not a multiple of {FP8_MULTIPLE}, which FP8 GEMMs need; "
+                    f"change the model or batch shape, or set train.fp8 = 'none'")
+    return None
+
+
+def fp8_device_error(fp8: str, device: str, supported: bool) -> str | None:
+    """The message for FP8 on a device without FP8 matmul kernels (``supported`` False: a CUDA GPU
+    of capability below 8.9), or None."""
+    if fp8 == "none" or supported:
+        return None
+    return (f"train.fp8 = {fp8!r} needs FP8 matmul kernels, which {device} does not have (CUDA capability 8.9 "
+            "or later: Ada, Hopper, Blackwell; or the CPU); set train.fp8 = 'none'")

@@ -1,0 +1,71 @@
+"""FP8 training (``train.fp8 = "tensorwise" | "rowwise"``): the blocks' linear layers run their
+forward and both backward GEMMs in FP8 (:mod:`hybridpar.parallel.fp8`).
+
+Two parts, both here: :func:`apply_fp8`, the engine's build step that gives every linear layer
+of the blocks (attention projections, the MLP, a MoE layer's shared experts) its FP8 kernel and
+the mesh axes its amaxes are reduced over; and :class:`Fp8Report`, the step feature that puts
+the recipe and the layers it covers in ``summary.json``.
+
+What stays in bf16 (or the run's precision): the embeddings, norms, the head, attention's core,
+a MoE layer's router and its routed experts (torch 2.13 has a grouped FP8 GEMM,
+``torch._scaled_grouped_mm``, only for CUDA; it does not run on the CPU, so it cannot be checked
+here: the experts keep their grouped bf16 GEMM). Master weights, gradients and optimizer state
+stay fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridpar.config import Config
+from hybridpar.distributed.device import fp8_supported
+from hybridpar.distributed.mesh import Topology
+from hybridpar.errors import UserError
+from hybridpar.parallel.fp8 import Fp8Layout, to_fp8
+from hybridpar.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from hybridpar.rules import fp8_device_error
+from hybridpar.training.features.base import StepFeature
+
+__all__ = ["Fp8Report", "apply_fp8"]
+
+
+def apply_fp8(cfg: Config, topo: Topology, device: torch.device, blocks: list[nn.Module]) -> int:
+    """Give the linear layers of ``blocks`` FP8 GEMMs (``train.fp8``; a no-op for "none");
+    returns how many. Column-parallel weights reduce their amaxes over tp along the output
+    features, row-parallel ones along the input features, and every activation amax over the
+    tokens is reduced over cp (:mod:`hybridpar.parallel.fp8`); plain ``nn.Linear`` layers become
+    :class:`~hybridpar.parallel.fp8.Fp8Linear`. Raises ``UserError`` on a device without FP8
+    kernels (``rules.fp8_device_error``)."""
+    recipe = cfg.train.fp8
+    if recipe == "none":
+        return 0
+    message = fp8_device_error(recipe, str(device), fp8_supported(device))
+    if message is not None:
+        raise UserError(message)
+    tokens = (topo.cp,) if topo.cp.size > 1 else ()
+    count = 0
+    for block in blocks:
+        for module in block.modules():
+            if isinstance(module, ColumnParallelLinear):
+                module.fp8 = Fp8Layout(recipe, tokens, out_axes=(module.axis,))
+            elif isinstance(module, RowParallelLinear):
+                module.fp8 = Fp8Layout(recipe, tokens, in_axes=(module.axis,))
+            elif type(module) is nn.Linear:
+                to_fp8(module, Fp8Layout(recipe, tokens))
+            else:
+                continue
+            count += 1
+    return count
+
+
+class Fp8Report(StepFeature):
+    """``summary.json``'s ``fp8``: the recipe and how many linear layers of this rank run in FP8."""
+
+    def __init__(self, recipe: str, linears: int) -> None:
+        self.recipe, self.linears = recipe, linears
+
+    def summary(self) -> dict[str, Any]:
+        return {"fp8": {"recipe": self.recipe, "linear_layers": self.linears}}

@@ -1,0 +1,56 @@
+"""``hybridpar plan --fp8``: the blocks' linear GEMMs at the data sheets' FP8 rate plus the
+scaling passes (planner/fp8.py), checked against the roofline they are built from."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hybridpar.config import model_preset
+from hybridpar.planner.cost import gemm_time, layer_time, step_cost
+from hybridpar.planner.fp8 import fp8_gemm_deltas
+from hybridpar.planner.hardware import GPUS, Cluster, PlanError
+from hybridpar.planner.layout import Layout, Workload, from_config, to_config
+
+
+@pytest.mark.parametrize("gpu", ["H100-SXM", "H200", "B200"])
+def test_data_sheet_fp8_rate_is_twice_bf16(gpu: str) -> None:
+    assert GPUS[gpu].fp8_flops == pytest.approx(2 * GPUS[gpu].bf16_flops, rel=1e-3)
+
+
+def test_a_large_gemm_takes_half_the_time_plus_the_scaling_passes() -> None:
+    g = GPUS["H100-SXM"]
+    m = n = k = 8192.0
+    bf16 = lambda a, b, c: gemm_time(a, b, c, g, 2)  # noqa: E731
+    df, di, dw = fp8_gemm_deltas([(m, n, k)], g, "tensorwise", bf16)
+    t = bf16(m, n, k)
+    saved = (t - g.launch_overhead) * (1 - g.bf16_flops / g.fp8_flops)  # the GEMM at the FP8 rate
+    # compute bound at both rates: ~half the GEMM saved, 5 bytes per quantized element spent
+    quant = lambda e: 5 * e / g.hbm_bw + 3 * g.launch_overhead  # noqa: E731
+    assert df == pytest.approx(-saved + quant(m * k + n * k), rel=1e-6)
+    assert di == pytest.approx(-saved + quant(m * n), rel=1e-6)
+    assert dw == pytest.approx(-saved, rel=1e-6)  # tensorwise reuses x, W, dy
+    _, _, dw_row = fp8_gemm_deltas([(m, n, k)], g, "rowwise", bf16)
+    assert dw_row == pytest.approx(dw + quant(m * n + m * k), rel=1e-6)
+
+
+def test_plan_prices_fp8_faster_on_h100_and_refuses_a100() -> None:
+    model = model_preset("llama3-8b")
+    layout = Layout(dp=8, zero_stage=3, micro_batch=1)
+    times = {}
+    for recipe in ("none", "tensorwise", "rowwise"):
+        work = Workload(64, 4096, "bf16", fp8=recipe)
+        times[recipe] = step_cost(model, layout, work, Cluster.of(GPUS["H100-SXM"], 8)).step_time_s
+        lt = layer_time(model, layout, work, Cluster.of(GPUS["H100-SXM"], 8))
+        assert lt.f > 0 and lt.w > 0
+    assert times["tensorwise"] < times["rowwise"] < times["none"]
+    with pytest.raises(PlanError, match="A100-80GB has no FP8 tensor cores"):
+        step_cost(model, layout, Workload(64, 4096, "bf16", fp8="rowwise"), Cluster.of(GPUS["A100-80GB"], 8))
+
+
+def test_fp8_travels_between_plan_and_config() -> None:
+    work = Workload(16, 128, "bf16", fp8="rowwise")
+    cfg = to_config(model_preset("tiny"), Layout(), work)
+    assert cfg.train.fp8 == "rowwise" and from_config(cfg)[1].fp8 == "rowwise"
+    assert dataclasses.replace(work, fp8="none").fp8 == "none"
