@@ -202,3 +202,22 @@ def test_plan_layout_explains_uneven_stages_405b(capsys):
     assert rc == 0
     assert "stages: 126 layers in 64 chunks (126 does not divide by 64)" in out
     assert "schedule: interleaved x4, bubble" in out and "on the same axes 1f1b" in out
+
+
+@pytest.mark.parametrize("preset,seq,batch", [("llama3-405b", 8192, 2048), ("llama3.1-405b", 131072, 128)])
+def test_plan_states_the_scale_axes_405b(capsys, preset, seq, batch):
+    """Llama 3 405B on 16,384 H100s, at 8k and at the 128k-token row: the plan says which ZeRO
+    group size (dp_shard), cp mode and activation offload it chose, each against the numbers of
+    the alternatives it priced (issue 32)."""
+    from hybridpar.cli import main
+
+    rc = main(["plan", "--model", preset, "--gpu", "H100-SXM", "--gpus", "16384", "--global-batch", str(batch),
+               "--seq-len", str(seq), "--json", "--top", "1"])
+    doc = json.loads(capsys.readouterr().out)
+    best, why = doc["layouts"][0], "\n".join(doc["why"])
+    assert rc == 0 and best["fits"]
+    shard = best["dp_shard"] or best["dp"] * best["cp"]
+    assert f"dp_shard={shard}:" in why and "hybrid sharding dp_shard=" in why
+    if best["cp"] > 1:
+        assert f"cp_mode {best['cp_mode']}" in why and "ring " in why.split("cp_mode", 1)[1]
+    assert "activation offload: " + ("off" if not best["offload_activations"] else "") in why

@@ -30,6 +30,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama3-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
                         vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
                         tie_embeddings=False),
+    # Llama 3.1 405B: Llama 3's shape with 128k positions by llama3 RoPE scaling (the long-context row of
+    # the Llama 3 paper's Table 4)
+    "llama3.1-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
+                          vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5,
+                          tie_embeddings=False, rope_type="llama3", rope_factor=8.0, rope_original_max_len=8192),
     "gpt3-175b": dict(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_hidden=32768,
                       vocab_size=50257, max_seq_len=2048, rope_theta=10000.0, norm_eps=1e-5,
                       tie_embeddings=True),

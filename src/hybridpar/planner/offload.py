@@ -150,11 +150,18 @@ def offload_layer_times(model: ModelConfig, layout: Layout, work: Workload, host
 
 def offload_reason(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, capacity: float) -> str | None:
     """Why ``layout`` offloads activations, for ``hybridpar plan``: what it takes off the device,
-    what it costs, and what the same layout needs without it (None when it does not offload)."""
-    if not layout.offload_activations:
-        return None
+    what it costs, and what the same layout needs without it; for a layout that keeps its
+    activations on the device, that it fits without (offload is tried only where no recompute
+    level fits). None for a layout that does not fit either way."""
     from hybridpar.planner.cost import step_cost  # both price offload with this module
     from hybridpar.planner.memory import plan_memory
+
+    if not layout.offload_activations:
+        mem = plan_memory(model, layout, work)
+        return None if mem.total > capacity else (
+            f"activation offload: off, activations stay on the device ({mem.total / 2**30:.1f} of "
+            f"{capacity / 2**30:.1f} GiB with recompute {layout.recompute}; offload comes in only where no "
+            "recompute level fits, before a smaller micro-batch)")
 
     on = plan_memory(model, layout, work)
     without = dataclasses.replace(layout, offload_activations=False, offload_activations_fraction=1.0)
