@@ -174,12 +174,14 @@ def compare(python: str, stage: int, precision: str, repeats: int, with_deepspee
         if with_deepspeed:
             theirs.append(launch(python, "deepspeed", stage, precision, 1))
     row: dict[str, Any] = {"stage": stage, "precision": precision, "ours_losses": ours[0]["losses"],
-                           "ours_step_s": statistics.median(r["step_s"][0] for r in ours)}
+                           "ours_step_s": statistics.median(r["step_s"][0] for r in ours),
+                           "ours_step_s_runs": [r["step_s"][0] for r in ours]}
     if with_deepspeed:
         diffs = [abs(a - b) / abs(b) for a, b in zip(ours[0]["losses"], theirs[0]["losses"], strict=True)]
         bound = FP32_BOUND if precision == "fp32" else BF16_BOUND
         ds_step = statistics.median(r["step_s"][0] for r in theirs)
-        row.update(ds_losses=theirs[0]["losses"], ds_step_s=ds_step, max_rel_diff=max(diffs), bound=bound,
+        row.update(ds_losses=theirs[0]["losses"], ds_step_s=ds_step, ds_step_s_runs=[r["step_s"][0] for r in theirs],
+                   max_rel_diff=max(diffs), bound=bound,
                    within=max(diffs) <= bound, time_ratio=row["ours_step_s"] / ds_step)
     return row
 
