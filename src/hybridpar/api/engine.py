@@ -43,7 +43,13 @@ from hybridpar.api.tp import (
 from hybridpar.config import Config, ConfigError, parse_config
 from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
 from hybridpar.parallel.tensor_plan import TensorPlan
-from hybridpar.parallel.zero import COMPRESSION_DTYPES, OuterSplit, ZeroOptimizer, decay_groups, shard_model
+from hybridpar.parallel.zero import (
+    COMPRESSION_DTYPES,
+    OuterSplit,
+    ZeroOptimizer,
+    decay_groups,
+    shard_model,
+)
 from hybridpar.rules import first_broken
 from hybridpar.training.checkpoint import (
     CheckpointError,
