@@ -136,8 +136,9 @@ def launch(python: str, side: str, stage: int, precision: str, repeats: int, com
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0 or not out.is_file():
             lines = (proc.stdout + proc.stderr).strip().splitlines() or ["no output"]
-            why = next((line for line in reversed(lines) if "Error:" in line), lines[-1])
-            raise RuntimeError(f"{side} stage {stage} {precision} failed: {why.strip()}\n" + "\n".join(lines[-15:]))
+            errors = [line for line in lines if "Error:" in line and "ChildFailedError" not in line]
+            why = errors[0] if errors else lines[-1]  # the worker's exception, not torchrun's summary
+            raise RuntimeError(f"{side} stage {stage} {precision} failed: {why.strip()}\n" + "\n".join(lines[-40:]))
         return json.loads(out.read_text())
 
 
@@ -179,7 +180,7 @@ def main() -> None:
                               comm=args.comm_dtype)
             except RuntimeError as e:  # one configuration failing does not hide the others' numbers
                 row = {"stage": stage, "precision": precision, "error": str(e).splitlines()[0]}
-                print(f"stage {stage} {precision}: failed: {row['error']}")
+                print(f"stage {stage} {precision}: failed: {e}")  # the launch's last lines: why
                 rows.append(row)
                 continue
             rows.append(row)
