@@ -2,8 +2,8 @@
 GPT-2 from a transformers config, the seed's loop, under 2 gloo processes at ZeRO 0-3 against our
 own single process on the whole batch (per-step losses within numerics.LOSS_RTOL: the same math,
 summed in another order); parameter groups as DeepSpeed means them; a checkpoint saved at dp2 x
-ZeRO-2 that loads at dp1 and at dp4 x ZeRO-3 and continues on the uninterrupted trajectory, with
-the client state round-tripped. DeepSpeed itself is not needed (benchmarks/deepspeed_peer.py
+ZeRO-2 that loads at dp1, at dp4 x ZeRO-3 and (a tied Llama) at tp2 by AutoTP, and continues on the
+uninterrupted trajectory, with the client state round-tripped. DeepSpeed itself is not needed (benchmarks/deepspeed_peer.py
 compares with it)."""
 
 from __future__ import annotations
