@@ -21,6 +21,7 @@ import argparse
 import math
 import os
 import sys
+from typing import Any
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -98,11 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     return report(losses, args, model_engine)
 
 
-def report(losses: list[float], args: argparse.Namespace, engine: object) -> int:
+def report(losses: list[float], args: argparse.Namespace, engine: Any) -> int:
     """Compare with the single-process loop; print on rank 0; 0 when within the bound."""
-    rank = engine.topo.rank  # type: ignore[attr-defined]
-    skipped = engine.skipped_steps  # type: ignore[attr-defined]
-    engine.close()  # type: ignore[attr-defined]
+    rank, skipped = engine.topo.rank, engine.skipped_steps
+    engine.close()
     ok = all(math.isfinite(x) for x in losses)
     bound = BOUNDS[args.precision]
     worst = 0.0
