@@ -2,8 +2,8 @@
 GPT-2 from a transformers config, the seed's loop, under 2 gloo processes at ZeRO 0-3 against our
 own single process on the whole batch (per-step losses within numerics.LOSS_RTOL: the same math,
 summed in another order); parameter groups as DeepSpeed means them; a checkpoint saved at dp2 x
-ZeRO-2 that loads at dp1 and at dp4 x ZeRO-3 and continues on the uninterrupted trajectory, with
-the client state round-tripped. DeepSpeed itself is not needed (benchmarks/deepspeed_peer.py
+ZeRO-2 that loads at dp1, at dp4 x ZeRO-3 and (a tied Llama) at tp2 by AutoTP, and continues on the
+uninterrupted trajectory, with the client state round-tripped. DeepSpeed itself is not needed (benchmarks/deepspeed_peer.py
 compares with it)."""
 
 from __future__ import annotations
@@ -89,8 +89,17 @@ def test_parameter_groups_as_deepspeed_means_them():
     engine.close()
 
 
-def _train_save(rank: int, world: int, path: str) -> dict:
-    engine, *_ = deepspeed.initialize(model=gpt2(tied=False), config=ds_config(2))
+def _model(family: str) -> torch.nn.Module:
+    """The untied GPT-2 (no tensor-parallel plan) or test_autotp's tiny tied Llama (has one)."""
+    if family == "gpt2":
+        return gpt2(tied=False)
+    from test_autotp import make_model
+
+    return make_model(family)
+
+
+def _train_save(rank: int, world: int, path: str, family: str = "gpt2") -> dict:
+    engine, *_ = deepspeed.initialize(model=_model(family), config=ds_config(2))
     try:
         before = loop(engine, range(2))
         engine.save_checkpoint(path, client_state={"epoch": 7, "seen": torch.arange(3)})
@@ -100,15 +109,17 @@ def _train_save(rank: int, world: int, path: str) -> dict:
         engine.close()
 
 
-def _load_continue(rank: int, world: int, path: str, stage: int) -> dict:
+def _load_continue(rank: int, world: int, path: str, stage: int, family: str = "gpt2", autotp: int = 1) -> dict:
     torch.manual_seed(5)
     cfg = {**ds_config(stage), "train_batch_size": GLOBAL}
-    engine, *_ = deepspeed.initialize(model=gpt2(tied=False), config=cfg)
+    if autotp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": autotp}
+    engine, *_ = deepspeed.initialize(model=_model(family), config=cfg)
     try:
         where, client = engine.load_checkpoint(path)
         assert where.endswith("global_step2") and engine.global_steps == 2
         assert client["epoch"] == 7 and torch.equal(client["seen"], torch.arange(3))
-        return {"after": loop(engine, range(2, STEPS))}
+        return {"after": loop(engine, range(2, STEPS)), "tp": engine.topo.tp.size}
     finally:
         engine.close()
 
@@ -118,6 +129,17 @@ def test_checkpoint_dp2_zero2_resumes_at_dp1_and_dp4_zero3(dist_run, tmp_path):
     saved = dist_run(2, _train_save, path)[0]
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
     for resumed in (_load_continue(0, 1, path, 0), dist_run(4, _load_continue, path, 3)[0]):
+        torch.testing.assert_close(torch.tensor(resumed["after"]), torch.tensor(saved["after"]), rtol=LOSS_RTOL, atol=0)
+
+
+def test_checkpoint_dp2_zero2_resumes_at_tp2_autotp(dist_run, tmp_path):
+    """The tied Llama saved at dp2 x ZeRO-2 without tensor parallelism, loaded at tp2 (AutoTP from
+    its plan via ``tensor_parallel.autotp_size``, dp1): each rank reads its shard of the saved whole
+    weights and Adam moments and continues on the uninterrupted trajectory."""
+    path = str(tmp_path / "ckpt")
+    saved = dist_run(2, _train_save, path, "llama")[0]
+    for resumed in dist_run(2, _load_continue, path, 0, "llama", 2):
+        assert resumed["tp"] == 2
         torch.testing.assert_close(torch.tensor(resumed["after"]), torch.tensor(saved["after"]), rtol=LOSS_RTOL, atol=0)
 
 

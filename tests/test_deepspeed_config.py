@@ -158,3 +158,30 @@ def test_initialize_refusals_before_any_process_group(monkeypatch):
     with pytest.raises(ConfigError, match="not a parameter of model"):
         hybridpar.initialize(model=model, model_parameters=[torch.nn.Parameter(torch.zeros(2))], config=cfg)
     assert not torch.distributed.is_initialized()
+
+
+def test_init_distributed_takes_deepspeeds_signature(monkeypatch):
+    """``deepspeed.init_distributed(...)`` of a migrated script: dist_backend, timeout (a
+    timedelta), init_method with rank and world_size; dist_init_required=False creates nothing;
+    DeepSpeed's MPI and logging keywords are accepted without effect."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert hybridpar.init_distributed(dist_backend="gloo", dist_init_required=False) == (0, 1)
+    assert hybridpar.init_distributed("gloo", auto_mpi_discovery=True, distributed_port=29500, verbose=False) == (0, 1)
+    assert not dist.is_initialized()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        assert hybridpar.init_distributed(dist_backend="gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                          world_size=1, timeout=timedelta(seconds=30)) == (0, 1)
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        assert hybridpar.init_distributed(dist_backend="gloo") == (0, 1)  # idempotent
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()

@@ -45,6 +45,20 @@ def test_example_under_torchrun():
     assert "matches the single-process run" in proc.stdout
 
 
+def test_deepspeed_seed_under_torchrun():
+    """The issue's seed snippet (``import hybridpar as deepspeed``) at ZeRO-3 bf16 on 2 processes."""
+    import socket
+
+    with socket.socket() as s:  # a free port: other launches may hold torchrun's default
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+           str(EXAMPLES / "deepspeed_seed.py"), "--stage", "3", "--precision", "bf16", "--steps", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ZeRO-3 bf16" in proc.stdout and "matches the single-process run" in proc.stdout
+
+
 def test_examples_are_documented():
     guide = (EXAMPLES.parent / "docs" / "guide.md").read_text()
     for path in EXAMPLES.glob("*.py"):

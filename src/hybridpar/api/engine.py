@@ -43,7 +43,13 @@ from hybridpar.api.tp import (
 from hybridpar.config import Config, ConfigError, parse_config
 from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
 from hybridpar.parallel.tensor_plan import TensorPlan
-from hybridpar.parallel.zero import COMPRESSION_DTYPES, ZeroOptimizer, decay_groups, shard_model
+from hybridpar.parallel.zero import (
+    COMPRESSION_DTYPES,
+    OuterSplit,
+    ZeroOptimizer,
+    decay_groups,
+    shard_model,
+)
 from hybridpar.rules import first_broken
 from hybridpar.training.checkpoint import (
     CheckpointError,
@@ -216,8 +222,11 @@ class ModelEngine:
             partial = autotp(model, topo.tp).partial
         self.module = model
         self.tp_sharded = tp_sharded_params(model)
-        sharded = shard_model(model, topo.dp, _units(model, cfg.zero3_units), prefetch=cfg.zero3_prefetch) \
-            if cfg.zero_stage == 3 else None
+        plan = TensorPlan.of_names({name: dim for name, (dim, _) in self.tp_sharded.items()})
+        # checkpoints hold DTensor pieces of the whole tensors (tp's split, then ZeRO's): any tp reads them
+        outer = OuterSplit(topo.tp, plan.shard_dim) if topo.tp.size > 1 else None
+        sharded = shard_model(model, topo.dp, _units(model, cfg.zero3_units), prefetch=cfg.zero3_prefetch,
+                              outer=outer) if cfg.zero_stage == 3 else None
         kwargs: dict[str, Any] = {"lr": cfg.lr}
         if cfg.optimizer == "sgd":
             kwargs["momentum"] = cfg.momentum
@@ -229,8 +238,7 @@ class ModelEngine:
                                        bucket_bytes=int(cfg.bucket_mb * 2**20), sharded=sharded,
                                        reduce_dtype=COMPRESSION_DTYPES[cfg.grad_compression], offload_to=cfg.offload_to,
                                        offload_dir=cfg.offload_dir or None, offload_params=cfg.offload_params,
-                                       optimizer_impl=cfg.optimizer_impl, **kwargs)
-        plan = TensorPlan.of_names({name: dim for name, (dim, _) in self.tp_sharded.items()})
+                                       optimizer_impl=cfg.optimizer_impl, outer=outer, **kwargs)
         self.core = StepEngine(topo, self.optimizer, plan, list(model.named_parameters()), tp_partial=partial)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.global_step = 0  # optimizer steps taken
@@ -334,9 +342,7 @@ class ModelEngine:
         return full_tensor_parallel_state_dict(sd, self.tp_sharded, self.topo.tp)
 
     def _state(self) -> dict[str, Any]:
-        core = self.optimizer.checkpoint_state(self.module)
-        tp = self.topo.tp
-        return core if tp.size == 1 else {f"tp{tp.rank}_of_{tp.size}": core}
+        return self.optimizer.checkpoint_state(self.module)
 
     def save(self, path: str | os.PathLike[str], client_state: Mapping[str, Any] | None = None,
              files: Callable[[Path], None] | None = None) -> Path:
@@ -359,16 +365,13 @@ class ModelEngine:
         return write_checkpoint(Path(path), self._state(), topo, self.global_step, write)
 
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Restore a checkpoint written by :meth:`save` (any dp size and ZeRO stage; the same
-        tensor-parallel size) and return its ``client_state``. Collective."""
+        """Restore a checkpoint written by :meth:`save` (any dp size, ZeRO stage and tensor-parallel
+        size: each rank reads its pieces of the whole tensors) and return its ``client_state``. Collective."""
         path = require_complete(Path(path))
         try:
             info = json.loads((path / ENGINE_INFO).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"checkpoint {path}: unreadable {ENGINE_INFO} ({e})") from None
-        if info["tp"] != self.topo.tp.size:
-            raise CheckpointError(f"checkpoint {path} was saved at tensor_parallel_size = {info['tp']}, this "
-                                  f"engine has {self.topo.tp.size}; load it with the same tensor-parallel size")
         state = self._state()
         try:
             with single_process_quiet():
@@ -376,8 +379,7 @@ class ModelEngine:
                          no_dist=self.topo.world_size == 1)
         except Exception as e:
             raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).splitlines()[0][:300]}") from e
-        core = state if self.topo.tp.size == 1 else next(iter(state.values()))
-        self.optimizer.load_checkpoint_state(self.module, core)
+        self.optimizer.load_checkpoint_state(self.module, state)
         self.global_step, self.micro_step = int(info["global_step"]), 0
         if self.scaler.enabled and "loss_scaler" in info:
             self.scaler.load_state_dict(info["loss_scaler"])

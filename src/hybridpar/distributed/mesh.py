@@ -418,14 +418,33 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 300) -> tuple[int, int]:
+def init_distributed(backend: str | None = None, timeout_s: float = 300, *, dist_backend: str | None = None,
+                     auto_mpi_discovery: bool = True, distributed_port: int = 29500, verbose: bool = True,
+                     timeout: timedelta | None = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: object = None, rank: int = -1,
+                     world_size: int = -1) -> tuple[int, int]:
     """Initialize torch.distributed when launched by torchrun (RANK and WORLD_SIZE set) and
     return ``(rank, world_size)``; ``(0, 1)`` without a launcher. Idempotent.
 
     ``backend`` defaults to nccl when there is a CUDA device per local process, gloo otherwise (pass
     ``backend_for("cpu")`` to train on CPU on a GPU machine).
+
+    The keywords after ``timeout_s`` are ``deepspeed.init_distributed``'s, so a migrated script's
+    call runs unchanged: ``dist_backend`` is ``backend``, ``timeout`` (a timedelta) ``timeout_s``;
+    ``init_method`` with ``rank`` and ``world_size`` initializes without a launcher's environment;
+    ``dist_init_required=False`` initializes nothing; ``auto_mpi_discovery``,
+    ``distributed_port``, ``verbose`` and ``config`` have no effect (torchrun sets the environment).
     """
+    del auto_mpi_discovery, distributed_port, verbose, config  # DeepSpeed's: nothing to do here
+    backend = backend or dist_backend
+    timeout_s = timeout.total_seconds() if timeout is not None else timeout_s
     if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if dist_init_required is False:
+        return 0, 1
+    if init_method is not None and rank >= 0 and world_size > 0 and "RANK" not in os.environ:
+        dist.init_process_group(backend=backend or backend_for("cpu"), init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1
