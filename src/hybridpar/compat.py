@@ -153,6 +153,33 @@ def flash_attention_cpu(namespace: Any = None) -> tuple[Any, Any] | None:
     return fwd, bwd
 
 
+def cpu_fused_attention_runs(q: torch.Tensor) -> bool:
+    """Whether torch's fused CPU attention kernel runs for ``q``'s dtype on this CPU: in torch
+    2.13 its bf16/fp16 path packs operands with an AVX-512-only routine and raises ("pack_vnni2 is
+    only supported when avx512 is supported") wherever the kernels run below AVX-512 (an AVX2
+    CPU, or ``ATEN_CPU_CAPABILITY=default|avx2``). fp32 runs everywhere.
+
+    Checked on: torch 2.13.0."""
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+        return True
+    return torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
+
+
+def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                                 attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, on the math backend where the fused CPU kernel does not
+    run (:func:`cpu_fused_attention_runs`: bf16/fp16 below AVX-512), so low-precision CPU training
+    works on every CPU; the same function of the inputs, computed unfused."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    if cpu_fused_attention_runs(q):
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    with sdpa_kernel(SDPBackend.MATH):
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous (``_grouped_mm``'s CPU
     backward rejects expanded gradients such as the one of ``y.sum()``)."""

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from hybridpar.compat import flash_attention_cpu
+from hybridpar.compat import cpu_fused_attention_runs, flash_attention_cpu
 
 if TYPE_CHECKING:
     from hybridpar.distributed.comm import Pending
@@ -233,7 +233,7 @@ _FLASH_CPU, _FLASH_CPU_BWD = flash_attention_cpu() or (None, None)
 
 
 def _fused(q: Tensor, pr: BlockPair) -> bool:
-    return pr.mask is None and q.device.type == "cpu" and _FLASH_CPU is not None  # see above
+    return pr.mask is None and q.device.type == "cpu" and _FLASH_CPU is not None and cpu_fused_attention_runs(q)
 
 
 def _mask(pr: BlockPair, q: Tensor, k: Tensor) -> Tensor | None:

@@ -264,9 +264,11 @@ def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict
     assert smallest is not None
     if not any(k in partial for k in ("offload_optimizer", "offload_to", "offload_params", "zero_stage")):
         # nothing fits on the device: offload ZeRO-3's optimizer state, then its parameter shards,
-        # to host memory, and where the host cannot hold them either, to disk (ZeRO-Infinity)
+        # to host memory, and where the host cannot hold them either, to disk (ZeRO-Infinity);
+        # activations stay on the device there (host memory is what those offloads compete for)
+        base = next((lv for lv in reversed(levels) if not lv[1]), levels[-1])
         for where, params in OFFLOAD_LADDER:
-            ev = _memory_only(model, dataclasses.replace(layouts[(levels[-1], 3)], offload_optimizer=True,
+            ev = _memory_only(model, dataclasses.replace(layouts[(base, 3)], offload_optimizer=True,
                                                          offload_to=where, offload_params=params),  # type: ignore[arg-type]
                               work, cluster, rule=rule)
             if ev.fits:

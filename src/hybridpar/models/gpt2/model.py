@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridpar.compat import scaled_dot_product_attention
 from hybridpar.config import ConfigError, ModelConfig
 from hybridpar.models.common import Documents, init_tensor, project
 from hybridpar.rules import model_error
@@ -74,8 +75,8 @@ class Attention(nn.Module):
         (what context parallelism replaces and selective recompute reruns); with ``docs`` the
         mask is block-causal (causal and within the same document)."""
         if docs is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask())
+            return scaled_dot_product_attention(q, k, v, is_causal=True)
+        return scaled_dot_product_attention(q, k, v, attn_mask=docs.mask())
 
 
 class FeedForward(nn.Module):

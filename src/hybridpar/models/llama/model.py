@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridpar.compat import scaled_dot_product_attention
 from hybridpar.config import ModelConfig
 from hybridpar.models.common import (
     Documents,
@@ -106,8 +107,8 @@ class Attention(nn.Module):
         # tensor-parallel shard with fewer local heads works unchanged.
         gqa = q.shape[1] != k.shape[1]
         if docs is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), enable_gqa=gqa)
+            return scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
