@@ -349,3 +349,25 @@ def test_will_engine_execute_tells_which_branch_a_backward_needs():
     y.sum().backward(inputs=[w], retain_graph=True)
     y.sum().backward()
     assert seen == [(True, False), (False, True), (True, True)]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_attention_runs_on_every_cpu(dtype):
+    """bf16/fp16 attention (causal, GQA and with a mask) forward and backward on whatever CPU
+    capability the run has: below AVX-512 torch 2.13's fused kernel raises, and the math backend
+    takes over. Compared with fp32 attention of the same inputs within the dtype's rounding (a
+    few units of its epsilon on outputs of magnitude <= 1)."""
+    from hybridpar.compat import scaled_dot_product_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, s, 32, 16, generator=gen) for s in (4, 2, 2))
+    mask = torch.ones(32, 32, dtype=torch.bool).tril()
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = scaled_dot_product_attention(*low, enable_gqa=True, **kwargs)
+        out.float().sum().backward()
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+        eps = torch.finfo(dtype).eps
+        assert (out.float() - ref).abs().max() <= 8 * eps * ref.abs().max().clamp(min=1)
+        assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in low)
