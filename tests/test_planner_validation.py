@@ -298,9 +298,9 @@ def _every_zero_stage(model, fixed, work, cluster, sp):
         if fits:
             return fits, fits[0]
     for where, params in S.OFFLOAD_LADDER:  # nothing fits on the GPUs: offload, the first that fits
+        # (full recompute, activations on the device: host memory is what the offloads compete for)
         ev = S._memory_only(model, Layout(**fixed, sequence_parallel=sp, recompute=S.RECOMPUTE[-1], zero_stage=3,
-                                          offload_optimizer=True, offload_to=where, offload_params=params,
-                                          offload_activations=True),
+                                          offload_optimizer=True, offload_to=where, offload_params=params),
                             work, cluster)
         if ev.fits:
             return [ev], ev

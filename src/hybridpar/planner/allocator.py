@@ -29,6 +29,10 @@ freed heap (``hybridpar.keep_host_heap``), so the high-water mark is what counts
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
+
 GiB = 2**30
 MiB = 2**20
 
@@ -37,6 +41,9 @@ CUBLAS_WORKSPACE_BYTES = 3 * 2 * 32 * MiB  # 3 streams x (cuBLAS + cuBLASLt) x 4
 NCCL_COMMUNICATOR_BYTES = 0.25 * GiB
 ACTIVATION_FRAGMENTATION = 0.08
 CPU_BASELINE_BYTES = 340 * MiB
+RUN_OVER_IMPORT_BYTES = 38 * MiB  # a run's baseline over ``import torch, hybridpar.training.trainer``
+_IMPORT_RSS = ("import resource, torch, hybridpar.training.trainer; "
+               "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
 
 
 def gpu_overhead(activations: float, communicators: int) -> float:
@@ -52,9 +59,28 @@ def communicators(dp: int, tp: int, pp: int, cp: int) -> int:
     return sum(1 for n in (dp, tp, pp, cp) if n > 1)
 
 
-def cpu_resident_bytes(live: float, layer_activations: float, optimizer_shard: float) -> float:
-    """Predicted peak resident set of a CPU rank (module doc): the baseline, ``live`` tensor
+@functools.cache
+def measured_cpu_baseline() -> float:
+    """:data:`CPU_BASELINE_BYTES` for this machine and environment: the resident set of a fresh
+    interpreter that imported torch and the trainer, plus what a run adds before its model
+    (:data:`RUN_OVER_IMPORT_BYTES`). The import's resident set is not a constant: the same venv
+    measured 302 MiB in one checkout of this machine and 354 MiB in a fresh clone (how much of
+    the shared libraries the loader maps differs). The constant where it cannot be measured
+    (Linux's ``ru_maxrss`` is in KiB)."""
+    if not sys.platform.startswith("linux"):
+        return CPU_BASELINE_BYTES
+    try:
+        out = subprocess.run([sys.executable, "-c", _IMPORT_RSS], capture_output=True, text=True, timeout=300,
+                             check=True)
+        return int(out.stdout.split()[-1]) * 1024 + RUN_OVER_IMPORT_BYTES
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return CPU_BASELINE_BYTES
+
+
+def cpu_resident_bytes(live: float, layer_activations: float, optimizer_shard: float,
+                       baseline: float = CPU_BASELINE_BYTES) -> float:
+    """Predicted peak resident set of a CPU rank (module doc): the ``baseline``, ``live`` tensor
     bytes at the peak (states, activations, logits, buffers), one layer's activations of
     backward transients and a parameter-sized fp32 optimizer temporary (``optimizer_shard``
     elements)."""
-    return CPU_BASELINE_BYTES + live + layer_activations + 4 * optimizer_shard
+    return baseline + live + layer_activations + 4 * optimizer_shard

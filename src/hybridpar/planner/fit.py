@@ -276,7 +276,7 @@ def predicted_peak(run: RunRecord) -> float:
     (:func:`hybridpar.planner.allocator.cpu_resident_bytes`), on GPUs the allocator's peak of
     allocated bytes (``max_memory_allocated``: the live tensors, without the ``overhead`` the
     context and fragmentation add to what is reserved)."""
-    from hybridpar.planner.allocator import cpu_resident_bytes
+    from hybridpar.planner.allocator import cpu_resident_bytes, measured_cpu_baseline
     from hybridpar.planner.memory import plan_memory
 
     mem = plan_memory(run.model, run.layout, run.work)
@@ -285,7 +285,9 @@ def predicted_peak(run: RunRecord) -> float:
         return live
     layers = run.model.n_layers / run.layout.pp
     layer_acts = mem.components["activations"] / max(1, mem.in_flight) / layers
-    return cpu_resident_bytes(live, layer_acts, mem.components["params"] / run.work.param_bytes)
+    # a CPU run read from its directory ran here: the baseline measured in this environment
+    return cpu_resident_bytes(live, layer_acts, mem.components["params"] / run.work.param_bytes,
+                              measured_cpu_baseline())
 
 
 def from_run(args: object) -> FittedRuns:
