@@ -70,8 +70,11 @@ def measured_cpu_baseline() -> float:
     if not sys.platform.startswith("linux"):
         return CPU_BASELINE_BYTES
     try:
-        out = subprocess.run([sys.executable, "-c", _IMPORT_RSS], capture_output=True, text=True, timeout=300,
-                             check=True)
+        # through a small interpreter: Linux carries the peak resident set over fork + exec, so a
+        # child of this (possibly large) process would report this process's peak
+        bare = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
+        out = subprocess.run([*bare, sys.executable, "-c", _IMPORT_RSS], capture_output=True, text=True,
+                             timeout=300, check=True)
         return int(out.stdout.split()[-1]) * 1024 + RUN_OVER_IMPORT_BYTES
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return CPU_BASELINE_BYTES
