@@ -50,19 +50,27 @@ class ShardLayout:
             self.offsets.append(total)
             total += k
         self.size = total  # S: this rank's flat shard, padded; the group's packed buffer is n * S
+        # Fixed for the layout's life, read every step: this rank's rows, shapes and the split of
+        # its flat shard into (parameter, padding) pieces, so views() is one split, not a loop.
+        self._own_rows = [self._rows_of(i, rank) for i in range(len(self.shapes))]
+        self._own_shapes = [torch.Size((hi - lo, *shape[1:])) for (lo, hi), shape in zip(self._own_rows, self.shapes, strict=True)]
+        numels = [math.prod(s) for s in self._own_shapes]
+        self._pieces = [k for n_i, full in zip(numels, self.shard_numel, strict=True) for k in (n_i, full - n_i)]
+        self._whole = [d0 // s if s else 0 for d0, s in zip(self.rows, self.shard_rows, strict=True)]  # ranks with s rows
 
     def __len__(self) -> int:
         return len(self.shapes)
 
-    def local_rows(self, i: int, rank: int | None = None) -> tuple[int, int]:
-        """Row range ``[lo, hi)`` of parameter ``i`` owned by ``rank`` (default: this rank)."""
-        r = self.rank if rank is None else rank
+    def _rows_of(self, i: int, r: int) -> tuple[int, int]:
         d0, s = self.rows[i], self.shard_rows[i]
         return min(r * s, d0), min((r + 1) * s, d0)
 
+    def local_rows(self, i: int, rank: int | None = None) -> tuple[int, int]:
+        """Row range ``[lo, hi)`` of parameter ``i`` owned by ``rank`` (default: this rank)."""
+        return self._own_rows[i] if rank is None else self._rows_of(i, rank)
+
     def local_shape(self, i: int) -> torch.Size:
-        lo, hi = self.local_rows(i)
-        return torch.Size((hi - lo, *self.shapes[i][1:]))
+        return self._own_shapes[i]
 
     def local_numel(self) -> int:
         """Elements this rank owns (unpadded) over the group."""
@@ -70,11 +78,8 @@ class ShardLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """This rank's (unpadded) rows of every parameter as views into its flat shard ``flat``."""
-        out = []
-        for i, o in enumerate(self.offsets):
-            shape = self.local_shape(i)
-            out.append(flat[o : o + math.prod(shape)].view(shape))
-        return out
+        pieces = flat[: self.size].split(self._pieces)
+        return [piece.view(shape) for piece, shape in zip(pieces[::2], self._own_shapes, strict=True)]
 
     def pack(self, out: torch.Tensor, i: int, full: torch.Tensor | None) -> None:
         """Write full tensor ``i`` (None: zeros) into its columns of the rank-major buffer ``out``
@@ -83,8 +88,7 @@ class ShardLayout:
         if full is None:
             region.zero_()
             return
-        flat, k = full.reshape(-1), self.shard_numel[i]
-        whole = self.rows[i] // self.shard_rows[i] if self.shard_rows[i] else 0  # ranks with s rows
+        flat, k, whole = full.reshape(-1), self.shard_numel[i], self._whole[i]
         if whole:
             region[:whole].copy_(flat[: whole * k].view(whole, k))
         if whole < self.n:
@@ -96,8 +100,7 @@ class ShardLayout:
     def unpack(self, src: torch.Tensor, i: int, full: torch.Tensor) -> None:
         """Inverse of :meth:`pack`: fill full tensor ``i`` from the rank-major buffer ``src``."""
         region = src.view(self.n, self.size)[:, self.offsets[i] : self.offsets[i] + self.shard_numel[i]]
-        flat, k = full.view(-1), self.shard_numel[i]
-        whole = self.rows[i] // self.shard_rows[i] if self.shard_rows[i] else 0
+        flat, k, whole = full.view(-1), self.shard_numel[i], self._whole[i]
         if whole:
             flat[: whole * k].view(whole, k).copy_(region[:whole])
         if whole < self.n:
