@@ -68,3 +68,20 @@ def test_kept_host_heap_serves_a_freed_block_again_without_page_faults() -> None
         runs[keep] = (kept, int(faults))
     assert runs["0"][0] == "False" and runs["0"][1] >= 0.9 * pages  # glibc's defaults: mapped afresh
     assert runs["1"][0] == "True" and runs["1"][1] < 0.05 * pages
+
+
+_CHILD_PEAK = ("import torch; from hybridpar.distributed.device import memory_bytes; "
+               "print(memory_bytes(torch.device('cpu')))")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the carry-over is Linux's ru_maxrss")
+def test_cpu_peak_is_this_process_not_the_one_that_started_it() -> None:
+    """A run started from a large process reports its own peak: Linux keeps ``ru_maxrss`` over
+    fork and exec, so with it a child of a process holding 768 MiB reported >= 768 MiB."""
+    held = torch.ones(768 * 2**20 // 4)
+    held += 1  # resident in this process
+    out = subprocess.run([sys.executable, "-c", _CHILD_PEAK], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    child = int(out.stdout.split()[-1])
+    assert 0 < child < 768 * 2**20  # the child imports torch (a few hundred MiB), never holds `held`
+    del held

@@ -156,11 +156,30 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
 
 
 def memory_bytes(device: torch.device) -> int:
-    """Peak memory so far: allocator peak on CUDA, the process's peak resident set on CPU."""
+    """Peak memory so far: allocator peak on CUDA, the process's peak resident set on CPU.
+
+    On Linux the peak is ``VmHWM`` of ``/proc/self/status`` (this address space's high-water
+    mark), not ``ru_maxrss``: Linux carries ``ru_maxrss`` over fork and exec, so a run started
+    from a larger process (a test runner, a notebook) reported that process's peak."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _status_kib(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (None where there is no such file or field)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def local_rank() -> int:
