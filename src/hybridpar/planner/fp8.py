@@ -13,6 +13,12 @@ quantizes ``x`` and ``W`` in forward and ``dy`` once in backward (its ``dW`` reu
 rowwise quantizes ``x`` and ``W`` in forward, ``dy`` and ``W`` again (other axis) for ``dx``,
 and ``dy`` and ``x`` again for ``dW``. The amax all-reduces under tp and cp are a few floats
 each (latency only) and are left out. Experts (grouped GEMMs) and attention stay bf16.
+
+FP8 parameter all-gather (``parallel.fp8_all_gather``, ZeRO-3 with tensorwise FP8): the FP8
+linears' weights (:func:`is_fp8_weight`) cross ZeRO-3's all-gathers at 1 byte per element
+instead of the parameter dtype's, plus one all-reduce of a float per weight (their amaxes) over
+the ZeRO axis per gather (:func:`fp8_gathers`; ``planner.traffic`` counts both, ``planner.dp_cost``
+times the smaller gathers).
 """
 
 from __future__ import annotations
@@ -21,7 +27,22 @@ from collections.abc import Sequence
 
 from hybridpar.planner.hardware import GPUSpec, PlanError
 
-__all__ = ["fp8_gemm_deltas"]
+__all__ = ["FP8_LINEARS", "fp8_gathers", "fp8_gemm_deltas", "is_fp8_weight"]
+
+#: the linear layers of a block that run in FP8 (training/features/fp8.py): attention's
+#: projections, the dense MLP and a MoE layer's shared experts (not the router nor routed experts)
+FP8_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def is_fp8_weight(name: str) -> bool:
+    """Whether parameter ``name`` (``layers.<i>.attention.wq.weight``, ...) is an FP8 linear's weight."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in FP8_LINEARS and parts[0] == "layers"
+
+
+def fp8_gathers(fp8: str, fp8_all_gather: bool, zero_stage: int) -> bool:
+    """Whether ZeRO-3's parameter all-gathers carry the FP8 linears' weights as FP8."""
+    return fp8_all_gather and fp8 == "tensorwise" and zero_stage == 3
 
 _QUANT_BYTES = 5  # per element: read for the amax, read again, write one FP8 byte
 _QUANT_KERNELS = 3

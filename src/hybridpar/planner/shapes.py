@@ -9,6 +9,7 @@ import functools
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import Partition, partition_model
 from hybridpar.parallel.pipeline.schedules import Schedule
+from hybridpar.planner.fp8 import is_fp8_weight
 from hybridpar.planner.layout import ModelKey, model_key, model_of
 from hybridpar.planner.moe import ffn_shapes, is_expert
 
@@ -90,8 +91,11 @@ def numel(shapes: list[tuple[int, ...]], shards: int = 1) -> int:
 def rank_numel(key: ModelKey, tp: int, pp: int, virtual_stages: int, pp_rank: int,
                shards: int = 1, ep: int = 1, part: str = "all", v_shape: bool = False) -> int:
     """``numel(rank_param_shapes(...), shards)`` for the model with :func:`model_key` ``key``;
-    ``part``: ``"all"``, ``"dense"`` (all but the routed experts) or ``"experts"``."""
+    ``part``: ``"all"``, ``"dense"`` (all but the routed experts), ``"experts"`` or ``"fp8"``
+    (the FP8 linears' weights, :func:`~hybridpar.planner.fp8.is_fp8_weight`)."""
     named = rank_named_shapes(model_of(key), tp, pp, virtual_stages, pp_rank, ep, v_shape)
-    if part != "all":
+    if part == "fp8":
+        named = [(n, s) for n, s in named if is_fp8_weight(n)]
+    elif part != "all":
         named = [(n, s) for n, s in named if is_expert(n) == (part == "experts")]
     return numel([s for _, s in named], shards)
