@@ -70,7 +70,7 @@ from hybridpar.compat import scaled_mm, will_engine_execute
 from hybridpar.distributed.mesh import Axis
 
 __all__ = ["E4M3", "E5M2", "FP8_RECIPES", "Fp8Layout", "Fp8Linear", "Fp8Recipe", "amax", "fp8_linear", "quantize",
-           "scale_of", "set_gathered", "shard_weight_scales", "to_fp8"]
+           "gathered_weight", "scale_of", "set_gathered", "shard_weight_scales", "to_fp8"]
 
 Fp8Recipe = Literal["tensorwise", "rowwise"]
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
@@ -146,7 +146,8 @@ def set_gathered(weight: Tensor, q: Tensor | None, scale: Tensor | None = None) 
     weight.__dict__["_fp8_gathered"] = None if q is None else (q, scale)
 
 
-def _gathered(weight: Tensor) -> tuple[Tensor, Tensor] | None:
+def gathered_weight(weight: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``weight``'s FP8 copy and scale from :func:`set_gathered`, or None."""
     return weight.__dict__.get("_fp8_gathered")
 
 
@@ -235,7 +236,7 @@ def _fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Fp8Layou
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     with torch.autocast(x.device.type, enabled=False):
-        y = _Fp8Matmul.apply(_Tag.apply(x2), _Tag.apply(weight), layout, out_dtype, _gathered(weight))
+        y = _Fp8Matmul.apply(_Tag.apply(x2), _Tag.apply(weight), layout, out_dtype, gathered_weight(weight))
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 

@@ -25,7 +25,14 @@ from torch import nn
 
 from hybridpar.compat import restore_storage
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.fp8 import E4M3, Fp8Layout, quantize, set_gathered, shard_weight_scales
+from hybridpar.parallel.fp8 import (
+    E4M3,
+    Fp8Layout,
+    gathered_weight,
+    quantize,
+    set_gathered,
+    shard_weight_scales,
+)
 from hybridpar.parallel.zero.shard import ShardLayout
 
 __all__ = ["Fp8Gather", "fp8_weight_layout"]
@@ -91,6 +98,10 @@ class Fp8Gather:
             q = torch.empty(full[i].shape, dtype=E4M3, device=buf.device)
             self.fp8_layout.unpack(fp8, j, q)
             set_gathered(full[i], q, self.scales[j])
+
+    def copies(self, full: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The gathered FP8 weights alive now (memory accounting)."""
+        return [g[0] for i in self.fp8 if (g := gathered_weight(full[i])) is not None]
 
     def release(self, full: list[nn.Parameter]) -> None:
         """Drop the FP8 copies (the unit is resharded)."""

@@ -134,7 +134,8 @@ class Unit:
 
     def held(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """(parameter tensors, gradient tensors) this unit keeps alive right now."""
-        return [self.shard_flat, *self.full, self._buf], self.grads.held_tensors()
+        copies = self.fp8.copies(self.full) if self.fp8 is not None else []  # gathered FP8 weights
+        return [self.shard_flat, *self.full, self._buf, *copies], self.grads.held_tensors()
 
 
 @dataclass
