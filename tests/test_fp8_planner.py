@@ -62,7 +62,8 @@ def test_fp8_all_gather_gathers_the_fp8_weights_at_one_byte(capsys) -> None:
     runtime's counted bytes equal these (test_planner_validation's dp2-zero3-fp8-all-gather)."""
     from hybridpar.cli import main
     from hybridpar.planner.fp8 import is_fp8_weight
-    from hybridpar.planner.traffic import comm_bytes_per_axis, model_params, shard_elems
+    from hybridpar.planner.shapes import shard_elems
+    from hybridpar.planner.traffic import comm_bytes_per_axis, model_params
 
     model, layout = model_preset("tiny"), Layout(dp=4, zero_stage=3, micro_batch=2)
     work = Workload(16, 128, "bf16", half_params=True, fp8="tensorwise")

@@ -56,10 +56,10 @@ from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.parallel.zero.reducer import cut_buckets
 from hybridpar.planner import hsdp as hs
 from hybridpar.planner.cp_modes import cp_collectives
-from hybridpar.planner.fp8 import fp8_gathers, is_fp8_weight
+from hybridpar.planner.fp8 import fp8_gathers, zero3_gather
 from hybridpar.planner.layout import Layout, Workload, model_key
 from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
-from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, v_shaped
+from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, shard_elems, v_shaped
 
 Shape = tuple[int, ...]
 Named = list[tuple[str, Shape]]
@@ -126,12 +126,6 @@ def _numel(shape: Shape) -> int:
 def buckets(shapes: Iterable[Shape], elem: int, bucket_bytes: int) -> list[list[Shape]]:
     """Parameters in reverse order cut every ``bucket_bytes`` (GradientReducer and ZeRO-1/2)."""
     return cut_buckets(shapes, lambda s: _numel(s) * elem, bucket_bytes)
-
-
-def shard_elems(shapes: Iterable[Shape], n: int) -> int:
-    """``S`` of :class:`~hybridpar.parallel.zero.shard.ShardLayout`: every shape's ``ceil(rows/n)``
-    row block, summed (the padded flat shard one rank sends or receives)."""
-    return sum(-(-s[0] // n) * _numel(s[1:]) for s in shapes)
 
 
 def _dp_cp_name(layout: Layout) -> str:
@@ -461,7 +455,7 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
     once and all-gather the updated shards; stage 3 gathers every unit (root: norm and head;
     embedding; each layer) twice per micro-batch and reduce-scatters it once; under pp its units
     are the rank's chunks, each gathered and reduce-scattered once per step (HSDP: :mod:`.hsdp`).
-    ``fp8``: the gathers carry the FP8 linears' weights as FP8 (:func:`_gather`)."""
+    ``fp8``: the gathers carry the FP8 linears' weights as FP8 (:func:`~.fp8.zero3_gather`)."""
     axis, n, across = hs.zero_reduction(add, layout, elem, pp_rank, node)
     named = [(nm, s) for nm, s in model_params(model, layout.tp) if nm in names]
     if layout.zero_stage < 3:
@@ -470,7 +464,7 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
     if layout.pp > 1:
         for chunk in rank_chunk_params(model, layout, pp_rank):
             shard = shard_elems([s for _, s in chunk], n)
-            _gather(add, axis, n, chunk, elem, 1, fp8)
+            zero3_gather(add, axis, n, chunk, elem, 1, fp8)
             _reduce_scatter(add, layout, axis, n, shard, elem, across)
         return
     tied = model.tie_embeddings
@@ -481,20 +475,8 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
               for i in range(model.n_layers)]
     for unit in units:
         shard = shard_elems([s for _, s in unit], n)
-        _gather(add, axis, n, unit, elem, 2 * m, fp8)
+        zero3_gather(add, axis, n, unit, elem, 2 * m, fp8)
         _reduce_scatter(add, layout, axis, n, shard, elem, across)
-
-
-def _gather(add: Adder, axis: str, n: int, unit: Named, elem: int, times: int, fp8: bool) -> None:
-    """ZeRO-3's all-gather of one unit, ``times`` times: its padded shard at ``elem`` bytes per
-    element, or with ``fp8`` (``parallel.fp8_all_gather``) the FP8 linears' weights at 1 byte and
-    the rest at ``elem``, each gather after an all-reduce of the weights' amaxes (4 bytes each;
-    :mod:`hybridpar.parallel.zero.fp8_gather`)."""
-    weights = [s for nm, s in unit if fp8 and is_fp8_weight(nm)]
-    rest = [s for nm, s in unit if not (fp8 and is_fp8_weight(nm))]
-    add("all_gather", axis, n, shard_elems(rest, n) * elem + shard_elems(weights, n), times)
-    if weights:
-        add("all_reduce", axis, n, 4 * len(weights), times)
 
 
 def comm_bytes_per_axis(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int = 0, *,
