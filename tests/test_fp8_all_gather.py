@@ -23,6 +23,9 @@ from test_fp8_layouts import MODEL, assert_fp8_like_one_process
 
 from hybridpar.config import ConfigError, load_config
 from hybridpar.distributed.comm import Op
+from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.parallel.fp8 import Fp8Layout, to_fp8
+from hybridpar.parallel.zero import shard_model
 from hybridpar.training.trainer import Trainer
 
 pytestmark = pytest.mark.numerics
@@ -60,6 +63,46 @@ def test_fp8_all_gather_equals_the_fp8_run_exactly(tmp_path: Any, name: str) -> 
     expected = reference(Run(tmp, (*MODEL, *FP8)))
     plain = reference(Run(tmp, MODEL))
     assert_fp8_like_one_process(with_ag, expected, plain)
+
+
+def _linear_pair() -> tuple[torch.nn.Module, torch.Tensor]:
+    """Two FP8 linears whose weights' row blocks differ in amax by powers of two (so a scale from
+    one rank's rows alone would differ from the whole weight's), and an input."""
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(48, 16, bias=False))
+    with torch.no_grad():
+        for layer, factor in zip(model, (1.0, 8.0), strict=True):
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
+            layer.weight[layer.weight.shape[0] // 2:] *= factor * 37.0  # the second rank's rows
+            to_fp8(layer, Fp8Layout("tensorwise"))
+    return model, torch.randn(16, 32, generator=gen)
+
+
+def _gathered_linears(rank: int, world: int) -> tuple[list[float], list[float], int]:
+    """Output and input gradient of the pair, its weights ZeRO-3-sharded over dp with FP8 gathers,
+    and the bytes this rank's gathers sent."""
+    model, x = _linear_pair()
+    with ParallelDims(dp=world).build("cpu") as topo:
+        sharded = shard_model(model, topo.dp, list(model), fp8_gather=True)
+        x.requires_grad_(True)
+        y = model(x)
+        y.square().sum().backward()
+        sharded.finish()
+        sent = topo.comm.counter.bytes(op=Op.ALL_GATHER, axis=topo.dp.name)
+        return y.detach().flatten().tolist(), x.grad.flatten().tolist(), sent
+
+
+def test_gathered_fp8_weights_quantize_as_the_whole_weight(dist_run: Any) -> None:
+    """Each weight's scale comes from the whole weight, not this rank's rows (whose amax differs
+    by powers of two here): output and input gradient equal the unsharded FP8 linears' exactly."""
+    model, x = _linear_pair()
+    x.requires_grad_(True)
+    y = model(x)
+    y.square().sum().backward()
+    for got_y, got_dx, sent in dist_run(2, _gathered_linears):
+        assert got_y == y.detach().flatten().tolist()
+        assert got_dx == x.grad.flatten().tolist()
+        assert sent == 2 * (24 * 32 + 8 * 48)  # each unit gathered twice (forward, backward), 1 byte per element
 
 
 @pytest.mark.parametrize("flags, message", [
