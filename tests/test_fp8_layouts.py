@@ -121,6 +121,12 @@ def test_fp8_layout_trains_like_one_process(tmp_path: Any, recipe: str, name: st
     results = train_layout(Run(tmp, (*base, *fp8, *{**LAYOUTS, **SINGLE}[name]), **probes), timeout=600)
     if probes:
         _check_scales(results, expected)
+    assert_fp8_like_one_process(results, expected, plain)
+
+
+def assert_fp8_like_one_process(results: list[Any], expected: Any, plain: Any) -> None:
+    """Every rank's losses and rank 0's weights within the module doc's bound of the one-process
+    FP8 run ``expected`` (``plain``: the same run unquantized, which measures the format's error)."""
     fmt = [abs(a - b) for a, b in zip(expected.losses, plain.losses, strict=True)]
     for rank, r in enumerate(results):
         assert r.losses[0] == pytest.approx(expected.losses[0], rel=LOSS_RTOL), f"rank {rank}"

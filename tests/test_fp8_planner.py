@@ -54,3 +54,35 @@ def test_fp8_travels_between_plan_and_config() -> None:
     cfg = to_config(model_preset("tiny"), Layout(), work)
     assert cfg.train.fp8 == "rowwise" and from_config(cfg)[1].fp8 == "rowwise"
     assert dataclasses.replace(work, fp8="none").fp8 == "none"
+
+
+def test_fp8_all_gather_gathers_the_fp8_weights_at_one_byte(capsys) -> None:
+    """``parallel.fp8_all_gather``: ZeRO-3's gathers carry the FP8 linears' weights at 1 byte per
+    element instead of the parameter dtype's (plus 4 bytes of amax per weight and gather); the
+    runtime's counted bytes equal these (test_planner_validation's dp2-zero3-fp8-all-gather)."""
+    from hybridpar.cli import main
+    from hybridpar.planner.fp8 import is_fp8_weight
+    from hybridpar.planner.shapes import shard_elems
+    from hybridpar.planner.traffic import comm_bytes_per_axis, model_params
+
+    model, layout = model_preset("tiny"), Layout(dp=4, zero_stage=3, micro_batch=2)
+    work = Workload(16, 128, "bf16", half_params=True, fp8="tensorwise")
+    plain = comm_bytes_per_axis(model, layout, work)["dp"]
+    gathered = comm_bytes_per_axis(model, layout, dataclasses.replace(work, fp8_all_gather=True))["dp"]
+    weights = [s for n, s in model_params(model, 1) if is_fp8_weight(n)]
+    assert len(weights) == 7 * model.n_layers
+    m = layout.microbatches(16)  # two gathers per micro-batch: forward, backward
+    assert plain - gathered == 2 * m * (shard_elems(weights, 4) * (2 - 1) - 4 * len(weights))
+    # timed: the smaller gathers where they are exposed (8B, short sequences, 16 ranks)
+    big, wide, short = model_preset("llama3-8b"), Layout(dp=16, zero_stage=3, micro_batch=1), Workload(16, 1024, fp8="tensorwise")
+    cluster = Cluster.of(GPUS["H100-SXM"], 16, 8)
+    before, after = (step_cost(big, wide, dataclasses.replace(short, fp8_all_gather=ag), cluster) for ag in (False, True))
+    assert after.terms["dp_comm"] < before.terms["dp_comm"] and after.step_time_s < before.step_time_s
+    cfg = to_config(model, layout, dataclasses.replace(work, fp8_all_gather=True))
+    assert cfg.parallel.fp8_all_gather and from_config(cfg)[1].fp8_all_gather
+    assert not to_config(model, Layout(dp=4, zero_stage=2), dataclasses.replace(work, fp8_all_gather=True)
+                         ).parallel.fp8_all_gather
+    assert main(["plan", "--model", "tiny", "--gpus", "4", "--global-batch", "16", "--seq-len", "128", "--json",
+                 "--fp8", "tensorwise", "--fp8-all-gather", "--layout", "dp=4,tp=1,pp=1,cp=1,zero_stage=3"]) == 0
+    import json
+    assert json.loads(capsys.readouterr().out)["fp8_all_gather"] is True

@@ -87,7 +87,7 @@ COMM_LAYOUTS = ["dp2", "tp2-sp", "cp2", "pp2-interleaved", "dp2-zero3", "dp4-hie
                 "dp2-tp2-pp2-cp2-zb", "dp2-pp2-zbv-tp2", "dp2-tp2-sp-recompute-full", "cp2-recompute-selective", "pp2-zb-recompute-full",
                 "pp2-cp2-tp2-sp", "dp2-int8", "dp2-cp2-zero2-int8", "dp2-tp2-zero3-int8", "dp2-zero1-bf16",
                 "dp2-zero3-fp16", "dp2-zero3-offload-disk-params", "dp2-pp2-interleaved-zero3", "dp2-pp2-zbv-zero3",
-                "dp2-tp2-pp2-zero3"]
+                "dp2-tp2-pp2-zero3", "dp2-zero3-fp8-all-gather"]
 # Gradient compression changes the result, so these are not in the invariance matrix; their
 # traffic is (and fp16's overflow flag with ZeRO, whose layouts test_layouts runs at another scale).
 COMPRESSED = {"dp2-zero3-fp16": ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--train.precision", "fp16"],
@@ -98,6 +98,9 @@ COMPRESSED = {"dp2-zero3-fp16": ["--parallel.dp", "2", "--parallel.zero_stage", 
                                      "--parallel.grad_compression", "int8"],
               "dp2-zero1-bf16": ["--parallel.dp", "2", "--parallel.zero_stage", "1",
                                  "--parallel.grad_compression", "bf16"]}
+# ZeRO-3's FP8 parameter all-gather (tests/test_fp8_all_gather.py proves its result): its gathers' bytes
+COMPRESSED["dp2-zero3-fp8-all-gather"] = ["--parallel.dp", "2", "--parallel.zero_stage", "3", "--train.fp8", "tensorwise",
+                                          "--parallel.fp8_all_gather", "true"]
 
 
 def _comm_config(tmp: str, name: str):

@@ -220,6 +220,7 @@ class ParallelConfig(LayoutChoice):
     offload_dir: str = ""  # offload_to = "disk": where the files go; "" = the system temporary directory
     auto: bool = False  # train: the planner picks dp/tp/pp/cp, ZeRO stage, schedule, micro-batch for the world size
     stage_layers: str = ""  # pipeline: layers per stage in model order by hand, e.g. "4,8,8,6"; "" = balanced by FLOPs
+    fp8_all_gather: bool = False  # ZeRO-3, train.fp8 tensorwise: FP8 linears' weights gathered as e4m3 (zero/fp8_gather.py)
 
     def layer_counts(self) -> list[int] | None:
         """``stage_layers`` as integers (None when unset); ValueError when it is not a list of ints."""

@@ -41,6 +41,20 @@ The zero-bubble W split (``parallel/pipeline/wsplit``) sees :func:`fp8_linear` a
 ``F.linear`` (a torch function), and the backward asks the engine which of ``x`` and ``W`` it
 needs (:func:`hybridpar.compat.will_engine_execute`), so B runs only the ``dx`` GEMM and W only
 the ``dW`` GEMM, in FP8 too.
+
+**FP8 parameter all-gather** (``parallel.fp8_all_gather``, ZeRO-3, tensorwise): ZeRO-3 shards
+``W`` by rows (dim 0, ``N``) and gathers it before each use. :func:`shard_weight_scales` computes
+each weight's tensorwise scale from its shard (``max |W|`` over the local rows, max-reduced over
+the ZeRO axis and the weight's tp axes: the amax of the whole weight, exactly), the unit
+gathers ``quantize(shard, scale)`` (1 byte per element), and :func:`set_gathered` hands the
+gathered FP8 weight and its scale to the linear, which uses them as its forward's (and, saved,
+its backward's) ``W`` operand instead of quantizing ``W``. Quantizing is elementwise, so the
+gathered FP8 weight equals the one this module quantizes from the whole ``W``: the run is
+bitwise the run without the FP8 gather. Rowwise is not offered: its forward scales ``W`` per
+output feature (a row, along ``K``: local to the shard owner), but its ``dx`` GEMM scales ``W``
+per *input* feature (a column, along ``N``: across every ZeRO shard), which a row-scaled FP8
+copy cannot give without a second rounding, so the backward would need the high-precision
+weight gathered too (torchao likewise gathers FP8 for tensorwise scaling only).
 """
 
 from __future__ import annotations
@@ -56,7 +70,7 @@ from hybridpar.compat import scaled_mm, will_engine_execute
 from hybridpar.distributed.mesh import Axis
 
 __all__ = ["E4M3", "E5M2", "FP8_RECIPES", "Fp8Layout", "Fp8Linear", "Fp8Recipe", "amax", "fp8_linear", "quantize",
-           "scale_of", "to_fp8"]
+           "gathered_weight", "scale_of", "set_gathered", "shard_weight_scales", "to_fp8"]
 
 Fp8Recipe = Literal["tensorwise", "rowwise"]
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
@@ -106,6 +120,37 @@ def quantize(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (t.float() * scale).clamp(-fmax, fmax).to(dtype)
 
 
+def shard_weight_scales(shards: list[Tensor], layouts: list[Fp8Layout], zero: Axis) -> Tensor:
+    """The tensorwise e4m3 scale of each whole weight from this rank's rows of it (``shards``;
+    possibly none): the local amaxes, max-reduced as one vector over the ZeRO axis ``zero`` and
+    over each weight's tp axes (``out_axes + in_axes``), so every rank holds the scales one
+    process computes from the whole weights."""
+    if not shards:
+        return torch.zeros(0)
+    a = torch.stack([s.abs().amax().float() if s.numel() else s.new_zeros((), dtype=torch.float32)
+                     for s in shards])
+    if zero.size > 1:
+        a = zero.comm.all_reduce(a, zero, op="max")
+    by_axes: dict[tuple[Axis, ...], list[int]] = {}
+    for i, layout in enumerate(layouts):
+        by_axes.setdefault(tuple(x for x in layout.out_axes + layout.in_axes if x.size > 1), []).append(i)
+    for axes, idx in by_axes.items():
+        for axis in axes:
+            a[idx] = axis.comm.all_reduce(a[idx].contiguous(), axis, op="max")
+    return scale_of(a, E4M3)
+
+
+def set_gathered(weight: Tensor, q: Tensor | None, scale: Tensor | None = None) -> None:
+    """Give ``weight`` (a gathered parameter) its FP8 copy ``q`` and tensorwise ``scale``, which
+    the linear then uses instead of quantizing it; ``q`` None: take them away (resharded)."""
+    weight.__dict__["_fp8_gathered"] = None if q is None else (q, scale)
+
+
+def gathered_weight(weight: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``weight``'s FP8 copy and scale from :func:`set_gathered`, or None."""
+    return weight.__dict__.get("_fp8_gathered")
+
+
 def _colmajor(t: Tensor) -> Tensor:
     """``t`` with the same values, stored column-major (``_scaled_mm``'s right operand on CUDA)."""
     return t.t().contiguous().t()
@@ -140,13 +185,16 @@ class _Fp8Matmul(torch.autograd.Function):
     """``x [M, K] @ W[N, K]^T`` with the three GEMMs in FP8 (module doc)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, w: Tensor, layout: Fp8Layout, out_dtype: torch.dtype) -> Tensor:
+    def forward(ctx: Any, x: Tensor, w: Tensor, layout: Fp8Layout, out_dtype: torch.dtype,
+                gathered: tuple[Tensor, Tensor] | None) -> Tensor:
         ctx.layout, ctx.x_dtype, ctx.w_dtype = layout, x.dtype, w.dtype
         if layout.recipe == "tensorwise":
             xq, sx = _operand(x, None, layout.tokens + layout.in_axes, E4M3)
-            wq, sw = _operand(w, None, layout.out_axes + layout.in_axes, E4M3)
+            wq, sw = gathered or _operand(w, None, layout.out_axes + layout.in_axes, E4M3)
             ctx.save_for_backward(xq, wq, sx, sw)
             return scaled_mm(xq, wq.t(), sx.reciprocal(), sw.reciprocal(), out_dtype)
+        if gathered is not None:
+            raise ValueError("an FP8-gathered weight carries a tensorwise scale; rowwise quantizes the weight itself")
         xq, sx = _operand(x, 1, layout.in_axes, E4M3)
         wq, sw = _operand(w, 1, layout.in_axes, E4M3)
         ctx.save_for_backward(x, w)
@@ -166,7 +214,7 @@ class _Fp8Matmul(torch.autograd.Function):
             dx = scaled_mm(gq, _colmajor(wq), sg.reciprocal(), sw.reciprocal(), ctx.x_dtype) if need_x else None
             dw = (scaled_mm(gq.t().contiguous(), _colmajor(xq), sg.reciprocal(), sx.reciprocal(), ctx.w_dtype)
                   if need_w else None)
-            return dx, dw, None, None
+            return dx, dw, None, None, None
         x, w = ctx.saved_tensors
         dx = dw = None
         if need_x:
@@ -177,7 +225,7 @@ class _Fp8Matmul(torch.autograd.Function):
             gq, sg = _operand(dy, 0, layout.tokens, E4M3)  # per output feature, over M
             xq, sx = _operand(x, 0, layout.tokens, E4M3)  # per input feature, over M
             dw = scaled_mm(gq.t().contiguous(), _colmajor(xq), sg.reciprocal().reshape(-1, 1), sx.reciprocal(), w.dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def _fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Fp8Layout) -> Tensor:
@@ -188,7 +236,7 @@ def _fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Fp8Layou
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     with torch.autocast(x.device.type, enabled=False):
-        y = _Fp8Matmul.apply(_Tag.apply(x2), _Tag.apply(weight), layout, out_dtype)
+        y = _Fp8Matmul.apply(_Tag.apply(x2), _Tag.apply(weight), layout, out_dtype, gathered_weight(weight))
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 

@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"],
                    help="train.fp8: the blocks' linear GEMMs in FP8 (priced at the GPU's FP8 rate plus scaling)")
+    p.add_argument("--fp8-all-gather", action="store_true",
+                   help="parallel.fp8_all_gather: ZeRO-3 layouts gather the FP8 linears' weights in FP8 (with --fp8 tensorwise)")
     p.add_argument("--loss-chunk-tokens", type=int, default=Workload.loss_chunk_tokens,
                    help="train.loss_chunk_tokens: the head and loss in chunks of this many tokens (0: unchunked)")
     p.add_argument("--top", type=int, default=5)
@@ -238,12 +240,12 @@ def cmd_plan(argv: list[str]) -> int:
         read_run(next(d for d in args.from_run if not training_run(d)))  # says what the directory lacks
     imbalance, source = moe_imbalance(args) if moe else (DEFAULT_IMBALANCE, "")
     work = Workload(args.global_batch, args.seq_len, args.precision, moe_imbalance=imbalance,
-                    loss_chunk_tokens=args.loss_chunk_tokens, fp8=args.fp8)
+                    loss_chunk_tokens=args.loss_chunk_tokens, fp8=args.fp8, fp8_all_gather=args.fp8_all_gather)
     if fitted is not None:  # the run's runtime: autocast, its block style and loss chunking
         work = fitted.workload(args.global_batch, args.seq_len, imbalance)
     head: dict[str, object] = {"model": args.model, "gpu": cluster.gpu.name, "gpus": cluster.world_size,
                                "gpus_per_node": cluster.gpus_per_node, "global_batch": work.global_batch,
-                               "seq_len": work.seq_len, "fp8": work.fp8}
+                               "seq_len": work.seq_len, "fp8": work.fp8, "fp8_all_gather": work.fp8_all_gather}
     if moe:
         head |= {"moe_imbalance": imbalance, "moe_imbalance_source": source}
     if fitted is not None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridpar.config import ModelConfig
+from hybridpar.planner.fp8 import FP8_LINEARS, fp8_gathers
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.hsdp import collective_seconds, expert_group, hsdp, zero_group
 from hybridpar.planner.layout import Layout, Workload, model_key
@@ -30,6 +31,8 @@ class Gradients:
     reduced: float  # the bytes their reduction carries (compressed or not)
     grad_bytes: float  # the all-reduce-equivalent bytes of a ZeRO-0/1/2 step
     quantize: float  # seconds of int8 quantisation
+    gathered: float = 0.0  # ZeRO-3: the dense bytes one full gather carries (FP8 weights at 1 byte with fp8_all_gather)
+    fp8_weights: int = 0  # ZeRO-3 with fp8_all_gather: the FP8 linear weights gathered (one amax all-reduce float each)
 
 
 def gradients(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec) -> Gradients:
@@ -52,7 +55,11 @@ def gradients(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec) -> Grad
     if reduced != param_total:  # all-reduce-equivalent bytes: ZeRO-0 compresses both halves,
         # ZeRO-1/2 the reduce-scatter half (the parameter all-gather keeps the parameter dtype)
         grad_bytes = reduced if L.zero_stage == 0 else (reduced + param_total) / 2
-    return Gradients(worst, expert_bytes, param_total, reduced, grad_bytes, quantize)
+    gathered, weights = param_total, 0
+    if fp8_gathers(work.fp8, work.fp8_all_gather, L.zero_stage):  # FP8 linears' weights gathered at 1 byte
+        gathered -= rank_numel(key, t, pp, v, worst, 1, L.ep, "fp8", vs) * (work.param_bytes - 1)
+        weights = len(FP8_LINEARS) * model.n_layers // pp
+    return Gradients(worst, expert_bytes, param_total, reduced, grad_bytes, quantize, gathered, weights)
 
 
 def bucketed_comm(L: Layout, work: Workload, cluster: Cluster, gr: Gradients) -> tuple[float, float]:
@@ -78,7 +85,8 @@ def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m
     if L.pp > 1:
         # under pp (hybridpar.parallel.zero.zero3_pp.StageSharded) each of the rank's v chunks is gathered once
         # per step, before its first forward, and reduce-scattered once after its last backward
-        return v * (cluster.collective_time("all_gather", gr.param_total / v / n, n, t)
+        amax = cluster.collective_time("all_reduce", 4 * gr.fp8_weights / v, n, t) if gr.fp8_weights else 0.0
+        return v * (cluster.collective_time("all_gather", gr.gathered / v / n, n, t) + amax
                     + cluster.collective_time("reduce_scatter", gr.reduced / v, n, t)
                     + cluster.collective_time("all_reduce", gr.reduced / v / n, replicas, t * n)), 0.0
     # one all-gather per unit (each block, the embedding, the root) forward and backward, one
@@ -86,7 +94,9 @@ def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m
     # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
     # collective would run on the same cores), so on a CPU profile nothing hides them.
     units = model.n_layers + (1 if model.tie_embeddings else 2)
-    gather = units * cluster.collective_time("all_gather", gr.param_total / units / n, n, t)
+    gather = units * cluster.collective_time("all_gather", gr.gathered / units / n, n, t)
+    if gr.fp8_weights:  # fp8_all_gather: each block's gather after an all-reduce of its weights' amaxes
+        gather += model.n_layers * cluster.collective_time("all_reduce", 4 * gr.fp8_weights / model.n_layers, n, t)
     edp, e_units = expert_group(L)[1], len(set(model.moe_layer_ids()))
     if gr.expert_bytes and edp > 1:  # each MoE layer's experts: a unit of their own over edp
         gather += e_units * cluster.collective_time("all_gather", gr.expert_bytes / e_units / edp, edp, t * L.ep)

@@ -13,15 +13,40 @@ quantizes ``x`` and ``W`` in forward and ``dy`` once in backward (its ``dW`` reu
 rowwise quantizes ``x`` and ``W`` in forward, ``dy`` and ``W`` again (other axis) for ``dx``,
 and ``dy`` and ``x`` again for ``dW``. The amax all-reduces under tp and cp are a few floats
 each (latency only) and are left out. Experts (grouped GEMMs) and attention stay bf16.
+
+FP8 parameter all-gather (``parallel.fp8_all_gather``, ZeRO-3 with tensorwise FP8): the FP8
+linears' weights (:func:`is_fp8_weight`) cross ZeRO-3's all-gathers at 1 byte per element
+instead of the parameter dtype's, plus one all-reduce of a float per weight (their amaxes) over
+the ZeRO axis per gather (:func:`fp8_gathers`; ``planner.traffic`` counts both, ``planner.dp_cost``
+times the smaller gathers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hybridpar.planner.hardware import GPUSpec, PlanError
+from hybridpar.planner.shapes import FP8_LINEARS, is_fp8_weight, shard_elems
 
-__all__ = ["fp8_gemm_deltas"]
+__all__ = ["FP8_LINEARS", "fp8_gathers", "fp8_gemm_deltas", "is_fp8_weight", "zero3_gather"]
+
+
+def fp8_gathers(fp8: str, fp8_all_gather: bool, zero_stage: int) -> bool:
+    """Whether ZeRO-3's parameter all-gathers carry the FP8 linears' weights as FP8."""
+    return fp8_all_gather and fp8 == "tensorwise" and zero_stage == 3
+
+
+def zero3_gather(add: Callable[..., None], axis: str, n: int, unit: Sequence[tuple[str, tuple[int, ...]]],
+                 elem: int, times: int, fp8: bool) -> None:
+    """ZeRO-3's all-gather of one unit (names and shapes), ``times`` times, into ``add`` (as
+    ``planner.traffic`` counts): its padded shard at ``elem`` bytes per element, or with ``fp8``
+    the FP8 linears' weights at 1 byte and the rest at ``elem``, each gather after an all-reduce
+    of the weights' amaxes (4 bytes each; :mod:`hybridpar.parallel.zero.fp8_gather`)."""
+    weights = [s for nm, s in unit if fp8 and is_fp8_weight(nm)]
+    rest = [s for nm, s in unit if not (fp8 and is_fp8_weight(nm))]
+    add("all_gather", axis, n, shard_elems(rest, n) * elem + shard_elems(weights, n), times)
+    if weights:
+        add("all_reduce", axis, n, 4 * len(weights), times)
 
 _QUANT_BYTES = 5  # per element: read for the amax, read again, write one FP8 byte
 _QUANT_KERNELS = 3

@@ -89,6 +89,7 @@ class Workload:
     moe_imbalance: float = DEFAULT_IMBALANCE
     loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the chunked loss (hybridpar.parallel.loss)
     fp8: str = "none"  # train.fp8: the blocks' linear GEMMs in FP8 (planner/fp8.py)
+    fp8_all_gather: bool = False  # parallel.fp8_all_gather: ZeRO-3 gathers the FP8 linears' weights in FP8
 
     def __post_init__(self) -> None:
         # "gpt" -> BlockStyle.MEGATRON (a ValueError naming the value for anything else)
@@ -107,7 +108,8 @@ class Workload:
 def to_config(model: ModelConfig, layout: Layout, work: Workload) -> Config:
     """The trainer's config for this plan (what ``hybridpar train`` would be given)."""
     fields = {k: getattr(layout, k) for k in LAYOUT_KEYS if k != "micro_batch"}
-    par = ParallelConfig(**fields, microbatches=0, bucket_mb=work.bucket_mb)  # type: ignore[arg-type]
+    par = ParallelConfig(**fields, microbatches=0, bucket_mb=work.bucket_mb,  # type: ignore[arg-type]
+                         fp8_all_gather=work.fp8_all_gather and work.fp8 == "tensorwise" and layout.zero_stage == 3)
     train = TrainConfig(global_batch=work.global_batch, micro_batch=layout.micro_batch,
                         seq_len=work.seq_len, precision=work.precision,  # type: ignore[arg-type]
                         loss_chunk_tokens=work.loss_chunk_tokens, fp8=work.fp8)
@@ -196,5 +198,5 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     fields = {k: getattr(p, k) for k in LAYOUT_KEYS if k != "micro_batch"}
     layout = Layout(**fields, micro_batch=t.micro_batch)  # type: ignore[arg-type]
     work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb,
-                    loss_chunk_tokens=t.loss_chunk_tokens, fp8=t.fp8)
+                    loss_chunk_tokens=t.loss_chunk_tokens, fp8=t.fp8, fp8_all_gather=p.fp8_all_gather)
     return layout, work

@@ -5,6 +5,7 @@ the planner's memory (:mod:`.memory`), traffic (:mod:`.traffic`) and time (:mod:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import Partition, partition_model
@@ -86,12 +87,32 @@ def numel(shapes: list[tuple[int, ...]], shards: int = 1) -> int:
     return total
 
 
+#: the linear layers of a block that run in FP8 (training/features/fp8.py): attention's
+#: projections, the dense MLP and a MoE layer's shared experts (not the router nor routed experts)
+FP8_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def is_fp8_weight(name: str) -> bool:
+    """Whether parameter ``name`` (``layers.<i>.attention.wq.weight``, ...) is an FP8 linear's weight."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in FP8_LINEARS and parts[0] == "layers"
+
+
+def shard_elems(shapes: Iterable[tuple[int, ...]], n: int) -> int:
+    """``S`` of :class:`~hybridpar.parallel.zero.shard.ShardLayout`: every shape's ``ceil(rows/n)``
+    row block, summed (the padded flat shard one rank sends or receives)."""
+    return numel(list(shapes), n)
+
+
 @functools.lru_cache(maxsize=16384)
 def rank_numel(key: ModelKey, tp: int, pp: int, virtual_stages: int, pp_rank: int,
                shards: int = 1, ep: int = 1, part: str = "all", v_shape: bool = False) -> int:
     """``numel(rank_param_shapes(...), shards)`` for the model with :func:`model_key` ``key``;
-    ``part``: ``"all"``, ``"dense"`` (all but the routed experts) or ``"experts"``."""
+    ``part``: ``"all"``, ``"dense"`` (all but the routed experts), ``"experts"`` or ``"fp8"``
+    (the FP8 linears' weights, :func:`is_fp8_weight`)."""
     named = rank_named_shapes(model_of(key), tp, pp, virtual_stages, pp_rank, ep, v_shape)
-    if part != "all":
+    if part == "fp8":
+        named = [(n, s) for n, s in named if is_fp8_weight(n)]
+    elif part != "all":
         named = [(n, s) for n, s in named if is_expert(n) == (part == "experts")]
     return numel([s for _, s in named], shards)

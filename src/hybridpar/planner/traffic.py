@@ -56,9 +56,10 @@ from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.parallel.zero.reducer import cut_buckets
 from hybridpar.planner import hsdp as hs
 from hybridpar.planner.cp_modes import cp_collectives
+from hybridpar.planner.fp8 import fp8_gathers, zero3_gather
 from hybridpar.planner.layout import Layout, Workload, model_key
 from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
-from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, v_shaped
+from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, shard_elems, v_shaped
 
 Shape = tuple[int, ...]
 Named = list[tuple[str, Shape]]
@@ -125,12 +126,6 @@ def _numel(shape: Shape) -> int:
 def buckets(shapes: Iterable[Shape], elem: int, bucket_bytes: int) -> list[list[Shape]]:
     """Parameters in reverse order cut every ``bucket_bytes`` (GradientReducer and ZeRO-1/2)."""
     return cut_buckets(shapes, lambda s: _numel(s) * elem, bucket_bytes)
-
-
-def shard_elems(shapes: Iterable[Shape], n: int) -> int:
-    """``S`` of :class:`~hybridpar.parallel.zero.shard.ShardLayout`: every shape's ``ceil(rows/n)``
-    row block, summed (the padded flat shard one rank sends or receives)."""
-    return sum(-(-s[0] // n) * _numel(s[1:]) for s in shapes)
 
 
 def _dp_cp_name(layout: Layout) -> str:
@@ -297,7 +292,8 @@ def _gradient_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workl
     elif L.zero_stage == 0:
         _reduce_grads(add, L, [sh for _, sh in names], r, bucket_bytes, pp_rank, hierarchical_node)
     else:
-        _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes, pp_rank, hierarchical_node)
+        fp8 = fp8_gathers(work.fp8, work.fp8_all_gather, L.zero_stage)
+        _zero(add, model, L, {nm for nm, _ in names}, r, m, bucket_bytes, pp_rank, hierarchical_node, fp8)
     if experts:
         _expert_grads(add, L, experts, r, m, bucket_bytes)
     return names, experts
@@ -453,12 +449,13 @@ def _rows_of(rows: int, n: int, rank: int) -> int:
 
 
 def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem: int, m: int,
-          bucket_bytes: int, pp_rank: int = 0, node: int = 0) -> None:
+          bucket_bytes: int, pp_rank: int = 0, node: int = 0, fp8: bool = False) -> None:
     """ZeRO over dp x cp, of the parameters this pipeline rank trains (tp pieces): stages 1/2
     bucket the optimizer's order (matrices, then vectors, reversed), reduce-scatter each bucket
     once and all-gather the updated shards; stage 3 gathers every unit (root: norm and head;
     embedding; each layer) twice per micro-batch and reduce-scatters it once; under pp its units
-    are the rank's chunks, each gathered and reduce-scattered once per step (HSDP: :mod:`.hsdp`)."""
+    are the rank's chunks, each gathered and reduce-scattered once per step (HSDP: :mod:`.hsdp`).
+    ``fp8``: the gathers carry the FP8 linears' weights as FP8 (:func:`~.fp8.zero3_gather`)."""
     axis, n, across = hs.zero_reduction(add, layout, elem, pp_rank, node)
     named = [(nm, s) for nm, s in model_params(model, layout.tp) if nm in names]
     if layout.zero_stage < 3:
@@ -467,18 +464,18 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
     if layout.pp > 1:
         for chunk in rank_chunk_params(model, layout, pp_rank):
             shard = shard_elems([s for _, s in chunk], n)
-            add("all_gather", axis, n, shard * elem)
+            zero3_gather(add, axis, n, chunk, elem, 1, fp8)
             _reduce_scatter(add, layout, axis, n, shard, elem, across)
         return
     tied = model.tie_embeddings
-    root = [s for nm, s in named if nm in ("norm.weight", "output.weight") or (tied and nm.startswith("tok_"))]
-    units = [root] + ([] if tied else [[named[0][1]]])
+    root = [(nm, s) for nm, s in named if nm in ("norm.weight", "output.weight") or (tied and nm.startswith("tok_"))]
+    units = [root] + ([] if tied else [[named[0]]])
     dense = layout.ep == 1  # with ep > 1 the experts are units of their own over edp (_expert_grads)
-    units += [[s for nm, s in _layer_params(model, layout.tp, i, layout.ep) if dense or not is_expert(nm)]
+    units += [[(nm, s) for nm, s in _layer_params(model, layout.tp, i, layout.ep) if dense or not is_expert(nm)]
               for i in range(model.n_layers)]
     for unit in units:
-        shard = shard_elems(unit, n)
-        add("all_gather", axis, n, shard * elem, 2 * m)
+        shard = shard_elems([s for _, s in unit], n)
+        zero3_gather(add, axis, n, unit, elem, 2 * m, fp8)
         _reduce_scatter(add, layout, axis, n, shard, elem, across)
 
 

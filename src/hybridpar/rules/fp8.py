@@ -61,6 +61,20 @@ def _dims(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+@rule("parallel-fp8-all-gather")
+def _all_gather(cfg: Config, world: int | None) -> str | None:
+    if not cfg.parallel.fp8_all_gather:
+        return None
+    if cfg.parallel.zero_stage != 3:
+        return (f"parallel.fp8_all_gather = true needs parallel.zero_stage = 3 (got {cfg.parallel.zero_stage}): "
+                "only ZeRO-3 gathers parameters; set parallel.zero_stage = 3 or drop it")
+    if cfg.train.fp8 != "tensorwise":
+        return (f"parallel.fp8_all_gather = true needs train.fp8 = 'tensorwise' (got {cfg.train.fp8!r}): the "
+                "gathered FP8 weight carries one scale per tensor (rowwise's backward rescales the weight per "
+                "input feature, across the shards); set train.fp8 = 'tensorwise' or drop it")
+    return None
+
+
 def fp8_device_error(fp8: str, device: str, supported: bool) -> str | None:
     """The message for FP8 on a device without FP8 matmul kernels (``supported`` False: a CUDA GPU
     of capability below 8.9), or None."""

@@ -274,16 +274,16 @@ class Engine(StepEngine):
         memory (as FSDP2, which prefetches only with CUDA streams)."""
         if self.cfg.parallel.zero_stage != 3:
             return None, None
-        topo, prefetch = self.topo, self.device.type == "cuda"
+        topo, prefetch, fp8 = self.topo, self.device.type == "cuda", self.cfg.parallel.fp8_all_gather
         expert_ids = frozenset(id(q) for n, q in model.named_parameters() if n in self.expert_names)
         if runner is not None:
             tied = tied_embedding_weight(self.chunks)  # its two copies' gradients are summed after the pipeline
             sharded = shard_stages(model, topo.zero, self.chunks, outer=outer,
-                                   hold=frozenset() if tied is None else frozenset({id(tied)}))
+                                   hold=frozenset() if tied is None else frozenset({id(tied)}), fp8_gather=fp8)
             runner.stage_hooks = sharded
         else:
             sharded = shard_model(model, topo.zero, self.family.zero3_units(model), prefetch=prefetch, outer=outer,
-                                  skip=expert_ids)
+                                  skip=expert_ids, fp8_gather=fp8)
         expert_sharded = (shard_model(model, topo.ezero, expert_units(model), prefetch=prefetch, outer=split,
                                       skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
                           if expert_ids else None)

@@ -30,6 +30,7 @@ from hybridpar.compat import (
 )
 from hybridpar.distributed.comm import Pending
 from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.zero.fp8_gather import Fp8Gather, fp8_weight_layout
 from hybridpar.parallel.zero.offload import DiskArena
 from hybridpar.parallel.zero.shard import GradShard, ShardLayout
 
@@ -37,7 +38,8 @@ from hybridpar.parallel.zero.shard import GradShard, ShardLayout
 class Unit:
     """The parameters of one module (or the leftovers of the root) and their gather state."""
 
-    def __init__(self, name: str, entries: list[Entry], axis: Axis, reduce_dtype: torch.dtype | None) -> None:
+    def __init__(self, name: str, entries: list[Entry], axis: Axis, reduce_dtype: torch.dtype | None,
+                 fp8_gather: bool = False) -> None:
         self.name, self.axis = name, axis
         self.owners = [e.owners for e in entries]  # per parameter: every (module, attribute) holding it
         self.fqns = [e.names[0] for e in entries]  # per parameter: its name (the first registration)
@@ -67,6 +69,10 @@ class Unit:
         self._buf: torch.Tensor | None = None
         self._pending: Pending | None = None
         self.arena: DiskArena | None = None  # offload_params to disk: the file holding shard_flat
+        layouts = [fp8_weight_layout(e.owners) for e in entries] if fp8_gather else []
+        # parallel.fp8_all_gather: the FP8 linear weights gathered as e4m3 bytes (zero/fp8_gather.py)
+        self.fp8 = (Fp8Gather(self.layout.shapes, layouts, axis, self.dtype)
+                    if any(lay is not None for lay in layouts) else None)
         self.reshard()
 
     def move_shard(self, flat: torch.Tensor, arena: DiskArena | None = None) -> None:
@@ -89,8 +95,12 @@ class Unit:
         """Start gathering the full parameters (no-op unless sharded)."""
         if self.state != "sharded":
             return
-        self._buf = torch.empty(self.layout.n * self.layout.size, dtype=self.dtype, device=self.device)
         shard = self.shard_flat.to(self.device, non_blocking=True)  # offloaded: to the compute device
+        if self.fp8 is not None:
+            shard = self.fp8.send(self.layout.views(shard))
+            self._buf = self.fp8.buffer(self.device)
+        else:
+            self._buf = torch.empty(self.layout.n * self.layout.size, dtype=self.dtype, device=self.device)
         self._pending = self.axis.comm.all_gather_into(self._buf, shard, self.axis, async_op=True)
         self.state = "gathering"
 
@@ -99,7 +109,9 @@ class Unit:
         self.unshard()
         if self.state == "gathering":
             self._pending.wait()
-            for i, p in enumerate(self.full):
+            if self.fp8 is not None:
+                self.fp8.unpack(self._buf, self.full)
+            for i, p in enumerate(self.full if self.fp8 is None else ()):
                 restore_storage(p.data)
                 self.layout.unpack(self._buf, i, p.data)
             self._buf = self._pending = None
@@ -116,11 +128,14 @@ class Unit:
             self._install(self.shards)
             for p in self.full:
                 free_storage(p.data)
+            if self.fp8 is not None:
+                self.fp8.release(self.full)
             self.state = "sharded"
 
     def held(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """(parameter tensors, gradient tensors) this unit keeps alive right now."""
-        return [self.shard_flat, *self.full, self._buf], self.grads.held_tensors()
+        copies = self.fp8.copies(self.full) if self.fp8 is not None else []  # gathered FP8 weights
+        return [self.shard_flat, *self.full, self._buf, *copies], self.grads.held_tensors()
 
 
 @dataclass

@@ -55,7 +55,7 @@ class ShardedModel(GradientSync):
 
     def __init__(self, model: nn.Module, axis: Axis, units: list[nn.Module],
                  reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
-                 outer: OuterSplit | None = None, skip: frozenset[int] = frozenset()) -> None:
+                 outer: OuterSplit | None = None, skip: frozenset[int] = frozenset(), fp8_gather: bool = False) -> None:
         self.model, self.axis = model, axis
         self.sync = True
         self.prefetch = prefetch
@@ -83,7 +83,7 @@ class ShardedModel(GradientSync):
                                   shared=lambda _keys: root)
         for u in [model, *units]:
             if groups.get(id(u)):
-                self.units.append(Unit(prefix[id(u)] or "<root>", groups[id(u)], axis, reduce_dtype))
+                self.units.append(Unit(prefix[id(u)] or "<root>", groups[id(u)], axis, reduce_dtype, fp8_gather))
         by_module = dict(zip([id(u) for u in [model, *units] if groups.get(id(u))], self.units, strict=True))
         order = [by_module[id(u)] for u in units if id(u) in by_module]
         root = by_module.get(id(model))
@@ -284,15 +284,18 @@ class ShardedModel(GradientSync):
 
 def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],
                 reduce_dtype: torch.dtype | None = None, prefetch: bool = True,
-                outer: OuterSplit | None = None, skip: frozenset[int] = frozenset()) -> ShardedModel:
+                outer: OuterSplit | None = None, skip: frozenset[int] = frozenset(),
+                fp8_gather: bool = False) -> ShardedModel:
     """Shard ``model``'s parameters over ``axis`` (dp) for ZeRO-3; ``units`` are the modules
     gathered as one (in forward order); parameters outside them form the root unit. On a size-1
     axis nothing changes. ``reduce_dtype`` compresses the gradient reduce-scatter (bf16/fp16).
     ``prefetch`` starts the next unit's gather while this one computes (faster, one more unit
     of memory); without it a unit is gathered only when it runs. ``outer``: the parameters are
     tensor-parallel pieces (see :class:`~hybridpar.parallel.zero.shard.OuterSplit`). ``skip``: ids of
-    parameters left alone (sharded by another :class:`ShardedModel` over another axis: experts)."""
-    return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer, skip)
+    parameters left alone (sharded by another :class:`ShardedModel` over another axis: experts).
+    ``fp8_gather``: tensorwise FP8 linears' weights are gathered in FP8
+    (:mod:`hybridpar.parallel.zero.fp8_gather`, ``parallel.fp8_all_gather``)."""
+    return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer, skip, fp8_gather)
 
 
 def _flatten(output: Any) -> list[torch.Tensor]:

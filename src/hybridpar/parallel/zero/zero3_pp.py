@@ -43,7 +43,7 @@ class StageSharded(ShardedModel):
 
     def __init__(self, model: nn.Module, axis: Axis, chunks: Sequence[nn.Module],
                  reduce_dtype: torch.dtype | None = None, outer: OuterSplit | None = None,
-                 hold: frozenset[int] = frozenset()) -> None:
+                 hold: frozenset[int] = frozenset(), fp8_gather: bool = False) -> None:
         super().__init__(model, axis, [], reduce_dtype, prefetch=False, outer=outer, skip=frozenset(
             id(p) for p in model.parameters()))  # the base builds nothing: every parameter skipped
         self.forward_order, self.backward_order = [], []
@@ -63,7 +63,7 @@ class StageSharded(ShardedModel):
         for v, chunk in enumerate(chunks):
             if v in groups:
                 stage = getattr(getattr(chunk, "spec", None), "stage", v)
-                by_group[v] = Unit(f"stage{stage}", groups[v], axis, reduce_dtype)
+                by_group[v] = Unit(f"stage{stage}", groups[v], axis, reduce_dtype, fp8_gather)
                 self.units.append(by_group[v])
                 if any(id(e.param) in hold for e in groups[v]):
                     self._held.add(id(by_group[v]))
@@ -116,8 +116,9 @@ class StageSharded(ShardedModel):
 
 
 def shard_stages(model: nn.Module, axis: Axis, chunks: Sequence[nn.Module], reduce_dtype: torch.dtype | None = None,
-                 outer: OuterSplit | None = None, hold: frozenset[int] = frozenset()) -> StageSharded:
+                 outer: OuterSplit | None = None, hold: frozenset[int] = frozenset(),
+                 fp8_gather: bool = False) -> StageSharded:
     """ZeRO-3 of the pipeline ``chunks`` this rank runs (module doc of :class:`StageSharded`);
     hand the result to the runner as its ``stage_hooks``. Parameters outside the chunks (other
-    stages') are left alone."""
-    return StageSharded(model, axis, chunks, reduce_dtype, outer, hold)
+    stages') are left alone. ``fp8_gather``: as :func:`~hybridpar.parallel.zero.zero3.shard_model`'s."""
+    return StageSharded(model, axis, chunks, reduce_dtype, outer, hold, fp8_gather)
