@@ -59,7 +59,8 @@ def evaluate_row(row: dict[str, Any]) -> tuple[Evaluation, float]:
     if variant:  # a variant of the data-sheet device the source states (torchtitan: a 500 W HBM2e H100)
         gpu = dataclasses.replace(gpu, **variant)
     cluster = Cluster.of(gpu, row["gpus"], 8)
-    work = Workload(row["global_batch"], row["seq_len"], row["precision"], style=row["style"])
+    work = Workload(row["global_batch"], row["seq_len"], row["precision"], style=row["style"],
+                    selective_ac=row.get("selective_ac", "attention"))  # torchtitan: its op-level policy
     tries = [(s, v) for s in row["schedules"] for v in ((2, 4) if s == "interleaved" else (1,))]  # search's V
     # the published runs kept their activations on the device: no activation offload
     options = [e for s, v in tries for e in complete(model, {**row["layout"], "pipeline_schedule": s, "virtual_stages": v,

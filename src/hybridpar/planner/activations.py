@@ -33,6 +33,7 @@ import math
 from hybridpar.config import ModelConfig
 from hybridpar.planner.layout import BlockStyle, Layout, Workload
 from hybridpar.planner.moe import dispatch_rows, ffn_shapes, rank_load
+from hybridpar.planner.sac import op_layer_bytes
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -128,19 +129,29 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
     """Stored bytes of one layer for one micro-batch of ``layout`` (``seq_len / cp`` tokens per
     rank per sequence, sequence parallelism when on and tp > 1), with ``layout.recompute`` or
     the ``recompute`` given: :func:`gpt_layer_bytes` for ``BlockStyle.MEGATRON``, else
-    :func:`llama_layer_bytes`, with ``work``'s activation and parameter bytes. ``moe``: an MoE
+    :func:`llama_layer_bytes`, with ``work``'s activation and parameter bytes (selective under
+    ``work.selective_ac = "op"``: :func:`hybridpar.planner.sac.op_layer_bytes`). ``moe``: an MoE
     layer, whose feed-forward (:func:`moe_ffn_bytes`, at the busiest ep rank's load) replaces the
     dense MLP's (unless fully recomputed: then only the layer input is kept either way)."""
     t, cp = layout.tp, layout.cp
     s, b, sp = work.seq_len // cp, layout.micro_batch, layout.sequence_parallel and t > 1
     rec = layout.recompute if recompute is None else recompute
+    a, r = work.act_bytes, work.param_bytes
     if work.style is BlockStyle.MEGATRON:
-        dense = gpt_layer_bytes(model, s, b, t, sp, rec, work.act_bytes)
+        dense = gpt_layer_bytes(model, s, b, t, sp, rec, a)
+    elif rec == "selective" and work.selective_ac == "op":  # torchtitan's op-level policy (.sac); an
+        # MoE layer keeps its attention half by the policy and its feed-forward as without recompute
+        h, kv = model.dim, model.n_kv_heads * model.head_dim
+        dense = op_layer_bytes(s, b, h, model.n_heads * model.head_dim, kv, model.ffn_hidden, model.n_heads, t, sp, a, r)
+        if moe:
+            dense -= s * b * a * (model.ffn_hidden / t + h)
+            load = rank_load(work.moe_imbalance, layout.ep, model.n_experts)
+            dense += moe_ffn_bytes(model, s, b, t, sp, a, r, layout.ep, load)
+        return dense
     else:
-        dense = llama_layer_bytes(model, s, b, t, sp, rec, work.act_bytes, work.param_bytes, cp)
+        dense = llama_layer_bytes(model, s, b, t, sp, rec, a, r, cp)
     if not moe or rec == "full":
         return dense
-    a, r = work.act_bytes, work.param_bytes
     norm = ((4 + r) * model.dim + 4) / (t if sp else 1) + (2 if a != r else 1) * a * model.dim
     dense_ffn = s * b * (norm + 4 * a * model.ffn_hidden / t)
     load = rank_load(work.moe_imbalance, layout.ep, model.n_experts)

@@ -25,6 +25,7 @@ from hybridpar.config import (
     TrainConfig,
 )
 from hybridpar.planner.moe import DEFAULT_IMBALANCE
+from hybridpar.planner.sac import check_selective_ac
 from hybridpar.rules import Broken, first_broken
 
 LAYOUT_KEYS = (*(f.name for f in dataclasses.fields(LayoutChoice)), "micro_batch")
@@ -78,7 +79,10 @@ class Workload:
     is this runtime's autocast (fp32 parameters and gradients, half-precision matmuls).
     ``style``: the block implementation being planned (:class:`BlockStyle`; its value, such as
     ``"gpt"``, is accepted too). ``moe_imbalance``: max/mean tokens per expert of the routing
-    being planned (mixture-of-experts models; :mod:`hybridpar.planner.moe`)."""
+    being planned (mixture-of-experts models; :mod:`hybridpar.planner.moe`). ``selective_ac``:
+    what ``recompute = "selective"`` means, ``"attention"`` (this runtime's: Korthikanti's
+    attention-core recompute) or ``"op"`` (torchtitan's op-level policy, priced for published
+    rows only; :mod:`hybridpar.planner.sac`)."""
 
     global_batch: int
     seq_len: int
@@ -89,10 +93,14 @@ class Workload:
     moe_imbalance: float = DEFAULT_IMBALANCE
     loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the chunked loss (hybridpar.parallel.loss)
     fp8: str = "none"  # train.fp8: the blocks' linear GEMMs in FP8 (planner/fp8.py)
+    selective_ac: str = "attention"
 
     def __post_init__(self) -> None:
         # "gpt" -> BlockStyle.MEGATRON (a ValueError naming the value for anything else)
         object.__setattr__(self, "style", BlockStyle(self.style))
+        check_selective_ac(self.selective_ac)
+        if self.selective_ac == "op" and self.style is BlockStyle.MEGATRON:
+            raise ValueError("selective_ac 'op' is priced for the Llama block styles, not 'gpt'")
 
     @property
     def act_bytes(self) -> int:

@@ -326,13 +326,13 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
             best = (body + head, body, head, sum(vec[:v]))
     _, acts, logits, in_flight = best
     transient = 0.0
-    if L.recompute == "full":
-        # The layer being recomputed holds its full activations (but shares its stored input)
+    if L.recompute == "full" or (L.recompute == "selective" and work.selective_ac == "op"):
+        # The layer being recomputed holds its full activations (but shares what it stored)
         # until its backward ends. The first recomputation on a rank with the loss follows that
         # micro-batch's head backward, which has freed the head's tensors by then.
-        transient = (max(layer_activation_bytes(model, L, work, "none", moe=moe)
-                         for moe in {False, bool(model.moe_layer_ids())})
-                     - layer_activation_bytes(model, L, work, "full"))
+        transient = max(layer_activation_bytes(model, L, work, "none", moe=moe)
+                        - layer_activation_bytes(model, L, work, moe=moe)
+                        for moe in {False, bool(model.moe_layer_ids())})
         freed = max((cb.head for cb in sizes), default=0.0) if work.style is not BlockStyle.MEGATRON else 0.0
         acts = max(acts, acts - freed + transient)
     if any(o.working for o in offloads):
