@@ -122,7 +122,7 @@ def eager_elementwise_bytes(h: float, q: float, kv: float, f: float, act_bytes: 
     Llama block (:class:`hybridpar.models.llama.Block`), for per-rank widths ``h`` (hidden, per
     sequence shard), ``q`` / ``kv`` (query / key-value heads x head dim) and ``f`` (MLP hidden).
     Counted with a TorchDispatchMode over the block at several widths
-    (``benchmarks/eager_bytes.py``; ``tests/test_planner.py`` checks it):
+    (``benchmarks/planner_kernels.py``; ``tests/test_planner_kernels.py`` checks it):
 
     * fp32: ``4 x`` the elements of RMSNorm ``pow, mean, x*r, w*x`` (7h each, x2), two residual
       adds (3h each), RoPE ``x*cos, -x2, cat, x*sin, add`` (10 per element of q and of k) and

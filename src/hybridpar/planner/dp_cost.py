@@ -73,15 +73,16 @@ def bucketed_comm(L: Layout, work: Workload, cluster: Cluster, gr: Gradients) ->
 
 
 def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m: int,
-               stage_lt: LayerTime, hide: float) -> tuple[float, float]:
-    """(ZeRO-3's data-parallel seconds per step, the part of them prefetching leaves exposed)."""
+               stage_lt: LayerTime, hide: float) -> tuple[float, float, float]:
+    """(ZeRO-3's data-parallel seconds per step, the part of them prefetching leaves exposed, the
+    last unit's reduce-scatter, which nothing follows to hide it)."""
     (_, n, replicas), t, v = zero_group(L), L.tp, L.virtual_stages  # HSDP: the ZeRO group, then its replicas
     if L.pp > 1:
         # under pp (hybridpar.parallel.zero.zero3_pp.StageSharded) each of the rank's v chunks is gathered once
         # per step, before its first forward, and reduce-scattered once after its last backward
         return v * (cluster.collective_time("all_gather", gr.param_total / v / n, n, t)
                     + cluster.collective_time("reduce_scatter", gr.reduced / v, n, t)
-                    + cluster.collective_time("all_reduce", gr.reduced / v / n, replicas, t * n)), 0.0
+                    + cluster.collective_time("all_reduce", gr.reduced / v / n, replicas, t * n)), 0.0, 0.0
     # one all-gather per unit (each block, the embedding, the root) forward and backward, one
     # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero.zero3).
     # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
@@ -93,12 +94,15 @@ def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m
         gather += e_units * cluster.collective_time("all_gather", gr.expert_bytes / e_units / edp, edp, t * L.ep)
     cal = cluster.rank_gpu.calibration
     hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
-    exposed = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
-    dp_comm = units * (cluster.collective_time("reduce_scatter", gr.reduced / units, n, t)
-                       + cluster.collective_time("all_reduce", gr.reduced / units / n, replicas, t * n)) + exposed
+    # a micro-batch's first unit is gathered with nothing before it to hide behind
+    first = cluster.collective_time("all_gather", gr.param_total / units / n, n, t)
+    exposed = m * (max(first, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
+    last = (cluster.collective_time("reduce_scatter", gr.reduced / units, n, t)
+            + cluster.collective_time("all_reduce", gr.reduced / units / n, replicas, t * n))
+    dp_comm = units * last + exposed
     if gr.expert_bytes and edp > 1:
         dp_comm += e_units * cluster.collective_time("reduce_scatter", gr.expert_bytes / e_units, edp, t * L.ep)
-    return dp_comm, exposed
+    return dp_comm, exposed, last
 
 
 def dp_time(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, gr: Gradients, m: int,
@@ -109,9 +113,9 @@ def dp_time(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, gr:
     dp_comm, last_bucket = bucketed_comm(L, work, cluster, gr)
     last_backward = (stage_lt.b + stage_lt.w) / L.virtual_stages * max(scale)
     exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed: not hidden again by backward
+    floor = last_bucket  # the last bucket (ZeRO-3: unit) is reduced after backward's last compute
     if L.zero_stage == 3:
-        dp_comm, exposed_z3 = zero3_comm(model, L, cluster, gr, m, stage_lt, hide)
-    floor = last_bucket if L.zero_stage < 3 else 0.0
+        dp_comm, exposed_z3, floor = zero3_comm(model, L, cluster, gr, m, stage_lt, hide)
     copies = zero3_copy_time(L, gr, m, cluster.rank_gpu) if L.zero_stage == 3 else 0.0
     if L.pp > 1:
         return dp_comm, dp_comm + copies
@@ -136,7 +140,7 @@ def zero3_copy_time(L: Layout, gr: Gradients, m: int, g: GPUSpec) -> float:
 # CUDA, a per-tensor loop on CPU: the same kernels), runs eight passes over fp32 state
 # (torch/optim/adam.py ``_multi_tensor_adam``): ``mul_`` (weight decay, 8 bytes), ``lerp_`` (m, 12),
 # ``mul_`` (v, 8), ``addcmul_`` (v, reading the gradient as both factors, 16), ``sqrt`` (8), ``div_``
-# (8), ``add_`` (eps, 8), ``addcdiv_`` (p, 16): 84 bytes, as benchmarks/eager_bytes.py counts them.
+# (8), ``add_`` (eps, 8), ``addcdiv_`` (p, 16): 84 bytes, as benchmarks/planner_kernels.py counts them.
 FOREACH_ADAMW_BYTES = 84
 
 

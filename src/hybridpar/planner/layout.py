@@ -64,9 +64,10 @@ class BlockStyle(enum.StrEnum):
     and w1/w3/w2 GEMMs, fused causal attention, unfused element-wise ops, activations as
     autograd saves them."""
     COMPILED = "llama-compiled"
-    """The same block under ``train.compile``: the same GEMMs and saved tensors as ``EAGER`` (the
-    planner's activation model), element-wise ops fused by Inductor into a few passes and
-    launched by its generated code (:mod:`hybridpar.planner.efficiency`'s host floor)."""
+    """The same block under ``train.compile``: the same GEMMs as ``EAGER``, element-wise ops fused
+    by Inductor into a few passes and launched by its generated code
+    (:mod:`hybridpar.planner.efficiency`'s host floor), and the tensors Inductor's partitioner
+    saves (:func:`hybridpar.planner.activations.compiled_layer_bytes`)."""
     MEGATRON = "gpt"
     """Megatron-LM's fused GPT block: fused QKV, a 4h GELU MLP, unfused attention (scores,
     softmax, dropout), fused element-wise kernels, activations per Korthikanti et al. 2022."""

@@ -13,7 +13,7 @@ block (:class:`hybridpar.models.llama.Block`) with a ``TorchDispatchMode``:
 
 ``tests/test_planner_kernels.py`` asserts them against the planner's formulas.
 
-    python benchmarks/eager_bytes.py      # the per-width fit of the element-wise bytes
+    python benchmarks/planner_kernels.py      # the per-width fit of the element-wise bytes
 """
 
 from __future__ import annotations
@@ -177,6 +177,92 @@ def op_sac_block(cfg: ModelConfig, mode: str, batch: int = 2, seq: int = 64) -> 
     return sum(storages.values()), rerun.shapes[:len(rerun.shapes) - 2 * forward_gemms]
 
 
+def _partitioner_backend() -> Any:
+    """Inductor's partition of a block without its code generation: AOTAutograd with Inductor's
+    decompositions and min-cut partitioner, the graphs run eagerly (same saved set, seconds to build)."""
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    def nop(gm: Any, _: Any) -> Any:
+        return gm
+
+    return aot_autograd(fw_compiler=nop, bw_compiler=nop, decompositions=select_decomp_table(),
+                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+
+
+def saved_bytes(cfg: ModelConfig, mode: str, backend: str | None = None, batch: int = 2, seq: int = 100) -> int:
+    """Bytes one block saves for backward (each storage once; not parameters, their half copies or
+    the RoPE tables), eager or compiled with ``backend`` (``"inductor"``, or ``"partitioner"``:
+    :func:`_partitioner_backend`). Keep ``batch * seq`` unlike every weight dimension: tensors of a
+    weight's shape (or its transpose) are taken for weight copies."""
+    block, _, cos, sin = _block(cfg, mode, batch, seq)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()} | {
+        t.untyped_storage().data_ptr() for t in (cos, sin)}
+    weights = {s for p in block.parameters() for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+    fn: Callable[..., torch.Tensor] = block
+    if backend is not None:
+        fn = torch.compile(block.forward, backend=_partitioner_backend() if backend == "partitioner" else backend)
+    for _ in range(2 if backend else 1):  # compiled: measure the second call
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params and tuple(t.shape) not in weights:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = _block(cfg, mode, batch, seq)[1]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = _run(mode, lambda x=x: fn(x, cos, sin))
+        y.sum().backward()
+    return sum(seen.values())
+
+
+def step_peak_bytes(flags: list[str]) -> tuple[int, Any]:
+    """(peak live tensor bytes of CPU training, its config): every allocation and free from the
+    trainer's construction through three steps (the profiler's memory events, recorded in a fresh
+    interpreter: a process's later profiling sessions can miss them), so the peak is the steady
+    state's (the optimizer's state exists from the first step on)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from hybridpar.config import load_config
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, __file__, "--step-peak", json.dumps(flags)], capture_output=True,
+                         text=True, check=True, env=env, timeout=600)
+    return int(out.stdout.split()[-1]), load_config(None, [*flags, "--train.run_dir", "unused"])
+
+
+def _profiled_peak(flags: list[str]) -> int:
+    """:func:`step_peak_bytes`'s measurement, in this process."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybridpar.config import load_config
+    from hybridpar.distributed.mesh import ParallelDims
+    from hybridpar.training.trainer import Trainer
+
+    cfg = load_config(None, [*flags, "--train.run_dir", tempfile.mkdtemp()])
+    with ParallelDims.from_config(cfg.parallel).build("cpu") as topo, \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer = Trainer(cfg, topo)
+        for step in (1, 2, 3):
+            trainer.train_step(step)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def main() -> None:
     import numpy as np
 
@@ -193,4 +279,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import json
+    import sys
+
+    if sys.argv[1:2] == ["--step-peak"]:
+        print(_profiled_peak(json.loads(sys.argv[2])))
+    else:
+        main()
