@@ -94,9 +94,7 @@ def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m
         gather += e_units * cluster.collective_time("all_gather", gr.expert_bytes / e_units / edp, edp, t * L.ep)
     cal = cluster.rank_gpu.calibration
     hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
-    # a micro-batch's first unit is gathered with nothing before it to hide behind
-    first = cluster.collective_time("all_gather", gr.param_total / units / n, n, t)
-    exposed = m * (max(first, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
+    exposed = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
     last = (cluster.collective_time("reduce_scatter", gr.reduced / units, n, t)
             + cluster.collective_time("all_reduce", gr.reduced / units / n, replicas, t * n))
     dp_comm = units * last + exposed
