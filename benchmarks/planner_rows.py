@@ -59,7 +59,9 @@ def evaluate_row(row: dict[str, Any]) -> tuple[Evaluation, float]:
     if variant:  # a variant of the data-sheet device the source states (torchtitan: a 500 W HBM2e H100)
         gpu = dataclasses.replace(gpu, **variant)
     cluster = Cluster.of(gpu, row["gpus"], 8)
-    work = Workload(row["global_batch"], row["seq_len"], row["precision"], style=row["style"])
+    work = Workload(row["global_batch"], row["seq_len"], row["precision"], style=row["style"],
+                    selective_ac=row.get("selective_ac", "attention"),  # torchtitan: its op-level policy
+                    loss_chunk_tokens=row.get("loss_chunk_tokens", Workload.loss_chunk_tokens))
     tries = [(s, v) for s in row["schedules"] for v in ((2, 4) if s == "interleaved" else (1,))]  # search's V
     # the published runs kept their activations on the device: no activation offload
     options = [e for s, v in tries for e in complete(model, {**row["layout"], "pipeline_schedule": s, "virtual_stages": v,
@@ -84,7 +86,8 @@ def published_rows() -> list[dict[str, Any]]:
         sched = L.pipeline_schedule + (f" V={L.virtual_stages}" if L.virtual_stages > 1 else "") if L.pp > 1 else "-"
         out.append({"id": row["id"], "source": row["source"], "metric": row["metric"], "published": row["published"],
                     "predicted": value, "error": value / row["published"] - 1, "fits": best.fits,
-                    "choice": f"mb {L.micro_batch}, {sched}, ZeRO-{L.zero_stage}, recompute {L.recompute}"})
+                    "choice": f"mb {L.micro_batch}, {sched}, ZeRO-{L.zero_stage}, recompute {L.recompute}"
+                              + (" (op-level)" if L.recompute == "selective" and row.get("selective_ac") == "op" else "")})
     return out
 
 

@@ -13,7 +13,7 @@ GEMMs are the input- and weight-gradient GEMMs, priced by their own shapes (ZB-H
 B and W: W runs only the linears' weight-gradient GEMMs, :mod:`hybridpar.parallel.pipeline.wsplit`). The
 block is the workload's ``style`` (:class:`~hybridpar.planner.layout.BlockStyle`):
 ``BlockStyle.EAGER`` is this runtime's eager block (separate q/k/v/o and w1/w3/w2 GEMMs, unfused
-element-wise ops, :func:`eager_elementwise_elements`); ``BlockStyle.COMPILED`` the same block under
+element-wise ops, :func:`eager_elementwise_bytes`); ``BlockStyle.COMPILED`` the same block under
 ``train.compile`` (element-wise ops fused: :func:`fused_elementwise_elements`);
 ``BlockStyle.MEGATRON`` is Megatron-LM's fused GPT block.
 
@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.schedules import rank_stages
 from hybridpar.planner import efficiency as eff
-from hybridpar.planner import pipesim
+from hybridpar.planner import pipesim, sac
 from hybridpar.planner.cp_modes import cp_times
 from hybridpar.planner.dp_cost import dp_time, gradients, optimizer_time
 from hybridpar.planner.fp8 import fp8_gemm_deltas
@@ -116,14 +116,26 @@ def ring_time(nbytes: float, n: int, bw: float, lat: float, factor: float = 2.0)
 EAGER_KERNELS = (26, 48)
 
 
-def eager_elementwise_elements(h: float, q: float, kv: float, f: float) -> tuple[float, float]:
-    """(forward, backward) elements read plus written per token by the element-wise ops of one
-    eager Llama block (:class:`hybridpar.models.llama.Block`), for per-rank widths ``h`` (hidden,
-    per sequence shard), ``q`` / ``kv`` (query / key-value heads x head dim) and ``f`` (MLP
-    hidden). Forward: RMSNorm ``pow, mean, x*r, w*x`` 7h each (x2), residual adds 3h each (x2),
-    RoPE ``x*cos, -x2, cat, x*sin, add`` 10 per element of q and of k, ``silu(a) * b`` 5f.
-    Backward (autograd's kernels, counted the same way at several widths): 63h + 12q + 12kv + 9f."""
-    return 20 * h + 10 * q + 10 * kv + 5 * f, 63 * h + 12 * q + 12 * kv + 9 * f
+def eager_elementwise_bytes(h: float, q: float, kv: float, f: float, act_bytes: int,
+                            residual_bytes: int) -> tuple[float, float]:
+    """(forward, backward) bytes read plus written per token by the element-wise ops of one eager
+    Llama block (:class:`hybridpar.models.llama.Block`), for per-rank widths ``h`` (hidden, per
+    sequence shard), ``q`` / ``kv`` (query / key-value heads x head dim) and ``f`` (MLP hidden).
+    Counted with a TorchDispatchMode over the block at several widths
+    (``benchmarks/planner_kernels.py``; ``tests/test_planner_kernels.py`` checks it):
+
+    * fp32: ``4 x`` the elements of RMSNorm ``pow, mean, x*r, w*x`` (7h each, x2), two residual
+      adds (3h each), RoPE ``x*cos, -x2, cat, x*sin, add`` (10 per element of q and of k) and
+      ``silu(a) * b`` (5f); backward ``4 x (63h + 12q + 12kv + 9f)``;
+    * bf16 with half parameters: RMSNorm and RoPE run in fp32 (``x.float()``, cast back), so
+      forward ``84h + 52(q + kv) + 10f``, backward ``213h + 56q + 58kv + 18f``;
+    * bf16 under autocast (fp32 parameters and residual stream, bf16 matmuls): the norms read
+      and write the fp32 residual and their weight products stay fp32: forward ``106h + 52(q +
+      kv) + 10f``, backward ``285h + 56q + 58kv + 18f``."""
+    if act_bytes == 4:
+        return 4 * (20 * h + 10 * q + 10 * kv + 5 * f), 4 * (63 * h + 12 * q + 12 * kv + 9 * f)
+    norms_f, norms_b = (84, 213) if residual_bytes == 2 else (106, 285)
+    return norms_f * h + 52 * (q + kv) + 10 * f, norms_b * h + 56 * q + 58 * kv + 18 * f
 
 
 def fused_elementwise_elements(h: float, q: float, kv: float, f: float) -> tuple[float, float]:
@@ -251,14 +263,15 @@ def _elementwise_time(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec,
         return elem, 2 * elem
     # this runtime's block: eager, every op reads its inputs and writes its output; compiled, fused
     compiled = work.style is BlockStyle.COMPILED
-    elements = fused_elementwise_elements if compiled else eager_elementwise_elements
-    fwd_el, bwd_el = elements(h / sp, q / t, kv / t, f_inner / t)
+    widths = (h / sp, q / t, kv / t, f_inner / t)
+    fwd_b, bwd_b = ((ab * x for x in fused_elementwise_elements(*widths)) if compiled
+                    else eager_elementwise_bytes(*widths, ab, work.param_bytes))
     kernels = COMPILED_KERNELS if compiled else EAGER_KERNELS
     cal = g.calibration
     fixed = cal.block if cal is not None and cal.block else (kernels[0] * g.launch_overhead,
                                                              kernels[1] * g.launch_overhead)
-    return (eff.memory_time(tok * ab * (fwd_el + routing), g) + eff.fixed_time(fixed[0], g),
-            eff.memory_time(tok * ab * (bwd_el + 1.5 * routing), g) + eff.fixed_time(fixed[1], g))
+    return (eff.memory_time(tok * (fwd_b + ab * routing), g) + eff.fixed_time(fixed[0], g),
+            eff.memory_time(tok * (bwd_b + 1.5 * ab * routing), g) + eff.fixed_time(fixed[1], g))
 
 
 def _host_floors(work: Workload, counted: list[tuple[float, float, float, float]], g: GPUSpec) -> tuple[float, float]:
@@ -327,6 +340,12 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
         b_time += f - skip_gemm - skip_comm
         tp_comm += 2 * ar - skip_comm
         ep_total += ep_comm
+    elif L.recompute == "selective" and work.selective_ac == "op":  # torchtitan's op policy (.sac): every
+        # second GEMM, the element-wise work and the forward collectives it keeps no output of
+        rerun_comm = 2 * (ar - exit_comm) if L.sequence_parallel and L.tp > 1 else 2 * ar
+        b_time += sum(c * gemm_time(m, n, k, g, ab) for c, m, n, k in sac.recomputed_calls(counted)) + elem
+        b_time += rerun_comm
+        tp_comm += rerun_comm
     elif L.recompute == "selective":
         b_time += core
     f, b_time = offload_layer_times(model, L, work, g.host_bw, f, b_time, moe)  # host copies beyond compute
@@ -384,6 +403,9 @@ def recompute_flops(model: ModelConfig, layout: Layout, work: Workload) -> float
         layer_matmul = (model.num_params() - model.vocab_size * model.dim * (1 if model.tie_embeddings else 2)
                         - model.dim * (2 * model.n_layers + 1))
         return 2.0 * layer_matmul * tokens + attn
+    if layout.recompute == "selective" and work.selective_ac == "op":  # the rerun GEMMs, not attention
+        q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+        return 2.0 * model.n_layers * sac.recomputed_gemm_params(model.dim, q, kv, model.ffn_hidden) * tokens
     return attn if layout.recompute == "selective" else 0.0
 
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridpar.config import ModelConfig
+from hybridpar.planner import efficiency
 from hybridpar.planner.fp8 import FP8_LINEARS, fp8_gathers
 from hybridpar.planner.hardware import Cluster, GPUSpec
 from hybridpar.planner.hsdp import collective_seconds, expert_group, hsdp, zero_group
-from hybridpar.planner.layout import Layout, Workload, model_key
+from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
 from hybridpar.planner.memory import rank_state_numels
 from hybridpar.planner.shapes import rank_numel, v_shaped
 
@@ -79,8 +80,9 @@ def bucketed_comm(L: Layout, work: Workload, cluster: Cluster, gr: Gradients) ->
 
 
 def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m: int,
-               stage_lt: LayerTime, hide: float) -> tuple[float, float]:
-    """(ZeRO-3's data-parallel seconds per step, the part of them prefetching leaves exposed)."""
+               stage_lt: LayerTime, hide: float) -> tuple[float, float, float]:
+    """(ZeRO-3's data-parallel seconds per step, the part of them prefetching leaves exposed, the
+    last unit's reduce-scatter, which nothing follows to hide it)."""
     (_, n, replicas), t, v = zero_group(L), L.tp, L.virtual_stages  # HSDP: the ZeRO group, then its replicas
     if L.pp > 1:
         # under pp (hybridpar.parallel.zero.zero3_pp.StageSharded) each of the rank's v chunks is gathered once
@@ -88,7 +90,7 @@ def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m
         amax = cluster.collective_time("all_reduce", 4 * gr.fp8_weights / v, n, t) if gr.fp8_weights else 0.0
         return v * (cluster.collective_time("all_gather", gr.gathered / v / n, n, t) + amax
                     + cluster.collective_time("reduce_scatter", gr.reduced / v, n, t)
-                    + cluster.collective_time("all_reduce", gr.reduced / v / n, replicas, t * n)), 0.0
+                    + cluster.collective_time("all_reduce", gr.reduced / v / n, replicas, t * n)), 0.0, 0.0
     # one all-gather per unit (each block, the embedding, the root) forward and backward, one
     # reduce-scatter per unit per step; each call pays its latency (hybridpar.parallel.zero.zero3).
     # The runtime prefetches the next unit's gather only on GPUs (the Engine: on CPU the
@@ -103,11 +105,12 @@ def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m
     cal = cluster.rank_gpu.calibration
     hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
     exposed = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
-    dp_comm = units * (cluster.collective_time("reduce_scatter", gr.reduced / units, n, t)
-                       + cluster.collective_time("all_reduce", gr.reduced / units / n, replicas, t * n)) + exposed
+    last = (cluster.collective_time("reduce_scatter", gr.reduced / units, n, t)
+            + cluster.collective_time("all_reduce", gr.reduced / units / n, replicas, t * n))
+    dp_comm = units * last + exposed
     if gr.expert_bytes and edp > 1:
         dp_comm += e_units * cluster.collective_time("reduce_scatter", gr.expert_bytes / e_units, edp, t * L.ep)
-    return dp_comm, exposed
+    return dp_comm, exposed, last
 
 
 def dp_time(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, gr: Gradients, m: int,
@@ -118,18 +121,42 @@ def dp_time(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, gr:
     dp_comm, last_bucket = bucketed_comm(L, work, cluster, gr)
     last_backward = (stage_lt.b + stage_lt.w) / L.virtual_stages * max(scale)
     exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed: not hidden again by backward
+    floor = last_bucket  # the last bucket (ZeRO-3: unit) is reduced after backward's last compute
     if L.zero_stage == 3:
-        dp_comm, exposed_z3 = zero3_comm(model, L, cluster, gr, m, stage_lt, hide)
-    floor = last_bucket if L.zero_stage < 3 else 0.0
+        dp_comm, exposed_z3, floor = zero3_comm(model, L, cluster, gr, m, stage_lt, hide)
+    copies = zero3_copy_time(L, gr, m, cluster.rank_gpu) if L.zero_stage == 3 else 0.0
     if L.pp > 1:
-        return dp_comm, dp_comm
-    return dp_comm, exposed_z3 + max(floor, dp_comm - exposed_z3 - hide * last_backward)
+        return dp_comm, dp_comm + copies
+    return dp_comm, exposed_z3 + copies + max(floor, dp_comm - exposed_z3 - hide * last_backward)
+
+
+def zero3_copy_time(L: Layout, gr: Gradients, m: int, g: GPUSpec) -> float:
+    """Seconds of ZeRO-3's copies between its flat collective buffers and the tensors, which run
+    beside compute (not hidden like the collectives): every gather unpacks the gathered buffer
+    into the unit's parameters (reads and writes their bytes; ``ShardLayout.unpack`` in
+    :mod:`hybridpar.parallel.zero.shard`, FSDP2's ``foreach_all_gather_copy_out``), and every
+    reduce-scatter packs the unit's full gradients into its send buffer in the reduce dtype
+    (``ShardLayout.pack``; FSDP2's ``chunk_cat``). Without pp: a gather before each micro-batch's
+    forward and again before its backward; under pp, one per chunk and step."""
+    gathers = 1 if L.pp > 1 else 2 * m
+    return efficiency.memory_time(2 * gathers * gr.param_total + gr.param_total + gr.reduced, g)
+
+
+# Bytes per parameter one AdamW step moves. Megatron-LM's fused Adam (apex ``FusedAdam``) is one
+# pass: read p, g, m, v (and the fp32 master with half parameters), write p, m, v (and master):
+# ``2 * param_bytes + 28``. torch's AdamW, which this runtime and torchtitan step with (foreach on
+# CUDA, a per-tensor loop on CPU: the same kernels), runs eight passes over fp32 state
+# (torch/optim/adam.py ``_multi_tensor_adam``): ``mul_`` (weight decay, 8 bytes), ``lerp_`` (m, 12),
+# ``mul_`` (v, 8), ``addcmul_`` (v, reading the gradient as both factors, 16), ``sqrt`` (8), ``div_``
+# (8), ``add_`` (eps, 8), ``addcdiv_`` (p, 16): 84 bytes, as benchmarks/planner_kernels.py counts them.
+FOREACH_ADAMW_BYTES = 84
 
 
 def optimizer_time(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, worst: int, m: int) -> float:
     """Seconds of the optimizer step on the busiest rank's shard (offloaded: host memory and disk)."""
     shard = rank_state_numels(model_key(model), L, worst)[1 if L.zero_stage >= 1 else 0]
-    opt = shard * (2 * work.param_bytes + 28) / g.hbm_bw  # read p, g, m, v, master; write p, m, v, master
+    per = 2 * work.param_bytes + 28 if work.style is BlockStyle.MEGATRON else FOREACH_ADAMW_BYTES
+    opt = shard * per / g.hbm_bw
     if L.offload_optimizer:
         opt = shard * 2 * work.param_bytes / g.host_bw + shard * 28 / 100e9  # + host Adam at ~100 GB/s DRAM
         if L.offload_to == "disk":  # each group's file read (ahead) and written back: masters, host grads, m, v

@@ -25,6 +25,7 @@ from hybridpar.config import (
     TrainConfig,
 )
 from hybridpar.planner.moe import DEFAULT_IMBALANCE
+from hybridpar.planner.sac import check_selective_ac
 from hybridpar.rules import Broken, first_broken
 
 LAYOUT_KEYS = (*(f.name for f in dataclasses.fields(LayoutChoice)), "micro_batch")
@@ -63,9 +64,10 @@ class BlockStyle(enum.StrEnum):
     and w1/w3/w2 GEMMs, fused causal attention, unfused element-wise ops, activations as
     autograd saves them."""
     COMPILED = "llama-compiled"
-    """The same block under ``train.compile``: the same GEMMs and saved tensors as ``EAGER`` (the
-    planner's activation model), element-wise ops fused by Inductor into a few passes and
-    launched by its generated code (:mod:`hybridpar.planner.efficiency`'s host floor)."""
+    """The same block under ``train.compile``: the same GEMMs as ``EAGER``, element-wise ops fused
+    by Inductor into a few passes and launched by its generated code
+    (:mod:`hybridpar.planner.efficiency`'s host floor), and the tensors Inductor's partitioner
+    saves (:func:`hybridpar.planner.activations.compiled_layer_bytes`)."""
     MEGATRON = "gpt"
     """Megatron-LM's fused GPT block: fused QKV, a 4h GELU MLP, unfused attention (scores,
     softmax, dropout), fused element-wise kernels, activations per Korthikanti et al. 2022."""
@@ -78,7 +80,10 @@ class Workload:
     is this runtime's autocast (fp32 parameters and gradients, half-precision matmuls).
     ``style``: the block implementation being planned (:class:`BlockStyle`; its value, such as
     ``"gpt"``, is accepted too). ``moe_imbalance``: max/mean tokens per expert of the routing
-    being planned (mixture-of-experts models; :mod:`hybridpar.planner.moe`)."""
+    being planned (mixture-of-experts models; :mod:`hybridpar.planner.moe`). ``selective_ac``:
+    what ``recompute = "selective"`` means, ``"attention"`` (this runtime's: Korthikanti's
+    attention-core recompute) or ``"op"`` (torchtitan's op-level policy, priced for published
+    rows only; :mod:`hybridpar.planner.sac`)."""
 
     global_batch: int
     seq_len: int
@@ -90,10 +95,14 @@ class Workload:
     loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the chunked loss (hybridpar.parallel.loss)
     fp8: str = "none"  # train.fp8: the blocks' linear GEMMs in FP8 (planner/fp8.py)
     fp8_all_gather: bool = False  # parallel.fp8_all_gather: ZeRO-3 gathers the FP8 linears' weights in FP8
+    selective_ac: str = "attention"
 
     def __post_init__(self) -> None:
         # "gpt" -> BlockStyle.MEGATRON (a ValueError naming the value for anything else)
         object.__setattr__(self, "style", BlockStyle(self.style))
+        check_selective_ac(self.selective_ac)
+        if self.selective_ac == "op" and self.style is BlockStyle.MEGATRON:
+            raise ValueError("selective_ac 'op' is priced for the Llama block styles, not 'gpt'")
 
     @property
     def act_bytes(self) -> int:

@@ -32,7 +32,11 @@ the fp32 RoPE tables, under autocast a half copy of every matmul weight (autocas
 forward, and autograd keeps them), on non-last pipeline chunks the output the runner holds until
 the backward, and on the last the final norm and the fp32 softmax of the loss (``4 V/t``; the
 logits themselves are not kept), or with the chunked loss (``train.loss_chunk_tokens``) 18 bytes
-per token instead (:data:`CHUNKED_LOSS_TOKEN_BYTES`; a chunk's logits are transient). How many (micro-batch, chunk) sets a rank holds at once comes
+per token instead (:data:`CHUNKED_LOSS_TOKEN_BYTES`; a chunk's logits are transient). The
+``logits`` component also holds what the unchunked loss's backward adds at its peak
+(:func:`.activations.loss_backward_bytes`), the step's peak on the rank with the head; a
+single-rank ZeRO-0 step of one micro-batch has no gradients yet at that moment
+(:func:`gradients_dropped`). How many (micro-batch, chunk) sets a rank holds at once comes
 from the schedule's own compute order (:func:`live_chunk_counts`): the interleaving factor, GPipe
 keeping every micro-batch (and its softmax) on the last stage, ZB-H1 freeing a chunk's activations
 at B but keeping, until W, what its deferred weight gradients need (:func:`deferred_layer_bytes`).
@@ -59,10 +63,14 @@ from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import ChunkSpec
 from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order, rank_stages
 from hybridpar.planner.activations import (
+    CHUNKED_LOSS_TOKEN_BYTES,
     deferred_layer_bytes,
     layer_activation_bytes,
     layer_weight_cast_bytes,
+    loss_backward_bytes,
+    loss_chunked,
 )
+from hybridpar.planner.activations import _loss_bytes as _loss_bytes
 from hybridpar.planner.activations import gpt_layer_bytes as gpt_layer_bytes
 from hybridpar.planner.activations import korthikanti_layer_bytes as korthikanti_layer_bytes
 from hybridpar.planner.activations import llama_layer_bytes as llama_layer_bytes
@@ -86,7 +94,6 @@ from hybridpar.planner.shapes import (
 )
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers", "overhead")
-
 
 
 @dataclass(frozen=True)
@@ -191,26 +198,6 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     if L.recompute == "full" and L.pipeline_schedule in ("zb-h1", "zbv"):
         body += n * tok * inputs  # the deferred linears' inputs are saved at F, not recomputed
     return ChunkBytes(body, head, deferred)
-
-
-# The chunked loss (hybridpar.parallel.loss) keeps per token the max and sum of exponentials
-# (fp32), the local target index (int64) and two masks: never the logits or their softmax.
-CHUNKED_LOSS_TOKEN_BYTES = 4 + 4 + 8 + 1 + 1
-
-
-def loss_chunked(work: Workload, tokens: int) -> bool:
-    """Whether the loss of a micro-batch of ``tokens`` tokens per rank at the head runs chunked
-    (``train.loss_chunk_tokens``: more tokens than one chunk)."""
-    return 0 < work.loss_chunk_tokens < tokens
-
-
-def _loss_bytes(work: Workload, tok: int, t: int, vocab: int) -> float:
-    """What the loss saves for backward, per micro-batch (the head's input and weight aside)."""
-    if loss_chunked(work, tok):  # per-token statistics, and the token count of the mean
-        return tok * CHUNKED_LOSS_TOKEN_BYTES + 8
-    if t == 1:  # F.cross_entropy: fp32 log-softmax, targets, total weight
-        return tok * (4 * vocab + 8) + 4
-    return tok * (4 * vocab + 10) + 8  # vocab-parallel: fp32 softmax, local target index, two masks, token count
 
 
 @functools.lru_cache(maxsize=8192)
@@ -326,13 +313,13 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
             best = (body + head, body, head, sum(vec[:v]))
     _, acts, logits, in_flight = best
     transient = 0.0
-    if L.recompute == "full":
-        # The layer being recomputed holds its full activations (but shares its stored input)
+    if L.recompute == "full" or (L.recompute == "selective" and work.selective_ac == "op"):
+        # The layer being recomputed holds its full activations (but shares what it stored)
         # until its backward ends. The first recomputation on a rank with the loss follows that
         # micro-batch's head backward, which has freed the head's tensors by then.
-        transient = (max(layer_activation_bytes(model, L, work, "none", moe=moe)
-                         for moe in {False, bool(model.moe_layer_ids())})
-                     - layer_activation_bytes(model, L, work, "full"))
+        transient = max(layer_activation_bytes(model, L, work, "none", moe=moe)
+                        - layer_activation_bytes(model, L, work, moe=moe)
+                        for moe in {False, bool(model.moe_layer_ids())})
         freed = max((cb.head for cb in sizes), default=0.0) if work.style is not BlockStyle.MEGATRON else 0.0
         acts = max(acts, acts - freed + transient)
     if any(o.working for o in offloads):
@@ -408,7 +395,24 @@ def _rank_parts(key: ModelKey, L: Layout, work: Workload,
                                  + replica_residual_bytes(L, shard))
     if L.pipeline_schedule == "2bw" and L.pp > 1:  # PipeDream-2BW: the stage's second weight version
         st = dataclasses.replace(st, params=st.params + work.param_bytes * full)
-    return st, _rank_activations(key, _activation_fields(L), work, pp_rank)
+    acts, logits, in_flight = _rank_activations(key, _activation_fields(L), work, pp_rank)
+    part = layer_partition(key, L.pp, L.virtual_stages if L.pp > 1 else 1, L.pp > 1 and v_shaped(L.pipeline_schedule))
+    if any(c.head for c in part.for_rank(pp_rank)):
+        logits += loss_backward_bytes(L, work, padded(model_of(key).vocab_size, L.tp) // L.tp)
+    if gradients_dropped(L, work) and acts + logits >= st.grads:
+        st = dataclasses.replace(st, grads=0)  # the peak (backward's start) comes before any gradient
+    return st, (acts, logits, in_flight)
+
+
+def gradients_dropped(L: Layout, work: Workload) -> bool:
+    """Whether a step's gradients do not exist when its backward begins: ZeRO-0 with no
+    data-parallel peers keeps no reduction buckets, so ``zero_grad`` drops the gradients
+    (:class:`hybridpar.parallel.zero.stages.Replicated`), and with one micro-batch per step and no
+    pipeline the first gradient is written after the loss's backward, the activation peak. From
+    there each layer's backward frees more activations than it adds gradients, unless the
+    gradients outweigh the activations (then the end of backward, with every gradient, is the
+    peak, and :func:`_rank_parts` keeps them)."""
+    return L.zero_stage == 0 and L.dp * L.cp == 1 and L.pp == 1 and L.microbatches(work.global_batch) == 1
 
 
 def int8_residual_bytes(full: int, n: int, zero_stage: int) -> int:
