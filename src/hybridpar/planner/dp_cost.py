@@ -104,13 +104,21 @@ def zero3_comm(model: ModelConfig, L: Layout, cluster: Cluster, gr: Gradients, m
         gather += e_units * cluster.collective_time("all_gather", gr.expert_bytes / e_units / edp, edp, t * L.ep)
     cal = cluster.rank_gpu.calibration
     hide_gather = 0.0 if cal is not None and cal.device == "cpu" else hide
-    exposed = m * (max(0.0, gather - hide_gather * stage_lt.f) + max(0.0, gather - hide_gather * stage_lt.b))
-    last = (cluster.collective_time("reduce_scatter", gr.reduced / units, n, t)
-            + cluster.collective_time("all_reduce", gr.reduced / units / n, replicas, t * n))
-    dp_comm = units * last + exposed
+    # The units are not equal: the embedding's (vocab x dim) is gathered first in every forward,
+    # before any compute exists to hide it, and reduce-scattered last, after backward's compute.
+    emb = model.vocab_size * model.dim / model.num_params()
+    first = cluster.collective_time("all_gather", gr.gathered * emb / n, n, t)
+    forward = first + max(0.0, gather - first - hide_gather * stage_lt.f)
+    exposed = m * (forward + max(0.0, gather - hide_gather * stage_lt.b))
+
+    def scatter(nbytes: float) -> float:
+        return (cluster.collective_time("reduce_scatter", nbytes, n, t)
+                + cluster.collective_time("all_reduce", nbytes / n, replicas, t * n))
+
+    dp_comm = units * scatter(gr.reduced / units) + exposed
     if gr.expert_bytes and edp > 1:
         dp_comm += e_units * cluster.collective_time("reduce_scatter", gr.expert_bytes / e_units, edp, t * L.ep)
-    return dp_comm, exposed, last
+    return dp_comm, exposed, scatter(gr.reduced * emb)
 
 
 def dp_time(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, gr: Gradients, m: int,
