@@ -165,9 +165,11 @@ class CommCounter:
 class Pending:
     """Outstanding transfers (:meth:`Comm.batch_p2p`, :meth:`Comm.all_reduce_async`); ``wait()`` them."""
 
-    def __init__(self, works: Sequence[dist.Work] = (), records: Sequence[OpRecord] = ()) -> None:
+    def __init__(self, works: Sequence[dist.Work] = (), records: Sequence[OpRecord] = (),
+                 then: Sequence[Callable[[], object]] = ()) -> None:
         self._works = list(works)
         self._records = list(records)
+        self._then = list(then)  # run once, after the transfers completed
 
     def wait(self) -> None:
         for work in self._works:
@@ -175,6 +177,9 @@ class Pending:
         for rec in self._records:
             rec.done = True
         self._works.clear()
+        for step in self._then:
+            step()
+        self._then.clear()
 
     def done(self) -> bool:
         """Whether every transfer has completed, without blocking (then as if waited)."""
@@ -182,6 +187,11 @@ class Pending:
             self.wait()
             return True
         return False
+
+
+def _gloo(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` runs on gloo (CPU collectives)."""
+    return dist.get_backend(group) == "gloo"
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -342,9 +352,28 @@ class Comm:
         if t.numel() != axis.size * out.numel():
             raise ValueError(f"reduce_scatter_into: input has {t.numel()} elements, need "
                              f"{axis.size} x {out.numel()}")
+        if axis.size > 1 and _gloo(axis.group) and t.is_contiguous():
+            return self._reduce_scatter_by_all_reduce(out, t, axis, async_op)
         return self._flat(Op.REDUCE_SCATTER, out, t, axis, async_op,
                           lambda o, i: _reduce_scatter_flat(o, i, op=dist.ReduceOp.SUM, group=axis.group,
                                                             async_op=True))
+
+    def _reduce_scatter_by_all_reduce(self, out: torch.Tensor, t: torch.Tensor, axis: Axis,
+                                      async_op: bool) -> Pending:
+        """gloo: the reduce-scatter as an in-place all-reduce of ``t`` (overwritten) and a copy of
+        this rank's block. gloo's own reduce-scatter is the slower of the two at every size
+        measured (2 ranks, medians of 200 interleaved calls: 0.54 vs 0.46 ms at 64K floats,
+        1.19 vs 0.84 ms at 180K, 4.7 vs 3.6 ms at 1M). Recorded as the reduce-scatter it is:
+        the counter's bytes and wire bytes are the collective's under NCCL's model, which is
+        what the planner prices. With two ranks the sum is bitwise the same either way."""
+        rec = self._record(Op.REDUCE_SCATTER, axis, _nbytes(t))
+        flat, k = t.view(-1), out.numel()
+        mine = flat[axis.rank * k:(axis.rank + 1) * k]
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+        pending = Pending([work], [rec], then=[lambda: out.view(-1).copy_(mine)])
+        if not async_op:
+            pending.wait()
+        return pending
 
     def _flat(self, op: Op, out: torch.Tensor, t: torch.Tensor, axis: Axis, async_op: bool,
               launch: Callable[[torch.Tensor, torch.Tensor], dist.Work]) -> Pending:
