@@ -74,7 +74,7 @@ _CHILD_PEAK = ("import torch; from hybridpar.distributed.device import memory_by
                "print(memory_bytes(torch.device('cpu')))")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the carry-over is Linux's ru_maxrss")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM (/proc/self/status) and the ru_maxrss carry-over are Linux only")
 def test_cpu_peak_is_this_process_not_the_one_that_started_it() -> None:
     """A run started from a large process reports its own peak: Linux keeps ``ru_maxrss`` over
     fork and exec, so with it a child of a process holding 768 MiB reported >= 768 MiB."""

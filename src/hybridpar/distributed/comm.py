@@ -347,8 +347,9 @@ class Comm:
         """Flat reduce-scatter (sum) into a caller-owned buffer: ``out`` (``t.numel() /
         axis.size`` elements, contiguous) receives this rank's block of the sum of ``t`` over
         ``axis``. With ``async_op`` the caller ``wait()``s before reading ``out`` (ZeRO-2/3
-        overlap with backward); ``t`` must stay alive until then. A size-1 axis copies and
-        records nothing."""
+        overlap with backward); ``t`` must stay alive until then, and on gloo it is overwritten
+        (the sum runs in place there: :meth:`_reduce_scatter_by_all_reduce`). A size-1 axis
+        copies and records nothing."""
         if t.numel() != axis.size * out.numel():
             raise ValueError(f"reduce_scatter_into: input has {t.numel()} elements, need "
                              f"{axis.size} x {out.numel()}")
