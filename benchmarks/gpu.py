@@ -22,12 +22,13 @@ the whole script takes about a minute (``tests/test_gpu_benchmark.py`` runs it s
 On CPU the profile counts forced transfers as the aten ops that read a tensor's value on the
 host (``aten::_local_scalar_dense``, ``aten::is_nonzero``) and kernel time as the ops' self time.
 
-``--fp8`` runs only hybridpar's step with ``train.fp8`` = tensorwise and rowwise against bf16 at the
-0.7B shape (eager, and compiled on CUDA): the FP8 / bf16 step ratios of issue 33 (target <= 0.75
-on one H100). On CPU the FP8 GEMM is an fp32 GEMM of the dequantized operands (``compat.scaled_mm``),
-so its ratio there says nothing about GPUs.
+``--parts`` picks some of the four. FP8 against bf16 (ours and torchao's) is
+``benchmarks/gpu_fp8.py``; multi-rank layouts with CUDA tensors on one GPU are
+``benchmarks/gpu_multirank.py``; ``benchmarks/gpu_session.sh`` runs all three as one prepared
+command on a lent GPU. Beside each measured step and peak the table prints the planner's prediction
+for the same config on an H200 (``PLANNER_GPU``).
 
-    python benchmarks/gpu.py [--device cuda|cpu] [--quick] [--steps N] [--fp8]
+    python benchmarks/gpu.py [--device cuda|cpu] [--quick] [--steps N] [--parts smoke,overhead,cli_mfu,profile]
 """
 
 from __future__ import annotations
@@ -46,13 +47,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_fp8 import planned
 from overhead import build_loops, compare_loops, mfu_of
 from torch.profiler import ProfilerActivity, profile
 
 from hybridpar.config import load_config
 from hybridpar.distributed import device as devices
 from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.planner.fit import predict, predicted_peak, read_run
+from hybridpar.planner.hardware import gpu_spec
 from hybridpar.training.trainer import Trainer
+
+#: the planner's GPU for the predictions beside each measurement (``--gpu``)
+PLANNER_GPU = "H200"
 
 SHAPE_07B = ["--model.dim", "1536", "--model.n_layers", "24", "--model.n_heads", "12", "--model.n_kv_heads", "4",
              "--model.ffn_hidden", "4096", "--model.vocab_size", "32000", "--model.max_seq_len", "2048",
@@ -155,8 +162,11 @@ def overhead(shape: list[str], device: torch.device, steps: int, rounds: int, co
     times, _ = compare_loops(build_loops(cfg, device, compiled), device, steps, rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     mfu, _ = mfu_of(cfg, device, med)
+    plan = planned(cfg, PLANNER_GPU)
     out = {"median_step_ms": {k: round(1e3 * v, 2) for k, v in med.items()},
-           "mfu": {k: round(v, 4) for k, v in mfu.items()}, "ratio": round(med["hybridpar"] / med["plain"], 4)}
+           "mfu": {k: round(v, 4) for k, v in mfu.items()}, "ratio": round(med["hybridpar"] / med["plain"], 4),
+           "planned_step_ms": round(1e3 * plan["step_s"], 2),
+           "planned_step_error": round(plan["step_s"] / med["hybridpar"] - 1, 4)}
     if compiled:
         out["ratio_vs_plain_compiled"] = round(med["hybridpar"] / med["plain_compiled"], 4)
     release(device)
@@ -183,8 +193,15 @@ def cli_mfu(shape: list[str], device: str, steps: int, timeout_s: float) -> dict
         if rc != 0:
             return {"status": f"exit {rc}: {tail}", "mfu": None}
         last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    return {"status": "ok", "mfu": last["mfu"], "step_time_s": round(last["step_time_s"], 4),
-            "tokens_per_s": round(last["tokens_per_s"], 1)}
+        record = read_run(run)
+        predicted_step, predicted_peak_bytes = predict(record, gpu_spec(PLANNER_GPU)), predicted_peak(record)
+    step = last["step_time_s"]
+    peak = max(record.peak_memory, default=0)
+    return {"status": "ok", "mfu": last["mfu"], "step_time_s": round(step, 4),
+            "tokens_per_s": round(last["tokens_per_s"], 1), "peak_bytes": peak,
+            "planned_step_s": round(predicted_step, 4), "planned_step_error": round(predicted_step / step - 1, 4),
+            "planned_peak_bytes": int(predicted_peak_bytes),
+            "planned_peak_error": round(predicted_peak_bytes / peak - 1, 4) if peak else None}
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
@@ -228,60 +245,21 @@ def profile_steps(shape: list[str], device: torch.device, steps: int) -> dict[st
             "kernel_over_wall": round(kernel_us / 1e6 / wall, 4)}
 
 
-FP8_RECIPES = ("none", "tensorwise", "rowwise")
-
-
-def fp8_steps(shape: list[str], device: torch.device, steps: int) -> dict[str, Any]:
-    """``--fp8``: hybridpar's step at ``shape`` with ``train.fp8`` none / tensorwise / rowwise,
-    eager (and compiled on CUDA), one trainer at a time (two 0.7B trainers do not fit beside
-    each other): median step time after a warm-up, and each recipe's ratio to ``none`` (issue
-    33's target on an H100: <= 0.75 at the 0.7B shape)."""
-    out: dict[str, Any] = {}
-    for compiled in ([False, True] if device.type == "cuda" else [False]):
-        med: dict[str, float] = {}
-        for recipe in FP8_RECIPES:
-            cfg = load_config(None, [*shape, "--train.device", device.type, "--train.compile", str(compiled).lower(),
-                                     "--train.fp8", recipe])
-            trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build(device.type), device)
-            for s in range(1, 4):  # warm-up (and compile)
-                trainer.train_step(s)
-            times = []
-            for s in range(10, 10 + steps):
-                devices.synchronize(device)
-                start = time.perf_counter()
-                trainer.train_step(s)
-                devices.synchronize(device)
-                times.append(time.perf_counter() - start)
-            med[recipe] = statistics.median(times)
-            del trainer
-            release(device)
-        out["compiled" if compiled else "eager"] = {
-            "median_step_ms": {r: round(1e3 * t, 2) for r, t in med.items()},
-            "ratio": {r: round(med[r] / med["none"], 4) for r in FP8_RECIPES[1:]}}
-    return out
-
-
 def table(result: dict[str, Any]) -> str:
     """The human-readable table of one run's result."""
     lines = [f"device {result['device']} ({result['device_name']}), torch {result['torch']}"
              + (" [quick]" if result["quick"] else "")]
-    for mode, r in result.get("fp8", {}).items():
-        ms = ", ".join(f"{k} {v:.1f} ms" for k, v in r["median_step_ms"].items())
-        ratios = ", ".join(f"{k} {v:.3f}" for k, v in r["ratio"].items())
-        lines.append(f"  fp8 {mode:<9} step / bf16 step: {ratios} (target <= 0.75 on H100); {ms}")
-    if "smoke" not in result:
-        return "\n".join(lines)
-    for name, r in result["smoke"].items():
+    for name, r in result.get("smoke", {}).items():
         lines.append(f"  smoke {name:<26}{r['status'][:70]:<72}{r['seconds']:>7.1f} s")
-    for mode in ("eager", "compiled"):
-        if mode in result["overhead"]:
-            r = result["overhead"][mode]
-            ms = ", ".join(f"{k} {v:.1f} ms ({100 * r['mfu'][k]:.1f}% MFU)" for k, v in r["median_step_ms"].items())
-            extra = f", vs plain compiled {r['ratio_vs_plain_compiled']:.3f}" if "ratio_vs_plain_compiled" in r else ""
-            lines.append(f"  overhead {mode:<9} ratio {r['ratio']:.3f}{extra}: {ms}")
-    c = result["cli_mfu"]
-    mfu = "n/a" if c.get("mfu") is None else f"{100 * c['mfu']:.1f}%"
-    lines.append(f"  cli MFU ({result['cli_shape']}): {mfu}, status {c['status'][:70]}")
+    for mode, r in result.get("overhead", {}).items():
+        ms = ", ".join(f"{k} {v:.1f} ms ({100 * r['mfu'][k]:.1f}% MFU)" for k, v in r["median_step_ms"].items())
+        extra = f", vs plain compiled {r['ratio_vs_plain_compiled']:.3f}" if "ratio_vs_plain_compiled" in r else ""
+        lines.append(f"  overhead {mode:<9} ratio {r['ratio']:.3f}{extra}: {ms}; planner "
+                     f"{r['planned_step_ms']:.1f} ms ({100 * r['planned_step_error']:+.1f}%)")
+    if "cli_mfu" in result:
+        lines.append(cli_line(result["cli_shape"], result["cli_mfu"]))
+    if "profile" not in result:
+        return "\n".join(lines)
     p = result["profile"]
     lines.append(f"  profile: {p['host_syncs_per_step']} host syncs/step, {p['dtoh_copies_per_step']} DtoH copies/step, "
                  f"optimizer {100 * p['optimizer_share']:.1f}% of the step, kernels {p['kernel_ms_per_step']} ms "
@@ -289,23 +267,41 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cli_line(shape: str, c: dict[str, Any]) -> str:
+    """The table's line of the CLI run: its MFU and the planner's step time and peak beside it."""
+    mfu = "n/a" if c.get("mfu") is None else f"{100 * c['mfu']:.1f}%"
+    line = f"  cli MFU ({shape}): {mfu}, status {c['status'][:70]}"
+    if c["status"] == "ok":
+        line += (f"; step {1e3 * c['step_time_s']:.1f} ms, planner {1e3 * c['planned_step_s']:.1f} ms "
+                 f"({100 * c['planned_step_error']:+.1f}%); peak {c['peak_bytes'] / 2**30:.2f} GiB, planner "
+                 f"{c['planned_peak_bytes'] / 2**30:.2f} GiB"
+                 + (f" ({100 * c['planned_peak_error']:+.1f}%)" if c["planned_peak_error"] is not None else ""))
+    return line
+
+
+PARTS = ("smoke", "overhead", "cli_mfu", "profile")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every part on ``args.device`` at the full shapes, or the tiny ones with ``--quick``."""
+    """The ``--parts`` asked for on ``args.device`` at the full shapes, or the tiny ones with
+    ``--quick``."""
     device = torch.device(args.device)
     big, cli_shape = (SHAPE_TINY, SHAPE_TINY) if args.quick else (SHAPE_07B, SHAPE_1B)
     steps, rounds = (2, 1) if args.quick else (args.steps, 2)
     result: dict[str, Any] = {"benchmark": "gpu", "device": str(device), "device_name": devices.device_name(device),
                               "torch": torch.__version__, "quick": args.quick,
                               "cli_shape": "tiny" if args.quick else "llama-3.2-1b"}
-    if args.fp8:  # only the FP8 / bf16 step ratio
-        result["fp8"] = fp8_steps(big, device, 3 if args.quick else args.steps)
-        return result
-    result["smoke"] = smoke(args.device, args.jobs or (2 if device.type == "cpu" else 4), args.timeout)
-    result["overhead"] = {"eager": overhead(big, device, steps, rounds, compiled=False)}
-    if device.type == "cuda":
-        result["overhead"]["compiled"] = overhead(big, device, steps, rounds, compiled=True)
-    result["cli_mfu"] = cli_mfu(cli_shape, args.device, 4 if args.quick else 20, args.timeout)
-    result["profile"] = profile_steps(big, device, 2 if args.quick else 3)
+    parts = args.parts.split(",")
+    if "smoke" in parts:
+        result["smoke"] = smoke(args.device, args.jobs or (2 if device.type == "cpu" else 4), args.timeout)
+    if "overhead" in parts:
+        result["overhead"] = {"eager": overhead(big, device, steps, rounds, compiled=False)}
+        if device.type == "cuda":
+            result["overhead"]["compiled"] = overhead(big, device, steps, rounds, compiled=True)
+    if "cli_mfu" in parts:
+        result["cli_mfu"] = cli_mfu(cli_shape, args.device, 4 if args.quick else 20, args.timeout)
+    if "profile" in parts:
+        result["profile"] = profile_steps(big, device, 2 if args.quick else 3)
     return result
 
 
@@ -316,8 +312,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per loop per round (overhead)")
     ap.add_argument("--jobs", type=int, default=0, help="smoke runs at a time (default: 4 on CUDA, 2 on CPU)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per CLI run before it counts as failed")
-    ap.add_argument("--fp8", action="store_true",
-                    help="only the step with train.fp8 = tensorwise / rowwise against bf16 (the 0.7B shape)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     args = ap.parse_args()
     if args.device == "cuda" and devices.accelerator_count() == 0:
         print("benchmarks/gpu.py: no GPU is visible (torch.cuda.is_available() is False, torch "
@@ -327,10 +322,8 @@ def main() -> int:
     result = run(args)
     print(table(result))
     print(json.dumps(result))
-    if args.fp8:
-        return 0
-    failed = [k for k, v in result["smoke"].items() if v["status"] != "ok"] + \
-        ([] if result["cli_mfu"]["status"] == "ok" else ["cli_mfu"])
+    failed = [k for k, v in result.get("smoke", {}).items() if v["status"] != "ok"] + \
+        ([] if result.get("cli_mfu", {"status": "ok"})["status"] == "ok" else ["cli_mfu"])
     return 1 if failed else 0
 
 

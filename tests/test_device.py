@@ -42,6 +42,35 @@ def test_cuda_without_enough_gpus_names_the_counts(gpus) -> None:
         resolve_device_type("cuda", 1)
 
 
+def test_shared_gpu_test_mode_puts_every_rank_on_gpu_0_over_gloo(gpus, monkeypatch) -> None:
+    """``HYBRIDPAR_SHARED_GPU=1`` (benchmarks/gpu_multirank.py): several ranks on one GPU, on
+    device 0, with gloo groups (NCCL refuses two ranks on one device); the error without it
+    names the setting."""
+    from hybridpar.distributed.mesh import _device, backend_for
+
+    gpus(1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.delenv("HYBRIDPAR_SHARED_GPU", raising=False)
+    with pytest.raises(DeviceError, match="HYBRIDPAR_SHARED_GPU=1"):
+        resolve_device_type("cuda", 4)
+    assert backend_for("cuda") == "nccl" and _device("cuda") == torch.device("cuda", 3)
+    monkeypatch.setenv("HYBRIDPAR_SHARED_GPU", "1")
+    assert resolve_device_type("cuda", 4) == "cuda"
+    assert backend_for("cuda") == "gloo" and backend_for("cpu") == "gloo"
+    assert _device("cuda") == torch.device("cuda", 0)
+
+
+def test_staging_leaves_cpu_tensors_and_non_gloo_groups_alone(monkeypatch) -> None:
+    """A CPU tensor is handed to gloo as it is: the staging of the one-GPU test mode costs CPU
+    runs nothing (no copy, nothing to copy back)."""
+    from hybridpar.distributed import staging
+
+    monkeypatch.setattr(staging, "is_gloo", lambda group: True)
+    t = torch.arange(4.0)
+    host = staging.Host(t, None)
+    assert host.host is t and not host.staged and host.then() == [] and host.back() is t
+
+
 _REALLOC = """
 import resource, sys, torch
 from hybridpar.distributed.device import keep_host_heap

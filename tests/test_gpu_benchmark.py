@@ -37,16 +37,17 @@ def test_gpu_benchmark_cpu_quick_reports_every_part():
 
 
 @pytest.mark.timeout(900)
-def test_gpu_benchmark_fp8_cpu_quick_reports_the_ratios():
+def test_gpu_fp8_benchmark_cpu_quick_reports_the_ratios_and_the_plan():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--quick", "--fp8"],
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_fp8.py"), "--device", "cpu", "--quick"],
                           capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads([line for line in done.stdout.splitlines() if line.startswith('{"benchmark": "gpu"')][-1])
-    eager = result["fp8"]["eager"]
-    assert eager["median_step_ms"].keys() == {"none", "tensorwise", "rowwise"}
-    assert all(v > 0 for v in eager["ratio"].values()) and eager["ratio"].keys() == {"tensorwise", "rowwise"}
-    assert "fp8 eager" in done.stdout
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith('{"benchmark": "gpu_fp8"')][-1])
+    tiny = result["shapes"]["tiny"]
+    assert tiny["runs"].keys() == {"ours/none", "ours/tensorwise", "ours/rowwise"}
+    assert all(r["step_s"] > 0 and r["planned"]["step_s"] > 0 and r["planned"]["peak_bytes"] > 0
+               for r in tiny["runs"].values())
+    assert tiny["ratio"].keys() == {"ours/tensorwise", "ours/rowwise"} and all(v > 0 for v in tiny["ratio"].values())
 
 
 def test_gpu_benchmark_says_when_no_gpu_is_visible():

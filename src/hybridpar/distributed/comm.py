@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
+from hybridpar.distributed.staging import Host as _Host
+from hybridpar.distributed.staging import is_gloo as _gloo
+
 if TYPE_CHECKING:
     from hybridpar.distributed.mesh import Axis
 
@@ -189,11 +192,6 @@ class Pending:
         return False
 
 
-def _gloo(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` runs on gloo (CPU collectives)."""
-    return dist.get_backend(group) == "gloo"
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -241,11 +239,11 @@ class Comm:
             raise ValueError(f"all_to_all: {t.shape[0]} rows but the send splits add up to {sum(send)}")
         wire = row * sum(n for r, n in enumerate(send) if r != axis.rank)
         rec = self._record(Op.ALL_TO_ALL, axis, _nbytes(t), wire=wire)
-        out = t.new_empty((sum(recv), *t.shape[1:]))
-        dist.all_to_all_single(out, t.contiguous(), output_split_sizes=list(recv), input_split_sizes=list(send),
-                               group=axis.group)
+        out = _Host(t.new_empty((sum(recv), *t.shape[1:])), axis.group, read=False)
+        dist.all_to_all_single(out.host, _Host(t.contiguous(), axis.group).host, output_split_sizes=list(recv),
+                               input_split_sizes=list(send), group=axis.group)
         rec.done = True
-        return out
+        return out.back()
 
     @_outside_graphs
     def all_reduce(self, t: torch.Tensor, axis: Axis, op: ReduceName = "sum") -> torch.Tensor:
@@ -255,7 +253,9 @@ class Comm:
             return t
         red = _reduce_op(op, t)
         rec = self._record(Op.ALL_REDUCE, axis, _nbytes(t))
-        dist.all_reduce(t, op=red, group=axis.group)
+        host = _Host(t, axis.group)
+        dist.all_reduce(host.host, op=red, group=axis.group)
+        host.back()
         if op == "avg":
             t.div_(axis.size)
         rec.done = True
@@ -268,8 +268,9 @@ class Comm:
         if axis.size == 1:
             return Pending()
         rec = self._record(Op.ALL_REDUCE, axis, _nbytes(t))
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
-        return Pending([work], [rec])
+        host = _Host(t, axis.group)
+        work = dist.all_reduce(host.host, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+        return Pending([work], [rec], then=host.then())
 
     @_outside_graphs
     def all_gather(self, t: torch.Tensor, axis: Axis, dim: int = 0) -> torch.Tensor:
@@ -279,9 +280,9 @@ class Comm:
             return t
         n, dim = axis.size, dim % t.dim()
         rec = self._record(Op.ALL_GATHER, axis, _nbytes(t))
-        flat = t.new_empty((n * t.numel(),))
-        _all_gather_flat(flat, t.contiguous().view(-1), group=axis.group)
-        out = flat.view(n, *t.shape)  # stacked in rank order; concatenate along dim
+        flat = _Host(t.new_empty((n * t.numel(),)), axis.group, read=False)
+        _all_gather_flat(flat.host, _Host(t.contiguous().view(-1), axis.group).host, group=axis.group)
+        out = flat.back().view(n, *t.shape)  # stacked in rank order; concatenate along dim
         out = out.movedim(0, dim).reshape(*t.shape[:dim], n * t.shape[dim], *t.shape[dim + 1:])
         rec.done = True
         return out
@@ -304,8 +305,9 @@ class Comm:
         rec = self._record(Op.REDUCE_SCATTER, axis, _nbytes(t))
         # Lay the n chunks out one after another in memory, so chunk k is contiguous block k.
         chunks = torch.stack(t.chunk(n, dim)) if dim else t.contiguous()
-        out = t.new_empty(t.chunk(n, dim)[0].shape)
-        _reduce_scatter_flat(out.view(-1), chunks.view(-1), op=red, group=axis.group)
+        out = _Host(t.new_empty(t.chunk(n, dim)[0].shape), axis.group, read=False)
+        _reduce_scatter_flat(out.host.view(-1), _Host(chunks.view(-1), axis.group).host, op=red, group=axis.group)
+        out = out.back()
         if op == "avg":
             out.div_(n)
         rec.done = True
@@ -368,7 +370,7 @@ class Comm:
         the counter's bytes and wire bytes are the collective's under NCCL's model, which is
         what the planner prices. With two ranks the sum is bitwise the same either way."""
         rec = self._record(Op.REDUCE_SCATTER, axis, _nbytes(t))
-        flat, k = t.view(-1), out.numel()
+        flat, k = _Host(t.view(-1), axis.group).host, out.numel()
         mine = flat[axis.rank * k:(axis.rank + 1) * k]
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
         pending = Pending([work], [rec], then=[lambda: out.view(-1).copy_(mine)])
@@ -384,7 +386,8 @@ class Comm:
             out.view(-1).copy_(t.reshape(-1))
             return Pending()
         rec = self._record(op, axis, _nbytes(t))
-        pending = Pending([launch(out.view(-1), t.contiguous().view(-1))], [rec])
+        dst = _Host(out.view(-1), axis.group, read=False)
+        pending = Pending([launch(dst.host, _Host(t.contiguous().view(-1), axis.group).host)], [rec], then=dst.then())
         if not async_op:
             pending.wait()
         return pending
@@ -395,9 +398,10 @@ class Comm:
         if axis.size == 1:
             return t
         rec = self._record(Op.BROADCAST, axis, _nbytes(t), peer=axis.global_rank(src))
-        dist.broadcast(t, src=axis.global_rank(src), group=axis.group)
+        host = _Host(t, axis.group)
+        dist.broadcast(host.host, src=axis.global_rank(src), group=axis.group)
         rec.done = True
-        return t
+        return host.back()
 
     def _check_peer(self, peer: int, axis: Axis) -> None:
         if peer not in axis.ranks or peer == axis.global_rank(axis.rank):
@@ -410,7 +414,7 @@ class Comm:
             return
         self._check_peer(peer, axis)
         rec = self._record(Op.SEND, axis, _nbytes(t), peer=peer)
-        dist.send(t.contiguous(), dst=peer, group=axis.group)
+        dist.send(_Host(t.contiguous(), axis.group).host, dst=peer, group=axis.group)
         rec.done = True
 
     @_outside_graphs
@@ -422,9 +426,10 @@ class Comm:
         if not t.is_contiguous():
             raise ValueError("recv needs a contiguous buffer")
         rec = self._record(Op.RECV, axis, _nbytes(t), peer=peer)
-        dist.recv(t, src=peer, group=axis.group)
+        host = _Host(t, axis.group, read=False)
+        dist.recv(host.host, src=peer, group=axis.group)
         rec.done = True
-        return t
+        return host.back()
 
     @_outside_graphs
     def batch_p2p(self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor, int]],
@@ -436,21 +441,22 @@ class Comm:
         if axis.size == 1 or not ops:
             return Pending()
         posted = [self._p2p_op(kind, t, peer, axis) for kind, t, peer in ops]
-        records = [rec for _, _, _, rec in posted]
+        records = [rec for _, _, _, rec, _ in posted]
         if len(posted) == 1:
-            fn, t, peer, _ = posted[0]
+            fn, t, peer, _, _ = posted[0]
             works = [fn(t, peer, group=axis.group)]
         else:
-            works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer=peer, group=axis.group) for fn, t, peer, _ in posted])
-        pending = Pending(works, records)
+            works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer=peer, group=axis.group)
+                                            for fn, t, peer, _, _ in posted])
+        pending = Pending(works, records, then=[back for *_, host in posted for back in host.then()])
         if wait:
             pending.wait()
         return pending
 
     def _p2p_op(self, kind: str, t: torch.Tensor, peer: int, axis: Axis
-                ) -> tuple[Callable[..., Any], torch.Tensor, int, OpRecord]:
-        """One transfer of :meth:`batch_p2p`, checked and counted: (isend or irecv, the tensor,
-        the peer, its record)."""
+                ) -> tuple[Callable[..., Any], torch.Tensor, int, OpRecord, _Host]:
+        """One transfer of :meth:`batch_p2p`, checked and counted: (isend or irecv, the tensor
+        to post, the peer, its record, the tensor's host staging)."""
         self._check_peer(peer, axis)
         if kind == "send":
             fn, op = dist.isend, Op.SEND
@@ -461,7 +467,8 @@ class Comm:
                 raise ValueError("recv needs a contiguous buffer")
         else:
             raise ValueError(f"batch_p2p kind {kind!r}; use 'send' or 'recv'")
-        return fn, t, peer, self._record(op, axis, _nbytes(t), peer=peer)
+        host = _Host(t, axis.group, read=kind == "send")
+        return fn, host.host, peer, self._record(op, axis, _nbytes(t), peer=peer), host
 
     @_outside_graphs
     def barrier(self, axis: Axis | None = None) -> None:

@@ -31,6 +31,21 @@ _GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
+#: The test mode that runs several ranks on one GPU (see :func:`shared_gpu`).
+SHARED_GPU_ENV = "HYBRIDPAR_SHARED_GPU"
+
+
+def shared_gpu() -> bool:
+    """Whether every local rank runs on CUDA device 0 (``HYBRIDPAR_SHARED_GPU=1``), a test mode.
+
+    NCCL refuses two ranks on one device, so in this mode the process groups are gloo and the
+    collectives stage CUDA tensors through host memory (:mod:`hybridpar.distributed.comm`). It
+    exists to run multi-rank layouts with CUDA tensors on a one-GPU machine, which finds device
+    placement bugs (a CPU tensor in a CUDA path, pinned memory and stream misuse) that gloo on CPU
+    cannot; its speed means nothing."""
+    return os.environ.get(SHARED_GPU_ENV, "") not in ("", "0")
+
+
 def local_world_size() -> int:
     """Processes on this node, from the launcher (1 without one)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -53,18 +68,21 @@ def resolve_device_type(choice: str, local_processes: int) -> str:
         if have == 0:
             raise DeviceError("train.device = 'cuda' but no CUDA device is visible; set train.device = 'cpu' "
                               "(or 'auto', which picks CUDA when there is one GPU per process)")
-        if have < local_processes:
+        if have < local_processes and not shared_gpu():
             raise DeviceError(f"train.device = 'cuda' with {local_processes} processes on this node but "
                               f"{have} CUDA device(s) visible; launch at most {have} processes per node "
-                              "(--nproc / --nproc-per-node) or set train.device = 'cpu'")
+                              "(--nproc / --nproc-per-node), set train.device = 'cpu', or, to test a layout "
+                              f"with CUDA tensors on one GPU, set {SHARED_GPU_ENV}=1")
         return "cuda"
     return "cuda" if choice == "auto" and gpus_fit(local_processes) else "cpu"
 
 
 def pick_device(choice: str = "auto", local_rank: int = 0, local_processes: int | None = None) -> torch.device:
-    """This process's device: ``cuda:<local_rank>`` (see :func:`resolve_device_type`), else CPU."""
+    """This process's device: ``cuda:<local_rank>`` (see :func:`resolve_device_type`; ``cuda:0``
+    for every rank under :func:`shared_gpu`), else CPU."""
     local_processes = local_world_size() if local_processes is None else local_processes
     if resolve_device_type(choice, local_processes) == "cuda":
+        local_rank = 0 if shared_gpu() else local_rank
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

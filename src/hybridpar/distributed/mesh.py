@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hybridpar.config import MeshAxes
 from hybridpar.distributed.comm import Comm
-from hybridpar.distributed.device import resolve_device_type
+from hybridpar.distributed.device import resolve_device_type, shared_gpu
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
@@ -410,12 +410,13 @@ def _describe(dims: ParallelDims) -> str:
 def _device(device_type: str) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")
-    return torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(device_type, 0 if shared_gpu() else int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def backend_for(device_type: str) -> str:
-    """The process-group backend for a device type: nccl for cuda, gloo otherwise."""
-    return "nccl" if device_type == "cuda" else "gloo"
+    """The process-group backend for a device type: nccl for cuda, gloo otherwise (and for cuda
+    under the one-GPU test mode, :func:`~hybridpar.distributed.device.shared_gpu`)."""
+    return "nccl" if device_type == "cuda" and not shared_gpu() else "gloo"
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 300, *, dist_backend: str | None = None,
@@ -452,6 +453,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300, *, dist
         raise RuntimeError("launched by torchrun but this torch build has no torch.distributed")
     if backend is None:  # the GPUs only when each local process gets its own
         backend = backend_for(resolve_device_type("auto", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if backend == "nccl" and shared_gpu():
+        backend = "gloo"  # several ranks on one GPU: NCCL refuses that, gloo stages through the host
     if backend == "nccl":  # one GPU per local rank; set_device_idx is the torch 2.6 name
         acc = torch.accelerator
         set_index = getattr(acc, "set_device_index", None) or acc.set_device_idx

@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpar.config import ModelConfig, parse_config
+from hybridpar.config import Config, ModelConfig, parse_config
 from hybridpar.planner.cost import step_cost
 from hybridpar.planner.efficiency import CLASSES, efficiency_of
 from hybridpar.planner.hardware import Cluster, GPUSpec, PlanError, gpu_spec
@@ -88,11 +88,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
     if not isinstance(doc, dict):
         raise PlanError(f"--from-run: {root / 'config.json'} is not a config")
     cfg = parse_config(doc, str(root / "config.json"))
-    par, train = cfg.parallel, cfg.train
-    layout = Layout(**{k: getattr(par, k) for k in LAYOUT_KEYS if k != "micro_batch"}, micro_batch=train.micro_batch)
-    style = BlockStyle.COMPILED if train.compile else BlockStyle.EAGER
-    work = Workload(train.global_batch, train.seq_len, train.precision, half_params=False, bucket_mb=par.bucket_mb,
-                    style=style, loss_chunk_tokens=train.loss_chunk_tokens)
+    train = cfg.train
+    layout, work = layout_and_workload(cfg)
     times = _step_times(root / "metrics.jsonl")
     if not times:
         raise PlanError(f"--from-run: {root / 'metrics.jsonl'} logs no step_time_s after step 1; train a few "
@@ -102,6 +99,19 @@ def read_run(run_dir: str | Path) -> RunRecord:
     device = train.device if train.device in ("cpu", "cuda") else ("cuda" if _logged_gpu(root) else "cpu")
     return RunRecord(root, cfg.model, layout, work, layout.world_size, device, statistics.median(times),
                      len(times), peaks, train.hardware)
+
+
+def layout_and_workload(cfg: Config) -> tuple[Layout, Workload]:
+    """The planner's :class:`Layout` and :class:`Workload` of a training config: what the run of
+    ``cfg`` executes (its micro-batch, autocast with fp32 master weights, its block style, loss
+    chunking and FP8 recipe), so the planner prices the run itself."""
+    par, train = cfg.parallel, cfg.train
+    layout = Layout(**{k: getattr(par, k) for k in LAYOUT_KEYS if k != "micro_batch"}, micro_batch=train.micro_batch)
+    style = BlockStyle.COMPILED if train.compile else BlockStyle.EAGER
+    work = Workload(train.global_batch, train.seq_len, train.precision, half_params=False, bucket_mb=par.bucket_mb,
+                    style=style, loss_chunk_tokens=train.loss_chunk_tokens, fp8=train.fp8,
+                    fp8_all_gather=par.fp8_all_gather)
+    return layout, work
 
 
 def _logged_gpu(root: Path) -> bool:
