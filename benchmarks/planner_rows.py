@@ -8,7 +8,7 @@ Each row is evaluated as published: the model, device, GPU count, global batch, 
 layout fields the source states; what it does not state (micro-batch, schedule's virtual stages,
 ZeRO stage where not named) the planner completes as ``hybridpar plan --layout`` does, taking the
 fastest of the schedules listed. The device models are the data sheets plus the kernel-class
-efficiencies of :mod:`hybridpar.planner.efficiency`; no row has a constant of its own.
+efficiencies of :mod:`hybridpar.planner.machine.efficiency`; no row has a constant of its own.
 
     python benchmarks/planner_rows.py [--json]
 """
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.config import ModelConfig, model_preset
-from hybridpar.planner.cost import step_cost
-from hybridpar.planner.hardware import Cluster, GiB, gpu_spec
-from hybridpar.planner.layout import Layout, Workload
-from hybridpar.planner.memory import plan_memory
-from hybridpar.planner.search import Evaluation, complete
+from hybridpar.planner.machine.hardware import Cluster, GiB, gpu_spec
+from hybridpar.planner.memory.plan import plan_memory
+from hybridpar.planner.model.layout import Layout, Workload
+from hybridpar.planner.price.cost import step_cost
+from hybridpar.planner.search.search import Evaluation, complete
 
 ROWS = Path(__file__).with_name("planner_rows.json")
 TOLERANCE = 0.15  # issue 34: every published row within 15% on step time or MFU

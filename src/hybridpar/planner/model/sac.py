@@ -25,7 +25,7 @@ under SP, all-reduces without.
 
 This runtime has no op-level policy. ``"op"`` exists so that published rows measured with it
 (torchtitan's tables) are priced as they ran, and the search never proposes it for this runtime:
-:func:`hybridpar.planner.layout.from_config` plans the runtime's ``"attention"``.
+:func:`hybridpar.planner.model.layout.from_config` plans the runtime's ``"attention"``.
 """
 
 from __future__ import annotations

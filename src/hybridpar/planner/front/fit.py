@@ -1,4 +1,4 @@
-"""Learning from runs: fit the efficiency model (:mod:`hybridpar.planner.efficiency`) to what a
+"""Learning from runs: fit the efficiency model (:mod:`hybridpar.planner.machine.efficiency`) to what a
 ``hybridpar train`` run measured, and re-plan with it.
 
 A run directory holds ``config.json`` (model, layout, batch, precision, compile), ``metrics.jsonl``
@@ -8,7 +8,7 @@ A run directory holds ``config.json`` (model, layout, batch, precision, compile)
 (median of the logged intervals after step 1, which holds start-up and compilation) and the
 measured peak memory.
 
-What is fitted: multipliers of the time of each kernel class (:data:`.efficiency.CLASSES`:
+What is fitted: multipliers of the time of each kernel class (:data:`hybridpar.planner.machine.efficiency.CLASSES`:
 GEMM, attention, memory-bound, launches), never of communication or of the step as a whole. With
 one run there is one number to match, so one multiplier is fitted, shared by all four compute
 classes (the device computes at a fraction of what the spec says); with two or more runs, two:
@@ -30,10 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpar.config import ModelConfig, parse_config
-from hybridpar.planner.cost import step_cost
-from hybridpar.planner.efficiency import CLASSES, efficiency_of
-from hybridpar.planner.hardware import Cluster, GPUSpec, PlanError, gpu_spec
-from hybridpar.planner.layout import LAYOUT_KEYS, BlockStyle, Layout, Workload
+from hybridpar.planner.machine.allocator import cpu_resident_bytes, measured_cpu_baseline
+from hybridpar.planner.machine.calibrate import default_profile_path, to_toml
+from hybridpar.planner.machine.efficiency import CLASSES, efficiency_of, to_table
+from hybridpar.planner.machine.hardware import (
+    _FIELDS,
+    CPU_CORE,
+    Cluster,
+    GPUSpec,
+    PlanError,
+    gpu_spec,
+    load_gpu_toml,
+)
+from hybridpar.planner.memory.plan import plan_memory
+from hybridpar.planner.model.layout import LAYOUT_KEYS, BlockStyle, Layout, Workload
+from hybridpar.planner.price.cost import step_cost
 
 
 @dataclass(frozen=True)
@@ -115,14 +126,12 @@ def base_gpu(run: RunRecord, override: str | None = None) -> tuple[GPUSpec, str,
     when given, else the run's
     ``train.hardware``, else for a GPU run the H100 data sheet, for a CPU run the calibrated
     default profile if one was written, else the built-in CPU core
-    (:func:`hybridpar.planner.auto.resolve_hardware`'s choices, without a device to ask)."""
+    (:func:`hybridpar.planner.front.auto.resolve_hardware`'s choices, without a device to ask)."""
     for name, source in ((override, f"--gpu {override}"), (run.hardware, f"the run's train.hardware {run.hardware!r}")):
         if name:
             return gpu_spec(name), source, Path(name) if name.endswith(".toml") else None
     if run.device == "cuda":
         return gpu_spec("H100-SXM"), "H100-SXM data sheet (pass --gpu to name the run's device)", None
-    from hybridpar.planner.auto import CPU_CORE
-    from hybridpar.planner.calibrate import default_profile_path
 
     default = default_profile_path()
     if default.is_file():
@@ -201,10 +210,6 @@ def describe_fit(gpu: GPUSpec) -> str:
 def profile_text(gpu: GPUSpec, base_file: Path | None, header: str) -> str:
     """A profile TOML for the fitted ``gpu``: the base profile's text (a calibrated profile keeps
     its measured tables) or every ``[gpu]`` constant, then its ``[efficiency]`` table."""
-    from hybridpar.planner.calibrate import to_toml
-    from hybridpar.planner.efficiency import to_table
-    from hybridpar.planner.hardware import _FIELDS
-
     eff_lines = ["[efficiency]"] + [line for line in to_toml({}, to_table(efficiency_of(gpu)), [], "").splitlines()
                                     if " = " in line or line.startswith(("  ", "]"))]
     if base_file is not None:
@@ -273,12 +278,9 @@ class FittedRuns:
 
 def predicted_peak(run: RunRecord) -> float:
     """The planner's prediction of what the run logged as peak memory: on CPU the resident set
-    (:func:`hybridpar.planner.allocator.cpu_resident_bytes`), on GPUs the allocator's peak of
+    (:func:`hybridpar.planner.machine.allocator.cpu_resident_bytes`), on GPUs the allocator's peak of
     allocated bytes (``max_memory_allocated``: the live tensors, without the ``overhead`` the
     context and fragmentation add to what is reserved)."""
-    from hybridpar.planner.allocator import cpu_resident_bytes, measured_cpu_baseline
-    from hybridpar.planner.memory import plan_memory
-
     mem = plan_memory(run.model, run.layout, run.work)
     live = mem.total - mem.components["overhead"]
     if run.device != "cpu":
@@ -309,8 +311,6 @@ def from_run(args: object) -> FittedRuns:
 def write_profile(fitted: FittedRuns, out: Path) -> Path:
     """``calibrate --from-run``: the fitted device as a profile at ``out`` (checked by loading
     it back before it replaces anything)."""
-    from hybridpar.planner.hardware import load_gpu_toml
-
     runs = ", ".join(str(r.path) for r in fitted.runs)
     text = profile_text(fitted.gpu, fitted.base_file,
                         f"Fitted by hybridpar calibrate --from-run {runs} from {fitted.source}. Use: hybridpar plan "

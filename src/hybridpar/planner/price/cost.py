@@ -1,7 +1,7 @@
 """Step time of a layout: compute per pipeline stage, communication per mesh axis, the pipeline
 bubble from the schedule simulator, and what overlaps.
 
-Compute: every kernel is priced by its class (:mod:`hybridpar.planner.efficiency`, which states
+Compute: every kernel is priced by its class (:mod:`hybridpar.planner.machine.efficiency`, which states
 the sources): every GEMM the layout produces on one GPU (fused QKV, attention output, MLP in/out,
 the output head) by a roofline whose efficiency falls with its shape (tile quantisation and
 small dimensions: thin tensor-parallel shards and small micro-batches lose efficiency by shape,
@@ -11,13 +11,13 @@ over the achieved bandwidth; and a layer never faster than the host can issue it
 (the launch floor, which binds for small models). Backward
 GEMMs are the input- and weight-gradient GEMMs, priced by their own shapes (ZB-H1 runs them as
 B and W: W runs only the linears' weight-gradient GEMMs, :mod:`hybridpar.parallel.pipeline.wsplit`). The
-block is the workload's ``style`` (:class:`~hybridpar.planner.layout.BlockStyle`):
+block is the workload's ``style`` (:class:`~hybridpar.planner.model.layout.BlockStyle`):
 ``BlockStyle.EAGER`` is this runtime's eager block (separate q/k/v/o and w1/w3/w2 GEMMs, unfused
 element-wise ops, :func:`eager_elementwise_bytes`); ``BlockStyle.COMPILED`` the same block under
 ``train.compile`` (element-wise ops fused: :func:`fused_elementwise_elements`);
 ``BlockStyle.MEGATRON`` is Megatron-LM's fused GPT block.
 
-With a calibrated profile (``hybridpar calibrate``; :class:`hybridpar.planner.hardware.Calibration`)
+With a calibrated profile (``hybridpar calibrate``; :class:`hybridpar.planner.machine.hardware.Calibration`)
 the measured rates replace peak x efficiency: GEMM FLOP/s interpolated on the measured shape grid,
 attention FLOP/s by (sequence, head dim), the measured element-wise bandwidth and an eager
 block's fixed cost, each scaled by what sharing the chip costs when ``gpus_per_node`` ranks
@@ -35,19 +35,19 @@ micro-batch; ring attention passes K/V ``cp - 1`` times per layer, hidden behind
 when it can be. Each axis uses NVLink if its ring fits in a node (tp innermost, then cp, dp, pp)
 and the network otherwise (:meth:`Cluster.axis_bandwidth`).
 
-Mixture of experts (:mod:`.moe`): an MoE layer's feed-forward is the router GEMM on the rank's
+Mixture of experts (:mod:`hybridpar.planner.model.moe`): an MoE layer's feed-forward is the router GEMM on the rank's
 own tokens, the busiest ep rank's ``E/ep`` expert GEMMs over ``load * k`` rows per token of its
 tp group (the routing imbalance; ``load`` = 1 at ep = 1, where each rank computes its own
 tokens' slots), shared experts as a dense MLP, the routing's gathers and scatters, and four
-all-to-alls (dispatch and combine, forward and backward, :func:`all_to_all_time`) plus the
+all-to-alls (dispatch and combine, forward and backward, :func:`hybridpar.planner.price.rates.all_to_all_time`) plus the
 counts' exchange, all on the critical path (the runtime waits for them). Experts' gradients
 reduce over ``edp`` (dp x cp / ep ranks, stride tp x ep) beside the dense ones over dp x cp.
 
 The bubble: :func:`hybridpar.parallel.pipeline.simulate.simulate` runs the real schedule with
-these per-action costs (its arithmetic on compiled action lists, :mod:`.pipesim`). For many
+these per-action costs (its arithmetic on compiled action lists, :mod:`hybridpar.planner.price.pipesim`). For many
 micro-batches it simulates ``2 * pp`` of them and adds the remainder at the bottleneck rank's
 steady-state rate (exact for periodic steady states). The data-parallel and optimizer terms are
-:mod:`.dp_cost`'s.
+:mod:`hybridpar.planner.price.dp_cost`'s.
 """
 
 from __future__ import annotations
@@ -57,16 +57,18 @@ from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.schedules import rank_stages
-from hybridpar.planner import efficiency as eff
-from hybridpar.planner import pipesim, sac
-from hybridpar.planner.cp_modes import cp_times
-from hybridpar.planner.dp_cost import dp_time, gradients, optimizer_time
-from hybridpar.planner.fp8 import fp8_gemm_deltas
-from hybridpar.planner.hardware import Cluster, GPUSpec
-from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
-from hybridpar.planner.moe import dispatch_rows, rank_load
-from hybridpar.planner.offload import offload_layer_times
-from hybridpar.planner.shapes import layer_partition, padded, v_shaped
+from hybridpar.planner.machine import efficiency as eff
+from hybridpar.planner.machine.hardware import Cluster, GPUSpec
+from hybridpar.planner.memory.offload import offload_layer_times
+from hybridpar.planner.model import sac
+from hybridpar.planner.model.layout import BlockStyle, Layout, Workload, model_key
+from hybridpar.planner.model.moe import dispatch_rows, rank_load
+from hybridpar.planner.model.shapes import layer_partition, padded, v_shaped
+from hybridpar.planner.price import pipesim
+from hybridpar.planner.price.cp import cp_times
+from hybridpar.planner.price.dp_cost import dp_time, gradients, optimizer_time
+from hybridpar.planner.price.fp8 import fp8_gemm_deltas
+from hybridpar.planner.price.rates import all_to_all_time, clip_time, weight_traffic
 
 
 def peak_flops(gpu: GPUSpec, ab: int) -> float:
@@ -100,14 +102,6 @@ def gemm_backward_time(m: float, n: float, k: float, gpu: GPUSpec, ab: int) -> t
     ``dX = dY [m, n] @ W^T [n, k]`` and ``dW = X^T [k, m] @ dY [m, n]``, priced by their own
     shapes (the same as the forward under the roofline, not under a measured table)."""
     return gemm_time(m, k, n, gpu, ab), gemm_time(k, n, m, gpu, ab)
-
-
-def ring_time(nbytes: float, n: int, bw: float, lat: float, factor: float = 2.0) -> float:
-    """A ring collective over ``n`` ranks moving ``factor * (n-1)/n * nbytes`` per rank
-    (all-reduce 2, all-gather or reduce-scatter 1) with ``factor * (n-1)`` latency steps."""
-    if n <= 1:
-        return 0.0
-    return factor * (n - 1) / n * nbytes / bw + factor * (n - 1) * lat
 
 
 # Element-wise kernels one eager Llama block launches (counted with a TorchDispatchMode over
@@ -166,29 +160,13 @@ class LayerTime:
     ep_comm: float = 0.0  # expert-parallel all-to-alls (MoE layers), forward and backward
 
 
-def all_to_all_time(cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
-    """Seconds of one all-to-all over ``size`` ranks spaced ``stride`` apart in which the rank
-    moves at most ``nbytes`` each way to and from the others (spread evenly over them, sends and
-    receives concurrent): the peers in its node over NVLink, the others over its own NIC, both
-    at once, plus one latency (the exchanges to all peers run concurrently)."""
-    if size <= 1:
-        return 0.0
-    g = cluster.gpu
-    local = max(1, min(size, cluster.gpus_per_node // max(1, stride)))  # group members per node
-    remote = (size - local) / (size - 1)
-    intra = (1 - remote) * nbytes / (g.intra_bw * g.comm_efficiency)
-    if remote == 0:
-        return intra + g.intra_latency
-    return max(intra, remote * nbytes / (g.inter_bw * g.comm_efficiency)) + g.inter_latency
-
-
 def _moe_ffn(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster,
              tok: int) -> tuple[list[tuple[float, float, float, float]], float, float, float]:
     """An MoE feed-forward on the busiest ep rank, per micro-batch of ``tok`` tokens in its tp
     group: ``(GEMMs as (count, m, n, k), expert hidden per token for the element-wise passes,
     extra element-wise elements per token (the routing's gathers and scatters), one
     all-to-all's seconds)``. The router runs on the rank's own tokens; the rank's ``E/ep``
-    experts (``H/tp`` wide) compute ``load * k * tok`` rows (:mod:`hybridpar.planner.moe`), as
+    experts (``H/tp`` wide) compute ``load * k * tok`` rows (:mod:`hybridpar.planner.model.moe`), as
     ``E/ep`` GEMMs of the mean rows per expert; shared experts are a dense MLP. Each dispatch or
     combine all-to-all moves the rows the busiest rank receives (its largest direction)."""
     t, h, k = L.tp, model.dim, model.experts_per_token
@@ -277,7 +255,7 @@ def _elementwise_time(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec,
 def _host_floors(work: Workload, counted: list[tuple[float, float, float, float]], g: GPUSpec) -> tuple[float, float]:
     """(forward, backward) seconds the host needs to issue one layer's kernels (its GEMMs, the
     attention kernel and the element-wise kernels; backward: two GEMMs per forward GEMM and the
-    attention's backward), the launch floor of :func:`hybridpar.planner.efficiency.host_floor`.
+    attention's backward), the launch floor of :func:`hybridpar.planner.machine.efficiency.host_floor`.
     Megatron-LM's fused block is not host-bound at the sizes it is used for: none."""
     if work.style is BlockStyle.MEGATRON:
         return 0.0, 0.0
@@ -324,7 +302,7 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     ep_comm = 2 * a2a + (all_to_all_time(cluster, model.n_experts * 8, L.ep, L.tp) if moe else 0.0)  # + counts
     a2a_cp = cp_times(model, L, work, cluster)[1]  # Ulysses all-to-alls: on the critical path
     host_f, host_b = _host_floors(work, counted, g)  # the layer's device time is at least its launches
-    cast_f, cast_b = eff.weight_traffic(model, L, work, g)
+    cast_f, cast_b = weight_traffic(model, L, work, g)
     elem, elem_b = elem + cast_f, elem_b + cast_b
     f = max(fwd_gemm + core + elem, host_f) + max(0.0, cp_pass - hide * core) + 2 * ar + ep_comm + a2a_cp
     b_time = (max(bwd_in + core_b + elem_b, host_b) + max(0.0, 2 * cp_pass - hide * core) + 2 * ar + 2 * a2a
@@ -386,7 +364,7 @@ def pipeline_makespan(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p: fl
 
 def pipeline_lower_bound(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p: float,
                          scale: tuple[float, ...]) -> float:
-    """A closed-form lower bound of :func:`pipeline_makespan` (:func:`.pipesim.lower_bound`)."""
+    """A closed-form lower bound of :func:`pipeline_makespan` (:func:`hybridpar.planner.price.pipesim.lower_bound`)."""
     return pipesim.lower_bound(kind, pp, v, m, lt.f, lt.b, lt.w, p2p, scale)
 
 
@@ -475,7 +453,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     gr = gradients(model, L, work, cluster.rank_gpu)
     dp_comm, dp_exposed = dp_time(model, L, work, cluster, gr, m, stage_lt, scale, overlap_fraction(cluster.rank_gpu))
     opt = optimizer_time(model, L, work, cluster.rank_gpu, gr.worst, m)
-    clip = eff.clip_time(model, L, cluster.rank_gpu)
+    clip = clip_time(model, L, cluster.rank_gpu)
     step = span + dp_exposed + opt + gr.quantize + clip
     flops = model_flops(model, work)
     hw = flops + recompute_flops(model, L, work)

@@ -1,5 +1,5 @@
 """Memory the allocator and the process hold beyond the live tensors: the planner's ``overhead``
-component (:mod:`hybridpar.planner.memory`) on GPUs, and the resident set of a CPU rank.
+component (:mod:`hybridpar.planner.memory.plan`) on GPUs, and the resident set of a CPU rank.
 
 GPU (what ``torch.cuda.max_memory_reserved`` plus the context show, i.e. what must fit):
 

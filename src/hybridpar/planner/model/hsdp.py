@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 from hybridpar.distributed.compression import padded as padded_blocks
 from hybridpar.distributed.compression import wire_numel
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.planner.layout import Layout
-from hybridpar.planner.shapes import padded
+from hybridpar.planner.model.layout import Layout
+from hybridpar.planner.model.shapes import padded
 
 E = TypeVar("E", bound=Any)  # a search Evaluation (layout, rule, fits): search imports this module
 Adder = Callable[..., None]  # traffic.Adder: add(op, axis, axis size, payload bytes, times=1)
@@ -144,7 +144,7 @@ def collective_seconds(time: Callable[[str, float, int, int], float], L: Layout,
     the reduce-scatter of its ``reduced`` gradient bytes and the all-gather of the updated
     ``params / D`` inside the group (stride tp), the all-reduce of the reduced ``1 / D`` across
     the replicas (stride ``D x tp``): ``time(op, payload, size, stride)`` is
-    :meth:`~hybridpar.planner.hardware.Cluster.collective_time`, so a group inside a node is
+    :meth:`~hybridpar.planner.machine.hardware.Cluster.collective_time`, so a group inside a node is
     priced on the node's links and the replicas on the inter-node ones."""
     _, size, replicas = zero_group(L)
     inside = time("reduce_scatter", reduced, size, L.tp) + time("all_gather", params / size, size, L.tp)

@@ -4,7 +4,7 @@ back, what it puts in host memory, and what its copies cost.
 
 Per micro-batch of a pipeline chunk, the first ``offloaded_count(n, fraction)`` of its ``n``
 layers keep in device memory none of what they save for backward (:func:`layer_offload_bytes`):
-their activations as :mod:`.activations` counts them (with ``recompute``: what recomputation
+their activations as :mod:`hybridpar.planner.memory.activations` counts them (with ``recompute``: what recomputation
 keeps) and, under autocast, the half weight copies their linears saved. What stays anyway:
 
 * ZB-H1 / ZBV: the inputs the deferred linears keep until W (saved by the W split itself; not on
@@ -15,7 +15,7 @@ keeps) and, under autocast, the half weight copies their linears saved. What sta
 While backward runs, the offloaded storages of two layers are back on the device at once (the one
 whose backward runs and the one fetched next, :func:`working_bytes`), plus with full recompute the
 recomputed layer's activations; by then the head's tensors and the chunk's later (not offloaded)
-layers' activations are freed (:func:`offload_peak` in :mod:`.memory`).
+layers' activations are freed (:func:`offload_peak` in :mod:`hybridpar.planner.memory.plan`).
 
 Time: each offloaded layer moves its bytes to host during forward and back during backward over
 the GPU's host link (``GPUSpec.host_bw``); the copies run on a side stream, so only what exceeds
@@ -24,25 +24,23 @@ the layer's own forward (backward) compute is exposed (:func:`exposed_seconds`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.offload_activations import offloaded_count
 from hybridpar.parallel.pipeline.partition import ChunkSpec
-from hybridpar.planner.activations import (
+from hybridpar.planner.memory.activations import (
     deferred_layer_bytes,
     layer_activation_bytes,
     layer_weight_cast_bytes,
 )
-from hybridpar.planner.hardware import Cluster
-from hybridpar.planner.layout import BlockStyle, Layout, Workload
+from hybridpar.planner.model.layout import BlockStyle, Layout, Workload
 
 if TYPE_CHECKING:
-    from hybridpar.planner.memory import ChunkBytes
+    from hybridpar.planner.memory.plan import ChunkBytes
 
 __all__ = ["ChunkOffload", "chunk_offload", "exposed_seconds", "layer_offload_bytes", "offload_layer_times",
-           "offload_peak", "offload_reason", "offloaded_layers"]
+           "offload_peak", "offloaded_layers"]
 
 
 def offloaded_layers(layout: Layout, chunk: ChunkSpec) -> list[int]:
@@ -115,7 +113,7 @@ def chunk_offload(model: ModelConfig, layout: Layout, work: Workload, chunk: Chu
 
 def offload_peak(vectors: tuple[tuple[int, ...], ...], sizes: list[ChunkBytes], offloads: list[ChunkOffload],
                  transient: float) -> float:
-    """The most an offloaded layer's backward holds (:mod:`.offload`): at a peak vector where a
+    """The most an offloaded layer's backward holds (:mod:`hybridpar.planner.memory.offload`): at a peak vector where a
     micro-batch of chunk ``c`` is alive, its two layers back on the device (and with full
     recompute the recomputed one's activations), its head and its later layers freed by then."""
     v, most = len(sizes), 0.0
@@ -148,32 +146,3 @@ def offload_layer_times(model: ModelConfig, layout: Layout, work: Workload, host
     return (f + share * exposed_seconds(nbytes, f, host_bw), b + share * exposed_seconds(nbytes, b, host_bw))
 
 
-def offload_reason(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, capacity: float) -> str | None:
-    """Why ``layout`` offloads activations, for ``hybridpar plan``: what it takes off the device,
-    what it costs, and what the same layout needs without it; for a layout that keeps its
-    activations on the device, that it fits without (offload is tried only where no recompute
-    level fits). None for a layout that does not fit either way."""
-    from hybridpar.planner.cost import step_cost  # both price offload with this module
-    from hybridpar.planner.memory import plan_memory
-
-    if not layout.offload_activations:
-        mem = plan_memory(model, layout, work)
-        return None if mem.total > capacity else (
-            f"activation offload: off, activations stay on the device ({mem.total / 2**30:.1f} of "
-            f"{capacity / 2**30:.1f} GiB with recompute {layout.recompute}; offload comes in only where no "
-            "recompute level fits, before a smaller micro-batch)")
-
-    on = plan_memory(model, layout, work)
-    without = dataclasses.replace(layout, offload_activations=False, offload_activations_fraction=1.0)
-    off = plan_memory(model, without, work)
-    gib = 2**30
-    per_chunk = max(1, model.n_layers // (layout.pp * layout.virtual_stages))
-    k = offloaded_count(per_chunk, layout.offload_activations_fraction)
-    nbytes = layer_offload_bytes(model, layout, work, 0)
-    added = step_cost(model, layout, work, cluster).step_time_s - step_cost(model, without, work, cluster).step_time_s
-    verdict = (f"without it this layout needs {off.total / gib:.1f} GiB of {capacity / gib:.1f}"
-               if off.total > capacity else f"it fits without ({off.total / gib:.1f} GiB)")
-    return (f"activation offload: {k} of each chunk's ~{per_chunk} layers keep what they save for backward in host "
-            f"memory ({nbytes / gib:.2f} GiB a layer and micro-batch, {nbytes / cluster.rank_gpu.host_bw * 1e3:.1f} ms "
-            f"each way over the host link, overlapped with compute: +{added:.3f} s per step); device "
-            f"{on.total / gib:.1f} GiB, host {on.cpu_bytes / gib:.1f} GiB; {verdict}")

@@ -1,7 +1,7 @@
 """Activation bytes of one decoder layer per micro-batch, by block style.
 
 Activations depend on the workload's block style (``Workload.style``, a
-:class:`~hybridpar.planner.layout.BlockStyle`). ``BlockStyle.MEGATRON`` (Megatron-LM's GPT block)
+:class:`~hybridpar.planner.model.layout.BlockStyle`). ``BlockStyle.MEGATRON`` (Megatron-LM's GPT block)
 follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
 Table 2): GPT blocks store ``sbh(34 + 5as/h)`` bytes; with tensor parallelism
 ``sbh(10 + 24/t + 5as/(ht))``; plus sequence parallelism ``sbh(34/t + 5as/(ht))``; selective
@@ -29,7 +29,7 @@ with tp or cp its collectives split it into pieces, and MoE routing breaks it to
 the eager set.
 
 An MoE layer's feed-forward replaces the dense MLP's with :func:`moe_ffn_bytes` at the busiest
-ep rank's load. :mod:`.memory` adds the per-chunk terms and counts the live sets.
+ep rank's load. :mod:`hybridpar.planner.memory.plan` adds the per-chunk terms and counts the live sets.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from __future__ import annotations
 import math
 
 from hybridpar.config import ModelConfig
-from hybridpar.planner.layout import BlockStyle, Layout, Workload
-from hybridpar.planner.moe import dispatch_rows, ffn_shapes, rank_load
-from hybridpar.planner.sac import op_layer_bytes
+from hybridpar.planner.model.layout import BlockStyle, Layout, Workload
+from hybridpar.planner.model.moe import dispatch_rows, ffn_shapes, rank_load
+from hybridpar.planner.model.sac import op_layer_bytes
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -128,7 +128,7 @@ def moe_ffn_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, act_byte
       expert outputs back from the combine, their weights and the weighted rows ``index_add``
       keeps, ``a kT (2 D + 1)``;
     * over the ``R = load * kT`` rows this rank's experts compute
-      (:func:`hybridpar.planner.moe.dispatch_rows`): their input ``a R D``, the SwiGLU's two
+      (:func:`hybridpar.planner.model.moe.dispatch_rows`): their input ``a R D``, the SwiGLU's two
       projections, SiLU and product ``4 a R H / t``, and with ep > 1 the two int64 row
       permutations around the expert computation ``16 R``;
     * shared experts as a dense MLP of ``n_shared * H``: ``4 a`` per hidden element, plus their
@@ -156,7 +156,7 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
     rank per sequence, sequence parallelism when on and tp > 1), with ``layout.recompute`` or
     the ``recompute`` given: :func:`gpt_layer_bytes` for ``BlockStyle.MEGATRON``, else
     :func:`llama_layer_bytes`, with ``work``'s activation and parameter bytes (selective under
-    ``work.selective_ac = "op"``: :func:`hybridpar.planner.sac.op_layer_bytes`; the compiled block
+    ``work.selective_ac = "op"``: :func:`hybridpar.planner.model.sac.op_layer_bytes`; the compiled block
     as one graph: :func:`compiled_layer_bytes`). ``moe``: an MoE
     layer, whose feed-forward (:func:`moe_ffn_bytes`, at the busiest ep rank's load) replaces the
     dense MLP's (unless fully recomputed: then only the layer input is kept either way)."""

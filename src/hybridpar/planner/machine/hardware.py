@@ -25,15 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridpar.errors import UserError
-from hybridpar.planner.efficiency import Efficiency, efficiency_of, from_table
+from hybridpar.planner.errors import PlanError
+from hybridpar.planner.machine.efficiency import Efficiency, efficiency_of, from_table
 
 GB = 1e9
 GiB = 2**30
-
-
-class PlanError(UserError):
-    """Bad planner input (unknown device or preset, impossible cluster); the message names the fix."""
 
 
 # Payload-bytes multiplier of a ring collective over n ranks (the comm counter's payload: the whole
@@ -205,10 +201,10 @@ class GPUSpec:
     host_bytes: float = 128 * GB
     disk_bw: float = 3.5 * GB
     calibration: Calibration | None = None  # measured tables (hybridpar calibrate)
-    # per-kernel-class efficiencies (hybridpar.planner.efficiency; None: the family default), as
+    # per-kernel-class efficiencies (hybridpar.planner.machine.efficiency; None: the family default), as
     # a profile's [efficiency] table writes them (hybridpar calibrate --from-run fits them)
     efficiency: Efficiency | None = None
-    fp8_flops: float = 0.0  # dense FP8 tensor-core peak (train.fp8; planner/fp8.py); 0 = none
+    fp8_flops: float = 0.0  # dense FP8 tensor-core peak (train.fp8; planner/price/fp8.py); 0 = none
 
 
 # Latency: NCCL's per-hop base latency is a few microseconds on NVLink and about ten across
@@ -256,7 +252,7 @@ def gpu_spec(name_or_path: str) -> GPUSpec:
     if name_or_path.endswith(".toml"):
         return load_gpu_toml(name_or_path)
     raise PlanError(f"unknown GPU {name_or_path!r}; known: {', '.join(GPUS)} "
-                    "(or pass a TOML file with a [gpu] table, see hybridpar.planner.hardware)")
+                    "(or pass a TOML file with a [gpu] table, see hybridpar.planner.machine.hardware)")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GPUSpec) if f.name not in ("calibration", "efficiency")}
@@ -436,3 +432,9 @@ class Cluster:
         if op == "send":
             return nbytes / (bw / self.gpu.comm_efficiency) + lat
         return _RING_STEPS[op](size) * lat + _RING_BYTES[op](size) * nbytes / bw
+
+
+CPU_CORE = GPUSpec("cpu core (uncalibrated)", bf16_flops=60e9, fp32_flops=60e9, hbm_bytes=4 * GiB,
+                   hbm_bw=10 * GB, intra_bw=1 * GB, inter_bw=1 * GB, intra_latency=200e-6,
+                   inter_latency=200e-6, gemm_efficiency=1.0, comm_efficiency=1.0,
+                   launch_overhead=5e-6, host_bw=10 * GB)

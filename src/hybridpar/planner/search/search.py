@@ -28,12 +28,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
-from hybridpar.planner.cost import CostReport, step_cost
-from hybridpar.planner.cp_modes import cp_fields
-from hybridpar.planner.hardware import Cluster, GiB
-from hybridpar.planner.hsdp import with_shard_groups
-from hybridpar.planner.layout import Layout, Workload, layout_rule, runtime_note
-from hybridpar.planner.memory import MemoryReport, plan_memory
+from hybridpar.planner.machine.hardware import Cluster, GiB
+from hybridpar.planner.memory.plan import MemoryReport, plan_memory
+from hybridpar.planner.model.hsdp import with_shard_groups
+from hybridpar.planner.model.layout import Layout, Workload, layout_rule, runtime_note
+from hybridpar.planner.price.cost import CostReport, step_cost
+from hybridpar.planner.search.cp_modes import cp_fields
 from hybridpar.rules import Broken
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -311,7 +311,7 @@ def _cheapest_fit(model: ModelConfig, partial: dict[str, object], fixed: dict[st
 def _with_hsdp(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
                fits: list[Evaluation], smallest: Evaluation) -> tuple[list[Evaluation], Evaluation]:
     """:func:`_fitting_options`' answer with the fitting ZeRO options' hybrid-sharded variants
-    added (:func:`.hsdp.with_shard_groups`), unless ``partial`` fixes ``dp_shard``."""
+    added (:func:`hybridpar.planner.model.hsdp.with_shard_groups`), unless ``partial`` fixes ``dp_shard``."""
     if "dp_shard" in partial or not fits:
         return fits, smallest
     return with_shard_groups(fits, lambda lay: _memory_only(model, lay, work, cluster, rule=fits[0].broken),

@@ -23,9 +23,9 @@ host memory (reported as ``cpu_gib``), or with ``offload_to = "disk"`` to files 
 resident only while a group updates); ``offload_params`` moves the ZeRO-3 shards there too. int8 gradient
 compression adds its fp32 error-feedback residuals (4 bytes per gradient element) to ``grads``.
 
-Activations per layer come from :mod:`.activations` (the block style's formulas); activation
+Activations per layer come from :mod:`hybridpar.planner.memory.activations` (the block style's formulas); activation
 offload (``parallel.offload_activations``) takes its layers' off the device, and puts them in
-host memory (``cpu_gib``), as :mod:`.offload` says.
+host memory (``cpu_gib``), as :mod:`hybridpar.planner.memory.offload` says.
 
 Per micro-batch and pipeline chunk come the embedding's token ids (int64, plus a mask under tp),
 the fp32 RoPE tables, under autocast a half copy of every matmul weight (autocast caches casts per
@@ -34,19 +34,19 @@ the backward, and on the last the final norm and the fp32 softmax of the loss (`
 logits themselves are not kept), or with the chunked loss (``train.loss_chunk_tokens``) 18 bytes
 per token instead (:data:`CHUNKED_LOSS_TOKEN_BYTES`; a chunk's logits are transient). The
 ``logits`` component also holds what the unchunked loss's backward adds at its peak
-(:func:`.activations.loss_backward_bytes`), the step's peak on the rank with the head; a
+(:func:`hybridpar.planner.memory.activations.loss_backward_bytes`), the step's peak on the rank with the head; a
 single-rank ZeRO-0 step of one micro-batch has no gradients yet at that moment
 (:func:`gradients_dropped`). How many (micro-batch, chunk) sets a rank holds at once comes
 from the schedule's own compute order (:func:`live_chunk_counts`): the interleaving factor, GPipe
 keeping every micro-batch (and its softmax) on the last stage, ZB-H1 freeing a chunk's activations
 at B but keeping, until W, what its deferred weight gradients need (:func:`deferred_layer_bytes`).
 
-Mixture of experts (:mod:`.moe`): the routed experts' states are a ZeRO group of their own over
+Mixture of experts (:mod:`hybridpar.planner.model.moe`): the routed experts' states are a ZeRO group of their own over
 ``edp = dp x cp / ep`` (:func:`rank_state_numels`); an MoE layer's activations replace the dense
 MLP's with :func:`moe_ffn_bytes` at the busiest ep rank's load; the all-to-all's send and receive
 buffers are comm buffers.
 
-Allowance (``overhead``, stated, not fitted: :mod:`.allocator`): the CUDA context, cuBLAS
+Allowance (``overhead``, stated, not fitted: :mod:`hybridpar.planner.machine.allocator`): the CUDA context, cuBLAS
 workspaces, one NCCL communicator's buffers per mesh axis with peers, and the caching allocator's
 fragmentation of the activations it frees and re-allocates every micro-batch.
 """
@@ -62,7 +62,9 @@ from dataclasses import dataclass, field
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import ChunkSpec
 from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order, rank_stages
-from hybridpar.planner.activations import (
+from hybridpar.planner.machine.allocator import communicators, gpu_overhead
+from hybridpar.planner.machine.hardware import GiB
+from hybridpar.planner.memory.activations import (
     CHUNKED_LOSS_TOKEN_BYTES,
     deferred_layer_bytes,
     layer_activation_bytes,
@@ -70,21 +72,26 @@ from hybridpar.planner.activations import (
     loss_backward_bytes,
     loss_chunked,
 )
-from hybridpar.planner.activations import _loss_bytes as _loss_bytes
-from hybridpar.planner.activations import gpt_layer_bytes as gpt_layer_bytes
-from hybridpar.planner.activations import korthikanti_layer_bytes as korthikanti_layer_bytes
-from hybridpar.planner.activations import llama_layer_bytes as llama_layer_bytes
-from hybridpar.planner.activations import moe_ffn_bytes as moe_ffn_bytes
-from hybridpar.planner.allocator import communicators, gpu_overhead
-from hybridpar.planner.hardware import GiB
-from hybridpar.planner.hsdp import expert_group, replica_residual_bytes, zero_group
-from hybridpar.planner.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
-from hybridpar.planner.moe import dispatch_rows, rank_load
-from hybridpar.planner.offload import (
+from hybridpar.planner.memory.activations import _loss_bytes as _loss_bytes
+from hybridpar.planner.memory.activations import gpt_layer_bytes as gpt_layer_bytes
+from hybridpar.planner.memory.activations import korthikanti_layer_bytes as korthikanti_layer_bytes
+from hybridpar.planner.memory.activations import llama_layer_bytes as llama_layer_bytes
+from hybridpar.planner.memory.activations import moe_ffn_bytes as moe_ffn_bytes
+from hybridpar.planner.memory.offload import (
     chunk_offload,
     offload_peak,
 )
-from hybridpar.planner.shapes import (
+from hybridpar.planner.model.hsdp import expert_group, replica_residual_bytes, zero_group
+from hybridpar.planner.model.layout import (
+    BlockStyle,
+    Layout,
+    ModelKey,
+    Workload,
+    model_key,
+    model_of,
+)
+from hybridpar.planner.model.moe import dispatch_rows, rank_load
+from hybridpar.planner.model.shapes import (
     layer_partition,
     layer_shapes,
     numel,
@@ -331,7 +338,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
 @functools.lru_cache(maxsize=16384)
 def _host_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int) -> float:
     """Bytes activation offload holds in host memory on pipeline rank ``pp_rank`` at most: each
-    chunk's offloaded layers (:func:`.offload.chunk_offload`) times its micro-batches alive."""
+    chunk's offloaded layers (:func:`hybridpar.planner.memory.offload.chunk_offload`) times its micro-batches alive."""
     dp, tp, pp, cp, sched, v, sp, rec, mb, ep, offload, fraction = fields
     if not offload:
         return 0.0
@@ -428,7 +435,7 @@ def rank_state_numels(key: ModelKey, L: Layout, pp_rank: int) -> tuple[int, int]
     shards over dp x cp (the runtime's ``dp_cp`` axis); with ep > 1 the routed experts are an
     optimizer of their own sharded over ``edp = dp * cp / ep`` (each ``[E/ep, ...]`` tensor in
     ``ceil((E/ep) / edp)``-row blocks: with one expert per rank, one edp rank holds it all).
-    Hybrid sharding (``dp_shard``): over the ZeRO group instead (:func:`.hsdp.zero_group`)."""
+    Hybrid sharding (``dp_shard``): over the ZeRO group instead (:func:`hybridpar.planner.model.hsdp.zero_group`)."""
     n, args = zero_group(L)[1], (key, L.tp, L.pp, L.virtual_stages, pp_rank)
     vs = {"v_shape": v_shaped(L.pipeline_schedule)}
     if L.ep == 1:

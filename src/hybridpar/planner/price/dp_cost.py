@@ -1,4 +1,4 @@
-"""The data-parallel and optimizer terms of a step's predicted time (:func:`.cost.step_cost`):
+"""The data-parallel and optimizer terms of a step's predicted time (:func:`hybridpar.planner.price.cost.step_cost`):
 the busiest pipeline rank's gradient bytes, their bucketed all-reduces or ZeRO-3's gathers and
 reduce-scatters over dp x cp (the routed experts' over edp), what backward leaves exposed, and
 the optimizer step on the rank's shard, on the device or offloaded."""
@@ -10,16 +10,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridpar.config import ModelConfig
-from hybridpar.planner import efficiency
-from hybridpar.planner.fp8 import FP8_LINEARS, fp8_gathers
-from hybridpar.planner.hardware import Cluster, GPUSpec
-from hybridpar.planner.hsdp import collective_seconds, expert_group, hsdp, zero_group
-from hybridpar.planner.layout import BlockStyle, Layout, Workload, model_key
-from hybridpar.planner.memory import rank_state_numels
-from hybridpar.planner.shapes import rank_numel, v_shaped
+from hybridpar.planner.machine import efficiency
+from hybridpar.planner.machine.hardware import Cluster, GPUSpec
+from hybridpar.planner.memory.plan import rank_state_numels
+from hybridpar.planner.model.hsdp import collective_seconds, expert_group, hsdp, zero_group
+from hybridpar.planner.model.layout import BlockStyle, Layout, Workload, model_key
+from hybridpar.planner.model.shapes import rank_numel, v_shaped
+from hybridpar.planner.price.fp8 import FP8_LINEARS
+from hybridpar.rules import fp8_gathers
 
 if TYPE_CHECKING:
-    from hybridpar.planner.cost import LayerTime
+    from hybridpar.planner.price.cost import LayerTime
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def dp_time(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, gr:
             stage_lt: LayerTime, scale: tuple[float, ...], hide: float) -> tuple[float, float]:
     """(data-parallel communication per step, the part of it backward does not hide): ``stage_lt``
     a pipeline stage's times, ``scale`` the stages' relative costs, ``hide`` the fraction of an
-    asynchronous collective that compute hides (:func:`.cost.overlap_fraction`)."""
+    asynchronous collective that compute hides (:func:`hybridpar.planner.price.cost.overlap_fraction`)."""
     dp_comm, last_bucket = bucketed_comm(L, work, cluster, gr)
     last_backward = (stage_lt.b + stage_lt.w) / L.virtual_stages * max(scale)
     exposed_z3 = 0.0  # ZeRO-3's gather time prefetching leaves exposed: not hidden again by backward

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridpar.config import ModelConfig
 from hybridpar.distributed import device as devices
+from hybridpar.models.llama.model import Block, precompute_rope
 
 Probe = Callable[[], object]
 
@@ -159,9 +161,6 @@ def block_probes(device: torch.device, dtype: torch.dtype) -> tuple[Probe, Probe
     """(forward, forward + backward) of one :class:`hybridpar.models.llama.Block` at a tiny
     shape (4 tokens of width 16): the fixed eager cost of a layer (dispatch, autograd, module
     calls), which byte and FLOP counts miss."""
-    from hybridpar.config import ModelConfig
-    from hybridpar.models.llama.model import Block, precompute_rope
-
     shape = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=16, max_seq_len=4)
     block = Block(shape).to(device=device, dtype=dtype)
     x = torch.randn(1, 4, 16, device=device, dtype=dtype, requires_grad=True)

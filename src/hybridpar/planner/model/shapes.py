@@ -1,6 +1,6 @@
 """The parameter shapes each rank holds under a layout: the runtime's tensor-parallel split
 (vocabulary padded to a multiple of tp), pipeline partition, and expert sharding, stated once for
-the planner's memory (:mod:`.memory`), traffic (:mod:`.traffic`) and time (:mod:`.cost`) models."""
+the planner's memory (:mod:`hybridpar.planner.memory.plan`), traffic (:mod:`hybridpar.planner.price.traffic`) and time (:mod:`hybridpar.planner.price.cost`) models."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import Partition, partition_model
 from hybridpar.parallel.pipeline.schedules import Schedule
-from hybridpar.planner.layout import ModelKey, model_key, model_of
-from hybridpar.planner.moe import ffn_shapes, is_expert
+from hybridpar.planner.model.layout import ModelKey, model_key, model_of
+from hybridpar.planner.model.moe import ffn_shapes, is_expert
 
 __all__ = ["layer_partition", "layer_shapes", "numel", "padded", "rank_named_shapes", "rank_numel",
            "rank_param_shapes", "v_shaped"]
@@ -37,7 +37,7 @@ def layer_shapes(model: ModelConfig, tp: int, layer: int, ep: int = 1) -> list[t
     """Layer ``layer``'s parameters (names after ``layers.<i>.``) in registration order,
     tp-local (and for MoE experts ep-local) shapes: norms, q/k/v/o (with Qwen2's q/k/v biases and
     Qwen3's q/k norms), the feed-forward
-    (:func:`hybridpar.planner.moe.ffn_shapes`: the dense MLP or an MoE layer's router and experts)."""
+    (:func:`hybridpar.planner.model.moe.ffn_shapes`: the dense MLP or an MoE layer's router and experts)."""
     h, hd = model.dim, model.head_dim
     q, kv = model.n_heads * hd // tp, model.n_kv_heads * hd // tp
     out: list[tuple[str, tuple[int, ...]]] = [("attention_norm.weight", (h,))]

@@ -24,9 +24,9 @@ from hybridpar.config import (
     ParallelConfig,
     TrainConfig,
 )
-from hybridpar.planner.moe import DEFAULT_IMBALANCE
-from hybridpar.planner.sac import check_selective_ac
-from hybridpar.rules import Broken, first_broken
+from hybridpar.planner.model.moe import DEFAULT_IMBALANCE
+from hybridpar.planner.model.sac import check_selective_ac
+from hybridpar.rules import Broken, first_broken, fp8_gathers
 
 LAYOUT_KEYS = (*(f.name for f in dataclasses.fields(LayoutChoice)), "micro_batch")
 
@@ -66,8 +66,8 @@ class BlockStyle(enum.StrEnum):
     COMPILED = "llama-compiled"
     """The same block under ``train.compile``: the same GEMMs as ``EAGER``, element-wise ops fused
     by Inductor into a few passes and launched by its generated code
-    (:mod:`hybridpar.planner.efficiency`'s host floor), and the tensors Inductor's partitioner
-    saves (:func:`hybridpar.planner.activations.compiled_layer_bytes`)."""
+    (:mod:`hybridpar.planner.machine.efficiency`'s host floor), and the tensors Inductor's partitioner
+    saves (:func:`hybridpar.planner.memory.activations.compiled_layer_bytes`)."""
     MEGATRON = "gpt"
     """Megatron-LM's fused GPT block: fused QKV, a 4h GELU MLP, unfused attention (scores,
     softmax, dropout), fused element-wise kernels, activations per Korthikanti et al. 2022."""
@@ -80,10 +80,10 @@ class Workload:
     is this runtime's autocast (fp32 parameters and gradients, half-precision matmuls).
     ``style``: the block implementation being planned (:class:`BlockStyle`; its value, such as
     ``"gpt"``, is accepted too). ``moe_imbalance``: max/mean tokens per expert of the routing
-    being planned (mixture-of-experts models; :mod:`hybridpar.planner.moe`). ``selective_ac``:
+    being planned (mixture-of-experts models; :mod:`hybridpar.planner.model.moe`). ``selective_ac``:
     what ``recompute = "selective"`` means, ``"attention"`` (this runtime's: Korthikanti's
     attention-core recompute) or ``"op"`` (torchtitan's op-level policy, priced for published
-    rows only; :mod:`hybridpar.planner.sac`)."""
+    rows only; :mod:`hybridpar.planner.model.sac`)."""
 
     global_batch: int
     seq_len: int
@@ -93,7 +93,7 @@ class Workload:
     style: BlockStyle = BlockStyle.EAGER
     moe_imbalance: float = DEFAULT_IMBALANCE
     loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the chunked loss (hybridpar.parallel.loss)
-    fp8: str = "none"  # train.fp8: the blocks' linear GEMMs in FP8 (planner/fp8.py)
+    fp8: str = "none"  # train.fp8: the blocks' linear GEMMs in FP8 (planner/price/fp8.py)
     fp8_all_gather: bool = False  # parallel.fp8_all_gather: ZeRO-3 gathers the FP8 linears' weights in FP8
     selective_ac: str = "attention"
 
@@ -118,7 +118,7 @@ def to_config(model: ModelConfig, layout: Layout, work: Workload) -> Config:
     """The trainer's config for this plan (what ``hybridpar train`` would be given)."""
     fields = {k: getattr(layout, k) for k in LAYOUT_KEYS if k != "micro_batch"}
     par = ParallelConfig(**fields, microbatches=0, bucket_mb=work.bucket_mb,  # type: ignore[arg-type]
-                         fp8_all_gather=work.fp8_all_gather and work.fp8 == "tensorwise" and layout.zero_stage == 3)
+                         fp8_all_gather=fp8_gathers(work.fp8, work.fp8_all_gather, layout.zero_stage))
     train = TrainConfig(global_batch=work.global_batch, micro_batch=layout.micro_batch,
                         seq_len=work.seq_len, precision=work.precision,  # type: ignore[arg-type]
                         loss_chunk_tokens=work.loss_chunk_tokens, fp8=work.fp8)

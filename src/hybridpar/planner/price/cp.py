@@ -19,18 +19,17 @@ result no saved tensor needs). Ring's bytes grow with ``r`` while
 each hop hides behind a block of attention; Ulysses' do not grow with ``u`` (``(u-1)/u`` of a
 fixed tensor) but sit on the critical path and need ``u`` to divide the heads. Which wins is a
 matter of bandwidth and head count: :func:`choose_cp_mode` times each legal mode's layer with
-:func:`hybridpar.planner.cost.layer_time` and keeps the fastest (ring on a tie).
+:func:`hybridpar.planner.price.cost.layer_time` and keeps the fastest (ring on a tie).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from hybridpar.config import ModelConfig
-from hybridpar.planner.hardware import Cluster
-from hybridpar.planner.layout import Layout, Workload
-from hybridpar.rules import ulysses_error
+from hybridpar.planner.machine.hardware import Cluster
+from hybridpar.planner.model.layout import Layout, Workload
+from hybridpar.planner.price.rates import all_to_all_time
 
 Adder = Callable[..., None]  # traffic.py's add(op, axis, axis size, payload bytes, times=1)
 
@@ -88,8 +87,6 @@ def cp_times(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) ->
     compute can hide; the forward's Ulysses all-to-alls, on the critical path; backward has the
     same two). Ring hops run over ``r`` ranks spaced ``tp * u`` apart, all-to-alls over ``u``
     ranks spaced ``tp``."""
-    from hybridpar.planner.cost import all_to_all_time  # cost prices layers with these
-
     if L.cp == 1:
         return 0.0, 0.0
     u, r = L.cp_split()
@@ -102,64 +99,3 @@ def cp_times(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) ->
     moved = (u - 1) / u if u > 1 else 0.0
     a2a_s = all_to_all_time(cluster, (a2a - out) * moved, u, L.tp) + all_to_all_time(cluster, out * moved, u, L.tp)
     return ring, a2a_s
-
-
-def modes(model: ModelConfig, L: Layout) -> list[Layout]:
-    """Every cp mode legal for ``L``'s axes: ring, hybrid at each Ulysses degree between 1 and
-    cp that divides it, and Ulysses (degree cp), where rule ``cp-ulysses-heads`` allows."""
-    out = [dataclasses.replace(L, cp_mode="ring", cp_ulysses=0)]
-    if L.cp == 1:
-        return out
-    for u in range(2, L.cp + 1):
-        if L.cp % u or ulysses_error(model, L.tp, u, "hybrid") is not None:
-            continue
-        out.append(dataclasses.replace(L, cp_mode="ulysses", cp_ulysses=0) if u == L.cp
-                   else dataclasses.replace(L, cp_mode="hybrid", cp_ulysses=u))
-    return out
-
-
-def layer_seconds(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) -> float:
-    """Forward + backward seconds of one dense layer and micro-batch under ``L`` (cost's model)."""
-    from hybridpar.planner.cost import layer_time
-
-    t = layer_time(model, L, work, cluster)
-    return t.f + t.b + t.w
-
-
-def choose_cp_mode(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) -> Layout:
-    """``L`` with the fastest cp mode (:func:`modes`, timed by :func:`layer_seconds`; ring on a
-    tie, then the smaller Ulysses degree); ``L`` itself when cp = 1."""
-    if L.cp == 1:
-        return L
-    return min(modes(model, L), key=lambda c: (layer_seconds(model, c, work, cluster), c.cp_split()[0]))
-
-
-def cp_reason(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) -> list[str]:
-    """One line for ``hybridpar plan``: the chosen mode, its traffic and layer time against the
-    other legal modes'."""
-    if L.cp == 1:
-        return ["cp_mode: none needed, cp = 1 (the fastest layout splits no sequence over ranks)"]
-    parts = []
-    for c in modes(model, L):
-        block, a2a, hops = cp_bytes(model, c, work)
-        traffic = 2 * a2a + hops * block * (3 * work.act_bytes + 4)  # sent per layer, forward + backward
-        parts.append(f"{describe(c)} {traffic / 2**20:,.0f} MiB {1e3 * layer_seconds(model, c, work, cluster):.2f} ms")
-    return [f"cp_mode {describe(L)}: per layer and micro-batch, cp payload and layer time: " + "; ".join(parts)]
-
-
-def describe(L: Layout) -> str:
-    """``ring``, ``ulysses``, ``hybrid (ulysses 8 x ring 4)``."""
-    u, r = L.cp_split()
-    return f"hybrid (ulysses {u} x ring {r})" if L.cp_mode == "hybrid" else L.cp_mode
-
-
-def cp_fields(model: ModelConfig, axes: dict[str, object], partial: dict[str, object], work: Workload,
-              cluster: Cluster) -> dict[str, object]:
-    """The ``cp_mode`` / ``cp_ulysses`` fields of a search candidate with ``axes`` (and its
-    micro-batch): those ``partial`` fixes, else :func:`choose_cp_mode`'s; none at cp = 1."""
-    if "cp_mode" in partial:
-        return {"cp_mode": partial["cp_mode"], "cp_ulysses": partial.get("cp_ulysses", 0)}
-    if axes.get("cp", 1) == 1:
-        return {}
-    best = choose_cp_mode(model, Layout(**axes), work, cluster)  # type: ignore[arg-type]
-    return {"cp_mode": best.cp_mode, "cp_ulysses": best.cp_ulysses}

@@ -1,6 +1,6 @@
 """``hybridpar calibrate``: measure this machine and write a hardware profile for the planner.
 
-The cost model (:mod:`hybridpar.planner.cost`) divides work by rates. For a datasheet GPU those
+The cost model (:mod:`hybridpar.planner.price.cost`) divides work by rates. For a datasheet GPU those
 rates are peak x efficiency; here they are measured, on the device and backend training will
 use, one process per device (on CPU: one process per core, ``torch.set_num_threads(1)``, the way
 the launcher runs ranks):
@@ -14,7 +14,7 @@ the launcher runs ranks):
   the caches), the fixed cost of one small op, and of one eager Llama block at a tiny shape
   (kernel dispatch, autograd and module overhead per layer); these compute probes take their
   operands from a pool larger than the caches and are timed in interleaved passes
-  (:mod:`hybridpar.planner.probes` says why);
+  (:mod:`hybridpar.planner.machine.probes` says why);
 * on CPU, how much each rank slows when all ranks compute at once (shared caches, memory
   bandwidth, sometimes a shared physical core), alone and together alternating, the other
   ranks busy for all of rank 0's timed batch;
@@ -24,7 +24,7 @@ the launcher runs ranks):
   the latency ``alpha`` is the larger of the back-to-back value and the one seen when each call
   follows a few milliseconds of compute, as in training (a rank that waited has to wake up).
 
-The profile is a TOML file (plain data; :func:`hybridpar.planner.hardware.load_gpu_toml` reads
+The profile is a TOML file (plain data; :func:`hybridpar.planner.machine.hardware.load_gpu_toml` reads
 it with the standard ``tomllib``): a ``[gpu]`` table of :class:`GPUSpec` constants derived from
 the measurements, and a ``[calibration]`` table of the measured tables. ``hybridpar plan --gpu
 FILE`` and ``hybridpar train --parallel.auto true`` (``train.hardware``, or the default file
@@ -33,12 +33,10 @@ FILE`` and ``hybridpar train --parallel.auto true`` (``train.hardware``, or the 
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,11 +44,14 @@ from typing import Any
 
 import torch
 
+from hybridpar.data.corpus import cache_root
 from hybridpar.distributed import device as devices
+from hybridpar.distributed.comm import Comm
+from hybridpar.distributed.mesh import Axis
 from hybridpar.distributed.spawn import run_ranks
 from hybridpar.errors import UserError
-from hybridpar.planner.hardware import GB, load_gpu_toml
-from hybridpar.planner.probes import (
+from hybridpar.planner.machine.hardware import GB, load_gpu_toml
+from hybridpar.planner.machine.probes import (
     ComputeRates,
     Plan,
     batch_time,
@@ -78,8 +79,6 @@ def usable_cores() -> int:
 def default_profile_path() -> Path:
     """Where ``calibrate`` writes and ``train --parallel.auto`` looks: ``$HYBRIDPAR_CACHE`` (else
     ``$XDG_CACHE_HOME/hybridpar``, else ``~/.cache/hybridpar``) ``/hardware.toml``."""
-    from hybridpar.data.corpus import cache_root
-
     return cache_root() / "hardware.toml"
 
 
@@ -140,9 +139,6 @@ def _comm_worker(rank: int, world: int, backend: str, sizes: list[int],
     for each ``n`` in ``sizes``; rank 0 reports ``{(op, n): [(payload bytes, seconds), ...]}``
     and ``("concurrency", 0): [(k, GEMM s, element-wise s), ...]``."""
     import torch.distributed as dist
-
-    from hybridpar.distributed.comm import Comm
-    from hybridpar.distributed.mesh import Axis
 
     torch.set_num_threads(1)
     device = devices.pick_device("cuda" if backend == "nccl" else "cpu", rank, world)
@@ -435,38 +431,3 @@ def _write_profile(out: Path, gpu: dict[str, object], cal: dict[str, object], co
     load_gpu_toml(tmp)  # never leave a profile the planner cannot read
     tmp.replace(out)
 
-
-def cmd_calibrate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="hybridpar calibrate",
-                                description="Measure matmul, attention, memory and collective rates of this "
-                                            "machine and write a hardware profile for plan and train.")
-    p.add_argument("--out", default=None, help=f"profile path (default {default_profile_path()})")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="processes for the collectives: axis sizes 2, 4, ... up to N are measured "
-                        "(default: CPU cores, or GPUs)")
-    p.add_argument("--quick", action="store_true", help="smaller grids and shorter timings (well under a minute)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--from-run", metavar="DIR", action="append",
-                   help="instead of measuring: fit the planner's efficiency terms to a hybridpar train run "
-                        "(repeatable) and write that profile (hybridpar.planner.fit)")
-    p.add_argument("--gpu", default=None, help="with --from-run: the device model to fit from (default: the run's)")
-    args = p.parse_args(argv)
-    if args.from_run:
-        from hybridpar.planner.fit import from_run, write_profile
-
-        args.model = args.gpus = args.global_batch = args.seq_len = None
-        fitted = from_run(args)
-        print("\n".join(fitted.lines()))
-        out = write_profile(fitted, Path(args.out) if args.out else default_profile_path())
-        print(f"wrote {out}")
-        return 0
-    cuda = devices.prefers_gpu(args.device)
-    nproc = args.nproc if args.nproc is not None else (
-        devices.accelerator_count() if cuda else max(2, usable_cores()))
-    out = Path(args.out) if args.out else default_profile_path()
-    calibrate(out, nproc, args.quick, args.device, progress=lambda s: print(s, flush=True))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(cmd_calibrate(sys.argv[1:]))

@@ -1,68 +1,34 @@
-"""``hybridpar plan``: rank layouts for a model on a cluster, or explain one layout.
-
-Answers in about a second without a GPU: the memory model (:mod:`.memory`), the cost model
-(:mod:`.cost`) and the search (:mod:`.search`) do the work; this module parses and prints.
-"""
+"""What ``hybridpar plan`` says about a layout: the ranked table's rows, and why the best layout
+won: its pipeline schedule, cp mode, activation offload, HSDP group and expert-parallel degree
+against the alternatives, each priced by the same memory and cost models the search used."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import itertools
-import json
-import sys
-from pathlib import Path
 
-from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
-from hybridpar.planner.cp_modes import cp_reason
-from hybridpar.planner.fit import from_run, read_run, training_run
-from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
-from hybridpar.planner.hsdp import dp_shard_reason
-from hybridpar.planner.layout import Layout, Workload, model_key, parse_layout
-from hybridpar.planner.memory import COMPONENTS
-from hybridpar.planner.moe import DEFAULT_IMBALANCE, imbalance_from_run, rank_load
-from hybridpar.planner.offload import offload_reason
-from hybridpar.planner.search import (
+from hybridpar.config import ModelConfig
+from hybridpar.parallel.offload_activations import offloaded_count
+from hybridpar.planner.errors import PlanError
+from hybridpar.planner.machine.hardware import Cluster
+from hybridpar.planner.memory.offload import layer_offload_bytes
+from hybridpar.planner.memory.plan import COMPONENTS, plan_memory
+from hybridpar.planner.model.hsdp import dp_shard_reason
+from hybridpar.planner.model.layout import Layout, Workload, model_key
+from hybridpar.planner.model.moe import DEFAULT_IMBALANCE, imbalance_from_run, rank_load
+from hybridpar.planner.model.shapes import layer_partition, v_shaped
+from hybridpar.planner.price.cost import step_cost
+from hybridpar.planner.price.cp import cp_bytes
+from hybridpar.planner.search.cp_modes import describe, layer_seconds, modes
+from hybridpar.planner.search.search import (
     Evaluation,
     SearchResult,
     complete,
     evaluate,
     expert_degrees,
     schedules,
-    search,
-    with_cost,
 )
-from hybridpar.planner.shapes import layer_partition, v_shaped
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridpar plan",
-                                description="Predict memory and step time of parallel layouts and rank them.")
-    p.add_argument("--model", help=f"a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json / model "
-                                   "directory (default with --from-run: the run's)")
-    p.add_argument("--gpu", default=None, help=f"one of {', '.join(GPUS)}, or a TOML spec file (default H100-SXM)")
-    p.add_argument("--gpus", type=int, help="total GPUs (default with --from-run: the run's world size)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"],
-                   help="train.fp8: the blocks' linear GEMMs in FP8 (priced at the GPU's FP8 rate plus scaling)")
-    p.add_argument("--fp8-all-gather", action="store_true",
-                   help="parallel.fp8_all_gather: ZeRO-3 layouts gather the FP8 linears' weights in FP8 (with --fp8 tensorwise)")
-    p.add_argument("--loss-chunk-tokens", type=int, default=Workload.loss_chunk_tokens,
-                   help="train.loss_chunk_tokens: the head and loss in chunks of this many tokens (0: unchunked)")
-    p.add_argument("--top", type=int, default=5)
-    p.add_argument("--json", action="store_true", help="one JSON document instead of tables")
-    p.add_argument("--layout", help='evaluate one layout, e.g. "dp=8,tp=8,pp=16,cp=1" (other fields chosen by the planner)')
-    moe = p.add_mutually_exclusive_group()
-    moe.add_argument("--moe-imbalance", type=float, default=None,
-                     help=f"mixture of experts: max/mean tokens per expert to plan for (default {DEFAULT_IMBALANCE})")
-    moe.add_argument("--from-run", metavar="DIR", action="append",
-                     help="a hybridpar train run directory (repeatable): fit the efficiency model to its measured "
-                          "step time, re-plan and say how the prediction for its layout moved; for mixture of "
-                          "experts also take the routing imbalance it measured")
-    return p
 
 
 def moe_imbalance(args: argparse.Namespace) -> tuple[float, str]:
@@ -78,20 +44,7 @@ def moe_imbalance(args: argparse.Namespace) -> tuple[float, str]:
     return DEFAULT_IMBALANCE, "default (Switch Transformer's capacity factor)"
 
 
-def load_model(spec: str) -> ModelConfig:
-    """A preset name, or a Hugging Face ``config.json`` (or the directory holding it)."""
-    path = Path(spec)
-    if path.exists():
-        from hybridpar.models.hf import model_config_from_hf
-
-        return model_config_from_hf(path.parent if path.is_file() else path, any_rope=True)
-    if spec in MODEL_PRESETS:
-        return model_preset(spec)
-    raise PlanError(f"--model {spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor an existing "
-                    "Hugging Face config.json / directory")
-
-
-def _row(ev: Evaluation, moe: bool = False) -> str:
+def table_row(ev: Evaluation, moe: bool = False) -> str:
     L, c, m = ev.layout, ev.cost, ev.memory
     extra = f"{L.pipeline_schedule}{'x' + str(L.virtual_stages) if L.virtual_stages > 1 else ''}" if L.pp > 1 else "-"
     mem = f"{m.total / 2**30:7.1f}" if m else "      -"
@@ -112,12 +65,9 @@ def header(moe: bool = False) -> str:
             f"{'sp':>2} {'schedule':>13} {'mem GiB':>7} {'step s':>8} {'MFU':>6} {'TFLOP/s':>7} {'tokens/s':>11}")
 
 
-HEADER = header()
-
-
 def explain(ev: Evaluation, moe: bool = False) -> str:
     """Every term of one evaluation, for ``--layout``."""
-    lines = [header(moe), _row(ev, moe), ""]
+    lines = [header(moe), table_row(ev, moe), ""]
     if ev.rule:
         return "\n".join(lines + [f"rejected: {ev.rule}"])
     m, c = ev.memory, ev.cost
@@ -205,95 +155,7 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
     return [f"why {_named(L)}: {lines[0]}", *(f"  {x}" for x in lines[1:])]
 
 
-def _plan_layout(args: argparse.Namespace, model: ModelConfig, work: Workload, cluster: Cluster,
-                 head: dict[str, object], moe_source: tuple[float, str]) -> int:
-    """``plan --layout``: that layout completed (micro-batch, schedule) and explained."""
-    moe = model.n_experts > 0
-    best, tried = complete(model, parse_layout(args.layout), work, cluster)
-    if args.json:
-        print(json.dumps({**head, "layout": best.to_json(),
-                          "alternatives": [e.to_json() for e in tried if e is not best]}, indent=1))
-    else:
-        print(explain(best, moe))
-        if best.cost is not None:
-            print(dp_shard_reason(best, lambda lay: evaluate(model, lay, work, cluster), cluster.gpus_per_node))
-        print("\n".join(pipeline_reasons(model, best, work, cluster)))
-        if best.rule is None and (reason := offload_reason(model, best.layout, work, cluster, best.capacity)):
-            print(reason)
-        if moe and best.cost is not None:
-            print(explain_ep(model, best, work, cluster, *moe_source))
-    return 0 if best.fits else 1
-
-
-def cmd_plan(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    # a training run's directory: fit to it (fills --model, --gpus, ... from it); an MoE run's
-    # summary alone: only its routing imbalance (moe_imbalance)
-    fitted = from_run(args) if args.from_run and all(map(training_run, args.from_run)) else None
-    missing = [f"--{k.replace('_', '-')}" for k in ("model", "gpus", "global_batch", "seq_len") if getattr(args, k) is None]
-    if missing:
-        raise PlanError(f"hybridpar plan needs {', '.join(missing)} (or --from-run DIR of a training run)")
-    model = fitted.runs[0].model if fitted and args.model == fitted.model_name else load_model(args.model)
-    cluster = Cluster.of(fitted.gpu if fitted else gpu_spec(args.gpu or "H100-SXM"), args.gpus, args.gpus_per_node)
-    moe = model.n_experts > 0
-    if args.from_run and fitted is None and not moe:
-        read_run(next(d for d in args.from_run if not training_run(d)))  # says what the directory lacks
-    imbalance, source = moe_imbalance(args) if moe else (DEFAULT_IMBALANCE, "")
-    work = Workload(args.global_batch, args.seq_len, args.precision, moe_imbalance=imbalance,
-                    loss_chunk_tokens=args.loss_chunk_tokens, fp8=args.fp8, fp8_all_gather=args.fp8_all_gather)
-    if fitted is not None:  # the run's runtime: autocast, its block style and loss chunking
-        work = fitted.workload(args.global_batch, args.seq_len, imbalance)
-    head: dict[str, object] = {"model": args.model, "gpu": cluster.gpu.name, "gpus": cluster.world_size,
-                               "gpus_per_node": cluster.gpus_per_node, "global_batch": work.global_batch,
-                               "seq_len": work.seq_len, "fp8": work.fp8, "fp8_all_gather": work.fp8_all_gather}
-    if moe:
-        head |= {"moe_imbalance": imbalance, "moe_imbalance_source": source}
-    if fitted is not None:
-        head["from_run"] = fitted.to_json()
-        if not args.json:
-            print("\n".join(fitted.lines()) + "\n")
-    if args.layout:
-        return _plan_layout(args, model, work, cluster, head, (imbalance, source))
-    result = search(model, work, cluster, top=args.top, runnable_top=True)
-    unbuilt = unbuilt_gain(result)
-    if args.json:
-        doc = {**head, "layouts": [e.to_json() for e in result.ranked[:args.top]],
-               "too_big": [with_cost(e, model, work, cluster).to_json()
-                           for e in sorted(result.too_big, key=lambda e: e.shortfall_gib)[:args.top]],
-               "rejected": {rule: len(ls) for rule, ls in result.rejected_rules.items()}}
-        if result.ranked:
-            doc["why"] = why(model, result, work, cluster)
-        if unbuilt is not None:
-            doc["unbuilt"] = {**unbuilt[0].to_json(), "gain": round(unbuilt[1], 4)}
-        print(json.dumps(doc, indent=1))
-        return 0 if result.ranked else 1
-    if not result.ranked:
-        near = result.smallest_shortfall()
-        msg = f"no layout of {args.model} fits on {cluster.world_size} x {cluster.gpu.name}"
-        if near is not None:
-            msg += f"; the closest ({near.layout.short()}) needs {near.shortfall_gib:.2f} GiB more per GPU"
-        elif result.rejected_rules:
-            msg += "; every factorisation breaks a rule: " + "; ".join(list(result.rejected_rules)[:3])
-        if unbuilt is not None:
-            msg += f"; {_unbuilt_line(*unbuilt)}"
-        print(f"hybridpar: {msg}", file=sys.stderr)
-        return 1
-    print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, global batch "
-          f"{work.global_batch} x {work.seq_len} tokens, {work.precision}")
-    print(header(moe))
-    for ev in result.ranked[:args.top]:
-        print(_row(ev, moe))
-    print(f"\n{result.fitting} layouts fit; {len(result.too_big)} do not fit; "
-          f"{sum(map(len, result.rejected_rules.values()))} break a rule")
-    print("\n".join(why(model, result, work, cluster)))
-    if moe:
-        print(explain_ep(model, result.ranked[0], work, cluster, imbalance, source))
-    if unbuilt is not None:
-        print(_unbuilt_line(*unbuilt))
-    return 0
-
-
-def _unbuilt_line(ev: Evaluation, gain: float) -> str:
+def unbuilt_line(ev: Evaluation, gain: float) -> str:
     """The best layout set aside as unbuilt, its predicted step time and gain, and why."""
     assert ev.cost is not None
     faster = f", {100 * gain:.1f}% faster than the best above" if gain > 0 else ""
@@ -355,3 +217,44 @@ def _ep_reason(ep: int, n_experts: int, dp_cp: int, load: float) -> str:
     return (f"each rank holds {n_experts // ep} of {n_experts} experts (expert memory / {ep}; their gradients "
             f"reduce over {dp_cp // ep} rank(s)), paying dispatch/combine all-to-alls and the hottest rank "
             f"computing {load:.3g}x the mean routed rows")
+
+
+def cp_reason(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) -> list[str]:
+    """One line for ``hybridpar plan``: the chosen mode, its traffic and layer time against the
+    other legal modes'."""
+    if L.cp == 1:
+        return ["cp_mode: none needed, cp = 1 (the fastest layout splits no sequence over ranks)"]
+    parts = []
+    for c in modes(model, L):
+        block, a2a, hops = cp_bytes(model, c, work)
+        traffic = 2 * a2a + hops * block * (3 * work.act_bytes + 4)  # sent per layer, forward + backward
+        parts.append(f"{describe(c)} {traffic / 2**20:,.0f} MiB {1e3 * layer_seconds(model, c, work, cluster):.2f} ms")
+    return [f"cp_mode {describe(L)}: per layer and micro-batch, cp payload and layer time: " + "; ".join(parts)]
+
+
+def offload_reason(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, capacity: float) -> str | None:
+    """Why ``layout`` offloads activations, for ``hybridpar plan``: what it takes off the device,
+    what it costs, and what the same layout needs without it; for a layout that keeps its
+    activations on the device, that it fits without (offload is tried only where no recompute
+    level fits). None for a layout that does not fit either way."""
+    if not layout.offload_activations:
+        mem = plan_memory(model, layout, work)
+        return None if mem.total > capacity else (
+            f"activation offload: off, activations stay on the device ({mem.total / 2**30:.1f} of "
+            f"{capacity / 2**30:.1f} GiB with recompute {layout.recompute}; offload comes in only where no "
+            "recompute level fits, before a smaller micro-batch)")
+
+    on = plan_memory(model, layout, work)
+    without = dataclasses.replace(layout, offload_activations=False, offload_activations_fraction=1.0)
+    off = plan_memory(model, without, work)
+    gib = 2**30
+    per_chunk = max(1, model.n_layers // (layout.pp * layout.virtual_stages))
+    k = offloaded_count(per_chunk, layout.offload_activations_fraction)
+    nbytes = layer_offload_bytes(model, layout, work, 0)
+    added = step_cost(model, layout, work, cluster).step_time_s - step_cost(model, without, work, cluster).step_time_s
+    verdict = (f"without it this layout needs {off.total / gib:.1f} GiB of {capacity / gib:.1f}"
+               if off.total > capacity else f"it fits without ({off.total / gib:.1f} GiB)")
+    return (f"activation offload: {k} of each chunk's ~{per_chunk} layers keep what they save for backward in host "
+            f"memory ({nbytes / gib:.2f} GiB a layer and micro-batch, {nbytes / cluster.rank_gpu.host_bw * 1e3:.1f} ms "
+            f"each way over the host link, overlapped with compute: +{added:.3f} s per step); device "
+            f"{on.total / gib:.1f} GiB, host {on.cpu_bytes / gib:.1f} GiB; {verdict}")

@@ -1,5 +1,5 @@
 """How fast each class of kernel runs on a device: the efficiency model the cost model times
-a step with (:mod:`hybridpar.planner.cost`).
+a step with (:mod:`hybridpar.planner.price.cost`).
 
 One matmul efficiency for everything was 5-10% optimistic on small models and long contexts
 (issue 34): small GEMMs, attention and memory-bound kernels each run at their own fraction of
@@ -26,7 +26,8 @@ the data sheet. Four kernel classes, each with its source:
   slower (``head_knee``).
 * **Memory-bound** (norms, RoPE, activations, residual adds, the loss's softmax, optimizer,
   and the per-parameter passes the planner used to miss: autocast's weight casts and gradient
-  accumulation, :func:`weight_traffic`, and gradient clipping, :func:`clip_time`):
+  accumulation, :func:`hybridpar.planner.price.rates.weight_traffic`, and gradient clipping,
+  :func:`hybridpar.planner.price.rates.clip_time`):
   bytes over ``memory * hbm_bw``; streaming kernels reach ~90% of HBM bandwidth (STREAM-like
   copies: 3.0 of 3.35 TB/s measured by ``hybridpar calibrate`` on H100; ~1.8 of 2.0 TB/s on
   A100 80GB, NVIDIA's "A100 Tensor Core GPU Architecture" whitepaper).
@@ -36,10 +37,10 @@ the data sheet. Four kernel classes, each with its source:
   x86 host, PyTorch "Performance Tuning Guide" / profiler traces; torch.compile's generated
   wrappers ~4 us per kernel).
 
-A measured profile (``hybridpar calibrate``, :class:`hybridpar.planner.hardware.Calibration`)
+A measured profile (``hybridpar calibrate``, :class:`hybridpar.planner.machine.hardware.Calibration`)
 replaces the GEMM and attention formulas with its tables. :class:`Efficiency` ``.fit`` holds
 multipliers of each class's time fitted to a training run (``hybridpar plan --from-run``,
-:mod:`hybridpar.planner.fit`); 1.0 for data-sheet devices.
+:mod:`hybridpar.planner.front.fit`); 1.0 for data-sheet devices.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from hybridpar.planner.errors import PlanError
+
 if TYPE_CHECKING:
-    from hybridpar.config import ModelConfig
-    from hybridpar.planner.hardware import GPUSpec
-    from hybridpar.planner.layout import Layout, Workload
+    from hybridpar.planner.machine.hardware import GPUSpec
 
 TILE = 128  # GEMM tile edge used for quantisation (cuBLAS/CUTLASS bf16 tiles are 128-256 wide)
 CLASSES = ("gemm", "attention", "memory", "launch")  # the kernel classes a fit scales
@@ -161,36 +162,6 @@ def host_floor(kernels: float, gpu: GPUSpec, compiled: bool) -> float:
     return kernels * (e.host_compiled if compiled else e.host) * e.fit[3]
 
 
-def layer_param_numel(model: ModelConfig) -> float:
-    """Matmul parameters of the mean decoder layer (all but the embedding, head and norms)."""
-    return (model.num_params() - model.vocab_size * model.dim * (1 if model.tie_embeddings else 2)
-            - model.dim * (2 * model.n_layers + 1)) / model.n_layers
-
-
-def weight_traffic(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec) -> tuple[float, float]:
-    """(forward, backward) seconds per layer and micro-batch of this runtime's per-parameter
-    memory traffic under autocast (fp32 parameters, half-precision matmuls): forward, each
-    weight's half-precision copy (read 4, write 2 bytes per parameter); backward, the weight
-    gradient's cast back to fp32 (read 2, write 4) and, after the step's first micro-batch, its
-    accumulation into ``.grad`` (read 4 + 4, write 4), averaged over the step's micro-batches.
-    Megatron-LM keeps half-precision weights (no casts): none; fp32: none."""
-    from hybridpar.planner.layout import BlockStyle  # layout -> moe -> hardware -> this module
-
-    if work.style is BlockStyle.MEGATRON or work.act_bytes == 4 or work.half_params:
-        return 0.0, 0.0
-    p = layer_param_numel(model) / L.tp
-    m = L.microbatches(work.global_batch)
-    return memory_time(6 * p, g), memory_time(6 * p + 12 * p * (m - 1) / m, g)
-
-
-def clip_time(model: ModelConfig, L: Layout, g: GPUSpec) -> float:
-    """Seconds of gradient clipping on a rank's fp32 gradients (``train.grad_clip``): the norm
-    reads them (4 bytes per parameter), the scale reads and writes them (8); ZeRO-2 and 3 clip
-    the rank's shard."""
-    shards = L.tp * L.pp * (L.dp * L.cp if L.zero_stage >= 2 else 1)
-    return memory_time(12 * model.num_params() / shards, g)
-
-
 def to_table(e: Efficiency) -> dict[str, object]:
     """The ``[efficiency]`` table of a profile (plain numbers; :func:`from_table` reads it)."""
     return {"gemm": e.gemm, "gemm_knee": e.gemm_knee, "attention": e.attention, "attention_bwd": e.attention_bwd,
@@ -201,8 +172,6 @@ def to_table(e: Efficiency) -> dict[str, object]:
 def from_table(data: dict[str, object], where: str, base: Efficiency | None = None) -> Efficiency:
     """An :class:`Efficiency` from a profile's ``[efficiency]`` table, checked key by key; keys
     it leaves out keep ``base``'s values (the device's family default)."""
-    from hybridpar.planner.hardware import PlanError
-
     known = set(to_table(Efficiency()))
     unknown = sorted(set(data) - known)
     if unknown:

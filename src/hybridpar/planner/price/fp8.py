@@ -1,7 +1,7 @@
 """FP8 in the planner (``train.fp8``; ``hybridpar plan --fp8``): the blocks' linear GEMMs at the
 GPU's FP8 rate, plus the scaling passes that quantize their operands.
 
-Rates: the data sheets' dense FP8 tensor-core peaks (:class:`~hybridpar.planner.hardware.GPUSpec`
+Rates: the data sheets' dense FP8 tensor-core peaks (:class:`~hybridpar.planner.machine.hardware.GPUSpec`
 ``fp8_flops``), twice the bf16 peak on H100, H200 and B200; a GPU without FP8 tensor cores
 (``fp8_flops`` 0: A100, or a CPU profile) is refused, as the trainer refuses it. A GEMM of FP8
 operands reads 1 byte per operand element and writes the 2-byte output.
@@ -17,7 +17,7 @@ each (latency only) and are left out. Experts (grouped GEMMs) and attention stay
 FP8 parameter all-gather (``parallel.fp8_all_gather``, ZeRO-3 with tensorwise FP8): the FP8
 linears' weights (:func:`is_fp8_weight`) cross ZeRO-3's all-gathers at 1 byte per element
 instead of the parameter dtype's, plus one all-reduce of a float per weight (their amaxes) over
-the ZeRO axis per gather (:func:`fp8_gathers`; ``planner.traffic`` counts both, ``planner.dp_cost``
+the ZeRO axis per gather (:func:`hybridpar.rules.fp8_gathers`; ``planner.price.traffic`` counts both, ``planner.price.dp_cost``
 times the smaller gathers).
 """
 
@@ -25,21 +25,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hybridpar.planner.hardware import GPUSpec, PlanError
-from hybridpar.planner.shapes import FP8_LINEARS, is_fp8_weight, shard_elems
+from hybridpar.planner.machine.hardware import GPUSpec, PlanError
+from hybridpar.planner.model.shapes import FP8_LINEARS, is_fp8_weight, shard_elems
 
-__all__ = ["FP8_LINEARS", "fp8_gathers", "fp8_gemm_deltas", "is_fp8_weight", "zero3_gather"]
-
-
-def fp8_gathers(fp8: str, fp8_all_gather: bool, zero_stage: int) -> bool:
-    """Whether ZeRO-3's parameter all-gathers carry the FP8 linears' weights as FP8."""
-    return fp8_all_gather and fp8 == "tensorwise" and zero_stage == 3
+__all__ = ["FP8_LINEARS", "fp8_gemm_deltas", "is_fp8_weight", "zero3_gather"]
 
 
 def zero3_gather(add: Callable[..., None], axis: str, n: int, unit: Sequence[tuple[str, tuple[int, ...]]],
                  elem: int, times: int, fp8: bool) -> None:
     """ZeRO-3's all-gather of one unit (names and shapes), ``times`` times, into ``add`` (as
-    ``planner.traffic`` counts): its padded shard at ``elem`` bytes per element, or with ``fp8``
+    ``planner.price.traffic`` counts): its padded shard at ``elem`` bytes per element, or with ``fp8``
     the FP8 linears' weights at 1 byte and the rest at ``elem``, each gather after an all-reduce
     of the weights' amaxes (4 bytes each; :mod:`hybridpar.parallel.zero.fp8_gather`)."""
     weights = [s for nm, s in unit if fp8 and is_fp8_weight(nm)]
@@ -67,7 +62,7 @@ def _fp8_gemm(m: float, n: float, k: float, gpu: GPUSpec, eff: float) -> float:
 def fp8_gemm_deltas(gemms: Sequence[tuple[float, float, float]], gpu: GPUSpec, recipe: str,
                     bf16_time: object) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds FP8 adds to one block's dense linear
-    ``gemms`` (``(m, n, k)`` each, as ``planner.cost`` prices them with ``bf16_time(m, n, k)``):
+    ``gemms`` (``(m, n, k)`` each, as ``planner.price.cost`` prices them with ``bf16_time(m, n, k)``):
     the FP8 GEMMs and their scaling passes minus the bf16 GEMMs they replace (negative: a gain)."""
     if gpu.fp8_flops <= 0:
         raise PlanError(f"train.fp8 = {recipe!r}: {gpu.name} has no FP8 tensor cores in its spec (fp8_flops = 0); "

@@ -42,15 +42,11 @@ import math
 from pathlib import Path
 
 from hybridpar.config import ModelConfig
-from hybridpar.planner.hardware import PlanError
+from hybridpar.planner.machine.hardware import PlanError
 
 DEFAULT_IMBALANCE = 1.25
 
 Shape = tuple[int, ...]
-
-
-def is_moe(model: ModelConfig) -> bool:
-    return model.n_experts > 0
 
 
 def ffn_shapes(model: ModelConfig, layer: int, tp: int, ep: int = 1) -> list[tuple[str, Shape]]:

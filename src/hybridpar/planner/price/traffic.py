@@ -30,7 +30,7 @@ gradient norm's partial sums over tp, the ZeRO axis and pp.
 Dtypes: the residual stream and gradients are in the parameter dtype, matmul outputs and
 attention inputs in the matmul dtype, losses and norms fp32.
 
-Mixture of experts (:func:`_moe_collectives`, :mod:`.moe`): per MoE layer and micro-batch the
+Mixture of experts (:func:`_moe_collectives`, :mod:`hybridpar.planner.model.moe`): per MoE layer and micro-batch the
 routing weights (and under SP the expert ids) enter the tp region, the router sums its counts over
 cp (and tp under SP), and over ``ep`` the counts, the dispatched rows and the combined rows go
 forward and their gradients back (the busiest rank's ``load``, or ``ep_load`` given); the routed
@@ -38,7 +38,7 @@ experts' gradients go over ``edp`` (their own ZeRO optimizer); once per step the
 statistics (loads, auxiliary loss), once per step (the bias update reuses the load).
 
 ZeRO-3 with pp > 1 gathers each of the rank's chunks once per step and reduce-scatters it once
-(:class:`hybridpar.parallel.zero.zero3_pp.StageSharded`). Hybrid sharding (:mod:`.hsdp`):
+(:class:`hybridpar.parallel.zero.zero3_pp.StageSharded`). Hybrid sharding (:mod:`hybridpar.planner.model.hsdp`):
 ZeRO on ``dp_shard`` (``edp_shard``), then each reduced shard on ``dp_replicate`` (``edp_replicate``).
 """
 
@@ -54,12 +54,19 @@ from hybridpar.distributed.compression import wire_numel
 from hybridpar.parallel.pipeline.partition import ChunkSpec
 from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.parallel.zero.reducer import cut_buckets
-from hybridpar.planner import hsdp as hs
-from hybridpar.planner.cp_modes import cp_collectives
-from hybridpar.planner.fp8 import fp8_gathers, zero3_gather
-from hybridpar.planner.layout import Layout, Workload, model_key
-from hybridpar.planner.moe import is_expert, rank_load, replicated_ffn
-from hybridpar.planner.shapes import layer_partition, layer_shapes, padded, shard_elems, v_shaped
+from hybridpar.planner.model import hsdp as hs
+from hybridpar.planner.model.layout import Layout, Workload, model_key
+from hybridpar.planner.model.moe import is_expert, rank_load, replicated_ffn
+from hybridpar.planner.model.shapes import (
+    layer_partition,
+    layer_shapes,
+    padded,
+    shard_elems,
+    v_shaped,
+)
+from hybridpar.planner.price.cp import cp_collectives
+from hybridpar.planner.price.fp8 import zero3_gather
+from hybridpar.rules import fp8_gathers
 
 Shape = tuple[int, ...]
 Named = list[tuple[str, Shape]]
@@ -69,7 +76,7 @@ AXES = ("tp", "cp", "pp", "dp")
 
 
 def _layer_params(model: ModelConfig, tp: int, i: int, ep: int = 1) -> Named:
-    """Layer ``i``'s parameters in registration order (:func:`~hybridpar.planner.shapes.layer_shapes`)."""
+    """Layer ``i``'s parameters in registration order (:func:`~hybridpar.planner.model.shapes.layer_shapes`)."""
     return [(f"layers.{i}.{n}", s) for n, s in layer_shapes(model, tp, i, ep)]
 
 
@@ -193,7 +200,7 @@ def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int 
     only when ``dim`` is not a multiple of dp x cp). ``hierarchical_node``: ranks per node when
     gradients use the hierarchical all-reduce (``parallel.hierarchical_dp``), else 0.
     ``ep_load``: the routed rows this rank's experts receive relative to the mean (MoE with
-    ep > 1; :mod:`hybridpar.planner.moe`), default the busiest rank's under ``work.moe_imbalance``."""
+    ep > 1; :mod:`hybridpar.planner.model.moe`), default the busiest rank's under ``work.moe_imbalance``."""
     L = layout
     out: dict[tuple[str, str], int] = defaultdict(int)
 
@@ -454,8 +461,8 @@ def _zero(add: Adder, model: ModelConfig, layout: Layout, names: set[str], elem:
     bucket the optimizer's order (matrices, then vectors, reversed), reduce-scatter each bucket
     once and all-gather the updated shards; stage 3 gathers every unit (root: norm and head;
     embedding; each layer) twice per micro-batch and reduce-scatters it once; under pp its units
-    are the rank's chunks, each gathered and reduce-scattered once per step (HSDP: :mod:`.hsdp`).
-    ``fp8``: the gathers carry the FP8 linears' weights as FP8 (:func:`~.fp8.zero3_gather`)."""
+    are the rank's chunks, each gathered and reduce-scattered once per step (HSDP: :mod:`hybridpar.planner.model.hsdp`).
+    ``fp8``: the gathers carry the FP8 linears' weights as FP8 (:func:`~hybridpar.planner.price.fp8.zero3_gather`)."""
     axis, n, across = hs.zero_reduction(add, layout, elem, pp_rank, node)
     named = [(nm, s) for nm, s in model_params(model, layout.tp) if nm in names]
     if layout.zero_stage < 3:

@@ -1,7 +1,7 @@
 """``hybridpar train --parallel.auto true``: the planner picks the layout before launch.
 
 For the world size being launched (``--nproc``, or torchrun's ``WORLD_SIZE``), every
-factorisation ``dp * tp * pp * cp`` is completed by :func:`hybridpar.planner.search.complete`
+factorisation ``dp * tp * pp * cp`` is completed by :func:`hybridpar.planner.search.search.complete`
 (micro-batch size, pipeline schedule and virtual stages, ZeRO stage) and every completion that
 ``hybridpar.config.validate`` accepts for this trainer is ranked by the cost model's step time.
 The user's own settings that are not layout choices stay as given: sequence parallelism,
@@ -27,19 +27,25 @@ import itertools
 from dataclasses import dataclass, field
 
 from hybridpar.config import Config, ConfigError
-from hybridpar.planner.hardware import GB, GPUS, Cluster, GiB, GPUSpec, PlanError, gpu_spec
-from hybridpar.planner.layout import Layout, Workload
-from hybridpar.planner.search import ZERO, Evaluation, complete, factorisations
+from hybridpar.distributed import device as devices
+from hybridpar.planner.machine.calibrate import default_profile_path, usable_cores
+from hybridpar.planner.machine.hardware import (
+    CPU_CORE,
+    GPUS,
+    Cluster,
+    GiB,
+    GPUSpec,
+    PlanError,
+    gpu_spec,
+)
+from hybridpar.planner.model.layout import Layout, Workload
+from hybridpar.planner.search.search import ZERO, Evaluation, complete, factorisations
 from hybridpar.rules import first_broken
 
 # One CPU core running one rank over gloo on the same machine, for when nothing was calibrated:
 # a core with two 256-bit FMA units at ~3 GHz peaks near 100 GFLOP/s fp32 (~60 reached by
 # MKL/oneDNN on training-sized GEMMs), streams ~10 GB/s from DRAM, and gloo over loopback TCP
 # takes ~0.1-1 ms per collective at ~1 GB/s. Rough on purpose: `hybridpar calibrate` measures.
-CPU_CORE = GPUSpec("cpu core (uncalibrated)", bf16_flops=60e9, fp32_flops=60e9, hbm_bytes=4 * GiB,
-                   hbm_bw=10 * GB, intra_bw=1 * GB, inter_bw=1 * GB, intra_latency=200e-6,
-                   inter_latency=200e-6, gemm_efficiency=1.0, comm_efficiency=1.0,
-                   launch_overhead=5e-6, host_bw=10 * GB)
 
 # Fields the planner may set; everything else in [parallel] and [train] stays the user's.
 CHOSEN = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "pipeline_schedule", "virtual_stages", "recompute",
@@ -48,8 +54,6 @@ CHOSEN = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "pipeline_schedule", "virt
 
 def resolve_hardware(cfg: Config, device_type: str) -> tuple[GPUSpec, str]:
     """(device spec, where it came from) for ``parallel.auto`` (see the module docstring)."""
-    from hybridpar.planner.calibrate import default_profile_path
-
     if cfg.train.hardware:
         return gpu_spec(cfg.train.hardware), f"train.hardware = {cfg.train.hardware!r}"
     default = default_profile_path()
@@ -57,8 +61,6 @@ def resolve_hardware(cfg: Config, device_type: str) -> tuple[GPUSpec, str]:
         return gpu_spec(str(default)), f"calibrated profile {default}"
     if device_type == "cuda":
         import torch
-
-        from hybridpar.distributed import device as devices
 
         name = devices.device_name(torch.device("cuda", 0))
         known = {"B200": "B200", "H200": "H200", "H100": "H100-SXM",
@@ -275,10 +277,8 @@ def layout_overrides(cfg: Config) -> list[str]:
 def default_world(device_type: str) -> int:
     """Processes to launch for ``parallel.auto`` without ``--nproc``: one per GPU, else per core."""
     if device_type == "cuda":
-        from hybridpar.distributed import device as devices
 
         return max(1, devices.accelerator_count())
-    from hybridpar.planner.calibrate import usable_cores
 
     return usable_cores()
 
@@ -287,8 +287,6 @@ def auto_config(cfg: Config, nproc: int | None, local_processes: int | None = No
                 verbose: bool = True) -> Config:
     """The train command's entry: ``cfg`` with the planned layout for ``nproc`` ranks (default
     :func:`default_world`), ``local_processes`` of them per node (default all)."""
-    from hybridpar.distributed import device as devices
-
     world = nproc if nproc is not None else default_world("cuda" if devices.prefers_gpu(cfg.train.device) else "cpu")
     kind = devices.resolve_device_type(cfg.train.device, local_processes or world)
     return plan_for_launch(cfg, world, kind, gpus_per_node=local_processes, verbose=verbose)
