@@ -1,7 +1,7 @@
 """The planner against every published training row it is validated on
 (``benchmarks/planner_rows.json``: Megatron-LM's Table 1, Korthikanti et al. 2022, Llama 3's
 Table 4, torchtitan's H100 tables) and against the two single-H100 runs of issue 34, with the
-prediction and the error of each. ``docs/planner-validation.md`` section 3 is this script's
+prediction and the error of each. ``docs/explanation/planner-validation.md`` section 3 is this script's
 output; ``tests/test_planner_validation.py`` asserts its errors.
 
 Each row is evaluated as published: the model, device, GPU count, global batch, sequence and the

@@ -415,7 +415,7 @@ def _rows_module():
 
 
 def test_published_rows_within_15_percent():
-    """Every published row of docs/planner-validation.md section 3 (benchmarks/planner_rows.json:
+    """Every published row of docs/explanation/planner-validation.md section 3 (benchmarks/planner_rows.json:
     Megatron-LM Table 1, Korthikanti et al. 2022, Llama 3 Table 4, torchtitan's H100 tables,
     Megatron-Bridge's FP8 H100 rows)
     predicted within 15% of its published throughput or MFU (issue 34). A row the doc states as a

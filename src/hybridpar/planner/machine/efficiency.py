@@ -10,7 +10,7 @@ the data sheet. Four kernel classes, each with its source:
   tail). ``gemm`` is the large-GEMM fraction of the dense peak sustained through training (cuBLAS
   bf16: ~0.8 on A100, NVIDIA "Matrix Multiplication Background User's Guide"; ~0.75 on H100 SXM,
   700-780 of 989 TFLOP/s on training shapes at the 700 W power cap; a short burst measured 0.82 on
-  an H100 with ``hybridpar calibrate --device cuda``, docs/planner-validation.md section 8). ``q`` is tile
+  an H100 with ``hybridpar calibrate --device cuda``, docs/explanation/planner-validation.md section 8). ``q`` is tile
   quantisation (128-wide tiles). ``s(x) = x / (x + knee)`` is the small-dimension fall-off: the
   guide's sweeps (A100, fp16, its figures of throughput against one dimension with the others
   large) reach half the large-shape rate near 128 in m or n (too few output tiles to fill the
