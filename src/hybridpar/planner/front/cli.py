@@ -20,6 +20,7 @@ from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
 from hybridpar.distributed import device as devices
 from hybridpar.models.hf import model_config_from_hf
 from hybridpar.planner.front.explain import (
+    dp_shard_reason,
     explain,
     explain_ep,
     header,
@@ -34,7 +35,6 @@ from hybridpar.planner.front.explain import (
 from hybridpar.planner.front.fit import from_run, read_run, training_run, write_profile
 from hybridpar.planner.machine.calibrate import calibrate, default_profile_path, usable_cores
 from hybridpar.planner.machine.hardware import GPUS, Cluster, PlanError, gpu_spec
-from hybridpar.planner.model.hsdp import dp_shard_reason
 from hybridpar.planner.model.layout import Workload, parse_layout
 from hybridpar.planner.model.moe import DEFAULT_IMBALANCE
 from hybridpar.planner.search.search import SearchResult, complete, evaluate, search, with_cost

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.offload_activations import offloaded_count
@@ -14,7 +15,7 @@ from hybridpar.planner.errors import PlanError
 from hybridpar.planner.machine.hardware import Cluster
 from hybridpar.planner.memory.offload import layer_offload_bytes
 from hybridpar.planner.memory.plan import COMPONENTS, plan_memory
-from hybridpar.planner.model.hsdp import dp_shard_reason
+from hybridpar.planner.model.hsdp import hsdp, shard_sizes, zero_group
 from hybridpar.planner.model.layout import Layout, Workload, model_key
 from hybridpar.planner.model.moe import DEFAULT_IMBALANCE, imbalance_from_run, rank_load
 from hybridpar.planner.model.shapes import layer_partition, v_shaped
@@ -45,6 +46,7 @@ def moe_imbalance(args: argparse.Namespace) -> tuple[float, str]:
 
 
 def table_row(ev: Evaluation, moe: bool = False) -> str:
+    """One ranked layout as a row under :func:`header`."""
     L, c, m = ev.layout, ev.cost, ev.memory
     extra = f"{L.pipeline_schedule}{'x' + str(L.virtual_stages) if L.virtual_stages > 1 else ''}" if L.pp > 1 else "-"
     mem = f"{m.total / 2**30:7.1f}" if m else "      -"
@@ -258,3 +260,39 @@ def offload_reason(model: ModelConfig, layout: Layout, work: Workload, cluster: 
             f"memory ({nbytes / gib:.2f} GiB a layer and micro-batch, {nbytes / cluster.rank_gpu.host_bw * 1e3:.1f} ms "
             f"each way over the host link, overlapped with compute: +{added:.3f} s per step); device "
             f"{on.total / gib:.1f} GiB, host {on.cpu_bytes / gib:.1f} GiB; {verdict}")
+
+
+def _span(L: Layout, d: int, gpus_per_node: int) -> str:
+    gpus = d * L.tp
+    return f"{gpus} GPUs, inside one node" if gpus <= gpus_per_node else f"{gpus} GPUs on {-(-gpus // gpus_per_node)} nodes"
+
+
+def dp_shard_reason(ev: Evaluation, evaluate: Callable[[Layout], Evaluation], gpus_per_node: int) -> str:
+    """Why the chosen layout ``ev`` has its ``dp_shard``: the step time and memory of the other
+    choices on the same layout (``evaluate``: a layout's evaluation with its cost)."""
+    L, n = ev.layout, ev.layout.dp * ev.layout.cp
+    if L.zero_stage == 0 or n == 1:
+        return (f"dp_shard: none (ZeRO-{L.zero_stage} over {n} dp x cp ranks: no optimizer state is sharded, "
+                "so there is nothing to split into groups)")
+    t = ev.cost.step_time_s
+
+    def versus(d: int) -> str:
+        other = evaluate(dataclasses.replace(L, dp_shard=d))
+        if other.rule is not None or other.cost is None:
+            return f"dp_shard={d or n} breaks a rule"
+        fit = "" if other.fits else f", does not fit by {other.shortfall_gib:.1f} GiB"
+        return (f"dp_shard={d or n}: {other.cost.step_time_s:.3f} s ({100 * (other.cost.step_time_s / t - 1):+.1f}%), "
+                f"{other.memory.total / 2**30:.1f} GiB{fit}")
+
+    mine = f"{ev.memory.total / 2**30:.1f} GiB"
+    if hsdp(L):
+        _, d, r = zero_group(L)
+        return (f"dp_shard={d}: ZeRO-{L.zero_stage} shards in groups of {d} dp x cp ranks ({_span(L, d, gpus_per_node)}: "
+                f"reduce-scatters and all-gathers on the group's links), one all-reduce of each 1/{d} shard across "
+                f"{r} replicas on the inter-node links; {t:.3f} s, {mine} against "
+                + "; ".join(versus(x) for x in [0, *(s for s in shard_sizes(L, gpus_per_node) if s != d)]))
+    alts = shard_sizes(L, gpus_per_node)
+    if not alts:
+        return f"dp_shard={n}: ZeRO-{L.zero_stage} shards over all {n} dp x cp ranks (no smaller group nests)"
+    return (f"dp_shard={n}: ZeRO-{L.zero_stage} shards over all {n} dp x cp ranks ({t:.3f} s, {mine}); hybrid "
+            "sharding " + "; ".join(versus(x) for x in alts))

@@ -16,9 +16,7 @@ when ep spans the group: then they are plain data parallel over their replicas).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 from hybridpar.distributed.compression import padded as padded_blocks
 from hybridpar.distributed.compression import wire_numel
@@ -26,7 +24,6 @@ from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.planner.model.layout import Layout
 from hybridpar.planner.model.shapes import padded
 
-E = TypeVar("E", bound=Any)  # a search Evaluation (layout, rule, fits): search imports this module
 Adder = Callable[..., None]  # traffic.Adder: add(op, axis, axis size, payload bytes, times=1)
 Across = Callable[[int], None] | None  # a reduced shard's sum across the replicas (None: one replica)
 
@@ -167,50 +164,3 @@ def shard_sizes(L: Layout, gpus_per_node: int) -> list[int]:
     return out
 
 
-def with_shard_groups(fits: list[E], evaluate: Callable[[Layout], E], gpus_per_node: int) -> list[E]:
-    """``fits`` (evaluations of fitting layouts) and, for each ZeRO one, its hybrid-sharded
-    variants (:func:`shard_sizes`) that fit too: the search then ranks them by step time like
-    any other option (``evaluate``: the memory-only evaluation of a layout)."""
-    out = list(fits)
-    for ev in fits:
-        for d in shard_sizes(ev.layout, gpus_per_node):
-            other = evaluate(dataclasses.replace(ev.layout, dp_shard=d))
-            if other.rule is None and other.fits:
-                out.append(other)
-    return out
-
-
-def _span(L: Layout, d: int, gpus_per_node: int) -> str:
-    gpus = d * L.tp
-    return f"{gpus} GPUs, inside one node" if gpus <= gpus_per_node else f"{gpus} GPUs on {-(-gpus // gpus_per_node)} nodes"
-
-
-def dp_shard_reason(ev: E, evaluate: Callable[[Layout], E], gpus_per_node: int) -> str:
-    """Why the chosen layout ``ev`` has its ``dp_shard``: the step time and memory of the other
-    choices on the same layout (``evaluate``: a layout's evaluation with its cost)."""
-    L, n = ev.layout, ev.layout.dp * ev.layout.cp
-    if L.zero_stage == 0 or n == 1:
-        return (f"dp_shard: none (ZeRO-{L.zero_stage} over {n} dp x cp ranks: no optimizer state is sharded, "
-                "so there is nothing to split into groups)")
-    t = ev.cost.step_time_s
-
-    def versus(d: int) -> str:
-        other = evaluate(dataclasses.replace(L, dp_shard=d))
-        if other.rule is not None or other.cost is None:
-            return f"dp_shard={d or n} breaks a rule"
-        fit = "" if other.fits else f", does not fit by {other.shortfall_gib:.1f} GiB"
-        return (f"dp_shard={d or n}: {other.cost.step_time_s:.3f} s ({100 * (other.cost.step_time_s / t - 1):+.1f}%), "
-                f"{other.memory.total / 2**30:.1f} GiB{fit}")
-
-    mine = f"{ev.memory.total / 2**30:.1f} GiB"
-    if hsdp(L):
-        _, d, r = zero_group(L)
-        return (f"dp_shard={d}: ZeRO-{L.zero_stage} shards in groups of {d} dp x cp ranks ({_span(L, d, gpus_per_node)}: "
-                f"reduce-scatters and all-gathers on the group's links), one all-reduce of each 1/{d} shard across "
-                f"{r} replicas on the inter-node links; {t:.3f} s, {mine} against "
-                + "; ".join(versus(x) for x in [0, *(s for s in shard_sizes(L, gpus_per_node) if s != d)]))
-    alts = shard_sizes(L, gpus_per_node)
-    if not alts:
-        return f"dp_shard={n}: ZeRO-{L.zero_stage} shards over all {n} dp x cp ranks (no smaller group nests)"
-    return (f"dp_shard={n}: ZeRO-{L.zero_stage} shards over all {n} dp x cp ranks ({t:.3f} s, {mine}); hybrid "
-            "sharding " + "; ".join(versus(x) for x in alts))

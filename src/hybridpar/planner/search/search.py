@@ -24,13 +24,13 @@ above a step time already reached.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.planner.machine.hardware import Cluster, GiB
 from hybridpar.planner.memory.plan import MemoryReport, plan_memory
-from hybridpar.planner.model.hsdp import with_shard_groups
+from hybridpar.planner.model.hsdp import shard_sizes
 from hybridpar.planner.model.layout import Layout, Workload, layout_rule, runtime_note
 from hybridpar.planner.price.cost import CostReport, step_cost
 from hybridpar.planner.search.cp_modes import cp_fields
@@ -311,7 +311,7 @@ def _cheapest_fit(model: ModelConfig, partial: dict[str, object], fixed: dict[st
 def _with_hsdp(model: ModelConfig, partial: dict[str, object], work: Workload, cluster: Cluster,
                fits: list[Evaluation], smallest: Evaluation) -> tuple[list[Evaluation], Evaluation]:
     """:func:`_fitting_options`' answer with the fitting ZeRO options' hybrid-sharded variants
-    added (:func:`hybridpar.planner.model.hsdp.with_shard_groups`), unless ``partial`` fixes ``dp_shard``."""
+    added (:func:`with_shard_groups`), unless ``partial`` fixes ``dp_shard``."""
     if "dp_shard" in partial or not fits:
         return fits, smallest
     return with_shard_groups(fits, lambda lay: _memory_only(model, lay, work, cluster, rule=fits[0].broken),
@@ -481,3 +481,16 @@ def _top_ranked(result: SearchResult, found: list[tuple[list[Option], list[Evalu
                        if i not in chosen]
     for ev in result.unranked:
         ev.cost = None
+
+
+def with_shard_groups(fits: list[Evaluation], evaluate: Callable[[Layout], Evaluation], gpus_per_node: int) -> list[Evaluation]:
+    """``fits`` (evaluations of fitting layouts) and, for each ZeRO one, its hybrid-sharded
+    variants (:func:`shard_sizes`) that fit too: the search then ranks them by step time like
+    any other option (``evaluate``: the memory-only evaluation of a layout)."""
+    out = list(fits)
+    for ev in fits:
+        for d in shard_sizes(ev.layout, gpus_per_node):
+            other = evaluate(dataclasses.replace(ev.layout, dp_shard=d))
+            if other.rule is None and other.fits:
+                out.append(other)
+    return out
