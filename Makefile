@@ -19,6 +19,8 @@ demo: $(STAMP)
 # The tests marked `numerics` (results compared across layouts and kernels) run first under the
 # generic and the AVX2 kernels, then everything under this CPU's own; the first failing pass
 # stops make, so the last pytest summary line is the failing pass's or the full suite's.
+# The full pass includes the checks on the tree itself: tests/test_limits.py (files <= 500 lines,
+# functions <= 60, no import cycle in planner/) and tests/test_docs_links.py (every doc link resolves).
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/lint-imports --no-cache

@@ -54,8 +54,8 @@ from torch.profiler import ProfilerActivity, profile
 from hybridpar.config import load_config
 from hybridpar.distributed import device as devices
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.planner.fit import predict, predicted_peak, read_run
-from hybridpar.planner.hardware import gpu_spec
+from hybridpar.planner.front.fit import predict, predicted_peak, read_run
+from hybridpar.planner.machine.hardware import gpu_spec
 from hybridpar.training.trainer import Trainer
 
 #: the planner's GPU for the predictions beside each measurement (``--gpu``)

@@ -43,10 +43,10 @@ from overhead import PlainLoop
 from hybridpar.config import Config, load_config
 from hybridpar.distributed import device as devices
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.planner.cost import step_cost
-from hybridpar.planner.fit import layout_and_workload
-from hybridpar.planner.hardware import Cluster, gpu_spec
-from hybridpar.planner.memory import plan_memory
+from hybridpar.planner.front.fit import layout_and_workload
+from hybridpar.planner.machine.hardware import Cluster, gpu_spec
+from hybridpar.planner.memory.plan import plan_memory
+from hybridpar.planner.price.cost import step_cost
 from hybridpar.training.trainer import Trainer
 
 COMMON = ["--model.max_seq_len", "2048", "--train.seq_len", "2048", "--train.global_batch", "8",

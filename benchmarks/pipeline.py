@@ -105,7 +105,7 @@ TOKENS, DIM, HIDDEN = 256, 512, 2048
 # rank holds stages r and 2pp-1-r, so stage pp-1 feeds stage pp on the same rank) run from this
 # torch on (run here on 2.13). On torch 2.11 (the lent GPU machines') the benchmark failed in the
 # schedule's _initialize_stages over gloo ("Pair is not connected"); its rows then were GPipe, 1F1B,
-# interleaved and ZB-H1 (README's 2.11 measurements, next to torch's) until ZBV and DualPipeV were
+# interleaved and ZB-H1 (docs/explanation/testing.md's 2.11 measurements, next to torch's) until ZBV and DualPipeV were
 # added, so the V-shaped set-up is what 2.11 cannot do. 2.12 was never run.
 V_SHAPED = ("zbv", "dualpipev")
 V_SHAPED_FROM = (2, 13)

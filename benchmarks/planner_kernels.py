@@ -3,13 +3,13 @@ block (:class:`hybridpar.models.llama.Block`) with a ``TorchDispatchMode``:
 
 * the bytes its element-wise ops read and write per token, forward and backward (everything but
   the GEMMs, the attention kernel, views and the weight casts, which
-  :func:`hybridpar.planner.efficiency.weight_traffic` prices), in fp32, bf16 with half
-  parameters, and bf16 under autocast. :func:`hybridpar.planner.cost.eager_elementwise_bytes`
+  :func:`hybridpar.planner.price.rates.weight_traffic` prices), in fp32, bf16 with half
+  parameters, and bf16 under autocast. :func:`hybridpar.planner.price.cost.eager_elementwise_bytes`
   states the fit;
 * the bytes one torch AdamW step moves per parameter
-  (:data:`hybridpar.planner.dp_cost.FOREACH_ADAMW_BYTES`);
+  (:data:`hybridpar.planner.price.dp_cost.FOREACH_ADAMW_BYTES`);
 * what torchtitan's op-level selective checkpointing policy saves and reruns on this block
-  (:mod:`hybridpar.planner.sac`).
+  (:mod:`hybridpar.planner.model.sac`).
 
 ``tests/test_planner_kernels.py`` asserts them against the planner's formulas.
 

@@ -18,9 +18,9 @@ import json
 import statistics
 
 from hybridpar.config import ModelConfig
-from hybridpar.planner.hardware import Cluster, gpu_spec
-from hybridpar.planner.layout import BlockStyle, Workload
-from hybridpar.planner.search import complete
+from hybridpar.planner.machine.hardware import Cluster, gpu_spec
+from hybridpar.planner.model.layout import BlockStyle, Workload
+from hybridpar.planner.search.search import complete
 
 # (params B, heads, hidden, layers, tp, pp, GPUs, batch, published TFLOP/s per GPU)
 TABLE1 = [

@@ -1,14 +1,14 @@
 """The planner against every published training row it is validated on
 (``benchmarks/planner_rows.json``: Megatron-LM's Table 1, Korthikanti et al. 2022, Llama 3's
 Table 4, torchtitan's H100 tables) and against the two single-H100 runs of issue 34, with the
-prediction and the error of each. ``docs/planner-validation.md`` section 3 is this script's
+prediction and the error of each. ``docs/explanation/planner-validation.md`` section 3 is this script's
 output; ``tests/test_planner_validation.py`` asserts its errors.
 
 Each row is evaluated as published: the model, device, GPU count, global batch, sequence and the
 layout fields the source states; what it does not state (micro-batch, schedule's virtual stages,
 ZeRO stage where not named) the planner completes as ``hybridpar plan --layout`` does, taking the
 fastest of the schedules listed. The device models are the data sheets plus the kernel-class
-efficiencies of :mod:`hybridpar.planner.efficiency`; no row has a constant of its own.
+efficiencies of :mod:`hybridpar.planner.machine.efficiency`; no row has a constant of its own.
 
     python benchmarks/planner_rows.py [--json]
 """
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.config import ModelConfig, model_preset
-from hybridpar.planner.cost import step_cost
-from hybridpar.planner.hardware import Cluster, GiB, gpu_spec
-from hybridpar.planner.layout import Layout, Workload
-from hybridpar.planner.memory import plan_memory
-from hybridpar.planner.search import Evaluation, complete
+from hybridpar.planner.machine.hardware import Cluster, GiB, gpu_spec
+from hybridpar.planner.memory.plan import plan_memory
+from hybridpar.planner.model.layout import Layout, Workload
+from hybridpar.planner.price.cost import step_cost
+from hybridpar.planner.search.search import Evaluation, complete
 
 ROWS = Path(__file__).with_name("planner_rows.json")
 TOLERANCE = 0.15  # issue 34: every published row within 15% on step time or MFU

@@ -13,9 +13,9 @@ import json
 import time
 
 from hybridpar.config import model_preset
-from hybridpar.planner.hardware import GPUS, Cluster
-from hybridpar.planner.layout import Workload
-from hybridpar.planner.search import search
+from hybridpar.planner.machine.hardware import GPUS, Cluster
+from hybridpar.planner.model.layout import Workload
+from hybridpar.planner.search.search import search
 
 CASES = (("llama3-70b", 64), ("llama3-405b", 1024))
 TARGET_S = 5.0

@@ -1,10 +1,10 @@
-"""Planner time model vs this machine: predicted step time (planner/cost.py with a calibrated
+"""Planner time model vs this machine: predicted step time (planner/price/cost.py with a calibrated
 hardware profile) against the measured step time of the real Trainer, layout by layout.
 
 One gloo process per core, one thread each (the way ``hybridpar calibrate`` measured the
 rates). For each layout of the tiny preset the Trainer runs ``--steps`` optimizer steps; the
 measured time is the median step time excluding the first. The prediction is
-:func:`hybridpar.planner.cost.step_cost` for the same layout, workload (fp32, fp32 parameters)
+:func:`hybridpar.planner.price.cost.step_cost` for the same layout, workload (fp32, fp32 parameters)
 and a one-node cluster of ``world`` calibrated devices. Target: every row within 30%.
 
 Without ``--profile`` a quick calibration runs first (``hybridpar calibrate --quick``), so the
@@ -31,10 +31,10 @@ from _spawn import run_ranks
 from hybridpar.config import Config, load_config, validate
 from hybridpar.distributed.device import keep_host_heap
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.planner.calibrate import calibrate
-from hybridpar.planner.cost import step_cost
-from hybridpar.planner.hardware import Cluster, gpu_spec
-from hybridpar.planner.layout import Layout, Workload
+from hybridpar.planner.machine.calibrate import calibrate
+from hybridpar.planner.machine.hardware import Cluster, gpu_spec
+from hybridpar.planner.model.layout import Layout, Workload
+from hybridpar.planner.price.cost import step_cost
 from hybridpar.training.trainer import Trainer
 
 # (name, parallel.* and train.micro_batch overrides): world 1 and 2 on a 2-core machine
@@ -101,7 +101,7 @@ def breakdown(cfg: Config, profile: str) -> dict[str, dict[str, float]]:
     everything else, next to the cost model's GEMM, attention and element-wise terms."""
     from torch.profiler import profile as torch_profile
 
-    from hybridpar.planner.cost import gemm_backward_time, gemm_time
+    from hybridpar.planner.price.cost import gemm_backward_time, gemm_time
 
     torch.set_num_threads(1)
     keep_host_heap()  # as the CLI trainer's workers do on CPU

@@ -7,7 +7,7 @@ one JSON line; exits 1 if any comm count differs or any activation peak is off b
 
 ``--from-run``: the held-out check of learning from runs (issue 34): two ``hybridpar train`` runs
 of one model on this machine at micro-batch 2 and 8 (one process each, CPU), the efficiency
-terms fitted on the first (``hybridpar.planner.fit``), the second's step time predicted from that
+terms fitted on the first (``hybridpar.planner.front.fit``), the second's step time predicted from that
 fit and compared with its measured median; and both runs' peak resident set against the
 allocator model. Reported, not asserted (the machine's load moves step times by 10-20%).
 
@@ -37,7 +37,7 @@ def held_out_fit(tmp: str) -> dict[str, object]:
     """Fit on a micro-batch-2 run, predict a micro-batch-8 run (see the module doc)."""
     import subprocess
 
-    from hybridpar.planner.fit import base_gpu, fit_runs, predict, predicted_peak, read_run
+    from hybridpar.planner.front.fit import base_gpu, fit_runs, predict, predicted_peak, read_run
 
     runs = []
     for mb in (2, 8):

@@ -26,9 +26,9 @@ from saved_bytes import measure_activations
 from hybridpar.config import load_config
 from hybridpar.distributed.device import CopyStream
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.planner.layout import from_config
-from hybridpar.planner.memory import rank_activations
-from hybridpar.planner.offload import layer_offload_bytes
+from hybridpar.planner.memory.offload import layer_offload_bytes
+from hybridpar.planner.memory.plan import rank_activations
+from hybridpar.planner.model.layout import from_config
 from hybridpar.training.engine import Engine
 
 # numerics (re-run under every CPU capability): the layout and bitwise tests; the saved-bytes
@@ -180,9 +180,9 @@ def test_search_offloads_before_a_smaller_micro_batch():
     recompute, nor with ZeRO-3's optimizer offload), micro-batch 1 would fit without offloading
     activations, and the search takes micro-batch 2 with activation offload."""
     from hybridpar.config import model_preset
-    from hybridpar.planner.hardware import GPUS, Cluster
-    from hybridpar.planner.layout import Workload
-    from hybridpar.planner.search import complete
+    from hybridpar.planner.machine.hardware import GPUS, Cluster
+    from hybridpar.planner.model.layout import Workload
+    from hybridpar.planner.search.search import complete
 
     model, work, cluster = model_preset("llama3-8b"), Workload(16, SEQ), Cluster.of(GPUS["H100-SXM"], 8, 8)
     model.max_seq_len = SEQ

@@ -1,4 +1,4 @@
-"""docs/guide.md and docs/api.md stay in sync with the code: every config field (with its
+"""docs/reference/config.md and docs/reference/api.md stay in sync with the code: every config field (with its
 default), every engine setting, and every public name of ``hybridpar`` is documented."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import hybridpar
 from hybridpar.api.engine import EngineConfig
 from hybridpar.config import Config
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference"
 
 
 def _table(text: str) -> dict[str, str]:
@@ -33,14 +33,14 @@ def _fields() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("key, default", _fields())
 def test_every_config_key_is_in_the_guide(key, default):
-    table = _table((DOCS / "guide.md").read_text())
-    assert key in table, f"docs/guide.md has no row for `{key}`"
-    assert table[key] == default, f"docs/guide.md says {key} defaults to {table[key]}, the code {default}"
+    table = _table((DOCS / "config.md").read_text())
+    assert key in table, f"docs/reference/config.md has no row for `{key}`"
+    assert table[key] == default, f"docs/reference/config.md says {key} defaults to {table[key]}, the code {default}"
 
 
 @pytest.mark.parametrize("name", hybridpar.__all__)
 def test_every_public_name_is_in_the_api_reference(name):
-    assert f"### `{name}`" in (DOCS / "api.md").read_text(), f"docs/api.md has no section for {name}"
+    assert f"### `{name}`" in (DOCS / "api.md").read_text(), f"docs/reference/api.md has no section for {name}"
 
 
 def test_api_reference_names_only_public_names():
@@ -48,5 +48,5 @@ def test_api_reference_names_only_public_names():
     assert sorted(documented) == sorted(hybridpar.__all__)
 
 
-def test_guide_links_the_error_table():
-    assert "(errors.md)" in (DOCS / "guide.md").read_text()
+def test_config_reference_links_the_error_table():
+    assert "(errors.md)" in (DOCS / "config.md").read_text()

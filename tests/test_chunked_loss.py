@@ -29,8 +29,8 @@ from hybridpar.config import load_config
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.parallel.loss import HeadInput, chunked_head, head_cross_entropy, project_head
 from hybridpar.parallel.tensor import vocab_parallel_cross_entropy
-from hybridpar.planner.layout import from_config
-from hybridpar.planner.memory import rank_activations
+from hybridpar.planner.memory.plan import rank_activations
+from hybridpar.planner.model.layout import from_config
 
 
 def _gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
@@ -170,8 +170,8 @@ def test_planner_logits_term_drops_at_llama_3_2_1b(tied):
     """The Llama-3.2-1B shape, micro-batch 4 x 2048, bf16, one GPU: the planned peak falls by at
     least the fp32 logits, 4 x 2048 x 128256 x 4 bytes."""
     from hybridpar.config import ModelConfig
-    from hybridpar.planner.layout import Layout, Workload
-    from hybridpar.planner.memory import plan_memory
+    from hybridpar.planner.memory.plan import plan_memory
+    from hybridpar.planner.model.layout import Layout, Workload
 
     model = ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, vocab_size=128256,
                         tie_embeddings=tied, max_seq_len=2048)

@@ -384,11 +384,11 @@ def test_planner_prices_int8_bytes_time_and_residuals():
     import dataclasses
 
     from hybridpar.config import model_preset
-    from hybridpar.planner.cost import step_cost
-    from hybridpar.planner.hardware import Cluster, gpu_spec
-    from hybridpar.planner.layout import Layout, Workload
-    from hybridpar.planner.memory import int8_residual_bytes, rank_memory
-    from hybridpar.planner.shapes import rank_numel
+    from hybridpar.planner.machine.hardware import Cluster, gpu_spec
+    from hybridpar.planner.memory.plan import int8_residual_bytes, rank_memory
+    from hybridpar.planner.model.layout import Layout, Workload
+    from hybridpar.planner.model.shapes import rank_numel
+    from hybridpar.planner.price.cost import step_cost
 
     model = model_preset("llama3-8b")
     work = Workload(global_batch=512, seq_len=4096, precision="fp32")  # fp32 gradients: int8 is 3.94x less

@@ -1,4 +1,4 @@
-"""The ds_config schema (no process group): every row of docs/errors.md's DeepSpeed table is
+"""The ds_config schema (no process group): every row of docs/reference/errors.md's DeepSpeed table is
 refused with its message, the batch arithmetic, the optimizer and precision mapping (DeepSpeed's
 Adam is AdamW; a missing weight_decay is the class's default), Hugging Face's "auto" values,
 DeepSpeed's LR schedule formulas, the calling-convention routing, and load_checkpoint's refusals."""
@@ -20,7 +20,7 @@ from hybridpar.api.engine import _deepspeed_call
 from hybridpar.config import ConfigError
 from hybridpar.training.checkpoint import CheckpointError
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "reference" / "errors.md"
 
 
 def rows() -> list[tuple[str, str]]:

@@ -215,7 +215,7 @@ def test_world_too_small_for_the_model_is_refused_by_the_memory_model(tmp_path):
     (16 bytes a parameter) cannot be split over 2 ranks of 40 GiB even fully sharded, so the
     planner's memory model refuses 2 processes before anything is loaded, and the world it
     names is one that the same bytes can be split over."""
-    from hybridpar.planner.hardware import GPUS
+    from hybridpar.planner.machine.hardware import GPUS
 
     big = ["--model.dim", "4096", "--model.n_layers", "32", "--model.n_heads", "32", "--model.n_kv_heads", "32",
            "--model.ffn_hidden", "11008", "--model.vocab_size", "32000", "--train.seq_len", "64",

@@ -1,4 +1,4 @@
-"""docs/errors.md's config/launcher table is the truth: every row is refused with its message."""
+"""docs/reference/errors.md's config/launcher table is the truth: every row is refused with its message."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from hybridpar.cli import main
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "reference" / "errors.md"
 
 
 def rows() -> list[tuple[str, str]]:

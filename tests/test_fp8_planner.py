@@ -1,5 +1,5 @@
 """``hybridpar plan --fp8``: the blocks' linear GEMMs at the data sheets' FP8 rate plus the
-scaling passes (planner/fp8.py), checked against the roofline they are built from."""
+scaling passes (planner/price/fp8.py), checked against the roofline they are built from."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 
 from hybridpar.config import model_preset
-from hybridpar.planner.cost import gemm_time, layer_time, step_cost
-from hybridpar.planner.fp8 import fp8_gemm_deltas
-from hybridpar.planner.hardware import GPUS, Cluster, PlanError
-from hybridpar.planner.layout import Layout, Workload, from_config, to_config
+from hybridpar.planner.machine.hardware import GPUS, Cluster, PlanError
+from hybridpar.planner.model.layout import Layout, Workload, from_config, to_config
+from hybridpar.planner.price.cost import gemm_time, layer_time, step_cost
+from hybridpar.planner.price.fp8 import fp8_gemm_deltas
 
 
 @pytest.mark.parametrize("gpu", ["H100-SXM", "H200", "B200"])
@@ -61,9 +61,9 @@ def test_fp8_all_gather_gathers_the_fp8_weights_at_one_byte(capsys) -> None:
     element instead of the parameter dtype's (plus 4 bytes of amax per weight and gather); the
     runtime's counted bytes equal these (test_planner_validation's dp2-zero3-fp8-all-gather)."""
     from hybridpar.cli import main
-    from hybridpar.planner.fp8 import is_fp8_weight
-    from hybridpar.planner.shapes import shard_elems
-    from hybridpar.planner.traffic import comm_bytes_per_axis, model_params
+    from hybridpar.planner.model.shapes import shard_elems
+    from hybridpar.planner.price.fp8 import is_fp8_weight
+    from hybridpar.planner.price.traffic import comm_bytes_per_axis, model_params
 
     model, layout = model_preset("tiny"), Layout(dp=4, zero_stage=3, micro_batch=2)
     work = Workload(16, 128, "bf16", half_params=True, fp8="tensorwise")

@@ -1,4 +1,4 @@
-"""FP8's refusals (rules ``train-fp8-*``, docs/errors.md) and the build step that applies the recipe."""
+"""FP8's refusals (rules ``train-fp8-*``, docs/reference/errors.md) and the build step that applies the recipe."""
 
 from __future__ import annotations
 

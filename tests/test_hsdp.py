@@ -26,12 +26,12 @@ from hybridpar.distributed.compression import _decode, _Quantizer, padded
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.parallel.zero.replicate import Replicas
 from hybridpar.parallel.zero.shard import GradShard, ShardLayout
-from hybridpar.planner.hardware import GPUS, Cluster
-from hybridpar.planner.hsdp import collective_seconds
-from hybridpar.planner.layout import Layout, Workload, from_config
-from hybridpar.planner.memory import plan_memory
-from hybridpar.planner.search import complete, evaluate
-from hybridpar.planner.traffic import comm_bytes, comm_bytes_per_axis
+from hybridpar.planner.machine.hardware import GPUS, Cluster
+from hybridpar.planner.memory.plan import plan_memory
+from hybridpar.planner.model.hsdp import collective_seconds
+from hybridpar.planner.model.layout import Layout, Workload, from_config
+from hybridpar.planner.price.traffic import comm_bytes, comm_bytes_per_axis
+from hybridpar.planner.search.search import complete, evaluate
 
 pytestmark = pytest.mark.numerics
 
@@ -268,10 +268,10 @@ def test_int8_composes_with_hsdp_bit_for_bit(dist_run):
 
 def test_auto_keeps_a_configured_dp_shard(tmp_path):
     """``parallel.auto`` keeps ``dp_shard`` as it keeps the axes it is given (only dp x cp it divides;
-    ZeRO 1-3 where it leaves replicas), and it reaches the run's config (planner/auto.py)."""
+    ZeRO 1-3 where it leaves replicas), and it reaches the run's config (planner/front/auto.py)."""
     from test_planner_auto import write_profile
 
-    from hybridpar.planner.auto import apply_layout, choose_layout
+    from hybridpar.planner.front.auto import apply_layout, choose_layout
 
     write_profile(tmp_path / "hw.toml")
     cfg = Config()

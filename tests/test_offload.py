@@ -81,9 +81,9 @@ def test_planner_proposes_offload_only_when_nothing_else_fits():
     import dataclasses
 
     from hybridpar.config import model_preset
-    from hybridpar.planner.hardware import Cluster, gpu_spec
-    from hybridpar.planner.layout import Workload
-    from hybridpar.planner.search import search
+    from hybridpar.planner.machine.hardware import Cluster, gpu_spec
+    from hybridpar.planner.model.layout import Workload
+    from hybridpar.planner.search.search import search
 
     work = Workload(global_batch=8, seq_len=2048)
     gpu = gpu_spec("A100-80GB")

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from hybridpar.config import Config, ModelConfig, ParallelConfig, TrainConfig, model_preset
-from hybridpar.planner.hardware import GPUS, Cluster, PlanError, gpu_spec
-from hybridpar.planner.layout import BlockStyle, Layout, Workload, parse_layout
-from hybridpar.planner.memory import (
+from hybridpar.planner.machine.hardware import GPUS, Cluster, PlanError, gpu_spec
+from hybridpar.planner.memory.plan import (
     korthikanti_layer_bytes,
     layer_activation_bytes,
     model_state_bytes,
 )
-from hybridpar.planner.shapes import numel, rank_param_shapes
+from hybridpar.planner.model.layout import BlockStyle, Layout, Workload, parse_layout
+from hybridpar.planner.model.shapes import numel, rank_param_shapes
 
 
 def test_zero_paper_model_states():
@@ -96,7 +96,7 @@ def test_tp_shapes_pad_vocab_and_split_heads():
 
 
 def test_worst_stage_and_interleaving_factor():
-    from hybridpar.planner.memory import plan_memory
+    from hybridpar.planner.memory.plan import plan_memory
 
     m, w = model_preset("llama3-70b"), Workload(64, 4096)
     one = plan_memory(m, Layout(dp=1, tp=8, pp=8, micro_batch=1, sequence_parallel=True), w)
@@ -122,7 +122,7 @@ def test_hardware_names_and_toml(tmp_path):
 
 def test_search_recovers_rules_of_thumb():
     """llama3-70b on 4 nodes of 8 H100: tp stays inside a node, pp (if any) spans nodes."""
-    from hybridpar.planner.search import search
+    from hybridpar.planner.search.search import search
 
     cluster = Cluster.of(GPUS["H100-SXM"], 32, 8)
     res = search(model_preset("llama3-70b"), Workload(64, 4096), cluster)
@@ -157,7 +157,7 @@ def test_interleaving_with_uneven_stages_405b(capsys):
     interleaved schedule (the partition is uneven and its imbalance priced), and on Llama 3's own
     layout (tp 8, pp 16, dp 128) it beats 1F1B by a smaller bubble."""
     from hybridpar.cli import main
-    from hybridpar.planner.search import schedules
+    from hybridpar.planner.search.search import schedules
 
     model = model_preset("llama3-405b")
     assert model.n_layers % 32 and ("interleaved", 2) in schedules(model, 16, 128)
@@ -172,8 +172,8 @@ def test_plan_says_why_its_best_layout_wins(capsys):
     numbers as the table), the pipeline partition (the runtime's, with uneven layer counts) and
     the other schedules on the same axes, each slower than the chosen one."""
     from hybridpar.cli import main
-    from hybridpar.planner.layout import model_key
-    from hybridpar.planner.shapes import layer_partition
+    from hybridpar.planner.model.layout import model_key
+    from hybridpar.planner.model.shapes import layer_partition
 
     rc = main(["plan", "--model", "llama3-70b", "--gpu", "H100-SXM", "--gpus", "64", "--global-batch", "64",
                "--seq-len", "4096", "--json", "--top", "3"])

@@ -9,11 +9,17 @@ import dataclasses
 import pytest
 
 from hybridpar.config import Config, ConfigError, validate
-from hybridpar.planner import calibrate as cal
-from hybridpar.planner.auto import CHOSEN, CPU_CORE, apply_layout, choose_layout, layout_overrides
-from hybridpar.planner.cost import gemm_backward_time, gemm_time, layer_time, step_cost
-from hybridpar.planner.hardware import Calibration, Cluster, CommFit, PlanError, gpu_spec
-from hybridpar.planner.layout import Layout, Workload
+from hybridpar.planner.front.auto import (
+    CHOSEN,
+    CPU_CORE,
+    apply_layout,
+    choose_layout,
+    layout_overrides,
+)
+from hybridpar.planner.machine import calibrate as cal
+from hybridpar.planner.machine.hardware import Calibration, Cluster, CommFit, PlanError, gpu_spec
+from hybridpar.planner.model.layout import Layout, Workload
+from hybridpar.planner.price.cost import gemm_backward_time, gemm_time, layer_time, step_cost
 
 DIMS = (32, 128, 512)
 
@@ -89,7 +95,7 @@ def test_shared_chip_terms(tmp_path):
     """Concurrency fractions slow each rank when its node is busy; the eager block's fixed cost and
     the measured compute/communication overlap enter the layer and step times."""
     from hybridpar.config import model_preset
-    from hybridpar.planner.cost import overlap_fraction
+    from hybridpar.planner.price.cost import overlap_fraction
 
     f = tmp_path / "hw.toml"
     write_profile(f, block=[1e-3, 2e-3], concurrency=[[2, 0.5, 0.25]], overlap=0.0)

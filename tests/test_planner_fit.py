@@ -1,6 +1,6 @@
 """Learning from runs (``hybridpar plan --from-run``, ``hybridpar calibrate --from-run``;
-:mod:`hybridpar.planner.fit`) and the allocator model of a CPU rank's resident set
-(:mod:`hybridpar.planner.allocator`), against a real ``hybridpar train`` run of this machine.
+:mod:`hybridpar.planner.front.fit`) and the allocator model of a CPU rank's resident set
+(:mod:`hybridpar.planner.machine.allocator`), against a real ``hybridpar train`` run of this machine.
 
 What is fitted: multipliers of each kernel class's time (GEMM, attention, memory-bound, launches;
 one shared multiplier for one run), through the full cost model. The same-run check below goes
@@ -20,10 +20,17 @@ import sys
 import pytest
 
 from hybridpar.cli import main
-from hybridpar.planner.efficiency import efficiency_of
-from hybridpar.planner.fit import RunRecord, fit_runs, predict, predicted_peak, read_run, with_fit
-from hybridpar.planner.hardware import gpu_spec, load_gpu_toml
-from hybridpar.planner.layout import Layout
+from hybridpar.planner.front.fit import (
+    RunRecord,
+    fit_runs,
+    predict,
+    predicted_peak,
+    read_run,
+    with_fit,
+)
+from hybridpar.planner.machine.efficiency import efficiency_of
+from hybridpar.planner.machine.hardware import gpu_spec, load_gpu_toml
+from hybridpar.planner.model.layout import Layout
 
 RUN = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
        "--model.ffn_hidden", "128", "--model.max_seq_len", "64", "--train.seq_len", "64",
@@ -76,7 +83,7 @@ def test_cpu_resident_set_model(run_dir):
 def _synthetic(model_runs: list[tuple[Layout, int]], truth) -> list[RunRecord]:
     """Runs whose measured step time is what the planner predicts on ``truth``."""
     from hybridpar.config import model_preset
-    from hybridpar.planner.layout import Workload
+    from hybridpar.planner.model.layout import Workload
 
     out = []
     for layout, batch in model_runs:
@@ -102,8 +109,8 @@ def test_two_runs_fit_two_multipliers_and_predict_a_third():
 def test_fitted_profile_keeps_a_calibrated_base(tmp_path):
     """A fitted profile written over a calibrated base keeps the base's measured tables and
     replaces only its [efficiency] table; a bad [efficiency] value is one clear error."""
-    from hybridpar.planner.fit import FittedRuns, write_profile
-    from hybridpar.planner.hardware import PlanError
+    from hybridpar.planner.front.fit import FittedRuns, write_profile
+    from hybridpar.planner.machine.hardware import PlanError
 
     base_file = tmp_path / "base.toml"
     base_file.write_text('[gpu]\nbase = "A100-80GB"\n\n[calibration]\ngemm = [[64, 64, 64, 1e12]]\n\n'

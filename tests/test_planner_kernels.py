@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.planner.activations import compiled_layer_bytes, llama_layer_bytes
-from hybridpar.planner.cost import eager_elementwise_bytes
-from hybridpar.planner.dp_cost import FOREACH_ADAMW_BYTES
-from hybridpar.planner.layout import from_config
-from hybridpar.planner.memory import loss_backward_bytes, plan_memory
-from hybridpar.planner.sac import op_layer_bytes, recomputed_calls
+from hybridpar.planner.memory.activations import compiled_layer_bytes, llama_layer_bytes
+from hybridpar.planner.memory.plan import loss_backward_bytes, plan_memory
+from hybridpar.planner.model.layout import from_config
+from hybridpar.planner.model.sac import op_layer_bytes, recomputed_calls
+from hybridpar.planner.price.cost import eager_elementwise_bytes
+from hybridpar.planner.price.dp_cost import FOREACH_ADAMW_BYTES
 
 
 def _bench():

@@ -4,7 +4,7 @@ the imbalance inputs, and the search over ep.
 
 Known routing: every router's balancing bias (``model.bias_update_rate`` > 0, a rate too small to
 move it) is set so that every token picks the same ``k`` experts, whatever its scores. Each rank
-then routes with the same distribution, the case :mod:`hybridpar.planner.moe`'s formulas are exact
+then routes with the same distribution, the case :mod:`hybridpar.planner.model.moe`'s formulas are exact
 for, and the rank's load (slots its experts receive over the mean) is known: the ``balanced``
 choice puts one expert on each ep rank (load 1 everywhere), the ``hot`` one both on the first ep
 rank(s) (load ``ep * 1/k`` per hot expert there, 0 elsewhere)."""
@@ -19,15 +19,15 @@ from layouts import SMALL, make_config, make_trainer, trainer_for
 
 from hybridpar.config import load_config, model_preset
 from hybridpar.distributed.mesh import ParallelDims
-from hybridpar.planner.layout import Layout, Workload, from_config
-from hybridpar.planner.moe import (
+from hybridpar.planner.model.layout import Layout, Workload, from_config
+from hybridpar.planner.model.moe import (
     all_to_all_wire_bytes,
     count_exchange_wire_bytes,
     dispatch_rows,
     imbalance_from_run,
     rank_load,
 )
-from hybridpar.planner.traffic import comm_bytes_per_axis
+from hybridpar.planner.price.traffic import comm_bytes_per_axis
 
 MOE = ["--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
        "--model.aux_loss_coef", "0.05", "--model.z_loss_coef", "0.01", "--model.n_layers", "4",
@@ -165,7 +165,7 @@ def test_moe_parameter_shapes_equal_the_model():
     """The planner's named parameter shapes of an MoE model (with shared experts and a dense
     layer) are the runtime model's ``named_parameters()``, in order."""
     from hybridpar.models.llama import Llama
-    from hybridpar.planner.shapes import rank_named_shapes
+    from hybridpar.planner.model.shapes import rank_named_shapes
 
     cfg = load_config(None, [*SMALL, *MOE, "--model.n_shared_experts", "1", "--model.moe_layers", "1,2,3"]).model
     model = Llama(cfg)
@@ -179,7 +179,7 @@ def test_parameter_shapes_equal_the_model_with_qkv_bias_and_qk_norm(family):
     """Qwen2's q/k/v biases and Qwen3's per-head q/k norms are in the planner's shapes, in the
     runtime model's order, also tensor-parallel (tp = 2: biases split, norms whole)."""
     from hybridpar.models.registry import family_of
-    from hybridpar.planner.shapes import rank_named_shapes
+    from hybridpar.planner.model.shapes import rank_named_shapes
 
     extra = [*MOE] if family == "qwen3_moe" else []
     cfg = load_config(None, [*SMALL, *extra, "--model.family", family,
@@ -200,7 +200,7 @@ def test_imbalance_from_run(tmp_path):
     """summary.json first (the mean over layers of expert_imbalance_per_layer, else the worst
     layer's expert_imbalance); else metrics.jsonl's per-step values averaged over the logged
     steps (per layer: their mean; else expert_load_imbalance); none: a PlanError naming the fix."""
-    from hybridpar.planner.hardware import PlanError
+    from hybridpar.planner.machine.hardware import PlanError
 
     run = tmp_path / "run"
     run.mkdir()
@@ -235,9 +235,9 @@ def test_from_run_reads_a_real_run(tmp_path):
 def test_expert_states_shard_over_edp():
     """Parameters, gradients and optimizer state: dense ones sharded over dp x cp, experts
     (E/ep of them per rank) over edp = dp x cp / ep, whole [E/ep, ...] row blocks."""
-    from hybridpar.planner.layout import model_key
-    from hybridpar.planner.memory import plan_memory
-    from hybridpar.planner.shapes import rank_numel
+    from hybridpar.planner.memory.plan import plan_memory
+    from hybridpar.planner.model.layout import model_key
+    from hybridpar.planner.model.shapes import rank_numel
 
     model = model_preset("mixtral-8x7b")
     work = Workload(8, 4096, half_params=False)  # one micro-batch per dp rank: ZeRO-2 keeps only the shard
@@ -311,7 +311,7 @@ def test_moe_activation_bytes_match_runtime(name, tmp_path_factory):
 
     from harness import run_distributed
 
-    from hybridpar.planner.memory import rank_activations
+    from hybridpar.planner.memory.plan import rank_activations
 
     tmp = str(tmp_path_factory.mktemp("moe_acts"))
     cfg = _act_config(tmp, name)
@@ -337,8 +337,8 @@ def test_imbalance_slows_expert_parallel_layouts_only():
     routing at ep = E costs the all-to-all only."""
     import dataclasses
 
-    from hybridpar.planner.cost import step_cost
-    from hybridpar.planner.hardware import GPUS, Cluster
+    from hybridpar.planner.machine.hardware import GPUS, Cluster
+    from hybridpar.planner.price.cost import step_cost
 
     model, cluster = model_preset("mixtral-8x7b"), Cluster.of(GPUS["H100-SXM"], 64, 8)
     work = Workload(256, 4096)
@@ -356,8 +356,8 @@ def test_imbalance_slows_expert_parallel_layouts_only():
 def test_search_tries_every_ep():
     """ep joins the search: every divisor of dp x cp that divides the number of experts is
     ranked as a layout of its own, and dense models keep ep = 1."""
-    from hybridpar.planner.hardware import GPUS, Cluster
-    from hybridpar.planner.search import expert_degrees, search
+    from hybridpar.planner.machine.hardware import GPUS, Cluster
+    from hybridpar.planner.search.search import expert_degrees, search
 
     model = model_preset("mixtral-8x7b")
     assert expert_degrees(model, 4, 4) == [1, 2, 4, 8] and expert_degrees(model, 6, 1) == [1, 2]
@@ -406,7 +406,7 @@ def test_auto_chooses_ep():
     """parallel.auto on an MoE model picks ep too (kept when set), and writes it into the config."""
     import dataclasses
 
-    from hybridpar.planner.auto import CPU_CORE, apply_layout, choose_layout
+    from hybridpar.planner.front.auto import CPU_CORE, apply_layout, choose_layout
 
     cfg = load_config(None, [*SMALL, *MOE, "--train.global_batch", "16", "--train.micro_batch", "2"])
     choice = choose_layout(cfg, 4, spec=(CPU_CORE, "test"))
@@ -432,8 +432,8 @@ def test_grouped_mm_with_no_rows_keeps_the_graph_to_its_input():
 def test_zero_shards_over_dp_and_cp():
     """ZeRO's axis is dp x cp (the runtime's dp_cp): at dp2 x cp2 the optimizer state is the
     4-way shard, as at dp4 (the memory model used to shard over dp alone)."""
-    from hybridpar.planner.memory import plan_memory
-    from hybridpar.planner.shapes import numel, rank_param_shapes
+    from hybridpar.planner.memory.plan import plan_memory
+    from hybridpar.planner.model.shapes import numel, rank_param_shapes
 
     model, work = model_preset("llama3-8b"), Workload(64, 4096, half_params=False)
     shapes = rank_param_shapes(model, 2, 1, 1, 0)
@@ -481,9 +481,9 @@ def test_plan_ranks_only_what_the_trainer_runs(capsys, tmp_path):
 
 def test_why_names_no_schedule_for_a_layout_without_pipeline():
     """The MoE plan's best layouts here have pp = 1: "why" names no pipeline schedule (it said 1f1b)."""
-    from hybridpar.planner.cli import why
-    from hybridpar.planner.hardware import GPUS, Cluster
-    from hybridpar.planner.search import search
+    from hybridpar.planner.front.explain import why
+    from hybridpar.planner.machine.hardware import GPUS, Cluster
+    from hybridpar.planner.search.search import search
 
     model, work, cluster = model_preset("tiny-moe"), Workload(64, 256), Cluster.of(GPUS["H100-SXM"], 8, 8)
     result = search(model, work, cluster, top=3, runnable_top=True)

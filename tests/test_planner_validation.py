@@ -26,9 +26,9 @@ from layouts import make_config, trainer_for
 from saved_bytes import measure_activations
 
 from hybridpar.config import load_config
-from hybridpar.planner.layout import from_config
-from hybridpar.planner.memory import rank_activations
-from hybridpar.planner.traffic import comm_bytes_per_axis
+from hybridpar.planner.memory.plan import rank_activations
+from hybridpar.planner.model.layout import from_config
+from hybridpar.planner.price.traffic import comm_bytes_per_axis
 
 ACT_LAYOUTS: dict[str, list[str]] = {
     "single": [],
@@ -204,7 +204,7 @@ def test_compiled_makespan_equals_simulator():
 
     from hybridpar.parallel.pipeline.schedules import build_schedule
     from hybridpar.parallel.pipeline.simulate import Costs, simulate
-    from hybridpar.planner import pipesim
+    from hybridpar.planner.price import pipesim
 
     rng = random.Random(1)
     for _ in range(120):
@@ -222,7 +222,7 @@ def test_lower_bound_never_exceeds_makespan():
     """The closed-form bound the search prunes with is a lower bound (and a tight one)."""
     import random
 
-    from hybridpar.planner.cost import LayerTime, pipeline_lower_bound, pipeline_makespan
+    from hybridpar.planner.price.cost import LayerTime, pipeline_lower_bound, pipeline_makespan
 
     rng, ratios = random.Random(0), []
     for _ in range(300):
@@ -245,8 +245,13 @@ def test_live_chunk_counts_cap_and_worst_rank():
     candidate ranks find the same worst rank as checking every rank."""
     from hybridpar.config import model_preset
     from hybridpar.parallel.pipeline.schedules import ActionKind, compute_order, rank_stages
-    from hybridpar.planner.layout import Layout, Workload
-    from hybridpar.planner.memory import live_chunk_counts, pareto_max, plan_memory, rank_memory
+    from hybridpar.planner.memory.plan import (
+        live_chunk_counts,
+        pareto_max,
+        plan_memory,
+        rank_memory,
+    )
+    from hybridpar.planner.model.layout import Layout, Workload
 
     def full(kind, pp, v, m, r):
         acts = compute_order(kind, pp, v, m, r)
@@ -284,8 +289,8 @@ def test_live_chunk_counts_cap_and_worst_rank():
 def _every_zero_stage(model, fixed, work, cluster, sp):
     """_fitting_options without its shortcut: every ZeRO stage at every recompute level (and
     activation offload, S.memory_levels)."""
-    from hybridpar.planner import search as S
-    from hybridpar.planner.layout import Layout
+    from hybridpar.planner.model.layout import Layout
+    from hybridpar.planner.search import search as S
 
     smallest = None
     for rec, act, frac in S.memory_levels({}):
@@ -315,10 +320,10 @@ def test_pruned_search_equals_exhaustive():
     ZeRO shortcut finds the same options as trying every stage, and search(top=K) ranks exactly
     the first K of the full search."""
     from hybridpar.config import model_preset
-    from hybridpar.planner import search as S
-    from hybridpar.planner.hardware import GPUS, Cluster
-    from hybridpar.planner.layout import Workload
-    from hybridpar.planner.search import best_for_axes, complete, factorisations, search
+    from hybridpar.planner.machine.hardware import GPUS, Cluster
+    from hybridpar.planner.model.layout import Workload
+    from hybridpar.planner.search import search as S
+    from hybridpar.planner.search.search import best_for_axes, complete, factorisations, search
 
     for name, gpus, batch in (("llama3-8b", 16, 64), ("llama3-70b", 32, 64)):
         model, work = model_preset(name), Workload(batch, 4096)
@@ -344,9 +349,9 @@ def test_plan_searches_the_big_cases():
     """`hybridpar plan` for llama3-70b on 64 H100 and llama3-405b on 1024 (global batch 512,
     8192 tokens) ranks five layouts, best first (how long it takes: benchmarks/planner_search.py)."""
     from hybridpar.config import model_preset
-    from hybridpar.planner.hardware import GPUS, Cluster
-    from hybridpar.planner.layout import Workload
-    from hybridpar.planner.search import search
+    from hybridpar.planner.machine.hardware import GPUS, Cluster
+    from hybridpar.planner.model.layout import Workload
+    from hybridpar.planner.search.search import search
 
     for name, gpus in (("llama3-70b", 64), ("llama3-405b", 1024)):
         result = search(model_preset(name), Workload(512, 8192), Cluster.of(GPUS["H100-SXM"], gpus, 8), top=5)
@@ -357,7 +362,7 @@ def test_plan_searches_the_big_cases():
 def _equal_times(fast_zero3: bool):
     """A cost model where every layout of the same axes takes the same time (ZeRO-3 optionally
     slower), to see what decides ties."""
-    from hybridpar.planner.cost import CostReport
+    from hybridpar.planner.price.cost import CostReport
 
     def cost(model, layout, work, cluster, *, bound_only=False):
         t = 1.0 + 0.01 * layout.pp + (0.5 if layout.zero_stage == 3 and not fast_zero3 else 0.0)
@@ -371,9 +376,9 @@ def test_ties_prefer_less_memory(monkeypatch):
     one micro-batch per rank (and the ranking orders equal times by memory); with gradient
     accumulation ZeRO-2 holds the full gradients and their shard, so ZeRO-1 wins."""
     from hybridpar.config import model_preset
-    from hybridpar.planner import search as search_mod
-    from hybridpar.planner.hardware import GPUS, Cluster
-    from hybridpar.planner.layout import Workload
+    from hybridpar.planner.machine.hardware import GPUS, Cluster
+    from hybridpar.planner.model.layout import Workload
+    from hybridpar.planner.search import search as search_mod
 
     model, work = model_preset("llama3-8b"), Workload(64, 4096)
     cluster = Cluster.of(GPUS["H100-SXM"], 16, 8)
@@ -410,7 +415,7 @@ def _rows_module():
 
 
 def test_published_rows_within_15_percent():
-    """Every published row of docs/planner-validation.md section 3 (benchmarks/planner_rows.json:
+    """Every published row of docs/explanation/planner-validation.md section 3 (benchmarks/planner_rows.json:
     Megatron-LM Table 1, Korthikanti et al. 2022, Llama 3 Table 4, torchtitan's H100 tables,
     Megatron-Bridge's FP8 H100 rows)
     predicted within 15% of its published throughput or MFU (issue 34). A row the doc states as a

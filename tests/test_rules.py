@@ -15,7 +15,7 @@ from hybridpar.config import (
     load_config,
     validate,
 )
-from hybridpar.planner.layout import Layout, Workload, layout_rule_error
+from hybridpar.planner.model.layout import Layout, Workload, layout_rule_error
 from hybridpar.rules import RULES, first_broken, model_error, tp_split_error
 
 

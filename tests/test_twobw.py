@@ -267,8 +267,8 @@ def test_planner_counts_the_second_weight_version():
     """The planner's memory model holds one more copy of each stage's parameters for 2BW than for
     1F1B (the runtime keeps two storages per parameter), and the same activations."""
     from hybridpar.config import ModelConfig
-    from hybridpar.planner.layout import Layout, Workload
-    from hybridpar.planner.memory import rank_memory
+    from hybridpar.planner.memory.plan import rank_memory
+    from hybridpar.planner.model.layout import Layout, Workload
 
     work = Workload(global_batch=16, seq_len=128, precision="fp32")
     for rank in (0, 1):

@@ -6,7 +6,7 @@ recomputation) and with pp2 (and ZeRO-1, full recomputation); each with and with
 and MoE with ep2 carved out of Ulysses cp2. Losses and weights equal one process by the layout
 tolerance rule (:mod:`numerics`); a Ulysses checkpoint continues under ring attention on the same
 trajectory; the comm counter's bytes per axis of a training step equal
-:func:`hybridpar.planner.traffic.comm_bytes_per_axis`; the planner prices every cp mode and keeps
+:func:`hybridpar.planner.price.traffic.comm_bytes_per_axis`; the planner prices every cp mode and keeps
 the fastest. Tests are ordered by world size so the worker pools are reused.
 """
 
@@ -20,8 +20,8 @@ from numerics import layout_weight_atol
 from test_document_mask import masked_run
 from test_layouts import LR, MODEL, STEPS
 
-from hybridpar.planner.layout import from_config
-from hybridpar.planner.traffic import comm_bytes_per_axis
+from hybridpar.planner.model.layout import from_config
+from hybridpar.planner.price.traffic import comm_bytes_per_axis
 
 pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
 
@@ -162,10 +162,10 @@ def test_planner_prices_every_cp_mode_and_keeps_the_fastest():
     """On 16 H100s (2 nodes) with cp8 across them, llama3-8b at 4k tokens: every legal mode is
     priced, the search's layout carries the fastest (a hybrid: the ring's hops to the other node
     are no longer hidden behind attention, the all-to-alls stay smaller), and a fixed cp_mode stands."""
-    from hybridpar.planner.cp_modes import layer_seconds, modes
-    from hybridpar.planner.hardware import Cluster, gpu_spec
-    from hybridpar.planner.layout import Layout, Workload
-    from hybridpar.planner.search import complete
+    from hybridpar.planner.machine.hardware import Cluster, gpu_spec
+    from hybridpar.planner.model.layout import Layout, Workload
+    from hybridpar.planner.search.cp_modes import layer_seconds, modes
+    from hybridpar.planner.search.search import complete
 
     model, cluster, work = _long_llama("llama3-8b"), Cluster.of(gpu_spec("H100-SXM"), 16, 8), Workload(64, 4096)
     axes = {"dp": 2, "tp": 1, "pp": 1, "cp": 8}

@@ -15,9 +15,9 @@ from hybridpar.config import Config, ConfigError, validate
 from hybridpar.models.llama.parallelize import check_tp_shape
 from hybridpar.parallel.context import check_seq_len
 from hybridpar.parallel.pipeline import build_schedule, partition_model
-from hybridpar.planner.hardware import Cluster, gpu_spec
-from hybridpar.planner.layout import Layout, Workload, runtime_note
-from hybridpar.planner.search import evaluate
+from hybridpar.planner.machine.hardware import Cluster, gpu_spec
+from hybridpar.planner.model.layout import Layout, Workload, runtime_note
+from hybridpar.planner.search.search import evaluate
 
 pow2 = st.sampled_from([1, 2, 4, 8])
 

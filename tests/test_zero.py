@@ -497,8 +497,8 @@ def test_gradient_memory_with_and_without_accumulation_matches_planner(dist_run,
     (the one filling and the one being reduce-scattered: the planner's comm buffers); with
     accumulation the micro-batches but the last run in no_sync and the full gradients add up
     locally, which the planner counts as the full gradients plus their shard."""
-    from hybridpar.planner.memory import model_state_bytes
-    from hybridpar.planner.shapes import rank_param_shapes
+    from hybridpar.planner.memory.plan import model_state_bytes
+    from hybridpar.planner.model.shapes import rank_param_shapes
 
     shapes = rank_param_shapes(CFG, 1, 1, 1, 0)
     one = model_state_bytes(shapes, 2, stage, 4).grads

@@ -15,8 +15,8 @@ import torch
 from layouts import make_config, trainer_for
 from test_layouts import MODEL, STEPS, WEIGHT_ATOL
 
-from hybridpar.planner.layout import from_config
-from hybridpar.planner.memory import rank_memory
+from hybridpar.planner.memory.plan import rank_memory
+from hybridpar.planner.model.layout import from_config
 
 pytestmark = pytest.mark.numerics
 

@@ -2,7 +2,7 @@
 
 The public names below are imported lazily (PEP 562 ``__getattr__``): ``import hybridpar`` is
 cheap and does not import torch; the first use of a name imports its module. Reference:
-``docs/api.md``.
+``docs/reference/api.md``.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def cmd_train(argv: list[str]) -> int:
             if (warning := shared_store_warning(os.environ)) is not None:
                 print(f"hybridpar: warning: {warning}", file=sys.stderr)
         elif cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
-            from hybridpar.planner.auto import auto_config
+            from hybridpar.planner.front.auto import auto_config
 
             cfg = auto_config(cfg, world, local, verbose=os.environ["RANK"] == "0")
         resume = _preflight(cfg, world, args.resume)
@@ -120,7 +120,7 @@ def cmd_train(argv: list[str]) -> int:
     if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
         raise ConfigError("--rdzv-endpoint, --rdzv-id and --rdzv-conf need --elastic MIN:MAX (the job's world sizes)")
     if cfg.parallel.auto:  # plan here, once; launched workers get the layout pinned
-        from hybridpar.planner.auto import auto_config, layout_overrides
+        from hybridpar.planner.front.auto import auto_config, layout_overrides
 
         cfg = auto_config(cfg, args.nproc)
         argv = [*argv, *layout_overrides(cfg)]
@@ -424,13 +424,13 @@ def cmd_timeline(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from hybridpar.planner.cli import cmd_plan as plan
+    from hybridpar.planner.front.cli import cmd_plan as plan
 
     return plan(argv)
 
 
 def cmd_calibrate(argv: list[str]) -> int:
-    from hybridpar.planner.calibrate import cmd_calibrate as calibrate
+    from hybridpar.planner.front.cli import cmd_calibrate as calibrate
 
     return calibrate(argv)
 

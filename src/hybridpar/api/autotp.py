@@ -166,7 +166,7 @@ def check_autotp(model: nn.Module, tp: int, plan: Mapping[str, str] | None = Non
     if not plan:
         raise ValueError(f"AutoTP: tensor_parallel_size = {tp} but the model ({type(model).__name__}) carries "
                          "no tensor-parallel plan (config.base_model_tp_plan / _tp_plan); pass tensor_parallel_plan "
-                         "= {module pattern: 'column' | 'row' | 'embedding'} to initialize() (docs/api.md)")
+                         "= {module pattern: 'column' | 'row' | 'embedding'} to initialize() (docs/reference/api.md)")
     ours, partial = _translate(plan, [n for n, _ in model.named_modules() if n])
     if tp > 1:
         _check_heads(model, tp)

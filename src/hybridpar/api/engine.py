@@ -409,7 +409,7 @@ def initialize(model: nn.Module | None = None, config: EngineConfig | Mapping[st
     Called DeepSpeed's way (any of ``config_params``, ``model_parameters``, ``optimizer``,
     ``training_data``, ``lr_scheduler``, ``args``, ``mpu``, a ds_config file path, or a dict with
     DeepSpeed's keys), it returns ``(engine, optimizer, dataloader, lr_scheduler)`` as
-    ``deepspeed.initialize`` does (:mod:`hybridpar.api.deepspeed`; docs/deepspeed.md).
+    ``deepspeed.initialize`` does (:mod:`hybridpar.api.deepspeed`; docs/howto/deepspeed.md).
     ``dist_init_required`` is accepted and has no effect (the process group is created when needed)."""
     if model is None:
         raise ValueError("initialize() needs a model (model=...)")

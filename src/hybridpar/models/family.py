@@ -5,7 +5,7 @@ everything model-specific: how to build and initialise it, which parameters tens
 splits and how its layers become parallel ones, which modules are attention (context parallelism,
 selective recompute), blocks (full recompute, ZeRO-3 units) and pipeline chunks, and how its
 weights and ``config.json`` map to Hugging Face's. ``hybridpar.parallel`` stays generic: it gets
-these modules and callables handed in. See ``docs/guide.md`` ("Adding a model family").
+these modules and callables handed in. See ``docs/howto/add-model-family.md``.
 """
 
 from __future__ import annotations

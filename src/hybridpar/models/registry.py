@@ -1,7 +1,7 @@
 """The model families hybridpar knows, by name (= the Hugging Face ``model_type`` they load).
 
 Adding a family is a folder under ``hybridpar/models/`` exporting a ``FAMILY`` and one line here
-(see ``docs/guide.md``, "Adding a model family")."""
+(see ``docs/howto/add-model-family.md``)."""
 
 from __future__ import annotations
 

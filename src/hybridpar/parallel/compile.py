@@ -16,7 +16,7 @@ through hybridpar's counted communication layer, which dynamo does not trace: ea
 break, so a tp block compiles into the pieces between its collectives, which run as before.
 
 Numerics: inductor fuses elementwise chains (RMSNorm, rotary, SwiGLU) and may reorder their
-float arithmetic, so a compiled run equals eager only to rounding (``docs/guide.md`` states the
+float arithmetic, so a compiled run equals eager only to rounding (``docs/howto/compile.md`` states the
 tolerance the tests hold); ``aot_eager`` runs the traced graphs with eager kernels.
 """
 

@@ -19,7 +19,7 @@ start) its storages are brought back, and so are those of the block that ran bef
 same forward (its backward comes next), so one block's copy overlaps the other's backward on
 CUDA; on CPU the same copies run synchronously. A fetched storage is freed once every handle of
 it was freed by autograd. At most two blocks' saved bytes are back on the device at once (the planner's
-working set, :mod:`hybridpar.planner.offload`). Copies are exact: gradients are bitwise those
+working set, :mod:`hybridpar.planner.memory.offload`). Copies are exact: gradients are bitwise those
 without offload.
 
 Recomputation composes: wrapped outside :mod:`.recompute`'s checkpoint, what the checkpoint keeps

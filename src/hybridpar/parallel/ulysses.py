@@ -41,7 +41,7 @@ refuse anything else before launch.
 Traffic per attention call and micro-batch on a rank (payload, the comm counter's): forward one
 all-to-all of ``B T (H + 2 max(Hk, u)) D`` (q, k, v together) and one of ``B T H D`` (the output);
 backward the same two reversed; recomputation repeats the forward ones
-(:func:`hybridpar.planner.cp_modes.cp_collectives`).
+(:func:`hybridpar.planner.price.cp.cp_collectives`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A :class:`Rule` has a ``name`` (what the planner reports when it rejects a layout, and how it
 asks for one) and a check that returns ``None`` when the config keeps the rule, or the one-line
 message (numbers and fix) when it breaks it. :func:`hybridpar.config.validate` raises the first
-broken rule's message; the planner (:mod:`hybridpar.planner.layout`) asks :func:`first_broken`
+broken rule's message; the planner (:mod:`hybridpar.planner.model.layout`) asks :func:`first_broken`
 for the rule itself (a :class:`Broken`) instead of reading messages; model families check their
 tensor-parallel split with :func:`tp_split_error` (the ``tp-*`` rules) and the pipeline its
 partition and schedule with :func:`partition_error` and :func:`schedule_error`, so nothing
@@ -22,8 +22,8 @@ from hybridpar.rules.model import MOE_FAMILIES, OPTIMIZER_IMPLS, model_error, op
 from hybridpar.rules.layout import partition_error, schedule_error, tp_split_error, ulysses_error
 
 # isort: split
-from hybridpar.rules.fp8 import FP8_MODES, fp8_device_error
+from hybridpar.rules.fp8 import FP8_MODES, fp8_device_error, fp8_gathers
 
 __all__ = ["FP8_MODES", "MOE_FAMILIES", "OPTIMIZER_IMPLS", "RULES", "Broken", "PipelineShape", "Rule", "first_broken",
-           "fp8_device_error", "model_error", "optimizer_impl_error", "partition_error", "schedule_error", "tp_split_error",
+           "fp8_device_error", "fp8_gathers", "model_error", "optimizer_impl_error", "partition_error", "schedule_error", "tp_split_error",
            "ulysses_error"]

@@ -61,14 +61,27 @@ def _dims(cfg: Config, world: int | None) -> str | None:
     return None
 
 
+#: parallel.fp8_all_gather's conditions: the only ZeRO stage that gathers parameters, and the
+#: recipe whose FP8 weight carries one scale per tensor (what a gathered shard can share)
+FP8_GATHER_STAGE = 3
+FP8_GATHER_RECIPE = "tensorwise"
+
+
+def fp8_gathers(fp8: str, fp8_all_gather: bool, zero_stage: int) -> bool:
+    """Whether ZeRO-3's parameter all-gathers carry the FP8 linears' weights as FP8: the setting
+    is on, at ZeRO-3, with tensorwise FP8. Rule ``parallel-fp8-all-gather`` refuses the setting
+    otherwise; the planner, which tries every ZeRO stage under one workload, asks this per layout."""
+    return fp8_all_gather and fp8 == FP8_GATHER_RECIPE and zero_stage == FP8_GATHER_STAGE
+
+
 @rule("parallel-fp8-all-gather")
 def _all_gather(cfg: Config, world: int | None) -> str | None:
     if not cfg.parallel.fp8_all_gather:
         return None
-    if cfg.parallel.zero_stage != 3:
+    if cfg.parallel.zero_stage != FP8_GATHER_STAGE:
         return (f"parallel.fp8_all_gather = true needs parallel.zero_stage = 3 (got {cfg.parallel.zero_stage}): "
                 "only ZeRO-3 gathers parameters; set parallel.zero_stage = 3 or drop it")
-    if cfg.train.fp8 != "tensorwise":
+    if cfg.train.fp8 != FP8_GATHER_RECIPE:
         return (f"parallel.fp8_all_gather = true needs train.fp8 = 'tensorwise' (got {cfg.train.fp8!r}): the "
                 "gathered FP8 weight carries one scale per tensor (rowwise's backward rescales the weight per "
                 "input feature, across the shards); set train.fp8 = 'tensorwise' or drop it")

@@ -9,7 +9,7 @@ hands the job another world size, every rank, before any process group exists:
 1. plans a layout for the new world (:func:`plan_for_world`): the configured layout when its
    world is this one; else the axes the config fixed (``dp``/``tp``/``pp``/``cp`` above 1) are
    kept as far as their product still divides the world (``dp`` is given up first, then ``cp``,
-   ``pp``, ``tp``) and the planner (:mod:`hybridpar.planner.auto`) chooses the rest: the same
+   ``pp``, ``tp``) and the planner (:mod:`hybridpar.planner.front.auto`) chooses the rest: the same
    pure function on every rank; before the mesh is built the ranks check that they agree
    (:func:`check_same_plan`: nodes with different hardware models would not);
 2. refuses (:class:`~hybridpar.config.ConfigError`, exit status 2) when no layout of the new
@@ -148,7 +148,7 @@ def plan_for_world(cfg: Config, world: int, local_processes: int | None = None,
 def _replan(cfg: Config, world: int, local_processes: int | None = None) -> tuple[Config, LayoutChange] | list[str]:
     """The planner's layout for ``world`` keeping what it can of the configured axes, or the
     planner's refusals (one per set of kept axes tried)."""
-    from hybridpar.planner.auto import auto_config
+    from hybridpar.planner.front.auto import auto_config
 
     p = cfg.parallel
     fixed = {k: getattr(p, k) for k in AXES if getattr(p, k) > 1}

@@ -1,6 +1,6 @@
 """DeepSpeed's front door: ``import hybridpar as deepspeed`` and a DeepSpeed training loop runs on
 hybridpar's engine. ``hybridpar.initialize`` routes here when called DeepSpeed's way
-(``config_params=``, ``model_parameters=``, a ds_config path or dict, ...); docs/deepspeed.md
+(``config_params=``, ``model_parameters=``, a ds_config path or dict, ...); docs/howto/deepspeed.md
 lists every key and what it maps to.
 
 * :mod:`.schema`: the keys read, accepted without effect, and refused;

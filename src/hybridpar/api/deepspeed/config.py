@@ -1,6 +1,6 @@
 """A DeepSpeed ``ds_config`` (dict or JSON file) read onto :class:`~hybridpar.api.engine.EngineConfig`.
 
-The keys are those of :mod:`hybridpar.api.deepspeed.schema` (docs/deepspeed.md is the table);
+The keys are those of :mod:`hybridpar.api.deepspeed.schema` (docs/howto/deepspeed.md is the table);
 what they become:
 
 * the three batch keys -> ``gradient_accumulation_steps`` and the micro-batch per rank (any two

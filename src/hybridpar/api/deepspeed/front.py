@@ -142,7 +142,7 @@ def deepspeed_initialize(model: nn.Module, config: Any = None, *, topo: Topology
         topo = ParallelDims(dp=_world(None) // tp, tp=tp).build(_device())
     engine = DeepSpeedEngine(model, ds, topo, owns, groups, lr_scheduler)
     if ds.no_effect and topo.rank == 0:
-        print(f"[hybridpar] ds_config keys accepted without effect here (docs/deepspeed.md): {', '.join(ds.no_effect)}",
+        print(f"[hybridpar] ds_config keys accepted without effect here (docs/howto/deepspeed.md): {', '.join(ds.no_effect)}",
               flush=True)
     loader = None if training_data is None else _dataloader(training_data, ds, topo, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler

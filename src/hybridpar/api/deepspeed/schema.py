@@ -7,7 +7,7 @@ same result here; accepted, and named once on rank 0 at start-up), or ``DEFAULT_
 at DeepSpeed's default value, refused at any other). Anything else is refused in one line that
 names the key, says whether it is DeepSpeed's but not implemented (``KNOWN_UNSUPPORTED``) or
 unknown (with a did-you-mean from :func:`difflib.get_close_matches`), and lists what the block
-supports. docs/deepspeed.md is the same table for people.
+supports. docs/howto/deepspeed.md is the same table for people.
 """
 
 from __future__ import annotations

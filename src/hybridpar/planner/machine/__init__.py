@@ -1,0 +1,1 @@
+"""The machine: device specs and cluster shape, kernel efficiency, allocator overhead, calibration."""

@@ -1,0 +1,1 @@
+"""Per-rank device (and host) memory of a layout: model states, activations, offload."""

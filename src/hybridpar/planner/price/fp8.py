@@ -1,0 +1,85 @@
+"""FP8 in the planner (``train.fp8``; ``hybridpar plan --fp8``): the blocks' linear GEMMs at the
+GPU's FP8 rate, plus the scaling passes that quantize their operands.
+
+Rates: the data sheets' dense FP8 tensor-core peaks (:class:`~hybridpar.planner.machine.hardware.GPUSpec`
+``fp8_flops``), twice the bf16 peak on H100, H200 and B200; a GPU without FP8 tensor cores
+(``fp8_flops`` 0: A100, or a CPU profile) is refused, as the trainer refuses it. A GEMM of FP8
+operands reads 1 byte per operand element and writes the 2-byte output.
+
+Scaling overhead (``parallel/fp8``): quantizing an operand of ``e`` elements reads it twice
+(amax, then scale-and-cast) and writes one byte each: ``5 e`` bytes of memory traffic at
+``hbm_bw``, and three kernels (amax, scale, cast). Per linear ``[m, k] @ [k, n]``: tensorwise
+quantizes ``x`` and ``W`` in forward and ``dy`` once in backward (its ``dW`` reuses them);
+rowwise quantizes ``x`` and ``W`` in forward, ``dy`` and ``W`` again (other axis) for ``dx``,
+and ``dy`` and ``x`` again for ``dW``. The amax all-reduces under tp and cp are a few floats
+each (latency only) and are left out. Experts (grouped GEMMs) and attention stay bf16.
+
+FP8 parameter all-gather (``parallel.fp8_all_gather``, ZeRO-3 with tensorwise FP8): the FP8
+linears' weights (:func:`is_fp8_weight`) cross ZeRO-3's all-gathers at 1 byte per element
+instead of the parameter dtype's, plus one all-reduce of a float per weight (their amaxes) over
+the ZeRO axis per gather (:func:`hybridpar.rules.fp8_gathers`; ``planner.price.traffic`` counts both, ``planner.price.dp_cost``
+times the smaller gathers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hybridpar.planner.machine.hardware import GPUSpec, PlanError
+from hybridpar.planner.model.shapes import FP8_LINEARS, is_fp8_weight, shard_elems
+
+__all__ = ["FP8_LINEARS", "fp8_gemm_deltas", "is_fp8_weight", "zero3_gather"]
+
+
+def zero3_gather(add: Callable[..., None], axis: str, n: int, unit: Sequence[tuple[str, tuple[int, ...]]],
+                 elem: int, times: int, fp8: bool) -> None:
+    """ZeRO-3's all-gather of one unit (names and shapes), ``times`` times, into ``add`` (as
+    ``planner.price.traffic`` counts): its padded shard at ``elem`` bytes per element, or with ``fp8``
+    the FP8 linears' weights at 1 byte and the rest at ``elem``, each gather after an all-reduce
+    of the weights' amaxes (4 bytes each; :mod:`hybridpar.parallel.zero.fp8_gather`)."""
+    weights = [s for nm, s in unit if fp8 and is_fp8_weight(nm)]
+    rest = [s for nm, s in unit if not (fp8 and is_fp8_weight(nm))]
+    add("all_gather", axis, n, shard_elems(rest, n) * elem + shard_elems(weights, n), times)
+    if weights:
+        add("all_reduce", axis, n, 4 * len(weights), times)
+
+_QUANT_BYTES = 5  # per element: read for the amax, read again, write one FP8 byte
+_QUANT_KERNELS = 3
+
+
+def _quantize_time(elements: float, gpu: GPUSpec) -> float:
+    return _QUANT_BYTES * elements / gpu.hbm_bw + _QUANT_KERNELS * gpu.launch_overhead
+
+
+def _fp8_gemm(m: float, n: float, k: float, gpu: GPUSpec, eff: float) -> float:
+    """Seconds of one FP8 GEMM: the roofline at the FP8 peak (``eff``: the bf16 GEMM's achieved
+    fraction of peak for this shape, carried over), 1-byte operands, a 2-byte output."""
+    flops = 2.0 * m * n * k
+    mem = (m * k + k * n + 2 * m * n) / gpu.hbm_bw
+    return max(flops / (gpu.fp8_flops * eff), mem) + gpu.launch_overhead
+
+
+def fp8_gemm_deltas(gemms: Sequence[tuple[float, float, float]], gpu: GPUSpec, recipe: str,
+                    bf16_time: object) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds FP8 adds to one block's dense linear
+    ``gemms`` (``(m, n, k)`` each, as ``planner.price.cost`` prices them with ``bf16_time(m, n, k)``):
+    the FP8 GEMMs and their scaling passes minus the bf16 GEMMs they replace (negative: a gain)."""
+    if gpu.fp8_flops <= 0:
+        raise PlanError(f"train.fp8 = {recipe!r}: {gpu.name} has no FP8 tensor cores in its spec (fp8_flops = 0); "
+                        "plan without --fp8, or give the GPU's fp8_flops in a TOML spec")
+    fwd = bwd_in = bwd_w = 0.0
+    for m, n, k in gemms:
+        times = (bf16_time(m, n, k), bf16_time(m, k, n), bf16_time(k, n, m))  # type: ignore[operator]
+        shapes = ((m, n, k), (m, k, n), (k, n, m))
+        # the bf16 time's efficiency at this shape, so tile quantisation carries over
+        fp8 = [_fp8_gemm(*s, gpu, min(1.0, 2.0 * s[0] * s[1] * s[2] / ((t - gpu.launch_overhead) * gpu.bf16_flops)))
+               for s, t in zip(shapes, times, strict=True)]
+        x, w, dy = m * k, n * k, m * n
+        if recipe == "tensorwise":
+            scale = (_quantize_time(x + w, gpu), _quantize_time(dy, gpu), 0.0)
+        else:
+            scale = (_quantize_time(x + w, gpu), _quantize_time(dy + w, gpu), _quantize_time(dy + x, gpu))
+        fwd += fp8[0] + scale[0] - times[0]
+        bwd_in += fp8[1] + scale[1] - times[1]
+        bwd_w += fp8[2] + scale[2] - times[2]
+    return fwd, bwd_in, bwd_w
