@@ -146,7 +146,8 @@ def torchao_available() -> str | None:
 
 
 def final_loss(shape: str, recipe: str, device: str, steps: int, root: Path) -> dict[str, Any]:
-    """``hybridpar train`` at ``shape`` with ``train.fp8 = recipe`` for ``steps`` steps: its last loss."""
+    """``hybridpar train`` at ``shape`` with ``train.fp8 = recipe`` for ``steps`` steps: its last
+    loss (its progress goes to ``<run_dir>.log`` and is echoed when the run ends)."""
     run = root / recipe
     args = [sys.executable, "-m", "hybridpar", "train", *SHAPES[shape], "--train.device", device,
             "--train.fp8", recipe, "--train.compile", str(device == "cuda").lower(), "--train.steps", str(steps),
@@ -156,7 +157,9 @@ def final_loss(shape: str, recipe: str, device: str, steps: int, root: Path) -> 
     if done.returncode != 0:
         return {"status": f"exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"}
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {"status": "ok", "loss": rows[-1]["loss"], "step": rows[-1]["step"]}
+    out = {"status": "ok", "loss": rows[-1]["loss"], "step": rows[-1]["step"], "step_time_s": rows[-1]["step_time_s"]}
+    print(f"  loss run {recipe} done: {json.dumps(out)}", flush=True)
+    return out
 
 
 def losses(shape: str, device: str, steps: int) -> dict[str, Any]:
@@ -183,6 +186,8 @@ def measure_shape(shape: str, loops: list[str], device: torch.device, steps: int
         loop, recipe = name.split("/")
         res[name] = (ours(shape, recipe, device, steps, compiled, gpu) if loop == "ours"
                      else torchao_loop(shape, recipe, device, steps, compiled))
+        # each loop as it ends: a run stopped at its time limit still says what it measured
+        print(f"  {shape}: {name} done: {json.dumps(res[name])}", flush=True)
     ratio = {}
     for r in RECIPES:
         for loop in ("ours", "torchao"):

@@ -239,3 +239,51 @@ def test_a_nan_loss_unread_at_its_step_stops_at_the_next_log_step(tmp_path):
         trainer.fit()
     assert seen == [1, 2, 3, 4]
     trainer.topo.close()
+
+
+# ------------------------------------------------------------ host-to-device copies in the forward
+
+
+class _HostToDevice(TorchDispatchMode):
+    """Records every copy of a host tensor to another device. On CUDA such a copy from pageable
+    memory (``non_blocking=False``) waits for the GPU (``cudaStreamSynchronize``): the H200
+    profile of 2026-11-28 found one per forward, RoPE's frequency table made on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func.overloadpacket in COPIES:
+            src = args[1] if func.overloadpacket is aten.copy_ else args[0]
+            dst = args[0].device if func.overloadpacket is aten.copy_ else kwargs.get("device")
+            if isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst is not None \
+                    and torch.device(dst).type != "cpu":
+                frames = [f for f in traceback.extract_stack() if "hybridpar" in f.filename]
+                self.copies.append(" <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[-3:]))
+        return func(*args, **kwargs)
+
+
+ROPES = {"default": {}, "linear": {"rope_type": "linear", "rope_factor": 4.0},
+         "llama3": {"rope_type": "llama3", "rope_factor": 8.0, "rope_original_max_len": 16},
+         "yarn": {"rope_type": "yarn", "rope_factor": 4.0, "rope_original_max_len": 16}}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_forward_copies_nothing_from_the_host(rope):
+    """The model's forward builds every table on the tokens' device. The model runs on the meta
+    device, which stands in for a GPU on CPU: a tensor made on the host and moved shows as a
+    cpu -> meta copy."""
+    from hybridpar.config import ModelConfig
+    from hybridpar.models.registry import family_of
+
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64,
+                      **ROPES[rope])
+    with torch.device("meta"):
+        model = family_of(cfg).build(cfg)
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    with _HostToDevice() as mode:
+        logits = model(tokens)
+    assert logits.shape == (2, 32, 64) and logits.device.type == "meta"
+    assert mode.copies == [], mode.copies

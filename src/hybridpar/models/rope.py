@@ -49,8 +49,15 @@ def cos_sin_scale(s: ModelConfig | None) -> float:
     return 1.0 if s.rope_factor <= 1 else 0.1 * math.log(s.rope_factor) + 1.0
 
 
+def _even_dims(head_dim: int, device: torch.device) -> Tensor:
+    """``0, 2, 4, ...`` (fp32, exact) made on ``device``: a table made on the host and moved
+    would be a pageable host-to-device copy, which waits for the GPU, in every forward (the H200
+    profile of 2026-11-28 counted it as the step's host sync)."""
+    return torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+
+
 def _base_inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device, torch.float32) / head_dim))
+    return 1.0 / (theta ** (_even_dims(head_dim, device) / head_dim))
 
 
 def _llama3(base: Tensor, s: ModelConfig) -> Tensor:
@@ -74,8 +81,9 @@ def _yarn(head_dim: int, theta: float, s: ModelConfig, device: torch.device) -> 
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(device, torch.float32) / head_dim)
+    # subtraction, division and clamp are correctly rounded everywhere: the same ramp on any device
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (_even_dims(head_dim, device) / head_dim)
     extrapolation = 1 - ramp
     return (1.0 / (s.rope_factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
