@@ -154,3 +154,22 @@ def _report_failure(errors: Path, run_dir: Path, failed: dict[int, int]) -> int:
     print(f"hybridpar: a worker failed (exit status {described}); its traceback is above", file=sys.stderr,
           flush=True)
     return 1
+
+
+LAUNCHER_ONLY = ("--nproc", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")
+
+
+def strip_launcher_options(argv: list[str]) -> list[str]:
+    """``argv`` without the options that only the local launcher reads (:data:`LAUNCHER_ONLY`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in LAUNCHER_ONLY:
+            skip = True
+            continue
+        if a.startswith(tuple(f"{o}=" for o in LAUNCHER_ONLY)):
+            continue
+        out.append(a)
+    return out
