@@ -146,3 +146,26 @@ def test_a_flight_record_into_an_unusable_run_dir_is_skipped_not_raised(tmp_path
     (tmp_path / "f").write_text("")
     assert flight.dump(CommCounter(), tmp_path / "f" / "run", 0, "test") is None
     assert flight.dump(CommCounter(), tmp_path / "ok", 0, "test") == tmp_path / "ok" / "flight" / "rank-0.json"
+
+
+def test_a_resumed_run_keeps_the_runs_first_loss_and_adds_the_segments(tmp_path):
+    """summary.json's first_loss is step 1's (metrics.jsonl) after --resume, not the resumed
+    segment's first step; the segment's first step and loss are added."""
+    import json
+    import shutil
+
+    from hybridpar.training.checkpoint import step_dir
+
+    run = tmp_path / "r"
+    args = ["train", *TINY, "--train.steps", "4", "--train.log_every", "1", "--train.run_dir", str(run),
+            "--train.checkpoint_every", "2"]
+    assert cli.main(args) == 0
+    whole = json.loads((run / "summary.json").read_text())
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert whole["first_loss"] == metrics[0]["loss"] and metrics[0]["step"] == 1
+    shutil.rmtree(step_dir(run, 4))
+    assert cli.main([*args, "--resume"]) == 0
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["first_loss"] == whole["first_loss"]
+    assert resumed["segment_first_step"] == 3 and resumed["segment_first_loss"] == metrics[2]["loss"]
+    assert resumed["final_loss"] == whole["final_loss"]

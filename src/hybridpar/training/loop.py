@@ -36,7 +36,7 @@ from hybridpar.distributed.mesh import Axis
 from hybridpar.training import checkpoint
 from hybridpar.training.checkpoint import BackgroundWriter
 from hybridpar.training.features.base import DeviceStats
-from hybridpar.training.metrics import MetricsLogger, atomic_write_text
+from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
 
 
 class StepResult:
@@ -334,6 +334,9 @@ class RunReport:
         if not self.enabled:
             return
         plot = log.plot()
+        if losses.first_step > 1:  # a resumed segment: the run's first loss is step 1's, in metrics.jsonl
+            summary.update(first_loss=self.run_first_loss(losses.first), segment_first_step=losses.first_step,
+                           segment_first_loss=losses.first)
         atomic_write_text(self.run_dir / "sample.txt", sample)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         log.write(f"--- sample ---\n{sample}\n--------------")
@@ -347,6 +350,13 @@ class RunReport:
         log.write(f"loss {losses.first:.4f} (step {losses.first_step}) -> {losses.last:.4f} "
                   f"(step {summary['steps']}), {val}; run dir {self.run_dir} (metrics.jsonl, {plot and plot.name}, "
                   "tensorboard/, sample.txt, summary.json)")
+
+    def run_first_loss(self, fallback: float) -> float:
+        """Step 1's loss as ``metrics.jsonl`` recorded it (every run logs step 1), else ``fallback``."""
+        path = self.run_dir / METRICS_FILE
+        lines = path.read_text().splitlines() if path.exists() else []
+        first = next((json.loads(x) for x in lines if x.strip()), None)
+        return float(first["loss"]) if first is not None and first.get("step") == 1 else fallback
 
     def details(self, traffic: dict[str, int], memory: list[int], timeline: tuple[Path, float] | None) -> str:
         """The end-of-run lines: layout, traffic per axis, memory per rank, pipeline bubble."""
