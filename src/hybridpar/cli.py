@@ -316,6 +316,7 @@ def _fit(cfg: Config, topo: Topology, device: torch.device, stop: StopRequest, e
         elif topo.rank == 0:
             print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
                   file=sys.stderr, flush=True)
+            lifecycle.note_stop_said()
         return 128 + p.signum
     return 0
 

@@ -164,6 +164,18 @@ def report_error(rank: int, kind: str, message: str, agreed: int = 0) -> bool:
     return True
 
 
+STOP_SAID = "stop-said"  # in the launcher's error folder: rank 0 has told the user why the job stopped
+
+
+def note_stop_said() -> None:
+    """Tell the local launcher (if any) that rank 0 printed the stop on a signal and the resume
+    command, so the launcher does not repeat "stopped by SIG..." after them."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder:
+        with contextlib.suppress(OSError):
+            (Path(folder) / STOP_SAID).touch()
+
+
 def reported_elsewhere(rank: int) -> bool:
     """Another rank has already reported an error: this rank's failure is a consequence."""
     folder = os.environ.get(ERROR_DIR_ENV)

@@ -91,11 +91,16 @@ def load_model(spec: str) -> ModelConfig:
                     "Hugging Face config.json / directory")
 
 
+def _tflops(rate: float) -> str:
+    """A TFLOP/s rate with three significant digits: a CPU's 0.0021 is not shown as 0.0."""
+    return f"{rate:.1f}" if rate >= 100 else f"{rate:.3g}"
+
+
 def _row(ev: Evaluation, moe: bool = False) -> str:
     L, c, m = ev.layout, ev.cost, ev.memory
     extra = f"{L.pipeline_schedule}{'x' + str(L.virtual_stages) if L.virtual_stages > 1 else ''}" if L.pp > 1 else "-"
     mem = f"{m.total / 2**30:7.1f}" if m else "      -"
-    rate = (f"{c.step_time_s:8.3f} {100 * c.mfu:5.1f}% {c.tflops_per_gpu:7.1f} {c.tokens_per_s:11,.0f}"
+    rate = (f"{c.step_time_s:8.3f} {100 * c.mfu:5.1f}% {_tflops(c.tflops_per_gpu):>7} {c.tokens_per_s:11,.0f}"
             if c else "")
     ep = f" {L.ep:>3}" if moe else ""
     offload = (f"{L.offload_to}{'+p' if L.offload_params else ''}" if L.offload_optimizer else "-")
@@ -135,8 +140,8 @@ def explain(ev: Evaluation, moe: bool = False) -> str:
         lines.append("time per step:")
         for k, v in c.terms.items():
             lines.append(f"  {k:<20} {v:10.4f} s")
-        lines.append(f"  step time {c.step_time_s:.3f} s, MFU {100 * c.mfu:.1f}%, {c.tflops_per_gpu:.1f} model "
-                     f"TFLOP/s per GPU ({c.hw_tflops_per_gpu:.1f} with recompute), bubble "
+        lines.append(f"  step time {c.step_time_s:.3f} s, MFU {100 * c.mfu:.1f}%, {_tflops(c.tflops_per_gpu)} model "
+                     f"TFLOP/s per GPU ({_tflops(c.hw_tflops_per_gpu)} with recompute), bubble "
                      f"{100 * c.bubble_fraction:.1f}%, {c.tokens_per_s:,.0f} tokens/s")
     if ev.note:
         lines.append(f"note: this version's trainer cannot run it yet: {ev.note}")

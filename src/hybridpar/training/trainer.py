@@ -324,7 +324,7 @@ class Trainer:
         summary["traffic_bytes_per_step"] = traffic
         summary["peak_memory_bytes_per_rank"] = memory
         summary.update(self.hooks.summary())  # the features' keys
-        sample = self.sample_text(self.cfg.train.sample_prompt)
+        sample = self.sample_text(self.cfg.train.sample_prompt) if self.cfg.train.sample_tokens else None
         report = RunReport(self.run_dir, self.is_logger, self.layout_name(), self.topo.world_size,
                            self.device.type, self.cfg.parallel.pipeline_schedule)
         report.write(log, summary, sample, losses, timeline)
