@@ -24,7 +24,13 @@ from typing import Any
 
 from hybridpar import compat
 from hybridpar.distributed import flight
-from hybridpar.distributed.lifecycle import COMMAND_ENV, ERROR_DIR_ENV, STOP_SAID, read_reports, signal_name
+from hybridpar.distributed.lifecycle import (
+    COMMAND_ENV,
+    ERROR_DIR_ENV,
+    STOP_SAID,
+    read_reports,
+    signal_name,
+)
 
 # Exit statuses of ``hybridpar train``: 2 bad input, 3 a stop by the NaN/Inf policy, 128 + N a
 # stop on signal N (after a complete checkpoint), 1 anything else.
