@@ -103,10 +103,13 @@ def test_compare_tells_expected_from_unexpected(tmp_path, capsys):
     c = run("c", "--train.lr", "1e-2")
     capsys.readouterr()
     assert main(["compare", a, b]) == 0
-    assert "the runs agree" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the runs agree" in out
+    assert "config: the same; layout: train.micro_batch 2 -> 1" in out  # which keys differ (issue 44)
     assert main(["compare", a, c]) == 1
     out = capsys.readouterr().out
     assert "NOT expected" in out and "differ by more than layout changes explain" in out
+    assert "config: differs in train.lr 0.003 -> 0.01 (these change the result); the same layout" in out
     assert main(["compare", a, str(tmp_path / "missing")]) == 2
 
 
