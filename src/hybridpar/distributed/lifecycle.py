@@ -196,6 +196,35 @@ def read_reports(folder: Path) -> list[dict]:
 # ----------------------------------------------------------------------------- exit
 
 
+_RELEASE_REGISTERED = False
+
+
+def release_groups_at_exit() -> None:
+    """Destroy every process group when the interpreter exits (registered once, by
+    :func:`hybridpar.distributed.mesh.init_distributed` when it creates the default group).
+
+    A script of the library's users (a DeepSpeed loop that never calls ``engine.close()``) ends
+    with its groups alive; interpreter finalization then races gloo's threads (module docstring,
+    ``exit_process``) and a rank aborts with SIGABRT after training finished. ``atexit`` runs
+    before finalization, and ``destroy_process_group`` waits for pending work and shuts every
+    backend's threads down, so the process leaves with none left running. Local and collective-
+    free: a peer that exited first does not block it."""
+    global _RELEASE_REGISTERED
+    if not _RELEASE_REGISTERED:
+        import atexit
+
+        atexit.register(_release_groups)
+        _RELEASE_REGISTERED = True
+
+
+def _release_groups() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
 def exit_process(code: int) -> NoReturn:
     """Flush output and leave without interpreter finalization (see the module docstring). Call
     only after the process groups are destroyed and every file the run writes is closed."""
