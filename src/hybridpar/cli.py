@@ -467,7 +467,13 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> NoReturn:
     """``hybridpar`` and ``python -m hybridpar.cli``. A launched worker leaves through
     :func:`hybridpar.distributed.lifecycle.exit_process` (no interpreter finalization, which can
-    abort while gloo's threads free their last tensors); its groups are gone by then."""
+    abort while gloo's threads free their last tensors); its groups are gone by then.
+
+    OpenMP's threads wait passively unless the user chose (``OMP_WAIT_POLICY``; read when torch
+    loads, which this module has not done yet): spinning threads made a CPU step ~50-400x slower
+    whenever another process held a core (issue 44: the tiny FP8 step 0.30 -> 14.7 s, fp32
+    0.013 -> 5.2 s at 2 threads on a busy 2-core machine). Launched workers inherit it."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if not under_launcher():
         sys.exit(main())
     from hybridpar.distributed.lifecycle import exit_process
