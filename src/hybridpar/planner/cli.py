@@ -91,6 +91,16 @@ def load_model(spec: str) -> ModelConfig:
                     "Hugging Face config.json / directory")
 
 
+def _headroom(cluster: Cluster) -> str:
+    """How the capacity a plan fills is less than the device's memory, when it is."""
+    g = cluster.gpu
+    if not g.headroom_bytes:
+        return ""
+    return (f"; {g.usable_bytes / 2**30:.1f} GiB = the {g.hbm_bytes / 2**30:.1f} GiB CUDA has less "
+            f"{g.headroom_bytes / 2**30:.1f} GiB ({g.headroom_bytes / g.hbm_bytes:.0%}) kept free for the CUDA "
+            "context, NCCL buffers and fragmentation")
+
+
 def _tflops(rate: float) -> str:
     """A TFLOP/s rate with three significant digits: a CPU's 0.0021 is not shown as 0.0."""
     return f"{rate:.1f}" if rate >= 100 else f"{rate:.3g}"
@@ -201,7 +211,7 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
         lines[0] += (f"; the next, {_named(nxt.layout)}, {nxt.cost.step_time_s:.3f} s "
                      f"(+{100 * (nxt.cost.step_time_s / c.step_time_s - 1):.1f}%)")
     lines.append(f"memory {m.total / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB on the worst pipeline rank "
-                 f"(ZeRO-{L.zero_stage}, recompute {L.recompute})")
+                 f"(ZeRO-{L.zero_stage}, recompute {L.recompute}){_headroom(cluster)}")
     lines.append(dp_shard_reason(best, lambda lay: evaluate(model, lay, work, cluster), cluster.gpus_per_node))
     lines += pipeline_reasons(model, best, work, cluster)
     lines += cp_reason(model, L, work, cluster)
