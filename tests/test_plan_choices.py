@@ -31,7 +31,7 @@ def test_ties_go_to_the_simpler_layout():
     more data parallelism (dp2 cp2 before dp1 cp4), then memory."""
     res = search(model_preset("llama3-70b"), Workload(512, 4096), Cluster.of(GPUS["H100-SXM"], 64, 8), top=5)
     ranked = res.ranked
-    for a, b in zip(ranked, ranked[1:]):
+    for a, b in zip(ranked, ranked[1:], strict=False):
         assert rank_key(a) <= rank_key(b)
     tied = [ev for ev in ranked if rank_key(ev)[0] == rank_key(ranked[0])[0]]
     assert len(tied) >= 2, [ev.layout for ev in ranked]
