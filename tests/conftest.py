@@ -3,7 +3,13 @@ of gloo workers (see ``harness.py``)."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# before torch loads (harness imports it): OpenMP threads that spin while waiting make every
+# CPU test ~100x slower when another process holds a core (issue 44, point 11; hybridpar.cli.entry)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 from harness import run_distributed, shutdown_pool
 
 

@@ -293,6 +293,7 @@ def test_auto_resume_skips_a_corrupt_latest_checkpoint_and_says_why(tiny, tmp_pa
     found, skipped = checkpoint.latest_verified_checkpoint(run)
     assert found == good and [p for p, _ in skipped] == [bad]
     assert "__0_0.distcp does not match its checksum" in skipped[0][1]
+    assert "(the size is right, " in skipped[0][1] and "the sha256 differs)" in skipped[0][1]  # not "N, expected N"
     assert checkpoint.resolve_resume("latest", run) == good
     assert "skipping checkpoint file" in capsys.readouterr().err
     assert cli._agreed_latest_checkpoint(tiny.topo, run, None) == good

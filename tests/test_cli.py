@@ -103,23 +103,27 @@ def test_compare_tells_expected_from_unexpected(tmp_path, capsys):
     c = run("c", "--train.lr", "1e-2")
     capsys.readouterr()
     assert main(["compare", a, b]) == 0
-    assert "the runs agree" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the runs agree" in out
+    assert "config: the same; layout: train.micro_batch 2 -> 1" in out  # which keys differ (issue 44)
     assert main(["compare", a, c]) == 1
     out = capsys.readouterr().out
     assert "NOT expected" in out and "differ by more than layout changes explain" in out
+    assert "config: differs in train.lr 0.003 -> 0.01 (these change the result); the same layout" in out
     assert main(["compare", a, str(tmp_path / "missing")]) == 2
 
 
-def test_no_arguments_runs_the_3d_demo(monkeypatch, capsys):
+def test_train_without_arguments_runs_the_3d_demo(monkeypatch, capsys, tmp_path):
     """`hybridpar train` with no arguments launches dp2 x tp2 x pp2 on 8 local processes; any
     argument means the user's own config (1 process by default)."""
     from hybridpar import cli
     from hybridpar.distributed import launch
 
+    monkeypatch.chdir(tmp_path)  # the demo's run directory (and its lock) is runs/default
     launched: list[tuple[int, list[str]]] = []
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **kw: launched.append((nproc, argv)) or 0)
     monkeypatch.setattr(cli, "_preflight", lambda cfg, nproc, resume: None)
-    assert cli.main([]) == 0
+    assert cli.main(["train"]) == 0
     nproc, argv = launched[0]
     assert nproc == 8
     assert argv == ["train", "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",

@@ -185,3 +185,32 @@ def test_init_distributed_takes_deepspeeds_signature(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert not dist.is_initialized()
+
+
+def test_real_configs_with_switched_off_blocks_and_keys_at_their_defaults_are_accepted():
+    """Issue 44: what DeepSpeed users' configs really hold. Blocks switched off and keys at their
+    defaults change nothing, so they are accepted and named once among the keys without effect;
+    switched on, a block is still refused."""
+    off = {name: {"enabled": False} for name in ("flops_profiler", "wandb", "csv_monitor", "comms_logger",
+                                                 "amp", "elasticity")}
+    off["flops_profiler"].update(profile_step=1, module_depth=-1, top_modules=1, detailed=True, output_file=None)
+    off["wandb"].update(group=None, team=None, project="deepspeed")
+    config = {"train_batch_size": 8, **off, "memory_breakdown": False, "dump_state": False,
+              "sparse_gradients": False, "zero_force_ds_cpu_optimizer": True,
+              "data_types": {"grad_accum_dtype": None},
+              "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
+                             "parallel_write": {"pipeline_stage": False}},
+              "zero_optimization": {"stage": 2, "cpu_offload": False}}
+    ds = parse_ds_config(config, world_size=2)
+    assert ds.engine.zero_stage == 2 and not ds.engine.offload_optimizer
+    for name in off:
+        assert f"{name} (switched off)" in ds.no_effect
+    assert "checkpoint.tag_validation" in ds.no_effect
+    with pytest.raises(ConfigError, match=r'flops_profiler is a DeepSpeed setting .* accepted switched off'):
+        parse_ds_config({"train_batch_size": 8, "flops_profiler": {"enabled": True}}, world_size=2)
+    with pytest.raises(ConfigError, match=r"memory_breakdown = True is not supported \(only its default False\)"):
+        parse_ds_config({"train_batch_size": 8, "memory_breakdown": True}, world_size=2)
+    with pytest.raises(ConfigError, match=r'write zero_optimization.offload_optimizer: \{"device": "cpu"\} instead'):
+        parse_ds_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": True}}, world_size=2)
+    with pytest.raises(ConfigError, match=r"data_types.grad_accum_dtype = 'bf16' is not supported"):
+        parse_ds_config({"train_batch_size": 8, "data_types": {"grad_accum_dtype": "bf16"}}, world_size=2)

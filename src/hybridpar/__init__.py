@@ -53,12 +53,21 @@ _EXPORTS: dict[str, str] = {
     "ParallelConfig": "hybridpar.config",
     "TrainConfig": "hybridpar.config",
     "load_config": "hybridpar.config",
+    # DeepSpeed's module-level names, for `import hybridpar as deepspeed` (docs/howto/deepspeed.md)
+    "add_config_arguments": "hybridpar.api.deepspeed.front",
 }
+# DeepSpeed's submodules under the same names: deepspeed.comm, deepspeed.zero, deepspeed.pipe
+_MODULES: dict[str, str] = {"comm": "hybridpar.api.deepspeed.comm", "zero": "hybridpar.api.deepspeed.zero",
+                            "pipe": "hybridpar.api.deepspeed.pipe"}
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, *_MODULES])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hybridpar' has no attribute {name!r}")

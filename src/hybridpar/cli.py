@@ -8,6 +8,7 @@ hand over to the Trainer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -53,11 +54,13 @@ DEMO_LAYOUT = ("--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",
 
 
 def _train_parser() -> argparse.ArgumentParser:
+    from hybridpar.cli_text import config_keys
+
     p = argparse.ArgumentParser(
         prog="hybridpar train",
         description="Train a Llama-style model. Any config key can be overridden as --section.key value, "
         "e.g. --train.steps 50 --parallel.dp 2.",
-    )
+        epilog=config_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest complete checkpoint in train.run_dir, or from CHECKPOINT")
@@ -130,13 +133,16 @@ def cmd_train(argv: list[str]) -> int:
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
     resume = _preflight(cfg, nproc, args.resume)
-    if nproc == 1 and not args.max_restarts:
-        return _run_worker(cfg, resume)
-    from hybridpar.distributed.launch import launch_local
+    from hybridpar.training.rundir import hold_run_dir
 
-    print(f"hybridpar: launching {nproc} local processes", flush=True)
-    return launch_local(nproc, ["train", *_strip_nproc(argv)], max_restarts=args.max_restarts or 0,
-                        run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv])
+    with hold_run_dir(Path(cfg.train.run_dir), " ".join(["hybridpar", "train", *argv])):  # the job's life
+        if nproc == 1 and not args.max_restarts:
+            return _run_worker(cfg, resume)
+        from hybridpar.distributed.launch import launch_local, strip_launcher_options
+
+        print(f"hybridpar: launching {nproc} local processes", flush=True)
+        return launch_local(nproc, ["train", *strip_launcher_options(argv)], max_restarts=args.max_restarts or 0,
+                            run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv])
 
 
 def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
@@ -159,7 +165,7 @@ def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> i
         _preflight(planned, n * nproc, args.resume, local=nproc)
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
-    from hybridpar.distributed.launch import Rendezvous, launch_local
+    from hybridpar.distributed.launch import Rendezvous, launch_local, strip_launcher_options
 
     run_dir = Path(cfg.train.run_dir)
     rdzv = Rendezvous(nodes[0], nodes[1], args.rdzv_endpoint or "localhost:0",
@@ -168,7 +174,7 @@ def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> i
     print(f"hybridpar: elastic job of {worlds} processes: {nproc} on this node"
           + (f", rendezvous at {args.rdzv_endpoint} (job {rdzv.run_id})" if args.rdzv_endpoint else ""), flush=True)
     restarts = args.max_restarts if args.max_restarts is not None else ELASTIC_RESTARTS
-    return launch_local(nproc, ["train", *_strip_nproc(argv)], max_restarts=restarts, run_dir=run_dir,
+    return launch_local(nproc, ["train", *strip_launcher_options(argv)], max_restarts=restarts, run_dir=run_dir,
                         command=["hybridpar", "train", *argv], rendezvous=rdzv)
 
 
@@ -182,31 +188,15 @@ def _hf_model(path: str) -> ModelConfig:
     return model_config_from_hf(path)
 
 
-LAUNCHER_ONLY = ("--nproc", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")
-
-
-def _strip_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without the options that only the local launcher reads (:data:`LAUNCHER_ONLY`)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in LAUNCHER_ONLY:
-            skip = True
-            continue
-        if a.startswith(tuple(f"{o}=" for o in LAUNCHER_ONLY)):
-            continue
-        out.append(a)
-    return out
-
-
 def _preflight(cfg: Config, world_size: int, resume: str | None, local: int | None = None) -> Path | None:
     """Every check that needs no process group: layout for this world size, the data, the
     checkpoint to resume. (``train.init_from``'s model already comes from its ``config.json``:
     ``load_config`` read it.) ``local``: the processes on this node when a launcher here starts
     only some of the world (default: all, or the launcher's). Returns the checkpoint path to resume from."""
     validate(cfg, world_size=world_size)
+    from hybridpar.training.rundir import check_writable
+
+    check_writable(Path(cfg.train.run_dir))
     from hybridpar.distributed.device import local_world_size, resolve_device_type
 
     resolve_device_type(cfg.train.device, local or (local_world_size() if under_launcher() else world_size))
@@ -314,16 +304,19 @@ def _fit(cfg: Config, topo: Topology, device: torch.device, stop: StopRequest, e
     """Train to the end (0), or until a signal stopped the run after a complete checkpoint
     (128 + N, with how to resume or, under an elastic agent, that it restarts the job)."""
     from hybridpar.distributed import lifecycle
+    from hybridpar.training.rundir import hold_run_dir
     from hybridpar.training.trainer import Trainer
 
-    try:
-        Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
+    try:  # rank 0 owns the run directory (unless this job's launcher holds it already)
+        with hold_run_dir(Path(cfg.train.run_dir)) if topo.rank == 0 else contextlib.nullcontext():
+            Trainer(cfg, topo, device, stop=stop, elastic=elastic).fit(resume)
     except lifecycle.Preempted as p:
         if topo.rank == 0 and elastic is not None:  # e.g. a node joined: the agent restarts the job
             print(f"hybridpar: elastic: {p}; the launcher restarts the job", file=sys.stderr, flush=True)
         elif topo.rank == 0:
             print(f"hybridpar: {p}\nhybridpar: resume with: {lifecycle.resume_command(p.checkpoint)}",
                   file=sys.stderr, flush=True)
+            lifecycle.note_stop_said()
         return 128 + p.signum
     return 0
 
@@ -356,8 +349,6 @@ def _teardown(topo: Topology | None, orderly: bool) -> None:
     if topo is None:
         return
     if orderly and topo.world_size > 1:
-        import contextlib
-
         with contextlib.suppress(Exception):
             topo.comm.barrier()
     topo.close()
@@ -455,13 +446,10 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        argv = ["train"]
-    if argv[0] in ("-h", "--help"):
-        print(f"usage: hybridpar {{{','.join(COMMANDS)}}} [options]   (hybridpar COMMAND --help)\n")
-        width = max(map(len, COMMANDS)) + 2  # the longest name (calibrate) still leaves a gap
-        for name, (_, what) in COMMANDS.items():
-            print(f"  {name:<{width}}{what}")
+    if not argv or argv[0] in ("-h", "--help", "--version"):  # bare `hybridpar`: the commands, not a run
+        from hybridpar.cli_text import top_level
+
+        print(top_level(argv, {name: what for name, (_, what) in COMMANDS.items()}))
         return 0
     if argv[0] not in COMMANDS:
         print(f"hybridpar: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
@@ -479,7 +467,13 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> NoReturn:
     """``hybridpar`` and ``python -m hybridpar.cli``. A launched worker leaves through
     :func:`hybridpar.distributed.lifecycle.exit_process` (no interpreter finalization, which can
-    abort while gloo's threads free their last tensors); its groups are gone by then."""
+    abort while gloo's threads free their last tensors); its groups are gone by then.
+
+    OpenMP's threads wait passively unless the user chose (``OMP_WAIT_POLICY``; read when torch
+    loads, which this module has not done yet): spinning threads made a CPU step ~50-400x slower
+    whenever another process held a core (issue 44: the tiny FP8 step 0.30 -> 14.7 s, fp32
+    0.013 -> 5.2 s at 2 threads on a busy 2-core machine). Launched workers inherit it."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if not under_launcher():
         sys.exit(main())
     from hybridpar.distributed.lifecycle import exit_process

@@ -487,6 +487,8 @@ def config_warnings(cfg: Config) -> list[str]:
     out = []
     if p.sequence_parallel and p.tp == 1:
         out.append("parallel.sequence_parallel = true has no effect with parallel.tp = 1; ignored")
+    if p.cp_mode != "ring" and p.cp == 1:
+        out.append(f"parallel.cp_mode = {p.cp_mode!r} has no effect with parallel.cp = 1; ignored")
     micro = cfg.microbatches
     if p.pp > 1 and micro < p.pp:
         idle = (p.pp - 1) / (micro + p.pp - 1)

@@ -29,7 +29,26 @@ from hybridpar.parallel.tensor_plan import TensorPlan
 from hybridpar.parallel.zero import DataParallelOptimizer, LocalOptimizer, ZeroOptimizer
 from hybridpar.training.step import StepEngine
 
-__all__ = ["PipelineModule"]
+__all__ = ["LayerSpec", "PipelineModule"]
+
+
+class LayerSpec:
+    """DeepSpeed's ``LayerSpec(typename, *args, **kwargs)``: a layer of a :class:`PipelineModule`
+    built only on the pipeline rank that holds it (with ``balance="params"`` every layer is built,
+    to count its parameters)."""
+
+    def __init__(self, typename: type[nn.Module], *module_args: Any, **module_kwargs: Any) -> None:
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise TypeError(f"LayerSpec takes an nn.Module class, got {typename!r}")
+        self.typename, self.module_args, self.module_kwargs = typename, module_args, module_kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+    @staticmethod
+    def built(layer: nn.Module | LayerSpec) -> nn.Module:
+        """``layer`` itself, or the module a LayerSpec builds."""
+        return layer.build() if isinstance(layer, LayerSpec) else layer
 
 Batch = tuple[Tensor, Tensor]
 
@@ -42,7 +61,7 @@ class PipelineModule(nn.Module):
     ``virtual_stages`` > 1) or ``"zb-h1"``. ``topo`` is the layout (its pp axis runs the stages).
     """
 
-    def __init__(self, layers: Sequence[nn.Module] | None = None, stages: Sequence[nn.Module] | None = None, *,
+    def __init__(self, layers: Sequence[nn.Module | LayerSpec] | None = None, stages: Sequence[nn.Module] | None = None, *,
                  topo: Topology, num_microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor],
                  activation_shape: Sequence[int], activation_dtype: torch.dtype = torch.float32,
                  schedule: str = "1f1b", virtual_stages: int = 1, balance: str = "layers") -> None:
@@ -62,14 +81,14 @@ class PipelineModule(nn.Module):
             chunks: list[nn.Module] = [stages[s] for s in mine]
             self.stage_layers = {s: range(s, s + 1) for s in range(n_stages)}
         else:
-            layers = list(layers or [])
             how = Balance(balance)
-            weights = [float(sum(p.numel() for p in m.parameters())) for m in layers]
-            part = partition_layers(len(layers), pp, virtual_stages, how,
-                                    weights if how is Balance.PARAMS else None)
+            layers = [LayerSpec.built(m) if how is Balance.PARAMS else m for m in layers or []]  # params: every layer's
+            weights = [float(sum(p.numel() for p in m.parameters())) for m in layers] if how is Balance.PARAMS else None
+            part = partition_layers(len(layers), pp, virtual_stages, how, weights)
             self.stage_layers = {c.stage: c.layers for c in part.chunks}
-            self.layers = nn.ModuleDict({str(i): layers[i] for s in mine for i in self.stage_layers[s]})
-            chunks = [nn.Sequential(*(layers[i] for i in self.stage_layers[s])) for s in mine]
+            built = {i: LayerSpec.built(layers[i]) for s in mine for i in self.stage_layers[s]}  # this rank's only
+            self.layers = nn.ModuleDict({str(i): m for i, m in built.items()})
+            chunks = [nn.Sequential(*(built[i] for i in self.stage_layers[s])) for s in mine]
         self._chunks = chunks  # not registered twice: the ModuleDict owns the parameters
         self.to(topo.device)
         self.runner = PipelineRunner(chunks, topo, self.schedule, loss_fn, act_shape=tuple(activation_shape),

@@ -208,16 +208,28 @@ def _reduce_op(op: str, t: torch.Tensor) -> dist.ReduceOp:
     raise ValueError(f"unknown reduction op={op!r}; use 'sum', 'avg' or 'max'")
 
 
-#: Collectives run outside compiled graphs (``train.compile``): a call is a graph break, never traced,
-#: so dynamo neither guards on the traffic counter nor reorders communication.
-_outside_graphs = torch.compiler.disable(recursive=True)
+def _outside_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Collectives run outside compiled graphs (``train.compile``): a call is a graph break, never
+    traced, so dynamo neither guards on the traffic counter nor reorders communication. Marked
+    here and wrapped by ``torch.compiler.disable`` when the first :class:`Comm` is made (before
+    anything can be compiled): applying it imports torch._dynamo, 3-4 s that a process which
+    only imports this module (``hybridpar plan``) does not need to pay."""
+    fn._hybridpar_outside_graphs = True  # type: ignore[attr-defined]
+    return fn
 
 
 class Comm:
     """Issues collectives and p2p on mesh axes and records their traffic in ``self.counter``."""
 
+    _graph_breaks_applied = False
+
     def __init__(self, counter: CommCounter | None = None) -> None:
         self.counter = counter if counter is not None else CommCounter()
+        if not Comm._graph_breaks_applied:
+            Comm._graph_breaks_applied = True
+            for name, fn in list(vars(Comm).items()):
+                if getattr(fn, "_hybridpar_outside_graphs", False):
+                    setattr(Comm, name, torch.compiler.disable(fn, recursive=True))
 
     def _record(self, op: Op, axis: Axis, nbytes: int, peer: int | None = None,
                 wire: int | None = None) -> OpRecord:

@@ -24,15 +24,19 @@ def records(counter: CommCounter) -> list[dict]:
             for r in counter.recent()]
 
 
-def dump(counter: CommCounter, run_dir: Path, rank: int, reason: str) -> Path:
-    """Write this rank's recent ops and the reason it stopped (atomically)."""
+def dump(counter: CommCounter, run_dir: Path, rank: int, reason: str) -> Path | None:
+    """Write this rank's recent ops and the reason it stopped (atomically). A run directory that
+    cannot be made or written loses the record, not the failure's own report: None then."""
     folder = Path(run_dir) / FLIGHT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
     ops = records(counter)
     path = folder / f"rank-{rank}.json"
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"rank": rank, "reason": reason, "time": time.time(), "ops": ops}, indent=1))
-    os.replace(tmp, path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"rank": rank, "reason": reason, "time": time.time(), "ops": ops}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        return None
     return path
 
 

@@ -24,7 +24,13 @@ from typing import Any
 
 from hybridpar import compat
 from hybridpar.distributed import flight
-from hybridpar.distributed.lifecycle import COMMAND_ENV, ERROR_DIR_ENV, read_reports, signal_name
+from hybridpar.distributed.lifecycle import (
+    COMMAND_ENV,
+    ERROR_DIR_ENV,
+    STOP_SAID,
+    read_reports,
+    signal_name,
+)
 
 # Exit statuses of ``hybridpar train``: 2 bad input, 3 a stop by the NaN/Inf policy, 128 + N a
 # stop on signal N (after a complete checkpoint), 1 anything else.
@@ -77,7 +83,8 @@ def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_d
             return 0
         except SignalException as e:  # the agent forwarded it and waited for the workers' checkpoint
             sig = int(e.sigval)
-            print(f"hybridpar: stopped by {signal_name(sig)}", file=sys.stderr, flush=True)
+            if not (Path(errors) / STOP_SAID).exists():  # rank 0 said it already, with the resume command
+                print(f"hybridpar: stopped by {signal_name(sig)}", file=sys.stderr, flush=True)
             return 128 + sig
         except ChildFailedError as e:
             return _report_failure(Path(errors), run_dir, {r: f.exitcode for r, f in e.failures.items()})
@@ -154,3 +161,22 @@ def _report_failure(errors: Path, run_dir: Path, failed: dict[int, int]) -> int:
     print(f"hybridpar: a worker failed (exit status {described}); its traceback is above", file=sys.stderr,
           flush=True)
     return 1
+
+
+LAUNCHER_ONLY = ("--nproc", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")
+
+
+def strip_launcher_options(argv: list[str]) -> list[str]:
+    """``argv`` without the options that only the local launcher reads (:data:`LAUNCHER_ONLY`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in LAUNCHER_ONLY:
+            skip = True
+            continue
+        if a.startswith(tuple(f"{o}=" for o in LAUNCHER_ONLY)):
+            continue
+        out.append(a)
+    return out

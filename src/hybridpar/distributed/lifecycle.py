@@ -164,6 +164,18 @@ def report_error(rank: int, kind: str, message: str, agreed: int = 0) -> bool:
     return True
 
 
+STOP_SAID = "stop-said"  # in the launcher's error folder: rank 0 has told the user why the job stopped
+
+
+def note_stop_said() -> None:
+    """Tell the local launcher (if any) that rank 0 printed the stop on a signal and the resume
+    command, so the launcher does not repeat "stopped by SIG..." after them."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder:
+        with contextlib.suppress(OSError):
+            (Path(folder) / STOP_SAID).touch()
+
+
 def reported_elsewhere(rank: int) -> bool:
     """Another rank has already reported an error: this rank's failure is a consequence."""
     folder = os.environ.get(ERROR_DIR_ENV)
@@ -182,6 +194,35 @@ def read_reports(folder: Path) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- exit
+
+
+_RELEASE_REGISTERED = False
+
+
+def release_groups_at_exit() -> None:
+    """Destroy every process group when the interpreter exits (registered once, by
+    :func:`hybridpar.distributed.mesh.init_distributed` when it creates the default group).
+
+    A script of the library's users (a DeepSpeed loop that never calls ``engine.close()``) ends
+    with its groups alive; interpreter finalization then races gloo's threads (module docstring,
+    ``exit_process``) and a rank aborts with SIGABRT after training finished. ``atexit`` runs
+    before finalization, and ``destroy_process_group`` waits for pending work and shuts every
+    backend's threads down, so the process leaves with none left running. Local and collective-
+    free: a peer that exited first does not block it."""
+    global _RELEASE_REGISTERED
+    if not _RELEASE_REGISTERED:
+        import atexit
+
+        atexit.register(_release_groups)
+        _RELEASE_REGISTERED = True
+
+
+def _release_groups() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def exit_process(code: int) -> NoReturn:

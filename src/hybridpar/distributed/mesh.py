@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hybridpar.config import MeshAxes
 from hybridpar.distributed.comm import Comm
 from hybridpar.distributed.device import resolve_device_type, shared_gpu
+from hybridpar.distributed.lifecycle import release_groups_at_exit
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
@@ -446,6 +447,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300, *, dist
     if init_method is not None and rank >= 0 and world_size > 0 and "RANK" not in os.environ:
         dist.init_process_group(backend=backend or backend_for("cpu"), init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        release_groups_at_exit()
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1
@@ -466,6 +468,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300, *, dist
     else:
         dist.init_process_group(backend=backend, timeout=timeout, store=store,
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    release_groups_at_exit()  # a script that never closes its engine must not abort at exit
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -241,7 +241,6 @@ def _fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Fp8Layou
     return y if bias is None else y + bias.to(y.dtype)
 
 
-@torch.compiler.disable(recursive=True)
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Fp8Layout) -> Tensor:
     """``F.linear(x, weight, bias)`` with FP8 GEMMs scaled as ``layout`` says (module doc).
 
@@ -250,7 +249,21 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Fp8Layout
     callers are."""
     if has_torch_function_variadic(x, weight, bias):
         return handle_torch_function(fp8_linear, (x, weight, bias), x, weight, bias, layout)
-    return _fp8_linear(x, weight, bias, layout)
+    return _eager_fp8_linear(x, weight, bias, layout)
+
+
+_eager_fp8_linear = _fp8_linear  # wrapped by _keep_outside_graphs
+
+
+def _keep_outside_graphs() -> None:
+    """Wrap the GEMMs of :func:`fp8_linear` in ``torch.compiler.disable`` once, when the first
+    linear becomes FP8 (:func:`to_fp8`, before anything is compiled), not at import: applying it
+    imports torch._dynamo, 3-4 s that a process which only imports this module (``hybridpar
+    plan``) does not need to pay (as :class:`~hybridpar.distributed.comm.Comm` does for the
+    collectives). :func:`fp8_linear` itself stays the same object (the W split looks for it)."""
+    global _eager_fp8_linear
+    if _eager_fp8_linear is _fp8_linear:
+        _eager_fp8_linear = torch.compiler.disable(_fp8_linear, recursive=True)
 
 
 class Fp8Linear(nn.Linear):
@@ -266,5 +279,6 @@ class Fp8Linear(nn.Linear):
 def to_fp8(layer: nn.Linear, layout: Fp8Layout) -> None:
     """Make the plain ``layer`` an :class:`Fp8Linear` in place (its parameters, hooks and
     place in the model unchanged)."""
+    _keep_outside_graphs()
     layer.__class__ = Fp8Linear
     layer.fp8 = layout

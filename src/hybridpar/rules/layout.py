@@ -92,7 +92,12 @@ def _dp_shard(cfg: Config, world: int | None) -> str | None:
     if p.dp_shard == 0 or p.dp_shard == n:
         return None
     divisors = [d for d in range(2, n + 1) if n % d == 0]
-    if p.dp_shard < 0 or n % p.dp_shard:
+    if p.dp_shard < 0:
+        return f"parallel.dp_shard = {p.dp_shard} must be >= 0 (0: shard over all dp * cp = {n} ranks)"
+    if n == 1:
+        return (f"parallel.dp_shard = {p.dp_shard} has nothing to shard over: parallel.dp * parallel.cp = "
+                f"{p.dp} * {p.cp} = 1; raise dp (or cp), or leave dp_shard = 0")
+    if n % p.dp_shard:
         return (f"parallel.dp_shard = {p.dp_shard} does not divide parallel.dp * parallel.cp = {p.dp} * {p.cp} = {n} "
                 f"(the ZeRO groups are runs of dp_shard of those ranks); use one of {divisors} or 0 (all {n})")
     if p.zero_stage == 0:
@@ -309,9 +314,10 @@ def _offload(cfg: Config, world: int | None) -> str | None:
         return ("parallel.offload_to = 'disk' places the offloaded optimizer state, but parallel.offload_optimizer "
                 "= false; set offload_optimizer = true (and zero_stage >= 1)")
     if p.offload_params and (p.zero_stage != 3 or not p.offload_optimizer):
-        return (f"parallel.offload_params = true needs parallel.zero_stage = 3 (got {p.zero_stage}) and "
-                f"parallel.offload_optimizer = true (got {str(p.offload_optimizer).lower()}): the update runs where "
-                "the parameter shards live")
+        unmet = [f"parallel.zero_stage = 3 (got {p.zero_stage})"] if p.zero_stage != 3 else []
+        unmet += ["parallel.offload_optimizer = true (got false)"] if not p.offload_optimizer else []
+        return (f"parallel.offload_params = true needs {' and '.join(unmet)}: the update runs where the "
+                "parameter shards live")
     return None
 
 

@@ -58,6 +58,40 @@ def compare_weights(run_a: Path, run_b: Path) -> tuple[str, str, dict[str, float
     return str(ca), str(cb), diffs
 
 
+# keys that may differ between two runs of one experiment without changing the result: the
+# layout (what `compare` exists to check) and where and how often a run writes
+LAYOUT_KEYS = ("train.micro_batch", "train.compile", "train.compile_backend", "train.optimizer_impl",
+               "train.device", "train.hardware", "train.timeout_s", "train.async_checkpoint", "train.auto_resume")
+BOOKKEEPING_KEYS = ("train.run_dir", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+                    "train.sample_tokens", "train.sample_prompt")
+
+
+def _flat_config(run_dir: Path) -> dict[str, object] | None:
+    """``section.key -> value`` of a run's ``config.json`` (None when it has none)."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        return None
+    return {f"{section}.{k}": v for section, keys in json.loads(path.read_text()).items()
+            if isinstance(keys, dict) for k, v in keys.items()}
+
+
+def config_differences(run_a: Path, run_b: Path) -> str:
+    """One line naming the config keys that differ between the runs, as ``key a -> b``: first
+    those that change the result (a different experiment), then the layout's (expected)."""
+    a, b = _flat_config(run_a), _flat_config(run_b)
+    if a is None or b is None:
+        return "config: one of the runs has no config.json; not compared"
+    differ = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k) and k not in BOOKKEEPING_KEYS]
+    layout = [k for k in differ if k.startswith("parallel.") or k in LAYOUT_KEYS]
+    result = [k for k in differ if k not in layout]
+
+    def show(keys: list[str]) -> str:
+        return ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys)
+
+    line = f"config: differs in {show(result)} (these change the result)" if result else "config: the same"
+    return line + (f"; layout: {show(layout)}" if layout else "; the same layout")
+
+
 def cmd_compare(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="hybridpar compare", description=__doc__.splitlines()[0])
     ap.add_argument("run_a")
@@ -71,6 +105,7 @@ def cmd_compare(argv: list[str]) -> int:
     if not steps:
         raise UserError(f"{a} and {b} logged no common step; compare runs of the same config")
     ok = loss_diff <= args.loss_rtol
+    print(config_differences(a, b))
     print(f"losses: {len(steps)} common steps ({steps[0]}..{steps[-1]}), largest relative difference "
           f"{loss_diff:.2e} (tolerance {args.loss_rtol:.0e}): {'expected' if ok else 'NOT expected'}")
     weights = compare_weights(a, b)

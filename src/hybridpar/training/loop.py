@@ -36,7 +36,7 @@ from hybridpar.distributed.mesh import Axis
 from hybridpar.training import checkpoint
 from hybridpar.training.checkpoint import BackgroundWriter
 from hybridpar.training.features.base import DeviceStats
-from hybridpar.training.metrics import MetricsLogger, atomic_write_text
+from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
 
 
 class StepResult:
@@ -318,6 +318,11 @@ class LossRange:
         return float("nan") if self._last is None else self._last.loss
 
 
+def _size(nbytes: int) -> str:
+    """``1.57 MiB``, or ``12.0 KiB`` below a hundredth of a MiB (which would print as 0.00 MiB)."""
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 / 100 else f"{nbytes / 2**10:.1f} KiB"
+
+
 class RunReport:
     """The end of a run as rank 0 reports it: ``summary.json``, ``sample.txt``, the loss plot and
     the final log lines. Other ranks get a report that writes nothing."""
@@ -328,15 +333,20 @@ class RunReport:
         self.layout, self.world_size = layout, world_size
         self.device_type, self.pipeline_schedule = device_type, pipeline_schedule
 
-    def write(self, log: MetricsLogger, summary: dict[str, Any], sample: str, losses: LossRange,
+    def write(self, log: MetricsLogger, summary: dict[str, Any], sample: str | None, losses: LossRange,
               timeline: tuple[Path, float] | None) -> None:
         """Write the files and lines (``log`` is closed; it still draws the plot and prints)."""
         if not self.enabled:
             return
         plot = log.plot()
-        atomic_write_text(self.run_dir / "sample.txt", sample)
+        if losses.first_step > 1:  # a resumed segment: the run's first loss is step 1's, in metrics.jsonl
+            summary.update(first_loss=self.run_first_loss(losses.first), segment_first_step=losses.first_step,
+                           segment_first_loss=losses.first)
+        if sample is not None:
+            atomic_write_text(self.run_dir / "sample.txt", sample)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        log.write(f"--- sample ---\n{sample}\n--------------")
+        if sample is not None:  # train.sample_tokens = 0: no sample, no empty block
+            log.write(f"--- sample ---\n{sample}\n--------------")
         log.write(self.details(summary["traffic_bytes_per_step"], summary["peak_memory_bytes_per_rank"], timeline))
         if "expert_imbalance" in summary:
             per_layer = " ".join(f"{v:.2f}" for v in summary["expert_imbalance_per_layer"])
@@ -346,15 +356,23 @@ class RunReport:
         val = f"validation {val_loss:.4f}" if val_loss == val_loss else "no validation (train.eval_every = 0)"
         log.write(f"loss {losses.first:.4f} (step {losses.first_step}) -> {losses.last:.4f} "
                   f"(step {summary['steps']}), {val}; run dir {self.run_dir} (metrics.jsonl, {plot and plot.name}, "
-                  "tensorboard/, sample.txt, summary.json)")
+                  f"tensorboard/, {'sample.txt, ' if sample is not None else ''}summary.json)")
+
+    def run_first_loss(self, fallback: float) -> float:
+        """Step 1's loss as ``metrics.jsonl`` recorded it (every run logs step 1), else ``fallback``."""
+        path = self.run_dir / METRICS_FILE
+        lines = path.read_text().splitlines() if path.exists() else []
+        first = next((json.loads(x) for x in lines if x.strip()), None)
+        return float(first["loss"]) if first is not None and first.get("step") == 1 else fallback
 
     def details(self, traffic: dict[str, int], memory: list[int], timeline: tuple[Path, float] | None) -> str:
         """The end-of-run lines: layout, traffic per axis, memory per rank, pipeline bubble."""
         mib = 2**20
         lines = [f"layout: {self.layout} on {self.world_size} process(es)"]
-        if traffic:
+        moved = {axis: b for axis, b in traffic.items() if b}  # an axis that sent nothing (HSDP's whole dp) is no news
+        if moved:
             lines.append("traffic per step (rank 0, ring-model bytes sent): "
-                         + ", ".join(f"{axis} {b / mib:.2f} MiB" for axis, b in traffic.items()))
+                         + ", ".join(f"{axis} {_size(b)}" for axis, b in moved.items()))
         what = "GPU allocator peak" if self.device_type == "cuda" else "peak resident set"
         lines.append(f"memory per rank ({what}): " + " ".join(f"r{r} {b / mib:.0f}" for r, b in enumerate(memory))
                      + " MiB")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from hybridpar.training.loop import (
 from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write_text
 from hybridpar.training.optim import lr_at
 from hybridpar.training.precision import LossScaler, record_nonfinite
+from hybridpar.training.rundir import backup_previous_run
 
 
 class Trainer:
@@ -324,7 +324,7 @@ class Trainer:
         summary["traffic_bytes_per_step"] = traffic
         summary["peak_memory_bytes_per_rank"] = memory
         summary.update(self.hooks.summary())  # the features' keys
-        sample = self.sample_text(self.cfg.train.sample_prompt)
+        sample = self.sample_text(self.cfg.train.sample_prompt) if self.cfg.train.sample_tokens else None
         report = RunReport(self.run_dir, self.is_logger, self.layout_name(), self.topo.world_size,
                            self.device.type, self.cfg.parallel.pipeline_schedule)
         report.write(log, summary, sample, losses, timeline)
@@ -359,11 +359,8 @@ class Trainer:
             atomic_write_text(path, "".join(line + "\n" for line in keep))
 
     def _prepare_run_dir(self) -> None:
-        """Start a fresh run directory; a previous run there is kept as ``<run_dir>.prev``."""
-        if self.run_dir.exists() and any(self.run_dir.iterdir()):
-            prev = self.run_dir.with_name(self.run_dir.name + ".prev")
-            shutil.rmtree(prev, ignore_errors=True)
-            self.run_dir.rename(prev)
-            print(f"hybridpar: moved the previous run in {self.run_dir} to {prev}")
+        """Start a fresh run directory; a previous run there is moved to the next numbered
+        backup ``<run_dir>.N`` (:func:`hybridpar.training.rundir.backup_previous_run`), never deleted."""
+        backup_previous_run(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n")

@@ -257,6 +257,10 @@ def _blocks(cfg: Mapping[str, Any], hidden: int | None) -> dict[str, Any]:
     """The EngineConfig keys of every block but the batch and optimizer ones."""
     out: dict[str, Any] = {**_precision(cfg), **_zero(cfg.get("zero_optimization", {}), hidden)}
     check_keys("activation_checkpointing", cfg.get("activation_checkpointing", {}))
+    check_keys("data_types", cfg.get("data_types", {}))
+    checkpoint = cfg.get("checkpoint", {})
+    check_keys("checkpoint", checkpoint)
+    check_keys("checkpoint.parallel_write", checkpoint.get("parallel_write", {}))
     clip = _auto(cfg.get("gradient_clipping", 0.0), 1.0)
     if isinstance(clip, bool) or not isinstance(clip, int | float) or clip < 0:
         raise ConfigError(f"ds_config: gradient_clipping = {clip!r} must be a number >= 0 (0: no clipping)")

@@ -155,6 +155,16 @@ class DeepSpeedEngine(ModelEngine):
     def device(self) -> torch.device:
         return self.topo.device
 
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (torchrun's ``LOCAL_RANK``), as DeepSpeed's."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def mp_world_size(self) -> int:
+        """DeepSpeed's model-parallel size: the tensor-parallel size (AutoTP)."""
+        return self.topo.tp.size
+
     def fp16_enabled(self) -> bool:
         return self.cfg.precision == "fp16"
 
@@ -207,3 +217,20 @@ class DeepSpeedEngine(ModelEngine):
             raise ValueError("load_checkpoint() restores the whole engine: load_module_strict, load_optimizer_states "
                              "and load_lr_scheduler_states must stay True, load_module_only False, custom_load_fn None")
         return load(self, load_dir, tag)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``save_16bit_model``: the whole model's weights (ZeRO-3 and tensor-parallel
+        shards gathered) in one ``torch.save`` file ``<save_dir>/<save_filename>``, written by rank 0,
+        in the training's 16-bit type (bf16 or fp16; fp32 stays fp32, as DeepSpeed saves the
+        module's own type). Collective. Returns True."""
+        if exclude_frozen_parameters:
+            raise ValueError("save_16bit_model(exclude_frozen_parameters=True) is not supported")
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision)
+        sd = self.full_state_dict()
+        if self.topo.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            out = {k: v.detach().to("cpu", dtype if dtype is not None and v.is_floating_point() else v.dtype)
+                   for k, v in sd.items()}
+            torch.save(out, os.path.join(save_dir, save_filename))
+        return True

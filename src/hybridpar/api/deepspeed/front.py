@@ -11,6 +11,7 @@ groups; the engine's ZeRO optimizer then runs that class.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,7 +27,7 @@ from hybridpar.api.engine import EngineConfig
 from hybridpar.config import ConfigError
 from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
 
-__all__ = ["deepspeed_initialize", "named_groups"]
+__all__ = ["add_config_arguments", "deepspeed_initialize", "named_groups"]
 
 CLIENT_OPTIMIZERS = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
 GROUP_OPTIONS = ("lr", "weight_decay", "betas", "eps", "momentum", "name")
@@ -164,3 +165,16 @@ def _pipeline_module() -> type:
     from hybridpar.api.pipeline import PipelineModule
 
     return PipelineModule
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's ``--deepspeed``, ``--deepspeed_config`` (and the old ``--deepscale`` /
+    ``--deepscale_config``) on ``parser``, as DeepSpeed adds them; ``initialize(args=args)`` reads
+    ``args.deepspeed_config``. Returns ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser

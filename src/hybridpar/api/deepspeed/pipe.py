@@ -1,5 +1,6 @@
-"""DeepSpeed's pipeline engine calls on a :class:`~hybridpar.api.pipeline.PipelineModule`:
-``train_batch(data_iter)`` and ``eval_batch(data_iter)``.
+"""``deepspeed.pipe`` (``hybridpar.pipe``: ``PipelineModule``, ``LayerSpec``) and DeepSpeed's
+pipeline engine calls on a :class:`~hybridpar.api.pipeline.PipelineModule`: ``train_batch(data_iter)``
+and ``eval_batch(data_iter)``.
 
 ``train_batch`` takes ``gradient_accumulation_steps`` micro-batches ``(inputs, targets)`` from the
 iterator (the module's ``num_microbatches``: the two must agree), runs the module's schedule,
@@ -19,11 +20,13 @@ from hybridpar.api.deepspeed.config import parse_ds_config
 from hybridpar.api.deepspeed.front import _dataloader, named_groups
 from hybridpar.api.deepspeed.schedules import schedule_lrs
 from hybridpar.api.engine import OPTIMIZERS
-from hybridpar.api.pipeline import PipelineModule
+from hybridpar.api.pipeline import LayerSpec, PipelineModule
 from hybridpar.config import ConfigError
 from hybridpar.parallel.zero import ZeroOptimizer
 
-__all__ = ["PipelineEngine", "pipeline_initialize"]
+# deepspeed.pipe's names (hybridpar.pipe): the PipelineModule (hybridpar's signature: it takes the
+# topology, num_microbatches and the activation shape; docs/howto/deepspeed.md) and LayerSpec
+__all__ = ["LayerSpec", "PipelineEngine", "PipelineModule", "pipeline_initialize"]
 
 
 class PipelineEngine:

@@ -18,14 +18,16 @@ from typing import Any
 
 from hybridpar.config import ConfigError
 
-__all__ = ["BLOCKS", "DEFAULT_ONLY", "KNOWN_UNSUPPORTED", "NO_EFFECT", "check_keys"]
+__all__ = ["BLOCKS", "DEFAULT_ONLY", "KNOWN_UNSUPPORTED", "NO_EFFECT", "RENAMED", "SWITCHED_OFF", "check_keys"]
 
 # block path ("" = top level) -> keys read
 BLOCKS: dict[str, tuple[str, ...]] = {
     "": ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
          "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization", "activation_checkpointing",
          "tensor_parallel", "bfloat16", "steps_per_print", "tensorboard", "communication_data_type",
-         "zero_allow_untested_optimizer", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor"),
+         "zero_allow_untested_optimizer", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
+         "memory_breakdown", "dump_state", "sparse_gradients", "zero_force_ds_cpu_optimizer", "data_types",
+         "checkpoint"),
     "optimizer": ("type", "params"),
     "optimizer.params.adam": ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "amsgrad"),
     "optimizer.params.sgd": ("lr", "momentum", "weight_decay", "nesterov", "dampening"),
@@ -44,7 +46,7 @@ BLOCKS: dict[str, tuple[str, ...]] = {
                           "round_robin_gradients", "sub_group_size", "stage3_param_persistence_threshold",
                           "stage3_max_live_parameters", "stage3_max_reuse_distance",
                           "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-                          "ignore_unused_parameters"),
+                          "ignore_unused_parameters", "cpu_offload", "cpu_offload_params"),
     "zero_optimization.offload_optimizer": ("device", "nvme_path", "pin_memory", "buffer_count", "fast_init",
                                             "ratio"),
     "zero_optimization.offload_param": ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size",
@@ -53,7 +55,14 @@ BLOCKS: dict[str, tuple[str, ...]] = {
                                  "number_checkpoints", "synchronize_checkpoint_boundary", "profile"),
     "tensor_parallel": ("autotp_size",),
     "tensorboard": ("enabled", "output_path", "job_name"),
+    "data_types": ("grad_accum_dtype",),
+    "checkpoint": ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write"),
+    "checkpoint.parallel_write": ("pipeline_stage",),
 }
+
+# DeepSpeed's blocks with an "enabled" switch for features this front door does not have:
+# accepted when switched off (what they would do does not happen), refused when switched on
+SWITCHED_OFF = ("flops_profiler", "wandb", "csv_monitor", "comet", "comms_logger", "amp", "elasticity")
 
 # accepted with any value: DeepSpeed's implementation knobs; here the result is the same whatever they say
 NO_EFFECT: dict[str, str] = {
@@ -81,6 +90,7 @@ NO_EFFECT: dict[str, str] = {
     "optimizer.params.adam.torch_adam": "torch's Adam/AdamW kernels are always used",
     "activation_checkpointing.number_checkpoints": "it sizes deepspeed.checkpointing's buffers",
     "fp16.auto_cast": "the forward runs under torch.autocast",
+    "checkpoint.tag_validation": "every rank saves under the one tag rank 0 chose",
 }
 
 # accepted at DeepSpeed's default (the value), refused otherwise
@@ -93,19 +103,28 @@ DEFAULT_ONLY: dict[str, Any] = {
     "activation_checkpointing.partition_activations": False, "activation_checkpointing.cpu_checkpointing": False,
     "activation_checkpointing.contiguous_memory_optimization": False,
     "activation_checkpointing.synchronize_checkpoint_boundary": False, "activation_checkpointing.profile": False,
+    "memory_breakdown": False, "dump_state": False, "sparse_gradients": False, "zero_force_ds_cpu_optimizer": True,
+    "data_types.grad_accum_dtype": None, "checkpoint.load_universal": False,
+    "checkpoint.use_node_local_storage": False, "checkpoint.parallel_write.pipeline_stage": False,
+    "zero_optimization.cpu_offload": False, "zero_optimization.cpu_offload_params": False,
+}
+
+# DEFAULT_ONLY keys that DeepSpeed renamed: their refusal says what to write instead
+RENAMED: dict[str, str] = {
+    "zero_optimization.cpu_offload": 'zero_optimization.offload_optimizer: {"device": "cpu"}',
+    "zero_optimization.cpu_offload_params": 'zero_optimization.offload_param: {"device": "cpu"} (stage 3)',
 }
 
 # DeepSpeed's own keys that this front door does not implement (refused as such, not as typos)
 KNOWN_UNSUPPORTED = frozenset({
     "amp", "fp8", "torch_autocast", "flops_profiler", "comms_logger", "compression_training",
-    "data_efficiency", "curriculum_learning", "elasticity", "pipeline", "sparse_attention", "checkpoint", "aio",
-    "nebula", "autotuning", "wandb", "csv_monitor", "comet", "dataloader_drop_last", "sparse_gradients",
-    "memory_breakdown", "dump_state", "disable_allgather", "data_types", "hybrid_engine", "weight_quantization",
+    "data_efficiency", "curriculum_learning", "elasticity", "pipeline", "sparse_attention", "aio",
+    "nebula", "autotuning", "wandb", "csv_monitor", "comet", "dataloader_drop_last",
+    "disable_allgather", "hybrid_engine", "weight_quantization",
     "compile", "zenflow", "timers", "eigenvalue", "progressive_layer_drop", "quantize_training", "mics_shard_size",
     "mics_hierarchical_params_gather", "sequence_parallel_size", "seq_parallel_communication_data_type",
     "use_data_before_expert_parallelism", "graph_harvesting", "load_universal_checkpoint", "fp32_reduce_scatter",
-    "gradient_accumulation_dtype", "zero_force_ds_cpu_optimizer", "train_batch_size_per_gpu",
-    "zero_optimization.cpu_offload", "zero_optimization.cpu_offload_params", "zero_optimization.elastic_checkpoint",
+    "gradient_accumulation_dtype", "train_batch_size_per_gpu", "zero_optimization.elastic_checkpoint",
     "zero_optimization.load_from_fp32_weights", "zero_optimization.zero_quantized_weights",
     "zero_optimization.zero_quantized_gradients", "zero_optimization.zero_quantized_nontrainable_weights",
     "zero_optimization.mics_shard_size", "zero_optimization.memory_efficient_linear",
@@ -126,19 +145,29 @@ def check_keys(block: str, given: Mapping[str, Any], shown: str | None = None) -
     shown = block if shown is None else shown
     for key in given:
         path = f"{shown}.{key}" if shown else str(key)
+        if not block and key in SWITCHED_OFF and _switched_off(given[key]):
+            continue
         if key not in supported:
             raise ConfigError(_unsupported(block, str(key), path, supported))
         default_key = f"{block}.{key}" if block else key
         if default_key in DEFAULT_ONLY and given[key] != DEFAULT_ONLY[default_key] and given[key] != "auto":
+            instead = f"write {RENAMED[default_key]} instead" if default_key in RENAMED else "remove it"
             raise ConfigError(f"ds_config: {path} = {given[key]!r} is not supported (only its default "
-                              f"{DEFAULT_ONLY[default_key]!r}); remove it")
+                              f"{DEFAULT_ONLY[default_key]!r}); {instead}")
+
+
+def _switched_off(value: Any) -> bool:
+    """A :data:`SWITCHED_OFF` block that is off: a JSON object whose ``enabled`` is false or absent
+    (DeepSpeed's default for each of them)."""
+    return isinstance(value, Mapping) and value.get("enabled", False) is False
 
 
 def _unsupported(block: str, key: str, path: str, supported: Iterable[str]) -> str:
     known = (f"{block}.{key}" if block else key) in KNOWN_UNSUPPORTED
     names = ", ".join(supported)
     if known:
-        return f"ds_config: {path} is a DeepSpeed setting hybridpar does not implement; {_where(block)} supports {names}"
+        off = f' ({path} is accepted switched off: "enabled": false)' if not block and key in SWITCHED_OFF else ""
+        return f"ds_config: {path} is a DeepSpeed setting hybridpar does not implement; {_where(block)} supports {names}{off}"
     close = difflib.get_close_matches(key, list(supported), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"ds_config: unknown key {path}{hint}; {_where(block)} supports {names}"
@@ -155,8 +184,10 @@ def no_effect_keys(config: Mapping[str, Any], prefix: str = "") -> list[str]:
         path = f"{prefix}.{key}" if prefix else str(key)
         if path in NO_EFFECT:
             out.append(path)
+        elif path in SWITCHED_OFF and _switched_off(value):
+            out.append(f"{path} (switched off)")
         elif isinstance(value, Mapping) and path in ("zero_optimization", "zero_optimization.offload_optimizer",
                                                       "zero_optimization.offload_param", "activation_checkpointing",
-                                                      "fp16"):
+                                                      "fp16", "checkpoint"):
             out += no_effect_keys(value, path)
     return out

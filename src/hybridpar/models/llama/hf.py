@@ -113,6 +113,15 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    """``rope_scaling`` for transformers 4.x and serving engines that read only that key: the same
+    parameters as ``rope_parameters`` without ``rope_theta``; None (4.x's "unscaled") for the
+    default rotation. Without it such a reader would run unscaled RoPE with no error."""
+    if cfg.rope_type == "default":
+        return None
+    return {k: v for k, v in _rope_parameters(cfg).items() if k != "rope_theta"}
+
+
 def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family: str,
                          qkv_bias: bool = False, qk_norm: bool = False, default_theta: float = 10000.0) -> ModelConfig:
     """The :class:`ModelConfig` of a Llama-like ``config.json`` ``c`` (read from ``where``);
@@ -142,8 +151,8 @@ def llama_config_from_hf(c: Mapping[str, Any], where: str, name: str, *, family:
 
 
 def llama_hf_config(cfg: ModelConfig, model_type: str, architecture: str, moe: bool = False) -> dict[str, Any]:
-    """``config.json`` for a Llama-like model; ``rope_theta`` both flat (transformers 4.x) and
-    as ``rope_parameters`` (5.x). A model with experts is refused unless the family states them
+    """``config.json`` for a Llama-like model; the RoPE both as transformers 4.x reads it (flat
+    ``rope_theta``, ``rope_scaling``) and as 5.x does (``rope_parameters``). A model with experts is refused unless the family states them
     (``moe``: Mixtral, Qwen3-MoE)."""
     if cfg.n_experts and not moe:
         raise unexportable("n_experts", cfg.n_experts, architecture, f"{model_type} has no mixture-of-experts "
@@ -164,6 +173,7 @@ def llama_hf_config(cfg: ModelConfig, model_type: str, architecture: str, moe: b
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": _rope_parameters(cfg),
+        "rope_scaling": _rope_scaling(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": 0.0,
     }

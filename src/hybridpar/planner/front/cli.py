@@ -18,7 +18,6 @@ from pathlib import Path
 
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
 from hybridpar.distributed import device as devices
-from hybridpar.models.hf import model_config_from_hf
 from hybridpar.planner.front.explain import (
     dp_shard_reason,
     explain,
@@ -74,6 +73,10 @@ def load_model(spec: str) -> ModelConfig:
     """A preset name, or a Hugging Face ``config.json`` (or the directory holding it)."""
     path = Path(spec)
     if path.exists():
+        # imported here, not for a cycle: the HF reader pulls in the model families and parallel/
+        # (and torch's compiler with them, ~3.5 s) that a plan of a preset never needs (issue 44, 18)
+        from hybridpar.models.hf import model_config_from_hf
+
         return model_config_from_hf(path.parent if path.is_file() else path, any_rope=True)
     if spec in MODEL_PRESETS:
         return model_preset(spec)

@@ -45,12 +45,27 @@ def moe_imbalance(args: argparse.Namespace) -> tuple[float, str]:
     return DEFAULT_IMBALANCE, "default (Switch Transformer's capacity factor)"
 
 
+def _headroom(cluster: Cluster) -> str:
+    """How the capacity a plan fills is less than the device's memory, when it is."""
+    g = cluster.gpu
+    if not g.headroom_bytes:
+        return ""
+    return (f"; {g.usable_bytes / 2**30:.1f} GiB = the {g.hbm_bytes / 2**30:.1f} GiB CUDA has less "
+            f"{g.headroom_bytes / 2**30:.1f} GiB ({g.headroom_bytes / g.hbm_bytes:.0%}) kept free for the CUDA "
+            "context, NCCL buffers and fragmentation")
+
+
+def _tflops(rate: float) -> str:
+    """A TFLOP/s rate with three significant digits: a CPU's 0.0021 is not shown as 0.0."""
+    return f"{rate:.1f}" if rate >= 100 else f"{rate:.3g}"
+
+
 def table_row(ev: Evaluation, moe: bool = False) -> str:
     """One ranked layout as a row under :func:`header`."""
     L, c, m = ev.layout, ev.cost, ev.memory
     extra = f"{L.pipeline_schedule}{'x' + str(L.virtual_stages) if L.virtual_stages > 1 else ''}" if L.pp > 1 else "-"
     mem = f"{m.total / 2**30:7.1f}" if m else "      -"
-    rate = (f"{c.step_time_s:8.3f} {100 * c.mfu:5.1f}% {c.tflops_per_gpu:7.1f} {c.tokens_per_s:11,.0f}"
+    rate = (f"{c.step_time_s:8.3f} {100 * c.mfu:5.1f}% {_tflops(c.tflops_per_gpu):>7} {c.tokens_per_s:11,.0f}"
             if c else "")
     ep = f" {L.ep:>3}" if moe else ""
     offload = (f"{L.offload_to}{'+p' if L.offload_params else ''}" if L.offload_optimizer else "-")
@@ -87,8 +102,8 @@ def explain(ev: Evaluation, moe: bool = False) -> str:
         lines.append("time per step:")
         for k, v in c.terms.items():
             lines.append(f"  {k:<20} {v:10.4f} s")
-        lines.append(f"  step time {c.step_time_s:.3f} s, MFU {100 * c.mfu:.1f}%, {c.tflops_per_gpu:.1f} model "
-                     f"TFLOP/s per GPU ({c.hw_tflops_per_gpu:.1f} with recompute), bubble "
+        lines.append(f"  step time {c.step_time_s:.3f} s, MFU {100 * c.mfu:.1f}%, {_tflops(c.tflops_per_gpu)} model "
+                     f"TFLOP/s per GPU ({_tflops(c.hw_tflops_per_gpu)} with recompute), bubble "
                      f"{100 * c.bubble_fraction:.1f}%, {c.tokens_per_s:,.0f} tokens/s")
     if ev.note:
         lines.append(f"note: this version's trainer cannot run it yet: {ev.note}")
@@ -148,7 +163,7 @@ def why(model: ModelConfig, result: SearchResult, work: Workload, cluster: Clust
         lines[0] += (f"; the next, {_named(nxt.layout)}, {nxt.cost.step_time_s:.3f} s "
                      f"(+{100 * (nxt.cost.step_time_s / c.step_time_s - 1):.1f}%)")
     lines.append(f"memory {m.total / 2**30:.1f} of {best.capacity / 2**30:.1f} GiB on the worst pipeline rank "
-                 f"(ZeRO-{L.zero_stage}, recompute {L.recompute})")
+                 f"(ZeRO-{L.zero_stage}, recompute {L.recompute}){_headroom(cluster)}")
     lines.append(dp_shard_reason(best, lambda lay: evaluate(model, lay, work, cluster), cluster.gpus_per_node))
     lines += pipeline_reasons(model, best, work, cluster)
     lines += cp_reason(model, L, work, cluster)

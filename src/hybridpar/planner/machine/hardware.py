@@ -205,6 +205,14 @@ class GPUSpec:
     # a profile's [efficiency] table writes them (hybridpar calibrate --from-run fits them)
     efficiency: Efficiency | None = None
     fp8_flops: float = 0.0  # dense FP8 tensor-core peak (train.fp8; planner/price/fp8.py); 0 = none
+    # device memory a plan leaves free: the CUDA context, NCCL's buffers and the caching
+    # allocator's fragmentation live outside what the memory model counts (the GPUs below: 5%)
+    headroom_bytes: float = 0.0
+
+    @property
+    def usable_bytes(self) -> float:
+        """Device memory a layout may plan to fill: ``hbm_bytes - headroom_bytes``."""
+        return self.hbm_bytes - self.headroom_bytes
 
 
 # Latency: NCCL's per-hop base latency is a few microseconds on NVLink and about ten across
@@ -226,7 +234,8 @@ GPUS: dict[str, GPUSpec] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity = 989.4 dense,
     # FP32 67 TFLOPS, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (bidirectional). DGX H100
     # datasheet: 8x ConnectX-7 400 Gb/s NDR, one per GPU = 50 GB/s.
-    "H100-SXM": GPUSpec("H100-SXM", 989.4e12, 67e12, 80 * GiB, 3350 * GB, 450 * GB, 50 * GB,
+    # Memory: what CUDA has, 81,559 MiB (79.6 GiB) on an H100 80GB HBM3, not the datasheet's 80.
+    "H100-SXM": GPUSpec("H100-SXM", 989.4e12, 67e12, 81559 * 2**20, 3350 * GB, 450 * GB, 50 * GB,
                         gemm_efficiency=0.75, host_bw=50 * GB, host_bytes=256 * GB,  # PCIe Gen5 x16: 64 GB/s raw
                         fp8_flops=1978.9e12),  # same datasheet: FP8 3,958 TFLOPS with sparsity = 1,979 dense
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM (989 dense BF16,
@@ -241,6 +250,8 @@ GPUS: dict[str, GPUSpec] = {
                     gemm_efficiency=0.7, host_bw=50 * GB, host_bytes=512 * GB,
                     fp8_flops=4500e12),  # the 72 PFLOPS FP8 / 8 above
 }
+HEADROOM = 0.05  # of each datasheet GPU's memory, kept free by plans (GPUSpec.headroom_bytes)
+GPUS = {name: dataclasses.replace(g, headroom_bytes=HEADROOM * g.hbm_bytes) for name, g in GPUS.items()}
 
 
 def gpu_spec(name_or_path: str) -> GPUSpec:

@@ -119,7 +119,7 @@ def _memory_only(model: ModelConfig, layout: Layout, work: Workload, cluster: Cl
                  rule: Broken | None | bool = False) -> Evaluation:
     """Rules and memory, no cost and no runtime note (``rule``: the rule this shape breaks, or
     None, when already checked; False to check it here)."""
-    ev = Evaluation(layout, capacity=cluster.gpu.hbm_bytes, host_capacity=cluster.gpu.host_bytes)
+    ev = Evaluation(layout, capacity=cluster.gpu.usable_bytes, host_capacity=cluster.gpu.host_bytes)
     ev.broken = layout_rule(model, layout, work) if rule is False else rule  # type: ignore[assignment]
     if ev.broken is not None:
         ev.rule = ev.broken.message
@@ -140,10 +140,14 @@ def _finish(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Cluster
     return ev
 
 
-def rank_key(ev: Evaluation) -> tuple[float, float]:
-    """Order of fitting evaluations: step time, then (on a tie to :data:`TIE_DIGITS`) memory."""
+def rank_key(ev: Evaluation) -> tuple[float, int, int, float]:
+    """Order of fitting evaluations: step time, then (on a tie to :data:`TIE_DIGITS`) the simpler
+    layout, as a user would pick it (fewer axes besides data parallelism, then more of the
+    world in data parallelism: dp4 cp2 before dp1 cp8), then memory."""
     assert ev.cost is not None and ev.memory is not None
-    return float(f"{ev.cost.step_time_s:.{TIE_DIGITS}g}"), ev.memory.total
+    L = ev.layout
+    others = (L.tp, L.pp, L.cp)
+    return float(f"{ev.cost.step_time_s:.{TIE_DIGITS}g}"), sum(d > 1 for d in others), L.tp * L.pp * L.cp, ev.memory.total
 
 
 def divisors(n: int) -> list[int]:
