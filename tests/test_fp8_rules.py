@@ -11,7 +11,7 @@ from hybridpar.errors import UserError
 from hybridpar.parallel.fp8 import Fp8Linear
 from hybridpar.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from hybridpar.rules import fp8_device_error
-from hybridpar.training.features.fp8 import apply_fp8
+from hybridpar.training.features.fp8 import Fp8Component, apply_fp8
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -44,7 +44,7 @@ def test_the_blocks_linears_and_nothing_else_run_fp8(tmp_path) -> None:
     with trainer_for(make_config(str(tmp_path), "--model.dim", "64", "--train.fp8", "tensorwise")) as trainer:
         model = trainer.engine.model
         fp8 = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
-        assert trainer.engine.fp8_linears == len(fp8) == 7 * 2  # wq wk wv wo w1 w2 w3, 2 layers
+        assert trainer.hooks.find(Fp8Component).linears == len(fp8) == 7 * 2  # wq wk wv wo w1 w2 w3, 2 layers
         assert all(n.startswith("layers.") for n in fp8)
         assert not isinstance(model.output, Fp8Linear)
         assert trainer.hooks.summary()["fp8"] == {"recipe": "tensorwise", "linear_layers": 14}

@@ -253,7 +253,15 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, layout: Fp8Layout
     return _fp8_linear(x, weight, bias, layout)
 
 
-class Fp8Linear(nn.Linear):
+class Fp8Capable:
+    """A linear layer whose GEMMs may run in FP8: :attr:`fp8`, its layout (None: they do not).
+    The column- and row-parallel linears and :class:`Fp8Linear` are; ZeRO-3's FP8 all-gather
+    asks a parameter's owner through it (``isinstance``, no attribute looked up by name)."""
+
+    fp8: Fp8Layout | None = None
+
+
+class Fp8Linear(Fp8Capable, nn.Linear):
     """``nn.Linear`` whose GEMMs run in FP8 (:func:`fp8_linear` with ``fp8``): what an
     ``nn.Linear`` of a block becomes under ``train.fp8`` (:func:`to_fp8`), same parameters."""
 
