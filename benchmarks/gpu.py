@@ -22,7 +22,7 @@ the whole script takes about a minute (``tests/test_gpu_benchmark.py`` runs it s
 On CPU the profile counts forced transfers as the aten ops that read a tensor's value on the
 host (``aten::_local_scalar_dense``, ``aten::is_nonzero``) and kernel time as the ops' self time.
 
-``--fp8`` runs only hybridpar's step with ``train.fp8`` = tensorwise and rowwise against bf16 at the
+``--fp8`` runs only hybridpar's step with ``fp8.recipe`` = tensorwise and rowwise against bf16 at the
 0.7B shape (eager, and compiled on CUDA): the FP8 / bf16 step ratios of issue 33 (target <= 0.75
 on one H100). On CPU the FP8 GEMM is an fp32 GEMM of the dequantized operands (``compat.scaled_mm``),
 so its ratio there says nothing about GPUs.
@@ -115,7 +115,7 @@ def smoke_resume(device: str, root: Path, timeout_s: float) -> dict[str, dict[st
     run resumed from the step-1 checkpoint must log the same step-2 loss), then ``hybridpar
     generate`` from the last checkpoint."""
     start = time.perf_counter()
-    common = ["train", *SMOKE_BASE, "--train.device", device, "--train.async_checkpoint", "true",
+    common = ["train", *SMOKE_BASE, "--train.device", device, "--async_checkpoint.enabled", "true",
               "--train.checkpoint_every", "1"]
     whole, part = root / "resume_whole", root / "resume_part"
     steps = [hybridpar([*common, "--train.run_dir", str(whole)], timeout_s)]
@@ -232,7 +232,7 @@ FP8_RECIPES = ("none", "tensorwise", "rowwise")
 
 
 def fp8_steps(shape: list[str], device: torch.device, steps: int) -> dict[str, Any]:
-    """``--fp8``: hybridpar's step at ``shape`` with ``train.fp8`` none / tensorwise / rowwise,
+    """``--fp8``: hybridpar's step at ``shape`` with ``fp8.recipe`` none / tensorwise / rowwise,
     eager (and compiled on CUDA), one trainer at a time (two 0.7B trainers do not fit beside
     each other): median step time after a warm-up, and each recipe's ratio to ``none`` (issue
     33's target on an H100: <= 0.75 at the 0.7B shape)."""
@@ -241,7 +241,7 @@ def fp8_steps(shape: list[str], device: torch.device, steps: int) -> dict[str, A
         med: dict[str, float] = {}
         for recipe in FP8_RECIPES:
             cfg = load_config(None, [*shape, "--train.device", device.type, "--train.compile", str(compiled).lower(),
-                                     "--train.fp8", recipe])
+                                     "--fp8.recipe", recipe])
             trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build(device.type), device)
             for s in range(1, 4):  # warm-up (and compile)
                 trainer.train_step(s)
@@ -317,7 +317,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=0, help="smoke runs at a time (default: 4 on CUDA, 2 on CPU)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per CLI run before it counts as failed")
     ap.add_argument("--fp8", action="store_true",
-                    help="only the step with train.fp8 = tensorwise / rowwise against bf16 (the 0.7B shape)")
+                    help="only the step with fp8.recipe = tensorwise / rowwise against bf16 (the 0.7B shape)")
     args = ap.parse_args()
     if args.device == "cuda" and devices.accelerator_count() == 0:
         print("benchmarks/gpu.py: no GPU is visible (torch.cuda.is_available() is False, torch "

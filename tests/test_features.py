@@ -125,7 +125,7 @@ def test_the_training_loop_names_no_feature():
 
 def test_the_registry_follows_the_config(tmp_path):
     plain = small_config(tmp_path)
-    int8 = small_config(tmp_path, "--parallel.grad_compression", "int8", "--train.async_checkpoint", "true")
+    int8 = small_config(tmp_path, "--parallel.grad_compression", "int8", "--async_checkpoint.enabled", "true")
     assert list(components_for(plain)) == []
     with ParallelDims.from_config(int8.parallel).build("cpu") as topo:
         trainer = Trainer(int8, topo)

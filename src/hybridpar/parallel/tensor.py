@@ -112,7 +112,7 @@ def _linear_init(out_f: int, in_f: int, bias: bool, init_seed: int | None) -> tu
 
 class _ParallelLinear(Fp8Capable, nn.Module):
     """What column- and row-parallel linears share: building one from the full weight, and the
-    GEMM's kernel: ``F.linear``, or with ``fp8`` set (``train.fp8``) the FP8 GEMMs of
+    GEMM's kernel: ``F.linear``, or with ``fp8`` set (``fp8.recipe``) the FP8 GEMMs of
     :func:`~hybridpar.parallel.fp8.fp8_linear`, scaled as that layout says."""
 
     fp8: Fp8Layout | None = None

@@ -49,18 +49,16 @@ from hybridpar.parallel.recompute import apply_recompute
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import set_sequence_parallel
 from hybridpar.parallel.zero import (
-    COMPRESSION_DTYPES,
     DataParallelOptimizer,
     ExpertSplitOptimizer,
     OuterSplit,
     Replicas,
     ShardedModel,
-    StageSharded,
-    ZeroOptimizer,
     decay_groups,
     shard_model,
     shard_stages,
 )
+from hybridpar.parallel.zero.spec import data_parallel_spec
 from hybridpar.training.features import Components, components_for
 from hybridpar.training.features.moe import MixtureOfExperts
 from hybridpar.training.generate import sample
@@ -190,7 +188,7 @@ class Engine(StepEngine):
         are rows of each rank's tp piece; under pp each stage shards what it trains. Experts
         average over the ranks holding the same ones (edp). Returns it and the trained parameters
         (ZeRO-3: the shards)."""
-        p, t, topo = self.cfg.parallel, self.cfg.train, self.topo
+        t, topo = self.cfg.train, self.topo
         outer = OuterSplit(topo.tp, self.plan.shard_dim) if topo.tp.size > 1 else None
         split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts: their rows over ep, then tp's split
         ids = {id(q) for q in train}
@@ -198,18 +196,15 @@ class Engine(StepEngine):
         sharded, expert_sharded = self._shard_parameters(model, runner, outer, split)
         named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
         hierarchy, replicas = self._dp_hierarchy()
-        opts = dict(stage=p.zero_stage, offload=p.offload_optimizer, bucket_bytes=int(p.bucket_mb * 2**20),
-                    reduce_dtype=COMPRESSION_DTYPES[p.grad_compression], offload_to=p.offload_to,
-                    offload_dir=p.offload_dir or None, offload_params=p.offload_params,
-                    optimizer_impl=t.optimizer_impl, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        spec = data_parallel_spec(self.cfg)  # the one data-parallel spec of the settings
         dense = [(n, q) for n, q in named if n not in self.expert_names]
-        optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.zero, sharded=sharded, outer=outer,
-                                  hierarchy=hierarchy, replicas=replicas, **opts)
+        optimizer: DataParallelOptimizer = spec.build(decay_groups(dense, t.weight_decay), topo.zero, sharded=sharded,
+                                                      outer=outer, hierarchy=hierarchy, replicas=replicas)
         if self.expert_names:
             experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
-            optimizer = ExpertSplitOptimizer(optimizer, ZeroOptimizer(decay_groups(experts, t.weight_decay), topo.ezero,
-                                                                      sharded=expert_sharded, outer=split,
-                                                                      replicas=Replicas(topo.ereplicas), **opts),
+            optimizer = ExpertSplitOptimizer(optimizer, spec.build(decay_groups(experts, t.weight_decay), topo.ezero,
+                                                                   sharded=expert_sharded, outer=split,
+                                                                   replicas=Replicas(topo.ereplicas)),
                                              topo.ep)
         return optimizer, [q for _, q in named if q.requires_grad]
 
@@ -235,7 +230,7 @@ class Engine(StepEngine):
         memory (as FSDP2, which prefetches only with CUDA streams)."""
         if self.cfg.parallel.zero_stage != 3:
             return None, None
-        topo, prefetch, fp8 = self.topo, self.device.type == "cuda", self.cfg.parallel.fp8_all_gather
+        topo, prefetch, fp8 = self.topo, self.device.type == "cuda", self.cfg.fp8.all_gather
         expert_ids = frozenset(id(q) for n, q in model.named_parameters() if n in self.expert_names)
         if runner is not None:
             tied = tied_embedding_weight(self.chunks)  # its two copies' gradients are summed after the pipeline
@@ -308,7 +303,7 @@ class Engine(StepEngine):
         """Sample on every rank together: pp stages first share their weights, tp ranks gather
         logits (same seed, same tokens), cp ranks attend locally."""
         sharded = self.optimizer.sharded
-        whole = sharded.gathered() if isinstance(sharded, StageSharded) else contextlib.nullcontext()
+        whole = sharded.whole_model() if sharded is not None else contextlib.nullcontext()
         tp, vocab = self.topo.tp, self.cfg.model.vocab_size
         paused = self.cp.paused() if self.cp is not None else contextlib.nullcontext()
         set_sequence_parallel(self.model, False)  # any prompt length

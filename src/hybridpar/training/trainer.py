@@ -78,7 +78,7 @@ class Trainer:
         self.hooks.attach(RunContext(self.engine, topo, self.device, self.run_dir, self.is_logger,
                                      lambda step: self.micro_batches(step, t.global_batch, self.train_data),
                                      t.timeout_s, self.checkpoint_stalls))
-        # train.async_checkpoint: its component's thread copies each save to host memory and writes it
+        # async_checkpoint.enabled: its component's thread copies each save to host memory and writes it
         staging = self.hooks.find(AsyncCheckpoint)
         self.writer = staging.writer if staging is not None else None
 
@@ -211,7 +211,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def save_checkpoint(self, step: int) -> Path:
         """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this); with
-        ``train.async_checkpoint`` a thread copies and writes it: the next ``train_step`` holds its
+        ``async_checkpoint.enabled`` a thread copies and writes it: the next ``train_step`` holds its
         optimizer update until the copy is done, and the checkpoint is complete once
         ``self.writer.wait()`` returns (or a later poll at a step boundary)."""
         return checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,

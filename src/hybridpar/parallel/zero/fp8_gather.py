@@ -1,4 +1,4 @@
-"""ZeRO-3's FP8 parameter all-gather (``parallel.fp8_all_gather``): a unit's FP8 linear weights
+"""ZeRO-3's FP8 parameter all-gather (``fp8.all_gather``): a unit's FP8 linear weights
 cross the wire as e4m3 bytes, the rest of its parameters as they are.
 
 A :class:`~hybridpar.parallel.zero.unit.Unit` with FP8 weights (linears whose ``fp8`` layout is

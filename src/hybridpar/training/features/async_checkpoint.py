@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (``train.async_checkpoint``), the component: it builds the background
+"""Asynchronous checkpoints (``async_checkpoint.enabled``), the component: it builds the background
 writer (:class:`~hybridpar.training.checkpoint.BackgroundWriter`: a thread copies each save to
 host memory and writes it), and the step waits for that copy before it changes what the save
 holds. That is before the update (weights, optimizer state, loss scale), and before the backward
@@ -27,7 +27,7 @@ class AsyncCheckpoint(Component):
 
     @classmethod
     def enabled(cls, cfg: Config, launch: Launch) -> bool:
-        return cfg.train.async_checkpoint
+        return cfg.async_checkpoint.enabled
 
     def __init__(self, cfg: Config, launch: Launch) -> None:
         super().__init__(cfg, launch)

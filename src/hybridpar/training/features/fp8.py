@@ -1,4 +1,4 @@
-"""FP8 training (``train.fp8 = "tensorwise" | "rowwise"``): the blocks' linear layers run their
+"""FP8 training (``fp8.recipe = "tensorwise" | "rowwise"``): the blocks' linear layers run their
 forward and both backward GEMMs in FP8 (:mod:`hybridpar.parallel.fp8`).
 
 The component, :class:`Fp8Component`: its build step (:func:`apply_fp8`) gives every linear
@@ -33,13 +33,13 @@ __all__ = ["Fp8Component", "apply_fp8"]
 
 
 def apply_fp8(cfg: Config, topo: Topology, device: torch.device, blocks: list[nn.Module]) -> int:
-    """Give the linear layers of ``blocks`` FP8 GEMMs (``train.fp8``; a no-op for "none");
+    """Give the linear layers of ``blocks`` FP8 GEMMs (``fp8.recipe``; a no-op for "none");
     returns how many. Column-parallel weights reduce their amaxes over tp along the output
     features, row-parallel ones along the input features, and every activation amax over the
     tokens is reduced over cp (:mod:`hybridpar.parallel.fp8`); plain ``nn.Linear`` layers become
     :class:`~hybridpar.parallel.fp8.Fp8Linear`. Raises ``UserError`` on a device without FP8
     kernels (``rules.fp8_device_error``)."""
-    recipe = cfg.train.fp8
+    recipe = cfg.fp8.recipe
     if recipe == "none":
         return 0
     message = fp8_device_error(recipe, str(device), fp8_supported(device))
@@ -68,7 +68,7 @@ class Fp8Component(Component):
 
     @classmethod
     def enabled(cls, cfg: Config, launch: Launch) -> bool:
-        return cfg.train.fp8 != "none"
+        return cfg.fp8.recipe != "none"
 
     def __init__(self, cfg: Config, launch: Launch) -> None:
         super().__init__(cfg, launch)
@@ -79,4 +79,4 @@ class Fp8Component(Component):
         self.linears = apply_fp8(self.cfg, topo, device, blocks)
 
     def summary(self) -> dict[str, Any]:
-        return {"fp8": {"recipe": self.cfg.train.fp8, "linear_layers": self.linears}} if self.linears else {}
+        return {"fp8": {"recipe": self.cfg.fp8.recipe, "linear_layers": self.linears}} if self.linears else {}
