@@ -1,4 +1,4 @@
-"""Training stall per checkpoint: a synchronous save vs ``train.async_checkpoint``, side by side.
+"""Training stall per checkpoint: a synchronous save vs ``async_checkpoint.enabled``, side by side.
 
 One process trains the model and checkpoints every ``--every`` steps, alternating a synchronous
 and an asynchronous save (same trainer, same state, same run directory with
@@ -46,7 +46,7 @@ MODELS = {
 }
 TRAIN = ["--train.seq_len", "64", "--train.global_batch", "2", "--train.micro_batch", "2", "--train.eval_every", "0",
          "--train.warmup_steps", "1", "--train.steps", "100000", "--train.keep_checkpoints", "1",
-         "--train.async_checkpoint", "true"]
+         "--async_checkpoint.enabled", "true"]
 
 
 def measure(name: str, saves: int, every: int, root: Path) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 Runs ``hybridpar train`` twice with the built-in demo's layout (``dp2 x tp2 x pp2``, 8
 processes, the ``tiny`` model, 300 steps), once with ``train.precision = bf16`` and once with
-``train.fp8 = rowwise`` as well (``--recipe`` for another), and compares the loss at the last
+``fp8.recipe = rowwise`` as well (``--recipe`` for another), and compares the loss at the last
 step (issue 33's target: FP8 within 2% of bf16) and the median step time (on CPUs
 ``torch._scaled_mm`` is a reference kernel, slower than the bf16 GEMM: the speed claim is the GPU's,
 ``benchmarks/gpu.py --fp8``). Prints a table and one JSON line.
@@ -76,7 +76,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         bf16 = run("bf16", args.steps, args.nproc, extra, root)
-        fp8 = run("fp8", args.steps, args.nproc, [*extra, "--train.fp8", args.recipe], root)
+        fp8 = run("fp8", args.steps, args.nproc, [*extra, "--fp8.recipe", args.recipe], root)
     rel = fp8["final_loss"] / bf16["final_loss"] - 1
     print(f"{'run':<16}{'final loss':>12}{'val loss':>10}{'median step s':>16}{'wall s':>10}")
     for name, r in (("bf16", bf16), (f"fp8 {args.recipe}", fp8)):

@@ -123,7 +123,7 @@ def smoke_resume(device: str, root: Path, timeout_s: float) -> dict[str, dict[st
     run resumed from the step-1 checkpoint must log the same step-2 loss), then ``hybridpar
     generate`` from the last checkpoint."""
     start = time.perf_counter()
-    common = ["train", *SMOKE_BASE, "--train.device", device, "--train.async_checkpoint", "true",
+    common = ["train", *SMOKE_BASE, "--train.device", device, "--async_checkpoint.enabled", "true",
               "--train.checkpoint_every", "1"]
     whole, part = root / "resume_whole", root / "resume_part"
     steps = [hybridpar([*common, "--train.run_dir", str(whole)], timeout_s)]

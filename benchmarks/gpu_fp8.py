@@ -1,11 +1,11 @@
-"""FP8 against bf16 on one GPU, hybridpar's ``train.fp8`` beside torchao's float8 training.
+"""FP8 against bf16 on one GPU, hybridpar's ``fp8.recipe`` beside torchao's float8 training.
 
 For each shape (``--shapes``: ``1b`` the Llama-3.2-1B shape, ``3b`` the Llama-3.2-3B shape; both
 micro-batch 4 x 2048, global 8, bf16 autocast over fp32 master weights, compiled blocks) it times,
 one model at a time, the median step after three warm-up (compiling) steps of:
 
 * ``ours/none``, ``ours/tensorwise``, ``ours/rowwise``: hybridpar's ``Trainer.train_step`` with
-  ``train.fp8`` = that recipe;
+  ``fp8.recipe`` = that recipe;
 * ``torchao/none``, ``torchao/tensorwise``, ``torchao/rowwise``: the plain PyTorch loop of
   ``benchmarks/overhead.py`` (same model, AdamW, clipping; regional compile of each block),
   bf16, or with every block linear converted by torchao's ``convert_to_float8_training`` with that
@@ -103,12 +103,12 @@ def release(device: torch.device) -> None:
 
 
 def config(shape: str, recipe: str, device: torch.device, compiled: bool) -> Config:
-    return load_config(None, [*SHAPES[shape], "--train.device", device.type, "--train.fp8", recipe,
+    return load_config(None, [*SHAPES[shape], "--train.device", device.type, "--fp8.recipe", recipe,
                               "--train.compile", str(compiled).lower()])
 
 
 def ours(shape: str, recipe: str, device: torch.device, steps: int, compiled: bool, gpu: str) -> dict[str, Any]:
-    """hybridpar's step with ``train.fp8 = recipe``, measured and as the planner predicts it."""
+    """hybridpar's step with ``fp8.recipe = recipe``, measured and as the planner predicts it."""
     cfg = config(shape, recipe, device, compiled)
     trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel).build(device.type), device)
     out = time_steps(trainer.train_step, device, steps)
@@ -146,11 +146,11 @@ def torchao_available() -> str | None:
 
 
 def final_loss(shape: str, recipe: str, device: str, steps: int, root: Path) -> dict[str, Any]:
-    """``hybridpar train`` at ``shape`` with ``train.fp8 = recipe`` for ``steps`` steps: its last
+    """``hybridpar train`` at ``shape`` with ``fp8.recipe = recipe`` for ``steps`` steps: its last
     loss (its progress goes to ``<run_dir>.log`` and is echoed when the run ends)."""
     run = root / recipe
     args = [sys.executable, "-m", "hybridpar", "train", *SHAPES[shape], "--train.device", device,
-            "--train.fp8", recipe, "--train.compile", str(device == "cuda").lower(), "--train.steps", str(steps),
+            "--fp8.recipe", recipe, "--train.compile", str(device == "cuda").lower(), "--train.steps", str(steps),
             "--train.log_every", str(max(1, steps // 4)), "--train.eval_every", "0", "--train.sample_tokens", "0",
             "--train.global_batch", "4", "--train.run_dir", str(run)]
     done = subprocess.run(args, capture_output=True, text=True)

@@ -126,7 +126,7 @@ def train(rank: int, world: int, run: Run) -> Trained:
             scales.append(trainer.scaler.scale)
             if step == run.save_at:
                 trainer.save_checkpoint(step)
-        if trainer.writer is not None:  # train.async_checkpoint: a save is complete once written
+        if trainer.writer is not None:  # async_checkpoint.enabled: a save is complete once written
             trainer.writer.wait()
         state = trainer.engine.full_state_dict()  # collective (ZeRO-3, pp)
         if run.after:

@@ -30,6 +30,7 @@ from hybridpar.planner.memory.offload import layer_offload_bytes
 from hybridpar.planner.memory.plan import rank_activations
 from hybridpar.planner.model.layout import from_config
 from hybridpar.training.engine import Engine
+from hybridpar.training.features.activation_offload import ActivationOffloadComponent
 
 # numerics (re-run under every CPU capability): the layout and bitwise tests; the saved-bytes
 # tests measure the fused attention kernel's saves, which bf16 below AVX-512 does not run
@@ -89,7 +90,8 @@ def _gradients(argv: list[str], tmp: str, copied: list[int]) -> dict[str, torch.
             x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.train.seq_len + 1), generator=gen)
             batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
         engine.forward_backward(batches, 0.5)
-        copied.append(engine.offloaded_blocks)
+        offload = engine.components.find(ActivationOffloadComponent)
+        copied.append(offload.blocks if offload is not None else 0)
         return {n: p.grad.clone() for n, p in engine.model.named_parameters()}
 
 
@@ -215,7 +217,7 @@ def test_plan_json_and_text_show_offload(capsys, tmp_path):
 
 def _host_peak(trainer) -> dict[str, float]:
     return {"summary": trainer.hooks.summary()["activation_offload_host_mb"],
-            "blocks": trainer.engine.offload.blocks}
+            "blocks": trainer.hooks.find(ActivationOffloadComponent).blocks}
 
 
 def test_the_run_reports_host_bytes(tmp_path):

@@ -1,4 +1,4 @@
-"""``train.async_checkpoint``: checkpoints staged in host memory at the step boundary and written
+"""``async_checkpoint.enabled``: checkpoints staged in host memory at the step boundary and written
 by a background thread. The checkpoint is the synchronous one (same tensors, bit for bit, at a
 multi-rank layout); resuming from it is bit for bit; a writer that fails or a process that dies
 before ``complete.json`` leaves the previous checkpoint as the one ``--resume`` picks; a failure
@@ -26,7 +26,7 @@ from hybridpar.training import checkpoint
 from hybridpar.training.checkpoint import CheckpointError, HostStager, SafeReader, manifest, writer
 from hybridpar.training.trainer import Trainer
 
-ASYNC = ("--train.async_checkpoint", "true")
+ASYNC = ("--async_checkpoint.enabled", "true")
 SHORT = ("--train.steps", "6", "--train.checkpoint_every", "3")  # checkpoints at steps 3 and 6
 
 
@@ -247,7 +247,7 @@ def test_a_stop_signal_waits_for_the_save_in_flight(tmp_path, monkeypatch):
 def test_cli_trains_with_async_checkpoints(tmp_path, capsys):
     run = tmp_path / "r"
     assert main(["train", *SMALL, "--train.run_dir", str(run), "--train.steps", "4", "--train.checkpoint_every", "1",
-                 "--train.eval_every", "0", "--train.async_checkpoint", "true"]) == 0
+                 "--train.eval_every", "0", "--async_checkpoint.enabled", "true"]) == 0
     out = capsys.readouterr().out
     assert "checkpoints written in the background: training waited" in out and "(3 before the last)" in out, out
     assert [checkpoint.read_info(checkpoint.step_dir(run, s))["step"] for s in range(1, 5)] == [1, 2, 3, 4]

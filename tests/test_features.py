@@ -1,7 +1,7 @@
 """The step's seams (:mod:`hybridpar.training.features`): a feature registered on a run sees
 each hook in order with the right step numbers, its statistics reach ``metrics.jsonl``, its
 summary ``summary.json``, its state the checkpoint and back; the Trainer's loop names no
-feature; the registry picks the features a config asks for."""
+feature; the registry picks the components a config asks for, in its checked order."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from test_trainer import small_config
 
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
-from hybridpar.training.features import StepFeature, features_for
-from hybridpar.training.features.async_checkpoint import AsyncCheckpointStaging
-from hybridpar.training.features.int8 import Int8Residuals
+from hybridpar.training.features import COMPONENTS, Component, Launch, StepFeature, components_for
+from hybridpar.training.features.async_checkpoint import AsyncCheckpoint
+from hybridpar.training.features.int8 import Int8Compression
+from hybridpar.training.features.registry import check_order
 from hybridpar.training.metrics import MetricsLogger
 from hybridpar.training.trainer import Trainer
 
@@ -78,7 +80,7 @@ def _fit(cfg: Any, resume: Path | None = None) -> tuple[Recorder, dict[str, Any]
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
         trainer = Trainer(cfg, topo)
         toy = Recorder()
-        trainer.hooks.features.append(toy)  # registered like features_for's
+        trainer.hooks.features.append(toy)  # joins the hooks like a registered component
         summary = trainer.fit(resume)
     return toy, summary
 
@@ -123,10 +125,34 @@ def test_the_training_loop_names_no_feature():
 
 def test_the_registry_follows_the_config(tmp_path):
     plain = small_config(tmp_path)
-    int8 = small_config(tmp_path, "--parallel.grad_compression", "int8", "--train.async_checkpoint", "true")
-    with ParallelDims.from_config(plain.parallel).build("cpu") as topo:
-        assert list(features_for(Trainer(plain, topo))) == []
-        kinds = [type(f) for f in features_for(Trainer(int8, topo))]
-        staging = features_for(Trainer(int8, topo)).features[-1]
-    assert kinds == [Int8Residuals, AsyncCheckpointStaging]
-    assert isinstance(staging, AsyncCheckpointStaging) and staging.hold_before_backward  # int8's residuals
+    int8 = small_config(tmp_path, "--parallel.grad_compression", "int8", "--async_checkpoint.enabled", "true")
+    assert list(components_for(plain)) == []
+    with ParallelDims.from_config(int8.parallel).build("cpu") as topo:
+        trainer = Trainer(int8, topo)
+    kinds = [type(f) for f in trainer.hooks]
+    staging = trainer.hooks.find(AsyncCheckpoint)
+    assert kinds == [Int8Compression, AsyncCheckpoint]
+    assert staging is not None and staging.hold_before_backward  # int8's residuals
+    assert trainer.writer is staging.writer is not None  # the component owns the background writer
+
+
+def test_the_registry_order_is_checked():
+    """Every component's ``after`` names one registered before it; a wrong order is an error."""
+    check_order(COMPONENTS)
+    names = [c.name for c in COMPONENTS]
+    for kind in COMPONENTS:
+        assert all(names.index(before) < names.index(kind.name) for before in kind.after)
+
+    class Late(Component):
+        name = "late"
+        after = ("compile",)
+
+        @classmethod
+        def enabled(cls, cfg: Any, launch: Launch) -> bool:
+            return False
+
+    check_order([*COMPONENTS, Late])
+    with pytest.raises(ImportError, match=r"'late'.*after 'compile'"):
+        check_order([Late, *COMPONENTS])
+    with pytest.raises(ImportError, match="no registered component"):
+        check_order([Late])

@@ -1,4 +1,4 @@
-"""ZeRO-3's FP8 parameter all-gather (``parallel.fp8_all_gather``) trains the model the FP8 run
+"""ZeRO-3's FP8 parameter all-gather (``fp8.all_gather``) trains the model the FP8 run
 without it trains, bit for bit, and so the model one process trains with FP8.
 
 **Exact, not a tolerance.** Tensorwise scaling gives each weight one scale from ``max |W|``; the
@@ -30,8 +30,8 @@ from hybridpar.training.trainer import Trainer
 
 pytestmark = pytest.mark.numerics
 
-FP8 = ("--train.fp8", "tensorwise")
-AG = ("--parallel.fp8_all_gather", "true")
+FP8 = ("--fp8.recipe", "tensorwise")
+AG = ("--fp8.all_gather", "true")
 LAYOUTS = {
     "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero_stage", "3"],  # units per block, gathered twice
     "dp2-tp2-zero3": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.zero_stage", "3"],  # amax over tp too
@@ -106,11 +106,11 @@ def test_gathered_fp8_weights_quantize_as_the_whole_weight(dist_run: Any) -> Non
 
 
 @pytest.mark.parametrize("flags, message", [
-    ([*AG, *FP8], "parallel.fp8_all_gather = true needs parallel.zero_stage = 3 (got 0)"),
+    ([*AG, *FP8], "fp8.all_gather = true needs parallel.zero_stage = 3 (got 0)"),
     ([*AG, "--parallel.dp", "2", "--parallel.zero_stage", "3"],
-     "parallel.fp8_all_gather = true needs train.fp8 = 'tensorwise' (got 'none')"),
-    ([*AG, "--parallel.dp", "2", "--parallel.zero_stage", "3", "--train.fp8", "rowwise"],
-     "parallel.fp8_all_gather = true needs train.fp8 = 'tensorwise' (got 'rowwise')"),
+     "fp8.all_gather = true needs fp8.recipe = 'tensorwise' (got 'none')"),
+    ([*AG, "--parallel.dp", "2", "--parallel.zero_stage", "3", "--fp8.recipe", "rowwise"],
+     "fp8.all_gather = true needs fp8.recipe = 'tensorwise' (got 'rowwise')"),
 ])
 def test_fp8_all_gather_refused_before_launch(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -1,4 +1,4 @@
-"""FP8 training (``train.fp8``) under every parallel axis trains the model one process trains.
+"""FP8 training (``fp8.recipe``) under every parallel axis trains the model one process trains.
 
 **Scales equal.** Every amax over a dimension a rank holds only part of is max-reduced over
 the axes that split it (``parallel/fp8``), so each FP8 scale of the first step (weights and
@@ -115,7 +115,7 @@ def _check_scales(results: list[Any], expected: Any) -> None:
 def test_fp8_layout_trains_like_one_process(tmp_path: Any, recipe: str, name: str) -> None:
     tmp, base = str(tmp_path), _family(name)
     probes = dict(before=record_first_step, after=report_scales) if recipe == "tensorwise" else {}
-    fp8 = ("--train.fp8", recipe)
+    fp8 = ("--fp8.recipe", recipe)
     expected = reference(Run(tmp, (*base, *fp8), **probes))
     plain = reference(Run(tmp, base))
     results = train_layout(Run(tmp, (*base, *fp8, *{**LAYOUTS, **SINGLE}[name]), **probes), timeout=600)

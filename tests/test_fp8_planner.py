@@ -52,7 +52,7 @@ def test_plan_prices_fp8_faster_on_h100_and_refuses_a100() -> None:
 def test_fp8_travels_between_plan_and_config() -> None:
     work = Workload(16, 128, "bf16", fp8="rowwise")
     cfg = to_config(model_preset("tiny"), Layout(), work)
-    assert cfg.train.fp8 == "rowwise" and from_config(cfg)[1].fp8 == "rowwise"
+    assert cfg.fp8.recipe == "rowwise" and from_config(cfg)[1].fp8 == "rowwise"
     assert dataclasses.replace(work, fp8="none").fp8 == "none"
 
 
@@ -79,9 +79,9 @@ def test_fp8_all_gather_gathers_the_fp8_weights_at_one_byte(capsys) -> None:
     before, after = (step_cost(big, wide, dataclasses.replace(short, fp8_all_gather=ag), cluster) for ag in (False, True))
     assert after.terms["dp_comm"] < before.terms["dp_comm"] and after.step_time_s < before.step_time_s
     cfg = to_config(model, layout, dataclasses.replace(work, fp8_all_gather=True))
-    assert cfg.parallel.fp8_all_gather and from_config(cfg)[1].fp8_all_gather
+    assert cfg.fp8.all_gather and from_config(cfg)[1].fp8_all_gather
     assert not to_config(model, Layout(dp=4, zero_stage=2), dataclasses.replace(work, fp8_all_gather=True)
-                         ).parallel.fp8_all_gather
+                         ).fp8.all_gather
     assert main(["plan", "--model", "tiny", "--gpus", "4", "--global-batch", "16", "--seq-len", "128", "--json",
                  "--fp8", "tensorwise", "--fp8-all-gather", "--layout", "dp=4,tp=1,pp=1,cp=1,zero_stage=3"]) == 0
     import json

@@ -12,6 +12,8 @@ from layouts import LR, Run, assert_trains_like, make_config, reference, train_l
 from numerics import layout_weight_atol
 from test_layouts import WEIGHT_ATOL
 
+from hybridpar.training.features.moe import MixtureOfExperts
+
 pytestmark = pytest.mark.numerics
 
 MOE = ("--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
@@ -73,7 +75,7 @@ def test_training_moves_the_balancing_bias_by_the_step_load(tmp_path):
     cfg = make_config(str(tmp_path), *MOE, "--model.bias_update_rate", str(rate))
     with trainer_for(cfg) as trainer:
         result = trainer.train_step(1)
-        for moe, load in zip(trainer.engine.moe, result.moe["expert_load"], strict=True):
+        for moe, load in zip(trainer.hooks.find(MixtureOfExperts).layers, result.moe["expert_load"], strict=True):
             load = torch.tensor(load, dtype=torch.float64)
             expected = rate * torch.sign(load.mean() - load).float()
             assert expected.abs().sum() > 0  # the routing is unbalanced: the bias must move

@@ -299,7 +299,7 @@ def _save_with_a_slow_copy(rank: int, world: int, tmp: str, flags: list[str]) ->
 
 @pytest.mark.numerics
 def test_an_async_checkpoint_holds_the_second_weight_version_of_its_step(dist_run, tmp_path):
-    """``train.async_checkpoint``: the copy of a save runs beside the next step, whose pipeline
+    """``async_checkpoint.enabled``: the copy of a save runs beside the next step, whose pipeline
     rewrites the older weight version at its end; the step waits for the copy before its
     backward, so the checkpoint holds its own step's two versions, tensor for tensor the
     synchronous save's."""
@@ -310,7 +310,7 @@ def test_an_async_checkpoint_holds_the_second_weight_version_of_its_step(dist_ru
     sync_run = two_bw_run(str(tmp_path / "sync"), flags, save_at=2)
     train_layout(sync_run)
     dist_run(sync_run.world_size, _save_with_a_slow_copy, str(tmp_path / "async"),
-             [*flags, "--train.async_checkpoint", "true"])
+             [*flags, "--async_checkpoint.enabled", "true"])
     sync, _ = saved_tensors(checkpoint.step_dir(sync_run.config().train.run_dir, 2))
     done, _ = saved_tensors(checkpoint.step_dir(two_bw_run(str(tmp_path / "async"), flags).config().train.run_dir, 2))
     assert any("weight_versions" in k for k in sync) and set(done) == set(sync)

@@ -44,12 +44,11 @@ from hybridpar.config import Config, ConfigError, parse_config
 from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
 from hybridpar.parallel.tensor_plan import TensorPlan
 from hybridpar.parallel.zero import (
-    COMPRESSION_DTYPES,
     OuterSplit,
-    ZeroOptimizer,
     decay_groups,
     shard_model,
 )
+from hybridpar.parallel.zero.spec import DataParallelSpec, data_parallel_spec
 from hybridpar.rules import first_broken
 from hybridpar.training.checkpoint import (
     CheckpointError,
@@ -147,6 +146,11 @@ class EngineConfig:
         except ConfigError as e:
             raise ConfigError(_engine_keys(str(e))) from None
 
+    def data_parallel_spec(self) -> DataParallelSpec:
+        """The one data-parallel spec of these settings (:func:`data_parallel_spec` of
+        :meth:`to_config`, with this format's optimizer choice)."""
+        return data_parallel_spec(self.to_config(), OPTIMIZERS[self.optimizer], momentum=self.momentum)
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the key and the fix for an impossible value: the trainer's
         rules (:mod:`hybridpar.rules`) on :meth:`to_config`, all but those of a model's shape (the
@@ -227,18 +231,8 @@ class ModelEngine:
         outer = OuterSplit(topo.tp, plan.shard_dim) if topo.tp.size > 1 else None
         sharded = shard_model(model, topo.dp, _units(model, cfg.zero3_units), prefetch=cfg.zero3_prefetch,
                               outer=outer) if cfg.zero_stage == 3 else None
-        kwargs: dict[str, Any] = {"lr": cfg.lr}
-        if cfg.optimizer == "sgd":
-            kwargs["momentum"] = cfg.momentum
-        else:
-            kwargs.update(betas=cfg.betas, eps=cfg.eps)
         groups = decay_groups(model, cfg.weight_decay) if param_groups is None else _by_name(model, param_groups)
-        self.optimizer = ZeroOptimizer(groups, topo.dp, stage=cfg.zero_stage,
-                                       optimizer_cls=OPTIMIZERS[cfg.optimizer], offload=cfg.offload_optimizer,
-                                       bucket_bytes=int(cfg.bucket_mb * 2**20), sharded=sharded,
-                                       reduce_dtype=COMPRESSION_DTYPES[cfg.grad_compression], offload_to=cfg.offload_to,
-                                       offload_dir=cfg.offload_dir or None, offload_params=cfg.offload_params,
-                                       optimizer_impl=cfg.optimizer_impl, outer=outer, **kwargs)
+        self.optimizer = cfg.data_parallel_spec().build(groups, topo.dp, sharded=sharded, outer=outer)
         self.core = StepEngine(topo, self.optimizer, plan, list(model.named_parameters()), tp_partial=partial)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.global_step = 0  # optimizer steps taken

@@ -188,11 +188,10 @@ def expert_units(model: nn.Module) -> list[nn.Module]:
 
 def expert_param_names(model: nn.Module) -> set[str]:
     """Names of the parameters that are experts (sharded over ep, reduced over the ranks that
-    hold the same experts): those of every :class:`ExpertParallel` and of modules marked
-    ``is_experts``."""
+    hold the same experts): those of every :class:`ExpertParallel`."""
     out = set()
     for name, module in model.named_modules():
-        if isinstance(module, ExpertParallel) or getattr(module, "is_experts", False):
+        if isinstance(module, ExpertParallel):
             out.update(f"{name}.{p}" if name else p for p, _ in module.named_parameters())
     return out
 

@@ -42,7 +42,7 @@ The zero-bubble W split (``parallel/pipeline/wsplit``) sees :func:`fp8_linear` a
 needs (:func:`hybridpar.compat.will_engine_execute`), so B runs only the ``dx`` GEMM and W only
 the ``dW`` GEMM, in FP8 too.
 
-**FP8 parameter all-gather** (``parallel.fp8_all_gather``, ZeRO-3, tensorwise): ZeRO-3 shards
+**FP8 parameter all-gather** (``fp8.all_gather``, ZeRO-3, tensorwise): ZeRO-3 shards
 ``W`` by rows (dim 0, ``N``) and gathers it before each use. :func:`shard_weight_scales` computes
 each weight's tensorwise scale from its shard (``max |W|`` over the local rows, max-reduced over
 the ZeRO axis and the weight's tp axes: the amax of the whole weight, exactly), the unit
@@ -88,11 +88,6 @@ class Fp8Layout:
     tokens: tuple[Axis, ...] = ()  # split M (context parallelism)
     out_axes: tuple[Axis, ...] = ()  # split N (a column-parallel weight's rows)
     in_axes: tuple[Axis, ...] = ()  # split K (a row-parallel weight's columns)
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        """The output gradient's FP8 format: e5m2 tensorwise, e4m3 rowwise."""
-        return E5M2 if self.recipe == "tensorwise" else E4M3
 
 
 def amax(t: Tensor, dim: int | None, axes: tuple[Axis, ...]) -> Tensor:
@@ -266,9 +261,17 @@ def _keep_outside_graphs() -> None:
         _eager_fp8_linear = torch.compiler.disable(_fp8_linear, recursive=True)
 
 
-class Fp8Linear(nn.Linear):
+class Fp8Capable:
+    """A linear layer whose GEMMs may run in FP8: :attr:`fp8`, its layout (None: they do not).
+    The column- and row-parallel linears and :class:`Fp8Linear` are; ZeRO-3's FP8 all-gather
+    asks a parameter's owner through it (``isinstance``, no attribute looked up by name)."""
+
+    fp8: Fp8Layout | None = None
+
+
+class Fp8Linear(Fp8Capable, nn.Linear):
     """``nn.Linear`` whose GEMMs run in FP8 (:func:`fp8_linear` with ``fp8``): what an
-    ``nn.Linear`` of a block becomes under ``train.fp8`` (:func:`to_fp8`), same parameters."""
+    ``nn.Linear`` of a block becomes under ``fp8.recipe`` (:func:`to_fp8`), same parameters."""
 
     fp8: Fp8Layout
 

@@ -41,7 +41,7 @@ from hybridpar.distributed.autograd import (
     scatter_to_tp,
 )
 from hybridpar.distributed.mesh import Axis
-from hybridpar.parallel.fp8 import Fp8Layout, fp8_linear
+from hybridpar.parallel.fp8 import Fp8Capable, Fp8Layout, fp8_linear
 from hybridpar.parallel.loss import vocab_statistics
 
 __all__ = [
@@ -110,9 +110,9 @@ def _linear_init(out_f: int, in_f: int, bias: bool, init_seed: int | None) -> tu
     return weight, torch.empty(out_f).uniform_(-bound, bound, generator=gen) if bias else None
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(Fp8Capable, nn.Module):
     """What column- and row-parallel linears share: building one from the full weight, and the
-    GEMM's kernel: ``F.linear``, or with ``fp8`` set (``train.fp8``) the FP8 GEMMs of
+    GEMM's kernel: ``F.linear``, or with ``fp8`` set (``fp8.recipe``) the FP8 GEMMs of
     :func:`~hybridpar.parallel.fp8.fp8_linear`, scaled as that layout says."""
 
     fp8: Fp8Layout | None = None

@@ -26,6 +26,7 @@ layers: f (identity forward, all-reduce backward) without SP, all-gather along t
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -230,7 +231,7 @@ def enter_tp_region(module: nn.Module, axis: Axis, sequence_parallel: bool) -> n
     """Hook ``module`` so its output enters the tp region (see :class:`RegionEntry`); returns it."""
     entry = RegionEntry(axis, sequence_parallel)
     module.register_forward_hook(entry)
-    module.tp_region = entry  # a plain attribute: set_sequence_parallel finds it
+    _REGION_ENTRIES[module] = entry  # set_sequence_parallel finds it there
     return module
 
 
@@ -239,16 +240,21 @@ def enter_tp_region_before(module: nn.Module, axis: Axis, sequence_parallel: boo
     runs inside the region on an input no hooked module produced (an MoE layer's shared experts)."""
     entry = RegionEntry(axis, sequence_parallel)
     module.register_forward_pre_hook(lambda m, args: (entry(m, args, args[0]), *args[1:]))
-    module.tp_region = entry
+    _REGION_ENTRIES[module] = entry
     return module
+
+
+#: the region entry of each hooked module (weak: a model's entries go with it); a registry rather
+#: than an attribute on the family's module, so nothing looks them up by name
+_REGION_ENTRIES: weakref.WeakKeyDictionary[nn.Module, RegionEntry] = weakref.WeakKeyDictionary()
 
 
 def set_sequence_parallel(model: nn.Module, enabled: bool) -> None:
     """Switch sequence parallelism on or off in a parallelized model (weights are the same
     either way), e.g. off for generation with lengths not divisible by tp."""
     for module in model.modules():
-        entry = getattr(module, "tp_region", None)
-        if isinstance(entry, RegionEntry):
+        entry = _REGION_ENTRIES.get(module)
+        if entry is not None:
             entry.sequence_parallel = enabled
         if isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
             module.sequence_parallel = enabled

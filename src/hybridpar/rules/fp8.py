@@ -1,4 +1,4 @@
-"""The rules of FP8 training (``train.fp8``): what the recipe composes with and the GEMM
+"""The rules of FP8 training (``fp8.recipe``): what the recipe composes with and the GEMM
 shapes FP8 kernels take.
 
 The device rule (a GPU without FP8 kernels) needs the device, which a config does not know:
@@ -15,7 +15,7 @@ from hybridpar.rules.base import rule
 if TYPE_CHECKING:
     from hybridpar.config import Config
 
-#: train.fp8: the scaling recipes (parallel/fp8.py), and "none"
+#: fp8.recipe: the scaling recipes (parallel/fp8.py), and "none"
 FP8_MODES = ("none", "tensorwise", "rowwise")
 #: every dimension of an FP8 GEMM must be a multiple of this (CUDA's _scaled_mm)
 FP8_MULTIPLE = 16
@@ -23,15 +23,15 @@ FP8_MULTIPLE = 16
 
 @rule("train-fp8-mode")
 def _mode(cfg: Config, world: int | None) -> str | None:
-    if cfg.train.fp8 not in FP8_MODES:
-        return f"train.fp8 = {cfg.train.fp8!r} is not an FP8 recipe; use 'none', 'tensorwise' or 'rowwise'"
+    if cfg.fp8.recipe not in FP8_MODES:
+        return f"fp8.recipe = {cfg.fp8.recipe!r} is not an FP8 recipe; use 'none', 'tensorwise' or 'rowwise'"
     return None
 
 
 @rule("train-fp8-precision")
 def _precision(cfg: Config, world: int | None) -> str | None:
-    if cfg.train.fp8 != "none" and cfg.train.precision == "fp16":
-        return ("train.fp8 with train.precision = 'fp16' is not supported (FP8 GEMMs return bf16 or fp32, and "
+    if cfg.fp8.recipe != "none" and cfg.train.precision == "fp16":
+        return ("fp8.recipe with train.precision = 'fp16' is not supported (FP8 GEMMs return bf16 or fp32, and "
                 "fp16's loss scale would rescale the FP8 amaxes); use train.precision = 'bf16'")
     return None
 
@@ -52,16 +52,16 @@ def fp8_gemm_dims(cfg: Config) -> dict[str, int]:
 
 @rule("train-fp8-dims")
 def _dims(cfg: Config, world: int | None) -> str | None:
-    if cfg.train.fp8 == "none":
+    if cfg.fp8.recipe == "none":
         return None
     for what, size in fp8_gemm_dims(cfg).items():
         if size % FP8_MULTIPLE:
-            return (f"train.fp8: {what} = {size} is not a multiple of {FP8_MULTIPLE}, which FP8 GEMMs need; "
-                    f"change the model or batch shape, or set train.fp8 = 'none'")
+            return (f"fp8.recipe: {what} = {size} is not a multiple of {FP8_MULTIPLE}, which FP8 GEMMs need; "
+                    f"change the model or batch shape, or set fp8.recipe = 'none'")
     return None
 
 
-#: parallel.fp8_all_gather's conditions: the only ZeRO stage that gathers parameters, and the
+#: fp8.all_gather's conditions: the only ZeRO stage that gathers parameters, and the
 #: recipe whose FP8 weight carries one scale per tensor (what a gathered shard can share)
 FP8_GATHER_STAGE = 3
 FP8_GATHER_RECIPE = "tensorwise"
@@ -76,15 +76,15 @@ def fp8_gathers(fp8: str, fp8_all_gather: bool, zero_stage: int) -> bool:
 
 @rule("parallel-fp8-all-gather")
 def _all_gather(cfg: Config, world: int | None) -> str | None:
-    if not cfg.parallel.fp8_all_gather:
+    if not cfg.fp8.all_gather:
         return None
     if cfg.parallel.zero_stage != FP8_GATHER_STAGE:
-        return (f"parallel.fp8_all_gather = true needs parallel.zero_stage = 3 (got {cfg.parallel.zero_stage}): "
+        return (f"fp8.all_gather = true needs parallel.zero_stage = 3 (got {cfg.parallel.zero_stage}): "
                 "only ZeRO-3 gathers parameters; set parallel.zero_stage = 3 or drop it")
-    if cfg.train.fp8 != FP8_GATHER_RECIPE:
-        return (f"parallel.fp8_all_gather = true needs train.fp8 = 'tensorwise' (got {cfg.train.fp8!r}): the "
+    if cfg.fp8.recipe != FP8_GATHER_RECIPE:
+        return (f"fp8.all_gather = true needs fp8.recipe = 'tensorwise' (got {cfg.fp8.recipe!r}): the "
                 "gathered FP8 weight carries one scale per tensor (rowwise's backward rescales the weight per "
-                "input feature, across the shards); set train.fp8 = 'tensorwise' or drop it")
+                "input feature, across the shards); set fp8.recipe = 'tensorwise' or drop it")
     return None
 
 
@@ -93,5 +93,5 @@ def fp8_device_error(fp8: str, device: str, supported: bool) -> str | None:
     of capability below 8.9), or None."""
     if fp8 == "none" or supported:
         return None
-    return (f"train.fp8 = {fp8!r} needs FP8 matmul kernels, which {device} does not have (CUDA capability 8.9 "
-            "or later: Ada, Hopper, Blackwell; or the CPU); set train.fp8 = 'none'")
+    return (f"fp8.recipe = {fp8!r} needs FP8 matmul kernels, which {device} does not have (CUDA capability 8.9 "
+            "or later: Ada, Hopper, Blackwell; or the CPU); set fp8.recipe = 'none'")

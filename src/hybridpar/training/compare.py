@@ -61,7 +61,7 @@ def compare_weights(run_a: Path, run_b: Path) -> tuple[str, str, dict[str, float
 # keys that may differ between two runs of one experiment without changing the result: the
 # layout (what `compare` exists to check) and where and how often a run writes
 LAYOUT_KEYS = ("train.micro_batch", "train.compile", "train.compile_backend", "train.optimizer_impl",
-               "train.device", "train.hardware", "train.timeout_s", "train.async_checkpoint", "train.auto_resume")
+               "train.device", "train.hardware", "train.timeout_s", "async_checkpoint.enabled", "train.auto_resume")
 BOOKKEEPING_KEYS = ("train.run_dir", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
                     "train.sample_tokens", "train.sample_prompt")
 

@@ -8,17 +8,18 @@ averages gradients over dp x cp. The Trainer above it only feeds micro-batches,
 clips, steps and logs; it branches on nothing.
 
 ``Engine.__init__`` reads as the build does, one short method per step, in order (as
-torchtitan's ``parallelize_<model>``): build -> apply tp -> apply ep -> load weights -> apply cp
--> fp8 -> compile -> recompute -> pipeline -> activation offload -> optimizer. What happens around each training step for a
-feature (MoE statistics and balancing, 2BW's read-ahead and weight versions, ...) is not here:
-:mod:`hybridpar.training.features`.
+torchtitan's ``parallelize_<model>``): build -> apply tp -> components' parallelize (MoE: ep) ->
+load weights -> apply cp -> components' convert_blocks (FP8, compile) -> recompute -> pipeline
+-> components' wrap_chunks (activation offload) -> optimizer. The features are components
+(:mod:`hybridpar.training.features`): each owns its build steps, step hooks and state, and the
+engine calls them at those points in the registry's one order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,11 @@ from hybridpar.distributed.mesh import Axis, Topology
 from hybridpar.models.common import Documents
 from hybridpar.models.hf import init_from_hf
 from hybridpar.models.lazy import Narrowed
-from hybridpar.models.moe import moe_layers
 from hybridpar.models.registry import family_of
-from hybridpar.parallel.compile import compile_blocks
 from hybridpar.parallel.context import zigzag_positions
 from hybridpar.parallel.context_model import ContextParallel, enable_context_parallel
-from hybridpar.parallel.experts import expert_param_names, expert_units
+from hybridpar.parallel.experts import expert_units
 from hybridpar.parallel.loss import HeadInput, chunked_head, head_cross_entropy
-from hybridpar.parallel.offload_activations import ActivationOffload, offloaded_count
 from hybridpar.parallel.pipeline import build_schedule, partition_model
 from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
@@ -51,18 +49,18 @@ from hybridpar.parallel.recompute import apply_recompute
 from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entropy
 from hybridpar.parallel.tensor_plan import set_sequence_parallel
 from hybridpar.parallel.zero import (
-    COMPRESSION_DTYPES,
     DataParallelOptimizer,
     ExpertSplitOptimizer,
     OuterSplit,
     Replicas,
     ShardedModel,
-    StageSharded,
-    ZeroOptimizer,
     decay_groups,
     shard_model,
     shard_stages,
 )
+from hybridpar.parallel.zero.spec import data_parallel_spec
+from hybridpar.training.features import Components, components_for
+from hybridpar.training.features.moe import MixtureOfExperts
 from hybridpar.training.generate import sample
 from hybridpar.training.precision import autocast
 from hybridpar.training.step import StepEngine
@@ -70,26 +68,15 @@ from hybridpar.training.step import StepEngine
 Batch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Documents]  # (inputs, targets[, packed documents])
 
 
-def aux_loss_scaling(model: nn.Module) -> Callable[[float], None] | None:
-    """A MoE model's auxiliary losses backpropagate with the step's gradient scale (``1 / M``
-    times the fp16 loss scale): the setter of that scale, for ``StepEngine.on_grad_scale``
-    (None for a model without auxiliary losses)."""
-    aux = getattr(model, "moe_aux", None)
-    if aux is None:
-        return None
-
-    def set_scale(scale: float) -> None:
-        aux.grad_scale = scale
-
-    return set_scale
-
-
 class Engine(StepEngine):
     """This rank's share of a model family under ``cfg``'s layout, on the shared step mechanics
     (:class:`~hybridpar.training.step.StepEngine`): built here, trained there."""
 
-    def __init__(self, cfg: Config, topo: Topology, device: torch.device) -> None:
+    def __init__(self, cfg: Config, topo: Topology, device: torch.device, components: Components | None = None) -> None:
         self.cfg, self.topo, self.device = cfg, topo, device
+        # the run's features (decided once from the config; the Trainer passes its launch's)
+        self.components = components if components is not None else components_for(cfg)
+        self._moe = self.components.find(MixtureOfExperts)
         self.family = family_of(cfg.model)
         self.plan = self.family.tp
         self.sequence_parallel = cfg.parallel.sequence_parallel and topo.tp.size > 1
@@ -99,12 +86,10 @@ class Engine(StepEngine):
         self._apply_ep(model)
         self._load_weights(model)
         self.cp = self._apply_cp(model)
-        self.fp8_linears = self._apply_fp8(model)
-        self.compiled = self._compile(model)
+        self.components.convert_blocks(self.family.blocks(model), topo, device)  # FP8, then compile
         self._apply_recompute(model)
         runner, owned, train = self._pipeline(model)
-        self.offload = self._offload_activations(model)  # None without parallel.offload_activations
-        self.offloaded_blocks = self.offload.blocks if self.offload is not None else 0
+        self.components.wrap_chunks(self._block_runs(model), device)  # activation offload
         optimizer, self.params = self._optimizer(model, runner, train)
         # gradients that are partial sums over tp after backward (all replicated ones under SP)
         ids = {id(q) for q in self.params}
@@ -113,8 +98,8 @@ class Engine(StepEngine):
         # the loss is looked up per call, so a subclass or a test may replace self.loss
         super().__init__(topo, optimizer, self.plan, owned, loss=lambda *batch: self.loss(*batch), runner=runner,
                          tp_partial=partial, after_pipeline=lambda: sync_tied_embedding_grads(self.chunks, topo))
-        self.on_grad_scale = aux_loss_scaling(model)  # MoE: the auxiliary losses' backward scale
-        self.moe = moe_layers(model)  # its MoE layers (training/features/moe.py: statistics, balancing)
+        if self._moe is not None:  # the auxiliary losses' backward scale
+            self.on_grad_scale = self._moe.set_grad_scale
 
     # ------------------------------------------------------------------ the build, step by step
     def _build(self) -> nn.Module:
@@ -128,13 +113,10 @@ class Engine(StepEngine):
         self.family.parallelize(model, self.topo.tp, self.sequence_parallel)
 
     def _apply_ep(self, model: nn.Module) -> None:
-        """MoE layers: experts over ep (and tp), token counts over the axes that split tokens;
-        ``expert_names``: the parameters split over ep (empty at ep=1)."""
-        topo = self.topo
-        if self.family.parallelize_moe is not None:
-            tokens = [topo.cp, *([topo.tp] if self.sequence_parallel else [])]
-            self.family.parallelize_moe(model, topo.tp, topo.ep, tokens, self.sequence_parallel)
-        self.expert_names = expert_param_names(model) if topo.ep.size > 1 else set()
+        """The components' parallelize step (MoE: experts over ep and tp); ``expert_names``: the
+        parameters split over ep (empty at ep=1)."""
+        self.components.parallelize(model, self.topo, self.family, self.sequence_parallel)
+        self.expert_names = self._moe.expert_names if self._moe is not None else set()
 
     def _load_weights(self, model: nn.Module) -> None:
         """``train.init_from``: a Hugging Face checkpoint, shape checked against ``cfg.model``;
@@ -158,20 +140,6 @@ class Engine(StepEngine):
         u = self.cfg.parallel.cp_split()[0]
         split = topo.split_axis(topo.cp, u, ("cp.ulysses", "cp.ring")) if u > 1 else None
         return enable_context_parallel(model, topo.cp, self.family.attention_modules(model), ulysses=split)
-
-    def _apply_fp8(self, model: nn.Module) -> int:
-        """``train.fp8``: the blocks' linear layers get FP8 GEMMs (after tp and cp, which decide
-        the axes their scales are reduced over); returns how many."""
-        # imported here: the features package imports this module
-        from hybridpar.training.features.fp8 import apply_fp8
-
-        return apply_fp8(self.cfg, self.topo, self.device, self.family.blocks(model))
-
-    def _compile(self, model: nn.Module) -> int:
-        """``train.compile``: the blocks' math (recomputation, next, reruns the compiled forward);
-        returns how many blocks were compiled."""
-        t = self.cfg.train
-        return compile_blocks(self.family.blocks(model), t.compile_backend) if t.compile else 0
 
     def _apply_recompute(self, model: nn.Module) -> None:
         """``parallel.recompute``; after cp, so selective recomputation reruns ring attention's core too."""
@@ -208,18 +176,9 @@ class Engine(StepEngine):
         train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
         return runner, owned_named_parameters(self.chunks), train
 
-    def _offload_activations(self, model: nn.Module) -> ActivationOffload | None:
-        """``parallel.offload_activations``: the first ``offload_activations_fraction`` of each
-        pipeline chunk's blocks (the whole model's at pp=1) save for backward in host memory;
-        after recompute, so what a checkpoint keeps is what goes there (None when off)."""
-        p = self.cfg.parallel
-        if not p.offload_activations:
-            return None
-        runs = [list(c.layers.values()) for c in self.chunks] if self.chunks else [self.family.blocks(model)]
-        chosen = [b for run in runs for b in run[:offloaded_count(len(run), p.offload_activations_fraction)]]
-        offload = ActivationOffload(self.device)
-        offload.apply(chosen)
-        return offload
+    def _block_runs(self, model: nn.Module) -> list[list[nn.Module]]:
+        """The blocks of each of this rank's pipeline chunks, in order (the whole model's at pp=1)."""
+        return [list(c.layers.values()) for c in self.chunks] if self.chunks else [self.family.blocks(model)]
 
     def _optimizer(self, model: nn.Module, runner: PipelineRunner | None, train: list[nn.Parameter]
                    ) -> tuple[DataParallelOptimizer, list[nn.Parameter]]:
@@ -229,7 +188,7 @@ class Engine(StepEngine):
         are rows of each rank's tp piece; under pp each stage shards what it trains. Experts
         average over the ranks holding the same ones (edp). Returns it and the trained parameters
         (ZeRO-3: the shards)."""
-        p, t, topo = self.cfg.parallel, self.cfg.train, self.topo
+        t, topo = self.cfg.train, self.topo
         outer = OuterSplit(topo.tp, self.plan.shard_dim) if topo.tp.size > 1 else None
         split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts: their rows over ep, then tp's split
         ids = {id(q) for q in train}
@@ -237,18 +196,15 @@ class Engine(StepEngine):
         sharded, expert_sharded = self._shard_parameters(model, runner, outer, split)
         named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
         hierarchy, replicas = self._dp_hierarchy()
-        opts = dict(stage=p.zero_stage, offload=p.offload_optimizer, bucket_bytes=int(p.bucket_mb * 2**20),
-                    reduce_dtype=COMPRESSION_DTYPES[p.grad_compression], offload_to=p.offload_to,
-                    offload_dir=p.offload_dir or None, offload_params=p.offload_params,
-                    optimizer_impl=t.optimizer_impl, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        spec = data_parallel_spec(self.cfg)  # the one data-parallel spec of the settings
         dense = [(n, q) for n, q in named if n not in self.expert_names]
-        optimizer = ZeroOptimizer(decay_groups(dense, t.weight_decay), topo.zero, sharded=sharded, outer=outer,
-                                  hierarchy=hierarchy, replicas=replicas, **opts)
+        optimizer: DataParallelOptimizer = spec.build(decay_groups(dense, t.weight_decay), topo.zero, sharded=sharded,
+                                                      outer=outer, hierarchy=hierarchy, replicas=replicas)
         if self.expert_names:
             experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
-            optimizer = ExpertSplitOptimizer(optimizer, ZeroOptimizer(decay_groups(experts, t.weight_decay), topo.ezero,
-                                                                      sharded=expert_sharded, outer=split,
-                                                                      replicas=Replicas(topo.ereplicas), **opts),
+            optimizer = ExpertSplitOptimizer(optimizer, spec.build(decay_groups(experts, t.weight_decay), topo.ezero,
+                                                                   sharded=expert_sharded, outer=split,
+                                                                   replicas=Replicas(topo.ereplicas)),
                                              topo.ep)
         return optimizer, [q for _, q in named if q.requires_grad]
 
@@ -274,7 +230,7 @@ class Engine(StepEngine):
         memory (as FSDP2, which prefetches only with CUDA streams)."""
         if self.cfg.parallel.zero_stage != 3:
             return None, None
-        topo, prefetch, fp8 = self.topo, self.device.type == "cuda", self.cfg.parallel.fp8_all_gather
+        topo, prefetch, fp8 = self.topo, self.device.type == "cuda", self.cfg.fp8.all_gather
         expert_ids = frozenset(id(q) for n, q in model.named_parameters() if n in self.expert_names)
         if runner is not None:
             tied = tied_embedding_weight(self.chunks)  # its two copies' gradients are summed after the pipeline
@@ -347,7 +303,7 @@ class Engine(StepEngine):
         """Sample on every rank together: pp stages first share their weights, tp ranks gather
         logits (same seed, same tokens), cp ranks attend locally."""
         sharded = self.optimizer.sharded
-        whole = sharded.gathered() if isinstance(sharded, StageSharded) else contextlib.nullcontext()
+        whole = sharded.whole_model() if sharded is not None else contextlib.nullcontext()
         tp, vocab = self.topo.tp, self.cfg.model.vocab_size
         paused = self.cp.paused() if self.cp is not None else contextlib.nullcontext()
         set_sequence_parallel(self.model, False)  # any prompt length

@@ -3,7 +3,7 @@
 * :class:`ThroughputMeter`: tokens/s, MFU and step time over the steps since the last logged one;
 * :class:`Evaluation`: when validation runs (``train.eval_every``) and its latest loss;
 * :class:`Checkpointing`: when a checkpoint is saved (``train.checkpoint_every``, the last step),
-  how long training waited for each, the save in flight (``train.async_checkpoint``) and the stop
+  how long training waited for each, the save in flight (``async_checkpoint.enabled``) and the stop
   on a signal every rank agreed to (:class:`~hybridpar.distributed.lifecycle.Preempted`);
 * :class:`LastStepTraffic`: the wire bytes per axis of the run's last step;
 * :class:`LossRange`: the first and the last loss of this run (or of this resumed part);
@@ -209,7 +209,7 @@ class Checkpointing:
     """Saves every ``every`` steps and at the last step; stops the run early when a signal asked
     for it and every rank agreed (:meth:`StopRequest.agreed`, collective over ``world``).
 
-    With a ``writer`` (``train.async_checkpoint``) ``save`` only stages the state and the
+    With a ``writer`` (``async_checkpoint.enabled``) ``save`` only stages the state and the
     writer's thread writes it: each step boundary polls it (its failure is raised there), and
     the end of training (:meth:`writing`) and a stop on a signal wait for the save in flight.
     ``stalls``: ``(step, seconds)`` training waited for each save: the save itself, or (in the

@@ -35,12 +35,6 @@ def nonfinite_flag(values: Iterable[torch.Tensor], world: Axis) -> torch.Tensor:
     return flag
 
 
-def any_nonfinite(values: Iterable[torch.Tensor], world: Axis) -> bool:
-    """True when any element of ``values`` on any rank of ``world`` is Inf or NaN (reads
-    :func:`nonfinite_flag` to the host: a device synchronization)."""
-    return bool(nonfinite_flag(values, world).item() > 0)
-
-
 class LossScaler:
     """Dynamic loss scale for fp16 (disabled: scale 1 and no checks).
 

@@ -25,11 +25,11 @@ from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
 from hybridpar.training import checkpoint, elastic
-from hybridpar.training.checkpoint import BackgroundWriter
 from hybridpar.training.elastic import LayoutChange
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
-from hybridpar.training.features import features_for
+from hybridpar.training.features import Launch, RunContext, components_for
+from hybridpar.training.features.async_checkpoint import AsyncCheckpoint
 from hybridpar.training.loop import (
     Checkpointing,
     Evaluation,
@@ -62,7 +62,10 @@ class Trainer:
         self.tokenizer = self.data.tokenizer
         check_vocab(self.data.vocab_size, cfg.model.vocab_size)
         self.train_data, self.val_data = self.data.train, self.data.val
-        self.engine = Engine(cfg, topo, self.device)
+        # the run's features as components, decided once (training/features/): the engine runs
+        # their build steps, this loop their step hooks
+        self.hooks = components_for(cfg, Launch(elastic=elastic))
+        self.engine = Engine(cfg, topo, self.device, self.hooks)
         self.model, self.optimizer, self.params = self.engine.model, self.engine.optimizer, self.engine.params
         self.cp = self.engine.cp
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
@@ -71,10 +74,13 @@ class Trainer:
         self._latest: StepResult | None = None  # fit's latest step (its values may be on the device)
         self.is_logger = topo.rank == 0
         self.run_dir = Path(t.run_dir)
-        # train.async_checkpoint: a thread copies each save to host memory and writes it
-        self.writer = BackgroundWriter(topo, t.timeout_s) if t.async_checkpoint else None
         self.checkpoint_stalls: list[tuple[int, float]] = []  # (step, seconds training waited to save it)
-        self.hooks = features_for(self)  # the features that join the step (training/features/)
+        self.hooks.attach(RunContext(self.engine, topo, self.device, self.run_dir, self.is_logger,
+                                     lambda step: self.micro_batches(step, t.global_batch, self.train_data),
+                                     t.timeout_s, self.checkpoint_stalls))
+        # async_checkpoint.enabled: its component's thread copies each save to host memory and writes it
+        staging = self.hooks.find(AsyncCheckpoint)
+        self.writer = staging.writer if staging is not None else None
 
     # ------------------------------------------------------------------ data
     def micro_batches(self, step: int, per_step: int,
@@ -205,7 +211,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def save_checkpoint(self, step: int) -> Path:
         """Write ``<run_dir>/checkpoints/step-NNNNNN`` atomically (every rank calls this); with
-        ``train.async_checkpoint`` a thread copies and writes it: the next ``train_step`` holds its
+        ``async_checkpoint.enabled`` a thread copies and writes it: the next ``train_step`` holds its
         optimizer update until the copy is done, and the checkpoint is complete once
         ``self.writer.wait()`` returns (or a later poll at a step boundary)."""
         return checkpoint.save(checkpoint.step_dir(self.run_dir, step), self.model, self.optimizer,
@@ -291,7 +297,8 @@ class Trainer:
         stop_axis = self.topo.side_axis("stop", t.timeout_s) if self.stop is not None else self.topo.world
         checkpoints = Checkpointing(t.checkpoint_every, t.steps, self._save_checked, self.run_dir, self.stop,
                                     stop_axis, torch.device("cpu"), self.writer)
-        self.checkpoint_stalls = checkpoints.stalls
+        self.checkpoint_stalls.clear()  # this fit's saves (the list the components were given)
+        checkpoints.stalls = self.checkpoint_stalls
         return checkpoints
 
     def _start(self, resume: Path | None) -> int:

@@ -19,7 +19,6 @@ from torch import Tensor
 from hybridpar.api.deepspeed.config import parse_ds_config
 from hybridpar.api.deepspeed.front import _dataloader, named_groups
 from hybridpar.api.deepspeed.schedules import schedule_lrs
-from hybridpar.api.engine import OPTIMIZERS
 from hybridpar.api.pipeline import LayerSpec, PipelineModule
 from hybridpar.config import ConfigError
 from hybridpar.parallel.zero import ZeroOptimizer
@@ -42,15 +41,8 @@ class PipelineEngine:
         if cfg.zero_stage == 3 or cfg.precision != "fp32" or (cfg.tensor_parallel_size or 1) > 1:
             raise ConfigError("ds_config: a PipelineModule here takes zero_optimization.stage 0-2, fp32 and no "
                               "tensor_parallel block; use initialize(model=...) without a pipeline for the others")
-        kwargs: dict[str, Any] = {"lr": cfg.lr}
-        if cfg.optimizer == "sgd":
-            kwargs["momentum"] = cfg.momentum
-        else:
-            kwargs.update(betas=cfg.betas, eps=cfg.eps)
         self.module, self.ds, self.topo = module, ds, topo
-        self.optimizer = ZeroOptimizer(named_groups(module, None, cfg.weight_decay), topo.dp, stage=cfg.zero_stage,
-                                       optimizer_cls=OPTIMIZERS[cfg.optimizer], bucket_bytes=int(cfg.bucket_mb * 2**20),
-                                       **kwargs)
+        self.optimizer = cfg.data_parallel_spec().build(named_groups(module, None, cfg.weight_decay), topo.dp)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.global_steps = 0
         self.training_dataloader = loader

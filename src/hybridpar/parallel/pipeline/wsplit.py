@@ -258,7 +258,7 @@ class WeightGradSplit:
         storages saved; they also run whenever other saved-tensor hooks are active (a checkpoint's,
         which would drop the tensors W needs), so that the inner graph saves for real.
 
-        ``linear``: the layer's GEMM, ``F.linear`` or (``train.fp8``) an FP8 one, whose backward
+        ``linear``: the layer's GEMM, ``F.linear`` or (``fp8.recipe``) an FP8 one, whose backward
         runs only the GEMM its caller asks for (B: the input's; W: the weight's)."""
         params = (weight,) if bias is None else (weight, bias)
         own = {p.untyped_storage().data_ptr() for p in params}

@@ -1,4 +1,4 @@
-"""ZeRO-3's FP8 parameter all-gather (``parallel.fp8_all_gather``): a unit's FP8 linear weights
+"""ZeRO-3's FP8 parameter all-gather (``fp8.all_gather``): a unit's FP8 linear weights
 cross the wire as e4m3 bytes, the rest of its parameters as they are.
 
 A :class:`~hybridpar.parallel.zero.unit.Unit` with FP8 weights (linears whose ``fp8`` layout is
@@ -27,6 +27,7 @@ from hybridpar.compat import restore_storage
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.fp8 import (
     E4M3,
+    Fp8Capable,
     Fp8Layout,
     gathered_weight,
     quantize,
@@ -44,8 +45,8 @@ def fp8_weight_layout(owners: list[tuple[nn.Module, str]]) -> Fp8Layout | None:
     if len(owners) != 1:
         return None
     module, attr = owners[0]
-    layout = getattr(module, "fp8", None)
-    if attr == "weight" and isinstance(layout, Fp8Layout) and layout.recipe == "tensorwise":
+    layout = module.fp8 if isinstance(module, Fp8Capable) else None
+    if attr == "weight" and layout is not None and layout.recipe == "tensorwise":
         return layout
     return None
 

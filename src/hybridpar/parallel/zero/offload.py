@@ -92,7 +92,3 @@ class DiskStore:
     def resident_bytes(self) -> int:
         """Bytes of all this store's files in memory now."""
         return sum(a.resident_bytes() for a in self.arenas)
-
-    def file_bytes(self) -> int:
-        """Bytes of all this store's files."""
-        return sum(a.nbytes for a in self.arenas)

@@ -70,7 +70,7 @@ class Unit:
         self._pending: Pending | None = None
         self.arena: DiskArena | None = None  # offload_params to disk: the file holding shard_flat
         layouts = [fp8_weight_layout(e.owners) for e in entries] if fp8_gather else []
-        # parallel.fp8_all_gather: the FP8 linear weights gathered as e4m3 bytes (zero/fp8_gather.py)
+        # fp8.all_gather: the FP8 linear weights gathered as e4m3 bytes (zero/fp8_gather.py)
         self.fp8 = (Fp8Gather(self.layout.shapes, layouts, axis, self.dtype)
                     if any(lay is not None for lay in layouts) else None)
         self.reshard()

@@ -32,6 +32,7 @@ The model must be sharded after its weights are initialized or loaded.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -211,6 +212,12 @@ class ShardedModel(GradientSync):
             if unit.arena is not None:
                 unit.arena.evict()
 
+    def whole_model(self) -> contextlib.AbstractContextManager[None]:
+        """A block that runs the whole model outside the training step (sampling): each unit's
+        forward hooks gather it as it runs, so nothing more is needed here (:class:`StageSharded`,
+        whose hooks are the pipeline runner's, gathers every unit)."""
+        return contextlib.nullcontext()
+
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.grads.zero()
@@ -294,7 +301,7 @@ def shard_model(model: nn.Module, axis: Axis, units: list[nn.Module],
     tensor-parallel pieces (see :class:`~hybridpar.parallel.zero.shard.OuterSplit`). ``skip``: ids of
     parameters left alone (sharded by another :class:`ShardedModel` over another axis: experts).
     ``fp8_gather``: tensorwise FP8 linears' weights are gathered in FP8
-    (:mod:`hybridpar.parallel.zero.fp8_gather`, ``parallel.fp8_all_gather``)."""
+    (:mod:`hybridpar.parallel.zero.fp8_gather`, ``fp8.all_gather``)."""
     return ShardedModel(model, axis, units, reduce_dtype, prefetch, outer, skip, fp8_gather)
 
 

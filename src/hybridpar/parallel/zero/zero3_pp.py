@@ -101,6 +101,10 @@ class StageSharded(ShardedModel):
                 unit.grads.note_grad()
         super().finish()
 
+    def whole_model(self) -> contextlib.AbstractContextManager[None]:
+        """Every unit gathered (:meth:`gathered`): the runner's stage hooks do not run outside a step."""
+        return self.gathered()
+
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Every unit gathered for the block (sampling through the whole model), then resharded."""

@@ -51,9 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"],
-                   help="train.fp8: the blocks' linear GEMMs in FP8 (priced at the GPU's FP8 rate plus scaling)")
+                   help="fp8.recipe: the blocks' linear GEMMs in FP8 (priced at the GPU's FP8 rate plus scaling)")
     p.add_argument("--fp8-all-gather", action="store_true",
-                   help="parallel.fp8_all_gather: ZeRO-3 layouts gather the FP8 linears' weights in FP8 (with --fp8 tensorwise)")
+                   help="fp8.all_gather: ZeRO-3 layouts gather the FP8 linears' weights in FP8 (with --fp8 tensorwise)")
     p.add_argument("--loss-chunk-tokens", type=int, default=Workload.loss_chunk_tokens,
                    help="train.loss_chunk_tokens: the head and loss in chunks of this many tokens (0: unchunked)")
     p.add_argument("--top", type=int, default=5)

@@ -120,8 +120,8 @@ def layout_and_workload(cfg: Config) -> tuple[Layout, Workload]:
     layout = Layout(**{k: getattr(par, k) for k in LAYOUT_KEYS if k != "micro_batch"}, micro_batch=train.micro_batch)
     style = BlockStyle.COMPILED if train.compile else BlockStyle.EAGER
     work = Workload(train.global_batch, train.seq_len, train.precision, half_params=False, bucket_mb=par.bucket_mb,
-                    style=style, loss_chunk_tokens=train.loss_chunk_tokens, fp8=train.fp8,
-                    fp8_all_gather=par.fp8_all_gather)
+                    style=style, loss_chunk_tokens=train.loss_chunk_tokens, fp8=cfg.fp8.recipe,
+                    fp8_all_gather=cfg.fp8.all_gather)
     return layout, work
 
 

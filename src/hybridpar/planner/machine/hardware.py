@@ -204,7 +204,7 @@ class GPUSpec:
     # per-kernel-class efficiencies (hybridpar.planner.machine.efficiency; None: the family default), as
     # a profile's [efficiency] table writes them (hybridpar calibrate --from-run fits them)
     efficiency: Efficiency | None = None
-    fp8_flops: float = 0.0  # dense FP8 tensor-core peak (train.fp8; planner/price/fp8.py); 0 = none
+    fp8_flops: float = 0.0  # dense FP8 tensor-core peak (fp8.recipe; planner/price/fp8.py); 0 = none
     # device memory a plan leaves free: the CUDA context, NCCL's buffers and the caching
     # allocator's fragmentation live outside what the memory model counts (the GPUs below: 5%)
     headroom_bytes: float = 0.0

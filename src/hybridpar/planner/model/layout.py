@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from hybridpar.config import (
     Config,
     ConfigError,
+    Fp8Config,
     LayoutChoice,
     ModelConfig,
     ParallelConfig,
@@ -93,8 +94,8 @@ class Workload:
     style: BlockStyle = BlockStyle.EAGER
     moe_imbalance: float = DEFAULT_IMBALANCE
     loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the chunked loss (hybridpar.parallel.loss)
-    fp8: str = "none"  # train.fp8: the blocks' linear GEMMs in FP8 (planner/price/fp8.py)
-    fp8_all_gather: bool = False  # parallel.fp8_all_gather: ZeRO-3 gathers the FP8 linears' weights in FP8
+    fp8: str = "none"  # fp8.recipe: the blocks' linear GEMMs in FP8 (planner/price/fp8.py)
+    fp8_all_gather: bool = False  # fp8.all_gather: ZeRO-3 gathers the FP8 linears' weights in FP8
     selective_ac: str = "attention"
 
     def __post_init__(self) -> None:
@@ -117,12 +118,12 @@ class Workload:
 def to_config(model: ModelConfig, layout: Layout, work: Workload) -> Config:
     """The trainer's config for this plan (what ``hybridpar train`` would be given)."""
     fields = {k: getattr(layout, k) for k in LAYOUT_KEYS if k != "micro_batch"}
-    par = ParallelConfig(**fields, microbatches=0, bucket_mb=work.bucket_mb,  # type: ignore[arg-type]
-                         fp8_all_gather=fp8_gathers(work.fp8, work.fp8_all_gather, layout.zero_stage))
+    par = ParallelConfig(**fields, microbatches=0, bucket_mb=work.bucket_mb)  # type: ignore[arg-type]
     train = TrainConfig(global_batch=work.global_batch, micro_batch=layout.micro_batch,
                         seq_len=work.seq_len, precision=work.precision,  # type: ignore[arg-type]
-                        loss_chunk_tokens=work.loss_chunk_tokens, fp8=work.fp8)
-    return Config(model=dataclasses.replace(model), parallel=par, train=train)
+                        loss_chunk_tokens=work.loss_chunk_tokens)
+    fp8 = Fp8Config(work.fp8, all_gather=fp8_gathers(work.fp8, work.fp8_all_gather, layout.zero_stage))
+    return Config(model=dataclasses.replace(model), parallel=par, train=train, fp8=fp8)
 
 
 ModelKey = tuple  # a model shape's field values, hashable: the key of cached results
@@ -207,5 +208,5 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     fields = {k: getattr(p, k) for k in LAYOUT_KEYS if k != "micro_batch"}
     layout = Layout(**fields, micro_batch=t.micro_batch)  # type: ignore[arg-type]
     work = Workload(t.global_batch, t.seq_len, t.precision, half_params=False, bucket_mb=p.bucket_mb,
-                    loss_chunk_tokens=t.loss_chunk_tokens, fp8=t.fp8, fp8_all_gather=p.fp8_all_gather)
+                    loss_chunk_tokens=t.loss_chunk_tokens, fp8=cfg.fp8.recipe, fp8_all_gather=cfg.fp8.all_gather)
     return layout, work

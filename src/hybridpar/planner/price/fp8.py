@@ -1,4 +1,4 @@
-"""FP8 in the planner (``train.fp8``; ``hybridpar plan --fp8``): the blocks' linear GEMMs at the
+"""FP8 in the planner (``fp8.recipe``; ``hybridpar plan --fp8``): the blocks' linear GEMMs at the
 GPU's FP8 rate, plus the scaling passes that quantize their operands.
 
 Rates: the data sheets' dense FP8 tensor-core peaks (:class:`~hybridpar.planner.machine.hardware.GPUSpec`
@@ -14,7 +14,7 @@ rowwise quantizes ``x`` and ``W`` in forward, ``dy`` and ``W`` again (other axis
 and ``dy`` and ``x`` again for ``dW``. The amax all-reduces under tp and cp are a few floats
 each (latency only) and are left out. Experts (grouped GEMMs) and attention stay bf16.
 
-FP8 parameter all-gather (``parallel.fp8_all_gather``, ZeRO-3 with tensorwise FP8): the FP8
+FP8 parameter all-gather (``fp8.all_gather``, ZeRO-3 with tensorwise FP8): the FP8
 linears' weights (:func:`is_fp8_weight`) cross ZeRO-3's all-gathers at 1 byte per element
 instead of the parameter dtype's, plus one all-reduce of a float per weight (their amaxes) over
 the ZeRO axis per gather (:func:`hybridpar.rules.fp8_gathers`; ``planner.price.traffic`` counts both, ``planner.price.dp_cost``
@@ -65,7 +65,7 @@ def fp8_gemm_deltas(gemms: Sequence[tuple[float, float, float]], gpu: GPUSpec, r
     ``gemms`` (``(m, n, k)`` each, as ``planner.price.cost`` prices them with ``bf16_time(m, n, k)``):
     the FP8 GEMMs and their scaling passes minus the bf16 GEMMs they replace (negative: a gain)."""
     if gpu.fp8_flops <= 0:
-        raise PlanError(f"train.fp8 = {recipe!r}: {gpu.name} has no FP8 tensor cores in its spec (fp8_flops = 0); "
+        raise PlanError(f"fp8.recipe = {recipe!r}: {gpu.name} has no FP8 tensor cores in its spec (fp8_flops = 0); "
                         "plan without --fp8, or give the GPU's fp8_flops in a TOML spec")
     fwd = bwd_in = bwd_w = 0.0
     for m, n, k in gemms:

@@ -18,7 +18,7 @@ The package, one seam per file (each imports only the public names of those befo
 - ``manifest``: ``complete.json`` (written last, checked before anything loads) and ``config.json``;
 - ``paths``: step directories, the latest whole checkpoint, ``--resume``, recovery after a crash;
 - ``writer``: the one atomic sharded writer (:func:`write_checkpoint`), collective;
-- ``background``: :class:`BackgroundWriter` (``train.async_checkpoint``) stages the state in host
+- ``background``: :class:`BackgroundWriter` (``async_checkpoint.enabled``) stages the state in host
   memory and runs the writer on a thread;
 - ``state``: what a checkpoint holds, :func:`save` and :func:`load` (any layout), and the
   one-process readers (:func:`load_model_state`, :func:`load_tokenizer_of`).

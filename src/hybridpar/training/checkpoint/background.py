@@ -1,4 +1,4 @@
-"""Checkpoints off the critical path (``train.async_checkpoint``).
+"""Checkpoints off the critical path (``async_checkpoint.enabled``).
 
 A synchronous save stops training for as long as the files take to write, fsync and hash. Here
 a thread copies the state into host memory and writes that copy while training goes on:
@@ -197,7 +197,7 @@ class BackgroundWriter:
         if error is None:
             why = f"rank {rank}'s writer failed (see its error)"
         elif isinstance(error, CheckpointError):
-            return CheckpointError(f"{error} (it was being written in the background: train.async_checkpoint)")
+            return CheckpointError(f"{error} (it was being written in the background: async_checkpoint.enabled)")
         else:
             why = reason(error)
         return CheckpointError(f"checkpoint {path} was not saved: its background writer failed ({why}); "

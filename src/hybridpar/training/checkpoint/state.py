@@ -49,7 +49,7 @@ def save(path: Path, model: nn.Module, optimizer: DataParallelOptimizer, cfg: Co
     the model and optimizer pieces this rank holds, the run's config and its tokenizer (so
     ``generate`` and ``convert`` need no dataset). See :func:`write_checkpoint`. With
     ``train.keep_checkpoints = K > 0`` the older complete checkpoints beyond the newest K are
-    deleted once this one is complete. With a ``writer`` (``train.async_checkpoint``) the
+    deleted once this one is complete. With a ``writer`` (``async_checkpoint.enabled``) the
     writer's thread copies the state to host memory (leave it unchanged until
     :meth:`BackgroundWriter.hold` returns) and writes the copy while training goes on: ``path``
     is complete only once :meth:`BackgroundWriter.wait` (or a later ``poll``) returns."""

@@ -1,28 +1,48 @@
-"""``train.compile`` in the run: after the first step, what it compiled and how long that took
-(the most of any rank: ranks compile different pieces, pipeline stages, graph breaks), in the
-log and as ``compile_s`` in ``summary.json``."""
+"""Regional compilation (``train.compile``), the component: its build step compiles each block's
+math (:func:`~hybridpar.parallel.compile.compile_blocks`; after FP8, which changes the blocks'
+linears, and before recomputation, which reruns the compiled forward); after the first step,
+what it compiled and how long that took (the most of any rank: ranks compile different pieces,
+pipeline stages, graph breaks), in the log and as ``compile_s`` in ``summary.json``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
 from hybridpar.compat import compile_stats
+from hybridpar.config import Config
 from hybridpar.distributed.mesh import Topology
-from hybridpar.training.features.base import StepFeature
+from hybridpar.parallel.compile import compile_blocks
+from hybridpar.training.features.component import Component, Launch, RunContext
 from hybridpar.training.metrics import MetricsLogger
 
-__all__ = ["CompileReport"]
+__all__ = ["CompileComponent"]
 
 
-class CompileReport(StepFeature):
-    """Reports the ``blocks`` compiled blocks (``backend``) of this rank (module doc)."""
+class CompileComponent(Component):
+    """Compiles this rank's blocks (``train.compile_backend``) and reports them (module doc)."""
 
-    def __init__(self, topo: Topology, device: torch.device, blocks: int, backend: str) -> None:
-        self.topo, self.device, self.blocks, self.backend = topo, device, blocks, backend
+    name = "compile"
+    after = ("fp8",)  # compiles the blocks as FP8 left them
+
+    @classmethod
+    def enabled(cls, cfg: Config, launch: Launch) -> bool:
+        return cfg.train.compile
+
+    def __init__(self, cfg: Config, launch: Launch) -> None:
+        super().__init__(cfg, launch)
+        self.backend = cfg.train.compile_backend
+        self.blocks = 0  # how many blocks were compiled
         self.first_step = 1
         self.compile_s: float | None = None  # seconds the first step spent compiling
+
+    def convert_blocks(self, blocks: list[nn.Module], topo: Topology, device: torch.device) -> None:
+        self.blocks = compile_blocks(blocks, self.backend)
+
+    def attach(self, run: RunContext) -> None:
+        self.topo, self.device = run.topo, run.device
 
     def start_run(self, start: int, log: MetricsLogger) -> None:
         self.first_step = start + 1

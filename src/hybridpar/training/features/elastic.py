@@ -1,25 +1,36 @@
-"""An elastic job in the run (``hybridpar train --elastic MIN:MAX``): the layout this (re)start
+"""An elastic job, the component (``hybridpar train --elastic MIN:MAX``): the layout this (re)start
 trains under is recorded in ``layouts.json`` (rank 0), a change of world size is logged, and
 ``summary.json`` lists the run's layouts as ``layout_changes``."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from hybridpar.config import Config
 from hybridpar.training import elastic
 from hybridpar.training.elastic import LayoutChange
-from hybridpar.training.features.base import StepFeature
+from hybridpar.training.features.component import Component, Launch, RunContext
 from hybridpar.training.metrics import MetricsLogger
 
-__all__ = ["ElasticLayouts"]
+__all__ = ["ElasticComponent"]
 
 
-class ElasticLayouts(StepFeature):
-    """Records ``change`` in ``run_dir`` (``is_logger``: this rank writes) (module doc)."""
+class ElasticComponent(Component):
+    """Records the launch's layout change in the run directory (module doc)."""
 
-    def __init__(self, change: LayoutChange, run_dir: Path, is_logger: bool) -> None:
-        self.change, self.run_dir, self.is_logger = change, run_dir, is_logger
+    name = "elastic"
+
+    @classmethod
+    def enabled(cls, cfg: Config, launch: Launch) -> bool:
+        return launch.elastic is not None
+
+    def __init__(self, cfg: Config, launch: Launch) -> None:
+        super().__init__(cfg, launch)
+        assert launch.elastic is not None  # enabled() said so
+        self.change: LayoutChange = launch.elastic
+
+    def attach(self, run: RunContext) -> None:
+        self.run_dir, self.is_logger = run.run_dir, run.is_logger
 
     def start_run(self, start: int, log: MetricsLogger) -> None:
         if not self.is_logger:

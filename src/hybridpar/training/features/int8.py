@@ -1,4 +1,4 @@
-"""int8 gradient compression in the step (``parallel.grad_compression = "int8"``): its
+"""int8 gradient compression, the component (``parallel.grad_compression = "int8"``): its
 error-feedback residuals are in the units of the scaled fp16 gradients, so when the loss scale
 changes they are rescaled by the same factor, and after a step with non-finite gradients (the
 update skipped) they are forgotten, having been computed from those gradients. The residuals
@@ -6,19 +6,24 @@ themselves are part of the data-parallel optimizer's checkpoint state."""
 
 from __future__ import annotations
 
-from hybridpar.training.features.base import StepFeature
-from hybridpar.training.step import StepEngine
+from hybridpar.config import Config
+from hybridpar.training.features.component import Component, Launch, RunContext
 
-__all__ = ["Int8Residuals"]
+__all__ = ["Int8Compression"]
 
 
-class Int8Residuals(StepFeature):
-    """The error feedback of ``engine``'s data-parallel optimizer (module doc)."""
+class Int8Compression(Component):
+    """The error feedback of the engine's data-parallel optimizer (module doc)."""
 
+    name = "int8"
     backward_writes_checkpoint_state = True  # the backward updates the residuals a checkpoint holds
 
-    def __init__(self, engine: StepEngine) -> None:
-        self.engine = engine
+    @classmethod
+    def enabled(cls, cfg: Config, launch: Launch) -> bool:
+        return cfg.parallel.grad_compression == "int8"
+
+    def attach(self, run: RunContext) -> None:
+        self.engine = run.engine
 
     def loss_scale_changed(self, factor: float, clean: bool) -> None:
         optimizer = self.engine.optimizer  # a DataParallelOptimizer: without compression these are no-ops

@@ -1,5 +1,7 @@
-"""Mixture of experts in the step: expert statistics per step and over the run, and
-DeepSeek-V3's auxiliary-loss-free balancing bias as an optimizer-step hook.
+"""Mixture of experts (``model.n_experts > 0``), the component: the MoE layers' parallel plan
+over ep (and tp) as a build step, the auxiliary losses' backward scale, expert statistics per
+step and over the run, and DeepSeek-V3's auxiliary-loss-free balancing bias as an
+optimizer-step hook.
 
 Every step (after the backward, collective) the routers' token counts are summed over all
 ranks into the step's expert load ``[MoE layers, experts]``; ``metrics.jsonl`` records
@@ -15,32 +17,63 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from hybridpar.config import Config
-from hybridpar.models.moe import MoE, update_balance_bias
-from hybridpar.parallel.experts import sum_over_axes
-from hybridpar.training.engine import Engine
-from hybridpar.training.features.base import DeviceStats, Stats, StepFeature
+from hybridpar.distributed.mesh import Topology
+from hybridpar.models.moe import AuxLossScale, MoE, moe_layers, update_balance_bias
+from hybridpar.parallel.experts import expert_param_names, sum_over_axes
+from hybridpar.training.features.base import DeviceStats, Stats
+from hybridpar.training.features.component import Component, Launch
 
-__all__ = ["ExpertBalance"]
+if TYPE_CHECKING:
+    from hybridpar.models.registry import Family
+
+__all__ = ["MixtureOfExperts"]
 
 
-class ExpertBalance(StepFeature):
-    """The MoE layers ``engine.moe`` of a model trained under ``cfg`` (module doc)."""
+class MixtureOfExperts(Component):
+    """The MoE layers of a model trained under ``cfg`` (module doc)."""
 
-    def __init__(self, cfg: Config, engine: Engine) -> None:
-        self.cfg, self.engine, self.topo = cfg, engine, engine.topo
-        self.layers: list[MoE] = engine.moe
+    name = "moe"
+
+    @classmethod
+    def enabled(cls, cfg: Config, launch: Launch) -> bool:
+        return bool(cfg.model.moe_layer_ids())
+
+    def __init__(self, cfg: Config, launch: Launch) -> None:
+        super().__init__(cfg, launch)
+        self.layers: list[MoE] = []
+        self.expert_names: set[str] = set()  # the parameters split over ep (empty at ep=1)
+        self.sequence_parallel = False
         self._load: Tensor | None = None  # this step's expert load over all ranks, once collected
         # per step, each layer's max/mean expert load (fp32, on the device): blocks of rows, and
         # the latest rows (joined into a block every BLOCK steps)
         self._imbalance: list[Tensor] = []
         self._recent: list[Tensor] = []
         self._dropped: Tensor | None = None  # routed slots no expert computed, summed over steps
+
+    def parallelize(self, model: nn.Module, topo: Topology, family: Family, sequence_parallel: bool) -> None:
+        """Experts over ep (and tp), token counts over the axes that split tokens (cp, and tp
+        under SP)."""
+        if family.parallelize_moe is not None:
+            tokens = [topo.cp, *([topo.tp] if sequence_parallel else [])]
+            family.parallelize_moe(model, topo.tp, topo.ep, tokens, sequence_parallel)
+        self.expert_names = expert_param_names(model) if topo.ep.size > 1 else set()
+        self.layers, self.sequence_parallel, self.topo = moe_layers(model), sequence_parallel, topo
+
+    @property
+    def aux(self) -> AuxLossScale:
+        """The auxiliary losses' backward scale and running value, shared by the model's layers."""
+        return self.layers[0].aux_scale
+
+    def set_grad_scale(self, scale: float) -> None:
+        """The step's gradient scale (``1 / M`` times the fp16 loss scale): the auxiliary losses
+        backpropagate with it (``StepEngine.on_grad_scale``)."""
+        self.aux.grad_scale = scale
 
     def start_step(self, step: int, batches: Sequence[tuple]) -> None:
         self._load = None
@@ -54,7 +87,7 @@ class ExpertBalance(StepFeature):
             load = torch.stack([moe.router.load for moe in self.layers])  # other stages' layers: zeros
             for moe in self.layers:
                 moe.router.load.zero_()
-            axes = [topo.tp] if self.engine.sequence_parallel else []
+            axes = [topo.tp] if self.sequence_parallel else []
             self._load = sum_over_axes([*axes, topo.pp, topo.dp_cp], load)
         return self._load
 
@@ -65,11 +98,11 @@ class ExpertBalance(StepFeature):
         holds it); ``expert_load_imbalance``: the worst layer's max/mean load; ``dropped_tokens``:
         routed slots short of tokens x k (0: the layers are dropless); ``aux_loss``: the
         auxiliary losses' sum over layers, mean over micro-batches."""
-        topo, model = self.topo, self.engine.model
+        topo = self.topo
         load = self.step_load()
-        aux = torch.zeros(1, dtype=torch.float64, device=load.device) + model.moe_aux.value  # no host copy
-        model.moe_aux.reset()
-        sum_over_axes([topo.tp] if self.engine.sequence_parallel else [], aux)  # SP: each tp rank's share
+        aux = torch.zeros(1, dtype=torch.float64, device=load.device) + self.aux.value  # no host copy
+        self.aux.reset()
+        sum_over_axes([topo.tp] if self.sequence_parallel else [], aux)  # SP: each tp rank's share
         topo.comm.all_reduce(aux, topo.pp)
         topo.comm.all_reduce(aux, topo.dp_cp, op="avg")
         t, m = self.cfg.train, self.cfg.model

@@ -11,33 +11,42 @@ DTensors) so another layout can read it; a checkpoint of a synchronous schedule 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from hybridpar.config import Config
 from hybridpar.parallel.pipeline.twobw import TwoBWRunner
 from hybridpar.training import checkpoint
-from hybridpar.training.engine import Engine
-from hybridpar.training.features.base import StepFeature
+from hybridpar.training.features.component import Component, Launch, RunContext
 
-__all__ = ["TwoBWReadAhead"]
+__all__ = ["TwoBWComponent"]
 
 STATE_KEY = "weight_versions"
 
 
-class TwoBWReadAhead(StepFeature):
-    """The 2BW runner ``engine.runner`` of a run of ``last_step`` steps; ``read(step)`` reads this
-    rank's micro-batches of a step (module doc)."""
+class TwoBWComponent(Component):
+    """The 2BW runner of a run of ``train.steps`` steps (module doc); the engine builds the
+    runner for the schedule, :meth:`attach` takes it and the run's batch reader."""
 
+    name = "2bw"
     backward_writes_checkpoint_state = True  # the pipeline's cut rewrites the older weight version
 
-    def __init__(self, engine: Engine, runner: TwoBWRunner, last_step: int,
-                 read: Callable[[int], list[tuple]]) -> None:
-        self.engine, self.runner, self.last_step, self.read = engine, runner, last_step, read
+    @classmethod
+    def enabled(cls, cfg: Config, launch: Launch) -> bool:
+        return cfg.parallel.pipeline_schedule == "2bw" and cfg.parallel.pp > 1
+
+    def __init__(self, cfg: Config, launch: Launch) -> None:
+        super().__init__(cfg, launch)
+        self.last_step = cfg.train.steps
         self._ahead: tuple[int, list[tuple]] | None = None  # the next step's micro-batches, read early
+
+    def attach(self, run: RunContext) -> None:
+        assert isinstance(run.engine.runner, TwoBWRunner)  # the engine's runner for "2bw"
+        self.engine, self.runner, self.read = run.engine, run.engine.runner, run.read
 
     def batches(self, step: int) -> list[tuple] | None:
         return self._ahead[1] if self._ahead is not None and self._ahead[0] == step else None
