@@ -327,3 +327,37 @@ def test_unrepresentable_configs_are_refused(tmp_path):
     with pytest.raises(HFError) as e:
         model_config_from_hf(tmp_path)
     assert "n_group = 3 is not supported (8 experts in equal groups" in one_line_error(e)
+
+
+# ----------------------------------------------------------------------------- planner
+
+
+def test_deepseek_v3_preset_is_the_published_model(tmp_path):
+    """The ``deepseek-v3`` preset: DeepSeek-V3's released config.json imports to it, 671B
+    parameters besides the MTP module, 37B active per token (the paper's counts, to 1%); the
+    planner prices its MLA (FLOPs per token = 6 x active matmul parameters + the attention
+    scores over qk and v channels + the MTP module's layer, projection and head)."""
+    from hybridpar.config import model_preset
+    from hybridpar.planner.hardware import gpu_spec
+
+    hub = dict(COMMON, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+               num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+               num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4, q_lora_rank=1536,
+               kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+               max_position_embeddings=163840, num_nextn_predict_layers=1, aux_loss_alpha=0.0001,
+               rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, rope_theta=10000,
+               model_type="deepseek_v3", hidden_act="silu", tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    preset = model_preset("deepseek-v3")
+    imported = model_config_from_hf(tmp_path)
+    assert dataclasses.replace(imported, preset=preset.preset) == preset
+    assert (preset.num_params() - preset.mtp_params()) / 1e9 == pytest.approx(671, rel=0.01)
+    active = sum(preset.active_ffn_params(i) + preset.mla_params() for i in range(61)) + 2 * 129280 * 7168
+    assert active / 1e9 == pytest.approx(37, rel=0.02)
+    qk, v, s = 192, 128, 4096
+    attn = 6 * 128 * (qk + v) * s * 61
+    mtp = 12 * 7168**2 + preset.layer_flops(60, s) + preset.head_flops()
+    matmuls = 6 * (active - 2 * 129280 * 7168 - 61 * (1536 + 512)) + preset.head_flops()
+    assert preset.flops_per_token(s) == pytest.approx(matmuls + attn + mtp, rel=1e-9)
+    assert (gpu_spec("h800").intra_bw, gpu_spec("h800").bf16_flops) == (200e9, gpu_spec("H100-SXM").bf16_flops)

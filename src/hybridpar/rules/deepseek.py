@@ -1,5 +1,7 @@
 """The rules of DeepSeek-V3's shape (multi-head latent attention, group-limited routing) and of
-the layouts its multi-token prediction runs under."""
+the layouts its multi-token prediction runs under (``runtime-mtp-layout``: a limit of this
+runtime, not of the model; the planner, which prices DeepSeek's own pp x ep run, skips
+``runtime-*`` rules)."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def _expert_groups(m: ModelConfig) -> str | None:
     return None
 
 
-@rule("mtp-layout")
+@rule("runtime-mtp-layout")
 def _mtp_layout(cfg: Config, world: int | None) -> str | None:
     m, p = cfg.model, cfg.parallel
     if not m.mtp_layers or (p.tp, p.cp, p.pp) == (1, 1, 1):
