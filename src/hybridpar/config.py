@@ -7,6 +7,7 @@ applies them before any process group exists, so a bad config is one clear ``Val
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import types
 import typing
@@ -110,11 +111,7 @@ class ModelConfig:
 
     def moe_layer_ids(self) -> tuple[int, ...]:
         """Indices of the MoE layers (none for a dense model)."""
-        if self.n_experts == 0:
-            return ()
-        if not self.moe_layers.strip():
-            return tuple(range(self.n_layers))
-        return tuple(sorted({int(x) for x in self.moe_layers.split(",") if x.strip()}))
+        return _moe_layer_ids(self.n_experts, self.n_layers, self.moe_layers)
 
     def _ffn_params(self, layer: int) -> int:
         if layer not in self.moe_layer_ids():
@@ -198,6 +195,17 @@ class ModelConfig:
         ``[2 dim -> dim]`` projection, its decoder layer (as the last layer) and the shared head."""
         last = self.n_layers - 1
         return self.mtp_layers * (12.0 * self.dim * self.dim + self.layer_flops(last, seq_len) + self.head_flops())
+
+
+@functools.lru_cache(maxsize=1024)
+def _moe_layer_ids(n_experts: int, n_layers: int, moe_layers: str) -> tuple[int, ...]:
+    """:meth:`ModelConfig.moe_layer_ids`, parsed once per value: the planner asks it per layer of
+    every layout it prices (DeepSeek-V3 names 58 layers)."""
+    if n_experts == 0:
+        return ()
+    if not moe_layers.strip():
+        return tuple(range(n_layers))
+    return tuple(sorted({int(x) for x in moe_layers.split(",") if x.strip()}))
 
 
 def model_preset(name: str) -> ModelConfig:
