@@ -205,7 +205,7 @@ def check_mtp_is_transformers(hf, out: Path, ours, cfg, x: torch.Tensor) -> None
     theirs = MtpModel(hf, cfg.mtp_layers).float().eval()
     state = {}
     with safe_open(out / "model.safetensors", "pt") as f:
-        for key in f:
+        for key in f.keys():  # noqa: SIM118  (safe_open is not iterable)
             layer = int(key.split(".")[2]) if key.startswith("model.layers.") else -1
             if layer < cfg.n_layers or key.endswith(("embed_tokens.weight", "shared_head.head.weight")):
                 continue
