@@ -62,7 +62,8 @@ def evaluate_row(row: dict[str, Any]) -> tuple[Evaluation, float]:
     work = Workload(row["global_batch"], row["seq_len"], row["precision"], style=row["style"],
                     selective_ac=row.get("selective_ac", "attention"),  # torchtitan: its op-level policy
                     loss_chunk_tokens=row.get("loss_chunk_tokens", Workload.loss_chunk_tokens),
-                    fp8=row.get("fp8", "none"))  # Megatron-Bridge's FP8-CS rows: current (per-tensor) scaling
+                    fp8=row.get("fp8", "none"),  # Megatron-Bridge's FP8-CS rows: current (per-tensor) scaling
+                    ep_overlap=row.get("ep_overlap", 0.0))  # DeepSeek-V3's DualPipe: all-to-alls hidden
     tries = [(s, v) for s in row["schedules"] for v in ((2, 4) if s == "interleaved" else (1,))]  # search's V
     # the published runs kept their activations on the device: no activation offload
     options = [e for s, v in tries for e in complete(model, {**row["layout"], "pipeline_schedule": s, "virtual_stages": v,

@@ -246,10 +246,15 @@ def test_export_reloads_in_transformers(spec, tmp_path, tmp_path_factory):
         err = rel_err(hf(input_ids=x).logits, ours(x))
     print(f"{spec}: hybridpar -> transformers logits rel err {err:.2e}")
     assert err <= 1e-5
-    check_same_shape(model_config_from_hf(out), cfg, str(out))  # and back: same config, same tensors
+    assert_reads_back(out, cfg, ours.state_dict())
+
+
+def assert_reads_back(out: Path, cfg, state: dict) -> None:
+    """The exported directory ``out`` imports to ``cfg`` and exactly the tensors ``state``."""
+    check_same_shape(model_config_from_hf(out), cfg, str(out))
     back = load_hf_state_dict(out)
-    assert back.keys() == ours.state_dict().keys()
-    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
 def test_mixtral_8x7b_preset_is_the_published_config(tmp_path):

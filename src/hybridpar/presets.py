@@ -21,6 +21,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                          vocab_size=32000, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5,
                          tie_embeddings=False, n_experts=8, experts_per_token=2, moe_ffn_hidden=14336,
                          aux_loss_coef=0.02),
+    # DeepSeek-V3 (arXiv:2412.19437; the released config.json): 61 layers of multi-head latent attention, the
+    # first 3 dense, then 256 routed experts (8 per token, within 4 of 8 groups) + 1 shared; one MTP module;
+    # 671B parameters (+14B of the MTP module), 37B active per token; 128K context by yarn (factor 40)
+    "deepseek-v3": dict(family="deepseek_v3", dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_hidden=18432,
+                        vocab_size=129280, max_seq_len=163840, rope_theta=10000.0, norm_eps=1e-6,
+                        tie_embeddings=False, rope_type="yarn", rope_factor=40.0, rope_original_max_len=4096,
+                        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_attention_factor=1.0, rope_mscale_all_dim=1.0,
+                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        rope_interleave=True, n_experts=256, experts_per_token=8, n_shared_experts=1,
+                        moe_ffn_hidden=2048, moe_layers=",".join(str(i) for i in range(3, 61)), router_score="sigmoid",
+                        norm_topk_prob=True, aux_loss_coef=0.0, seq_aux_loss_coef=0.0001, bias_update_rate=0.001,
+                        n_group=8, topk_group=4, routed_scaling_factor=2.5, mtp_layers=1, mtp_loss_weight=0.3),
     "llama3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
                       tie_embeddings=False),

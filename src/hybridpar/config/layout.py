@@ -36,7 +36,7 @@ class MeshAxes:
 class LayoutChoice(MeshAxes):
     """What a layout chooses, stated once: the mesh axes and how each is used.
     :class:`ParallelConfig` adds a run's communication settings, the planner's candidates
-    (:class:`hybridpar.planner.layout.Layout`) the micro-batch size."""
+    (:class:`hybridpar.planner.model.layout.Layout`) the micro-batch size."""
 
     zero_stage: int = 0
     offload_optimizer: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,10 +59,31 @@ class ModelConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss (Switch / GShard) per MoE layer
     z_loss_coef: float = 0.0  # router z-loss (ST-MoE) per MoE layer
     bias_update_rate: float = 0.0  # > 0: DeepSeek-V3's auxiliary-loss-free balancing bias, this step size
+    # DeepSeek-V3 (family deepseek_v3, see hybridpar.models.deepseek_v3): multi-head latent attention
+    # (q_lora_rank 0 = a full query projection), group-limited routing, the sequence-wise balance loss and
+    # mtp_layers multi-token prediction modules, their losses weighted mtp_loss_weight / mtp_layers
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rope channels of q and k stored as interleaved pairs (DeepSeek's)
+    rope_mscale_all_dim: float = 0.0  # yarn: softmax scale x (0.1 mscale_all_dim ln(factor) + 1)^2
+    n_group: int = 1  # experts in n_group groups; a token routes within its topk_group best groups
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights x this
+    seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss per MoE layer
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.dim // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) instead of q/k/v projections."""
+        return self.kv_lora_rank > 0
 
     @property
     def expert_hidden(self) -> int:
@@ -70,11 +92,7 @@ class ModelConfig:
 
     def moe_layer_ids(self) -> tuple[int, ...]:
         """Indices of the MoE layers (none for a dense model)."""
-        if self.n_experts == 0:
-            return ()
-        if not self.moe_layers.strip():
-            return tuple(range(self.n_layers))
-        return tuple(sorted({int(x) for x in self.moe_layers.split(",") if x.strip()}))
+        return _moe_layer_ids(self.n_experts, self.n_layers, self.moe_layers)
 
     def _ffn_params(self, layer: int) -> int:
         if layer not in self.moe_layer_ids():
@@ -89,8 +107,19 @@ class ModelConfig:
         used = (self.experts_per_token + self.n_shared_experts) * 3 * self.dim * self.expert_hidden
         return used + self.n_experts * self.dim
 
+    def mla_params(self) -> int:
+        """Parameters of one multi-head latent attention: the query (low-rank with its norm, or
+        full), the compressed key/value with the shared rope key and its norm, their up-projection
+        and the output projection."""
+        h, qk = self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = self.q_lora_rank * (self.dim + 1 + h * qk) if self.q_lora_rank else self.dim * h * qk
+        kv = self.dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        return q + kv + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * self.dim
+
     def layer_params(self) -> int:
         """Exact parameter count of one decoder layer of this family."""
+        if self.mla:
+            return self.mla_params() + 3 * self.dim * self.ffn_hidden + 2 * self.dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = 2 * self.dim * q_dim + 2 * self.dim * kv_dim
         if self.family == "gpt2":  # LayerNorms with bias, a 2-matrix GELU MLP, biases everywhere
@@ -107,12 +136,25 @@ class ModelConfig:
         final_norm = 2 * self.dim if self.family == "gpt2" else self.dim
         positions = self.max_seq_len * self.dim if self.family == "gpt2" else 0
         moe = sum(self._ffn_params(i) - 3 * self.dim * self.ffn_hidden for i in self.moe_layer_ids())
-        return self.n_layers * self.layer_params() + moe + embed + head + final_norm + positions
+        return self.n_layers * self.layer_params() + moe + embed + head + final_norm + positions + self.mtp_params()
+
+    def mtp_params(self) -> int:
+        """Parameters of the multi-token prediction modules (embedding and head shared with the
+        model): per module two input norms, the ``[2 dim -> dim]`` projection, a decoder layer
+        (MoE when the model has experts) and its output norm."""
+        if not self.mtp_layers:
+            return 0
+        moe = self._ffn_params(self.moe_layer_ids()[0]) - 3 * self.dim * self.ffn_hidden if self.n_experts else 0
+        return self.mtp_layers * (3 * self.dim + 2 * self.dim * self.dim + self.layer_params() + moe)
 
     def layer_flops(self, layer: int, seq_len: int) -> float:
         """Training FLOPs per token of decoder layer ``layer``: 6 x its matmul parameters a token
         uses (an MoE layer's routed + shared experts and router, not all experts) + 12 x dim x
         seq_len for the attention scores (forward + backward = 3x forward, PaLM appendix B)."""
+        if self.mla:  # scores over qk_nope + qk_rope channels, values of v_head_dim, per head
+            scores = 6.0 * self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) * seq_len
+            matmuls = self.mla_params() - self.q_lora_rank - self.kv_lora_rank  # less the two norms
+            return 6.0 * (matmuls + self.active_ffn_params(layer)) + scores
         attn = 2 * self.dim * self.n_heads * self.head_dim + 2 * self.dim * self.n_kv_heads * self.head_dim
         mlp = (2 * self.dim * self.ffn_hidden if self.family == "gpt2" else self.active_ffn_params(layer))
         return 6.0 * (attn + mlp) + 12.0 * self.dim * seq_len
@@ -126,7 +168,25 @@ class ModelConfig:
         """Training FLOPs per token: 6 x matmul parameters + 12 x n_layers x dim x seq_len, the sum
         of :meth:`layer_flops` over the layers and :meth:`head_flops`. Attention scores count in
         full, as in PaLM."""
-        return sum(self.layer_flops(i, seq_len) for i in range(self.n_layers)) + self.head_flops()
+        return sum(self.layer_flops(i, seq_len) for i in range(self.n_layers)) + self.head_flops() \
+            + self.mtp_flops(seq_len)
+
+    def mtp_flops(self, seq_len: int) -> float:
+        """Training FLOPs per token of the multi-token prediction modules: per module its
+        ``[2 dim -> dim]`` projection, its decoder layer (as the last layer) and the shared head."""
+        last = self.n_layers - 1
+        return self.mtp_layers * (12.0 * self.dim * self.dim + self.layer_flops(last, seq_len) + self.head_flops())
+
+
+@functools.lru_cache(maxsize=1024)
+def _moe_layer_ids(n_experts: int, n_layers: int, moe_layers: str) -> tuple[int, ...]:
+    """:meth:`ModelConfig.moe_layer_ids`, parsed once per value: the planner asks it per layer of
+    every layout it prices (DeepSeek-V3 names 58 layers)."""
+    if n_experts == 0:
+        return ()
+    if not moe_layers.strip():
+        return tuple(range(n_layers))
+    return tuple(sorted({int(x) for x in moe_layers.split(",") if x.strip()}))
 
 
 def model_preset(name: str) -> ModelConfig:

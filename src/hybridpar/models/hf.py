@@ -99,7 +99,8 @@ def check_same_shape(hf: ModelConfig, ours: ModelConfig, source: str) -> None:
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
-        return {name: p.shape for name, p in family_of(cfg).build(cfg).named_parameters()}
+        # parameters and persistent buffers (an MoE router's balancing bias, DeepSeek-V3's is stored)
+        return {name: t.shape for name, t in family_of(cfg).build(cfg).state_dict().items()}
 
 
 def _check_state(state: dict[str, Tensor], cfg: ModelConfig, name: Any, source: str) -> None:

@@ -78,7 +78,8 @@ class Router(nn.Module):
         super().__init__()
         self.n_experts, self.k = cfg.n_experts, cfg.experts_per_token
         self.score, self.norm_topk = cfg.router_score, cfg.norm_topk_prob
-        self.aux_coef, self.z_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.aux_coef, self.z_coef, self.seq_coef = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.seq_aux_loss_coef
+        self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
         # the balancing bias is state (saved, never trained); the load is this step's statistics
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=cfg.bias_update_rate > 0)
@@ -89,19 +90,52 @@ class Router(nn.Module):
         #: ranks whose token sets add up to one share of the micro-batch (tp under SP)
         self.token_share = 1
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``(weights [N, k] in x's dtype, expert ids [N, k], auxiliary loss or None)`` for ``x [N, D]``."""
+    def forward(self, x: Tensor, batch: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(weights [N, k] in x's dtype, expert ids [N, k], auxiliary loss or None)`` for ``x [N, D]``
+        (``batch`` sequences of ``N / batch`` tokens each, for the sequence-wise loss)."""
         logits = F.linear(x, self.weight).float()
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         choose = scores + self.expert_bias if self.use_bias else scores
+        if self.n_group > 1:
+            choose = self._within_groups(choose)
         idx = choose.topk(self.k, dim=-1).indices
         weights = scores.gather(1, idx)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score == "sigmoid" else 0.0))
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts)
         if torch.is_grad_enabled() and not in_backward():  # training forwards, once (not a recompute)
             self.load += counts
-        return weights.to(x.dtype), idx, self._aux_loss(logits, scores, counts, x.shape[0])
+        aux = self._aux_loss(logits, scores, counts, x.shape[0])
+        if self.seq_coef and torch.is_grad_enabled():
+            seq = self._sequence_loss(scores, idx, batch)
+            aux = seq if aux is None else aux + seq
+        return weights.to(x.dtype), idx, aux
+
+    def _within_groups(self, choose: Tensor) -> Tensor:
+        """DeepSeek-V3's group-limited routing: the experts outside each token's ``topk_group``
+        best groups (a group's score: the sum of its two best experts') masked to ``-inf``."""
+        n, g = choose.shape[0], self.n_group
+        grouped = choose.view(n, g, self.n_experts // g)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_group, -1).indices, True)
+        return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(n, -1)
+
+    def _sequence_loss(self, scores: Tensor, idx: Tensor, batch: int) -> Tensor:
+        """DeepSeek-V3's sequence-wise balance loss, this rank's share: per sequence
+        ``seq_coef * sum_e f_e P_e`` with ``f_e = E / (k T)`` x the slots of the sequence's ``T``
+        tokens that chose ``e`` and ``P_e`` the mean over them of the sum-normalised score of
+        ``e``; averaged over the sequences (counts summed over the ranks sharing a sequence)."""
+        n, e = scores.shape
+        t_local = n // batch
+        counts = torch.zeros(batch, e, device=scores.device).scatter_add_(
+            1, idx.view(batch, -1), torch.ones(batch, t_local * self.k, device=scores.device))
+        total = self.sum_counts(counts)
+        f = total * e / total.sum(-1, keepdim=True)  # = E / (k T) x slot counts
+        probs = (scores / scores.sum(-1, keepdim=True)).view(batch, t_local, e).sum(1)
+        t = t_local * self.token_share
+        return self.seq_coef * (f * probs).sum() / (t * batch)
 
     def _aux_loss(self, logits: Tensor, scores: Tensor, counts: Tensor, n_local: int) -> Tensor | None:
         """This rank's share of the micro-batch's auxiliary losses (its tokens' terms over all the
@@ -154,7 +188,7 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
-        weights, idx, aux = self.router(x.reshape(-1, d))
+        weights, idx, aux = self.router(x.reshape(-1, d), b)
         k = idx.shape[-1]
         out = self.experts(x, weights.view(b, t, k), idx.view(b, t, k))
         if self.shared_experts is not None:

@@ -6,13 +6,14 @@ Adding a family is a folder under ``hybridpar/models/`` exporting a ``FAMILY`` a
 from __future__ import annotations
 
 from hybridpar.config import ConfigError, ModelConfig
-from hybridpar.models import gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from hybridpar.models import deepseek_v3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from hybridpar.models.family import Family
 
 __all__ = ["FAMILIES", "family_of", "get_family"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY,
-                                                   mixtral.FAMILY, qwen3_moe.FAMILY, gpt2.FAMILY)}
+                                                   mixtral.FAMILY, qwen3_moe.FAMILY, gpt2.FAMILY,
+                                                   deepseek_v3.FAMILY)}
 
 
 def get_family(name: str, what: str = "model.family") -> Family:

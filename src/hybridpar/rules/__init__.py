@@ -24,6 +24,9 @@ from hybridpar.rules.layout import partition_error, schedule_error, tp_split_err
 # isort: split
 from hybridpar.rules.fp8 import FP8_MODES, fp8_device_error, fp8_gathers
 
+# isort: split
+from hybridpar.rules import deepseek  # noqa: F401  (registers DeepSeek-V3's rules)
+
 __all__ = ["FP8_MODES", "MOE_FAMILIES", "OPTIMIZER_IMPLS", "RULES", "Broken", "PipelineShape", "Rule", "first_broken",
            "fp8_device_error", "fp8_gathers", "model_error", "optimizer_impl_error", "partition_error", "schedule_error", "tp_split_error",
            "ulysses_error"]

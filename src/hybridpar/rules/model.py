@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from hybridpar.config import Config, ModelConfig
 
 #: the model families whose layers may be mixtures of experts (their Hugging Face mapping knows experts)
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 #: train.optimizer_impl: which torch kernel runs the update ("auto": fused where the device and dtype allow)
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 

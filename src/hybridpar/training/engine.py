@@ -50,6 +50,7 @@ from hybridpar.parallel.tensor import gather_logits, vocab_parallel_cross_entrop
 from hybridpar.parallel.tensor_plan import set_sequence_parallel
 from hybridpar.parallel.zero import (
     DataParallelOptimizer,
+    ExpertlessStage,
     ExpertSplitOptimizer,
     OuterSplit,
     Replicas,
@@ -200,8 +201,10 @@ class Engine(StepEngine):
         dense = [(n, q) for n, q in named if n not in self.expert_names]
         optimizer: DataParallelOptimizer = spec.build(decay_groups(dense, t.weight_decay), topo.zero, sharded=sharded,
                                                       outer=outer, hierarchy=hierarchy, replicas=replicas)
-        if self.expert_names:
-            experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
+        experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
+        if self.expert_names and not experts:  # a pipeline stage of dense layers (DeepSeek-V3's first)
+            optimizer = ExpertlessStage(optimizer, [topo.ep, *([topo.ezero] if self.cfg.parallel.zero_stage else [])])
+        elif experts:
             optimizer = ExpertSplitOptimizer(optimizer, spec.build(decay_groups(experts, t.weight_decay), topo.ezero,
                                                                    sharded=expert_sharded, outer=split,
                                                                    replicas=Replicas(topo.ereplicas)),

@@ -160,11 +160,20 @@ class Llama(nn.Module):
         self.rope_scaling = check_rope_type(cfg)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.moe_aux = AuxLossScale()  # MoE layers' auxiliary losses: backward scale and running value
-        self.layers = nn.ModuleList(Block(cfg, i, self.moe_aux) for i in range(cfg.n_layers))
+        self.rope_dim = self.rope_dim_of(cfg)
+        self.layers = nn.ModuleList(self.block(cfg, i, self.moe_aux) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = (
             None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         )
+
+    #: the decoder layer (a family with Llama's decoder around other layers swaps it)
+    block: type[nn.Module] = Block
+
+    @staticmethod
+    def rope_dim_of(cfg: ModelConfig) -> int:
+        """The channels RoPE rotates (a head's)."""
+        return cfg.head_dim
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
                 docs: Documents | None = None) -> Tensor:
@@ -176,19 +185,24 @@ class Llama(nn.Module):
             return self._forward_documents(tokens, docs.to(tokens.device))
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = precompute_rope(self.cfg.head_dim, positions.to(tokens.device), self.cfg.rope_theta,
+        cos, sin = precompute_rope(self.rope_dim, positions.to(tokens.device), self.cfg.rope_theta,
                                    self.rope_scaling)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return project(self.norm(h), self.output, self.tok_embeddings)
+        return self.finish(self.norm(h), tokens, cos, sin)
 
     def _forward_documents(self, tokens: Tensor, docs: Documents) -> Tensor:
-        cos, sin = docs.rope(self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
+        cos, sin = docs.rope(self.rope_dim, self.cfg.rope_theta, self.rope_scaling)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, docs)
-        return project(self.norm(h), self.output, self.tok_embeddings)
+        return self.finish(self.norm(h), tokens, cos, sin, docs)
+
+    def finish(self, h: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
+        """The logits of the final norm's output ``h`` (a family with extra heads on ``h``, such
+        as DeepSeek-V3's multi-token prediction, adds them here)."""
+        return project(h, self.output, self.tok_embeddings)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -25,7 +25,7 @@ class LlamaChunk(DecoderChunk):
 
     def __init__(self, model: Llama, spec: ChunkSpec) -> None:
         super().__init__(model, spec)
-        self.head_dim = model.cfg.head_dim
+        self.head_dim = model.rope_dim
         self.rope_theta = model.cfg.rope_theta
         self.rope_scaling = model.cfg
 

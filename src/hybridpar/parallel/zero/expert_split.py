@@ -24,7 +24,7 @@ from hybridpar.parallel.zero.optimizer import ZeroOptimizer
 from hybridpar.parallel.zero.reducer import GradientReducer
 from hybridpar.parallel.zero.zero3 import ShardedModel
 
-__all__ = ["ExpertSplitOptimizer"]
+__all__ = ["ExpertSplitOptimizer", "ExpertlessStage"]
 
 
 class ExpertSplitOptimizer:
@@ -147,3 +147,20 @@ class ExpertSplitOptimizer:
         if pieces is not None and gathered is not None and self.experts.sharded is not None:
             pieces.update({n: gathered[n] for u in self.experts.sharded.units for n in u.fqns})
         return pieces
+
+
+class ExpertlessStage:
+    """The optimizer of a pipeline stage that holds no experts in a model that has some (the
+    dense first layers of DeepSeek-V3 on their own stage): ``dense``, whose gradient norm also
+    has the experts' part, empty, summed over ``expert_axes`` as the other stages' is, so that
+    every stage's norm reduction spans the same ranks (a stage summing over fewer axes would
+    wait forever in a collective the others never join)."""
+
+    def __init__(self, dense: ZeroOptimizer, expert_axes: list[Axis]) -> None:
+        self.dense, self.expert_axes = dense, expert_axes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dense, name)
+
+    def norm_parts(self) -> list[NormPart]:
+        return [*self.dense.norm_parts(), ([], self.expert_axes)]

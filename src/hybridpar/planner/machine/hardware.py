@@ -238,6 +238,10 @@ GPUS: dict[str, GPUSpec] = {
     "H100-SXM": GPUSpec("H100-SXM", 989.4e12, 67e12, 81559 * 2**20, 3350 * GB, 450 * GB, 50 * GB,
                         gemm_efficiency=0.75, host_bw=50 * GB, host_bytes=256 * GB,  # PCIe Gen5 x16: 64 GB/s raw
                         fp8_flops=1978.9e12),  # same datasheet: FP8 3,958 TFLOPS with sparsity = 1,979 dense
+    # H800 SXM (the export H100 DeepSeek-V3 trained on, arXiv:2412.19437 section 3.1): H100 SXM's compute and
+    # HBM, NVLink 400 GB/s (bidirectional) instead of 900; each node 8x 400 Gb/s InfiniBand, one per GPU
+    "H800": GPUSpec("H800", 989.4e12, 67e12, 80 * GiB, 3350 * GB, 200 * GB, 50 * GB,
+                    gemm_efficiency=0.75, host_bw=50 * GB, host_bytes=256 * GB, fp8_flops=1978.9e12),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM (989 dense BF16,
     # 67 FP32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; DGX H200: 8x 400 Gb/s NDR.
     "H200": GPUSpec("H200", 989.4e12, 67e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB,

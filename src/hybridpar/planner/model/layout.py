@@ -97,6 +97,9 @@ class Workload:
     fp8: str = "none"  # fp8.recipe: the blocks' linear GEMMs in FP8 (planner/price/fp8.py)
     fp8_all_gather: bool = False  # fp8.all_gather: ZeRO-3 gathers the FP8 linears' weights in FP8
     selective_ac: str = "attention"
+    #: the fraction of the MoE layers' expert-parallel all-to-alls hidden behind another micro-batch's
+    #: compute: 0 in this runtime's schedules; 1 prices DeepSeek's DualPipe (published rows only)
+    ep_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         # "gpt" -> BlockStyle.MEGATRON (a ValueError naming the value for anything else)
@@ -166,7 +169,9 @@ def runtime_note(model: ModelConfig, layout: Layout, work: Workload) -> str | No
 
 @functools.lru_cache(maxsize=16384)
 def _broken(key: ModelKey, layout: Layout, work: Workload) -> Broken | None:
-    return first_broken(to_config(model_of(key), layout, work), layout.world_size)
+    # runtime-* rules: what this runtime cannot run yet but the layout's cost model prices (DeepSeek-V3's
+    # multi-token prediction under pp, as DeepSeek trained it); train refuses them with their message
+    return first_broken(to_config(model_of(key), layout, work), layout.world_size, skip=("runtime-",))
 
 
 def parse_layout(text: str) -> dict[str, object]:

@@ -62,6 +62,7 @@ from hybridpar.planner.machine.hardware import Cluster, GPUSpec
 from hybridpar.planner.memory.offload import offload_layer_times
 from hybridpar.planner.model import sac
 from hybridpar.planner.model.layout import BlockStyle, Layout, Workload, model_key
+from hybridpar.planner.model.mla import mla_core_width, mla_gemms
 from hybridpar.planner.model.moe import dispatch_rows, rank_load
 from hybridpar.planner.model.shapes import layer_partition, padded, v_shaped
 from hybridpar.planner.price import pipesim
@@ -196,10 +197,11 @@ def _block_gemms(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster
     if megatron:  # 4h GELU MLP of the same parameter count as the preset's SwiGLU; fused QKV
         f_inner = 3 * model.ffn_hidden / 2
         gemms = [(tok, (q + 2 * kv) / t, h), (tok, h, q / t), (tok, f_inner / t, h), (tok, h, f_inner / t)]
-    else:  # this runtime's Llama block: separate q, k, v, o and w1, w3, w2 projections
+    else:  # this runtime's Llama block: separate q, k, v, o and w1, w3, w2 projections (or DeepSeek's MLA)
         f_inner = model.ffn_hidden
-        gemms = [(tok, q / t, h), (tok, kv / t, h), (tok, kv / t, h), (tok, h, q / t),
-                 (tok, f_inner / t, h), (tok, f_inner / t, h), (tok, h, f_inner / t)]
+        attn = mla_gemms(model, t, tok) if model.mla else [(tok, q / t, h), (tok, kv / t, h), (tok, kv / t, h),
+                                                          (tok, h, q / t)]
+        gemms = [*attn, (tok, f_inner / t, h), (tok, f_inner / t, h), (tok, h, f_inner / t)]
     counted = [(1.0, m, n, k) for m, n, k in gemms]
     routing, a2a = 0.0, 0.0
     if moe:
@@ -213,6 +215,7 @@ def _attention_core(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, s
                     tok: int) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core over the full (cp-gathered) keys."""
     ab, t, h, a = work.act_bytes, L.tp, model.dim, model.n_heads
+    h = mla_core_width(model)[0] if model.mla else h  # MLA: Llama's core of the same FLOPs
     s_kv = work.seq_len
     if work.style is BlockStyle.MEGATRON:  # unfused: batched QK^T and AV GEMMs + scale-mask-softmax + dropout
         heads = L.micro_batch * a / t
@@ -224,7 +227,7 @@ def _attention_core(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, s
     rates = g.calibration.attention_rates(s_kv, h / a) if g.calibration is not None else None
     if rates is not None:
         return eff.scale_attention((attn_flops / rates[0], 2.5 * attn_flops / rates[1]), g)
-    kv = model.n_kv_heads * model.head_dim
+    kv = h if model.mla else model.n_kv_heads * model.head_dim
     io = tok * ab * (2 * h + 2 * kv * s_kv / s) / t  # q and o per query token, k and v per key token
     return eff.attention_time(attn_flops, s_kv, h / a, io, peak_flops(g, ab), g)
 
@@ -304,9 +307,10 @@ def layer_time(model: ModelConfig, layout: Layout, work: Workload, cluster: Clus
     host_f, host_b = _host_floors(work, counted, g)  # the layer's device time is at least its launches
     cast_f, cast_b = weight_traffic(model, L, work, g)
     elem, elem_b = elem + cast_f, elem_b + cast_b
-    f = max(fwd_gemm + core + elem, host_f) + max(0.0, cp_pass - hide * core) + 2 * ar + ep_comm + a2a_cp
-    b_time = (max(bwd_in + core_b + elem_b, host_b) + max(0.0, 2 * cp_pass - hide * core) + 2 * ar + 2 * a2a
-              + a2a_cp)
+    exposed = 1.0 - work.ep_overlap  # DualPipe (Workload.ep_overlap) hides the all-to-alls
+    f = max(fwd_gemm + core + elem, host_f) + max(0.0, cp_pass - hide * core) + 2 * ar + exposed * ep_comm + a2a_cp
+    b_time = (max(bwd_in + core_b + elem_b, host_b) + max(0.0, 2 * cp_pass - hide * core) + 2 * ar
+              + exposed * 2 * a2a + a2a_cp)
     # full recompute reruns the block's forward; in this runtime it stops after the last tensor
     # backward needs (torch's checkpoint), skipping the MLP's down projection (an MoE layer's
     # experts all rerun: the last tensor saved is the combine's) and the exit collective
