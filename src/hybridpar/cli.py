@@ -53,16 +53,13 @@ DEMO_LAYOUT = ("--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hybridpar train",
-        description="Train a Llama-style model. Any config key can be overridden as --section.key value, "
-        "e.g. --train.steps 50 --parallel.dp 2.",
-    )
+    p = argparse.ArgumentParser(prog="hybridpar train", description="Train a Llama-style model. Any config key can be "
+                                "overridden as --section.key value, e.g. --train.steps 50 --parallel.dp 2. "
+                                "--dry-run: check the run on a fake cluster in this process (--dry-run --help).")
     p.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest complete checkpoint in train.run_dir, or from CHECKPOINT")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="local processes to launch (default: the layout's world size dp*tp*pp*cp)")
+    p.add_argument("--nproc", type=int, default=None, help="local processes to launch (default: the layout's world size dp*tp*pp*cp)")
     p.add_argument("--max-restarts", type=int, default=None, metavar="K",
                    help="with local processes: when one fails, restart all of them up to K times; each "
                    "restart continues from the latest complete checkpoint (train.auto_resume)")
@@ -81,6 +78,9 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(argv: list[str]) -> int:
+    if "--dry-run" in argv:  # a fake cluster in this process: no launch (hybridpar.training.dryrun_cli)
+        from hybridpar.training.dryrun_cli import cmd_dry_run
+        return cmd_dry_run(argv)
     if not argv:  # the demo; any argument at all means the user's own config (defaults: 1 process)
         argv = [*DEMO_LAYOUT] if under_launcher() else ["--nproc", "8", *DEMO_LAYOUT]
         if not under_launcher():

@@ -119,7 +119,9 @@ class Engine(StepEngine):
     # ------------------------------------------------------------------ the build, step by step
     def _build(self) -> nn.Module:
         """The family's whole model on this device, initialised from ``train.seed``."""
-        model = self.family.build(self.cfg.model).to(self.device)
+        model = self.family.build(self.cfg.model)
+        if self.device.type != "cpu":  # built on the CPU; a no-op .to() would swap fake tensors (dry run)
+            model = model.to(self.device)
         model.init_weights(self.cfg.train.seed)
         return model
 

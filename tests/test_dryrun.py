@@ -1,0 +1,67 @@
+"""``hybridpar train --dry-run`` (:mod:`hybridpar.training.dryrun`): a rank's real training step on
+fake tensors and torch's fake process group, measured beside the planner.
+
+Small worlds, a few ranks, two steps each, in this process (the fake process group needs no
+workers): the traffic per axis equals :func:`hybridpar.planner.traffic.comm_bytes_per_axis` to the
+byte and the FLOPs :func:`~hybridpar.training.dryrun.predicted_flops` exactly, on the ranks that
+differ (first, last pipeline stage, the uneven ZeRO remainder). The measured traffic is the same
+counter the gloo tests check against the planner (tests/test_planner_validation.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+from layouts import make_config
+
+from hybridpar.config import ConfigError
+from hybridpar.training.dryrun import default_ranks, dry_run
+from hybridpar.training.dryrun_cli import cmd_dry_run
+
+LAYOUTS = {
+    "dp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--model.n_layers", "4"],
+    "cp2-zero3": ["--parallel.cp", "2", "--parallel.dp", "2", "--parallel.zero_stage", "3"],
+    "tp2-sp-full": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--parallel.recompute", "full"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dry_run_traffic_and_flops_equal_the_planner(name, tmp_path):
+    cfg = make_config(str(tmp_path), *LAYOUTS[name])
+    ranks = default_ranks(cfg)
+    runs = dry_run(cfg, ranks, steps=2)
+    assert [r.rank for r in runs] == [r for r, _ in ranks]
+    for r in runs:
+        assert r.traffic and r.traffic == r.traffic_planned, f"rank {r.rank}"
+        assert r.flops > 0 and r.flops == r.flops_planned, f"rank {r.rank}"
+    assert not dist.is_initialized()
+
+
+def test_default_ranks_are_the_ones_that_differ(tmp_path):
+    cfg = make_config(str(tmp_path), "--parallel.dp", "2", "--parallel.pp", "4", "--parallel.tp", "2",
+                      "--model.n_layers", "4")
+    why = dict(default_ranks(cfg))
+    assert set(why) == {0, 12, 8, 15}  # first, last, middle (pp 2) stage; the last stage's last dp/tp coordinate
+    assert "last pipeline stage" in why[12] and "middle" in why[8] and "remainder" in why[15]
+
+
+def test_refused_layout_fails_with_the_rules_message_before_anything_is_built(capsys):
+    """tp = 3 does not divide 8 heads: the rule's one line, no process group, nothing built."""
+    with pytest.raises(ConfigError, match="n_heads") as e:
+        cmd_dry_run(["--dry-run", "--parallel.tp", "3"])
+    assert "\n" not in str(e.value)
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="--world 16 != dp \\* tp \\* pp \\* cp"):
+        cmd_dry_run(["--dry-run", "--world", "16", "--parallel.dp", "2"])
+
+
+def test_cli_json_reports_each_rank_beside_the_planner(tmp_path, capsys):
+    assert cmd_dry_run(["--dry-run", "--json", "--ranks", "1", "--parallel.dp", "2", "--train.run_dir", str(tmp_path),
+                        "--model.n_layers", "2", "--model.dim", "32", "--model.n_heads", "4", "--model.ffn_hidden", "64",
+                        "--train.seq_len", "32", "--model.max_seq_len", "64"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (rank,) = out["ranks"]
+    assert rank["rank"] == 1 and rank["traffic_diff"] == {"dp": 0} and rank["flops_diff"] == 0
+    assert rank["memory"]["total"] > 0 and rank["memory_planned"]["tensors"] > 0
