@@ -110,7 +110,8 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
     :class:`~hybridpar.parallel.context.RingPlan` does not skip (``work``), on
     ``n_heads / (tp * ulysses)`` heads. Recomputation: ``full`` reruns a layer's forward up to
     the last tensor its backward needs (torch's checkpoint stops early: the down projection's
-    output is never recomputed), ``selective`` the attention forward."""
+    output is never recomputed), ``selective`` the attention forward; the chunked loss
+    (``train.loss_chunk_tokens`` below a micro-batch's tokens) the head's forward."""
     from hybridpar.parallel.context import RingPlan
 
     model, S, p = cfg.model, work.seq_len, cfg.parallel
@@ -129,7 +130,9 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
         total += sum(f / 3 - d for f, d in zip(matmul, down, strict=True)) * tokens / layout.tp
     if layout.recompute in ("full", "selective"):
         total += attn_fwd * len(layers)
-    total += sum(model.head_flops() for c in chunks if c.head) * tokens / layout.tp
+    chunked = 0 < work.loss_chunk_tokens < layout.micro_batch * S // layout.cp  # the chunked loss's
+    head = model.head_flops() * (4 / 3 if chunked else 1)  # backward projects each chunk again
+    total += sum(head for c in chunks if c.head) * tokens / layout.tp
     return round(total)
 
 

@@ -43,6 +43,8 @@ from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
     build_stage_modules,
     owned_named_parameters,
+    release_other_stages,
+    restore_other_stages,
     sync_tied_embedding_grads,
     tied_embedding_weight,
 )
@@ -208,6 +210,7 @@ class Engine(StepEngine):
             schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, self.cfg.microbatches)
             runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits, **stage)
         train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
+        self.released = release_other_stages(model, train)  # restored to share the weights (sampling)
         return runner, owned_named_parameters(self.chunks), train
 
     def _offload_activations(self, model: nn.Module) -> ActivationOffload | None:
@@ -367,6 +370,8 @@ class Engine(StepEngine):
         the model's parameters, or ``tensors`` (name -> full tensor, ZeRO-3's gathered ones)."""
         if self.runner is None:
             return
+        if tensors is None:
+            restore_other_stages(self.released)
         pp = self.topo.pp
         owner: dict[str, int] = {}
         for r in range(pp.size):
