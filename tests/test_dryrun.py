@@ -24,6 +24,9 @@ LAYOUTS = {
     "dp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--model.n_layers", "4"],
     "cp2-zero3": ["--parallel.cp", "2", "--parallel.dp", "2", "--parallel.zero_stage", "3"],
     "tp2-sp-full": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--parallel.recompute", "full"],
+    "moe-ep2-chunked-loss": ["--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2",
+                             "--model.moe_ffn_hidden", "32", "--parallel.dp", "2", "--parallel.ep", "2",
+                             "--train.loss_chunk_tokens", "16"],
 }
 
 
@@ -36,7 +39,28 @@ def test_dry_run_traffic_and_flops_equal_the_planner(name, tmp_path):
     for r in runs:
         assert r.traffic and r.traffic == r.traffic_planned, f"rank {r.rank}"
         assert r.flops > 0 and r.flops == r.flops_planned, f"rank {r.rank}"
+        if cfg.parallel.pp > 1:  # a stage holds its own layers' weights only, as the planner counts
+            assert r.memory["params"] == r.memory_planned["params"], f"rank {r.rank}"
     assert not dist.is_initialized()
+
+
+def test_mesh_of_16384_ranks_builds_on_the_fake_process_group():
+    """Llama 3's long-context layout (tp8 pp16 cp16 dp8): the last rank's groups are the ones
+    ParallelDims computes (pp stride 1024, dp x cp of 128), built in one process."""
+    from hybridpar import compat
+    from hybridpar.distributed.mesh import ParallelDims
+
+    dims = ParallelDims(dp=8, tp=8, pp=16, cp=16)
+    compat.init_fake_process_group(16383, dims.world_size)
+    try:
+        with dims.build("cpu") as topo:
+            for name in ("pp", "dp", "cp", "tp"):
+                axis = topo.axis(name)
+                assert axis.ranks == tuple(next(g for g in dims.group_ranks(name) if 16383 in g))
+                assert axis.rank == axis.size - 1
+            assert topo.pp.ranks[:2] == (1023, 2047) and topo.dp_cp.size == 128
+    finally:
+        dist.destroy_process_group()
 
 
 def test_default_ranks_are_the_ones_that_differ(tmp_path):
