@@ -44,12 +44,15 @@ def dry_run_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
     """The run's config as a real run reads it, the layout planned for ``--world`` under
     ``parallel.auto``, and every rule checked (before any process group exists)."""
     args, overrides = dry_run_parser().parse_known_args(argv)
-    cfg = load_config(args.config, overrides)
-    if args.hf_config is not None:
+    if args.hf_config is None:
+        cfg = load_config(args.config, overrides)
+    else:  # read as train.init_from reads a model (explicit --model.* keys must agree), with no weights
         from hybridpar.models.hf import model_config_from_hf
 
         where = Path(args.hf_config)
-        cfg.model = model_config_from_hf(where.parent if where.name == "config.json" else where)
+        where = where.parent if where.name == "config.json" else where
+        cfg = load_config(args.config, [*overrides, "--train.init_from", str(where)], init_model=model_config_from_hf)
+        cfg.train.init_from = ""
     world = args.world if args.world is not None else cfg.parallel.world_size
     if cfg.parallel.auto:
         from hybridpar.planner.auto import auto_config
