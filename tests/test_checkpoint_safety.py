@@ -21,7 +21,6 @@ import pytest
 import torch
 from layouts import SMALL
 
-from hybridpar import cli
 from hybridpar.cli import main
 from hybridpar.config import ConfigError, load_config
 from hybridpar.data.tokenizer import ByteTokenizer
@@ -31,6 +30,7 @@ from hybridpar.models.llama import Llama
 from hybridpar.parallel.zero import ZeroOptimizer, decay_groups
 from hybridpar.training import checkpoint
 from hybridpar.training.checkpoint import CheckpointError, manifest, writer
+from hybridpar.training.elastic import agreed_latest_checkpoint
 
 
 class Tiny:
@@ -296,7 +296,7 @@ def test_auto_resume_skips_a_corrupt_latest_checkpoint_and_says_why(tiny, tmp_pa
     assert "(the size is right, " in skipped[0][1] and "the sha256 differs)" in skipped[0][1]  # not "N, expected N"
     assert checkpoint.resolve_resume("latest", run) == good
     assert "skipping checkpoint file" in capsys.readouterr().err
-    assert cli._agreed_latest_checkpoint(tiny.topo, run, None) == good
+    assert agreed_latest_checkpoint(tiny.topo, run, None) == good
     out = capsys.readouterr().out
     assert f"skipping checkpoint file {bad / '__0_0.distcp'} does not match its checksum" in out
     assert f"resuming from {good}" in out

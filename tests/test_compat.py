@@ -371,3 +371,48 @@ def test_low_precision_attention_runs_on_every_cpu(dtype):
         eps = torch.finfo(dtype).eps
         assert (out.float() - ref).abs().max() <= 8 * eps * ref.abs().max().clamp(min=1)
         assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in low)
+
+
+def test_fake_tensor_mode_keeps_shapes_without_data_and_real_tensors_suspends_it():
+    """Under the mode tensors are fake (shape, dtype, no values; a host read raises) and real
+    inputs are accepted; inside real_tensors() the values are real again."""
+    real = torch.arange(4.0)
+    with compat.fake_tensor_mode():
+        x = torch.ones(3, 5) @ torch.ones(5, 2) + real[:2]
+        assert compat.is_fake(x) and x.shape == (3, 2) and not compat.is_fake(real)
+        with pytest.raises(Exception, match="DataDependent|local_scalar_dense"):
+            x.sum().item()
+        with compat.real_tensors():
+            y = torch.ones(2).sum()
+            assert not compat.is_fake(y) and y.item() == 2.0
+
+
+def test_fake_process_group_plays_any_rank_of_a_large_world():
+    """Rank 5 of 16,384: collectives keep shapes and move nothing; groups build."""
+    import torch.distributed as dist
+
+    compat.init_fake_process_group(5, 16384)
+    try:
+        assert dist.get_rank() == 5 and dist.get_world_size() == 16384
+        g = dist.new_group(list(range(8)))
+        t = torch.ones(3)
+        dist.all_reduce(t, group=g)
+        out = [torch.empty(3) for _ in range(8)]
+        dist.all_gather(out, t, group=g)
+        assert t.tolist() == [1.0, 1.0, 1.0] and len(out) == 8
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flash_attention_cpu_flops_count_the_cpu_kernel_as_sdpa():
+    """The fused CPU kernel's forward and backward FLOPs, as torch counts the GPU's flash kernel
+    (forward 2 matmuls, backward 5: the scores recomputed), GQA included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b, h, kv, s, d = 2, 4, 2, 16, 8
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k, v = (torch.randn(b, kv, s, d, requires_grad=True) for _ in range(2))
+    counter = FlopCounterMode(display=False, custom_mapping=compat.flash_attention_cpu_flops())
+    with counter:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+    assert counter.get_total_flops() == 7 * 2 * b * h * s * s * d

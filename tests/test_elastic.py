@@ -34,7 +34,7 @@ from hybridpar import cli
 from hybridpar.config import ConfigError, load_config
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
-from hybridpar.training.elastic import WorldRange, history, plan_for_world
+from hybridpar.training.elastic import WorldRange, agreed_latest_checkpoint, history, plan_for_world
 from hybridpar.training.trainer import Trainer
 
 pytestmark = pytest.mark.numerics  # layout equality: also run under other ATEN_CPU_CAPABILITY (Makefile)
@@ -66,7 +66,7 @@ def attempt(rank: int, world: int, run_dir: str, lost_after: int | None) -> dict
     on each rank); returns rank 0's full weights when it trained to the end."""
     cfg, change = plan_for_world(make_config(run_dir, *MODEL, *JOB), world)
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
-        resume = cli._agreed_latest_checkpoint(topo, Path(run_dir), None, change)
+        resume = agreed_latest_checkpoint(topo, Path(run_dir), None, change)
         trainer = _Attempt(cfg, topo, elastic=change)
         trainer.lost_after = lost_after
         try:

@@ -59,13 +59,13 @@ def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hybridpar train",
         description="Train a Llama-style model. Any config key can be overridden as --section.key value, "
-        "e.g. --train.steps 50 --parallel.dp 2.",
+        "e.g. --train.steps 50 --parallel.dp 2. --dry-run: check the run on a fake cluster in this process "
+        "(--dry-run --help).",
         epilog=config_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest complete checkpoint in train.run_dir, or from CHECKPOINT")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="local processes to launch (default: the layout's world size dp*tp*pp*cp)")
+    p.add_argument("--nproc", type=int, default=None, help="local processes to launch (default: the layout's world size dp*tp*pp*cp)")
     p.add_argument("--max-restarts", type=int, default=None, metavar="K",
                    help="with local processes: when one fails, restart all of them up to K times; each "
                    "restart continues from the latest complete checkpoint (train.auto_resume)")
@@ -84,6 +84,9 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(argv: list[str]) -> int:
+    if "--dry-run" in argv:  # a fake cluster in this process: no launch (hybridpar.training.dryrun_cli)
+        from hybridpar.training.dryrun_cli import cmd_dry_run
+        return cmd_dry_run(argv)
     if not argv:  # the demo; any argument at all means the user's own config (defaults: 1 process)
         argv = [*DEMO_LAYOUT] if under_launcher() else ["--nproc", "8", *DEMO_LAYOUT]
         if not under_launcher():
@@ -91,33 +94,7 @@ def cmd_train(argv: list[str]) -> int:
     args, overrides = _train_parser().parse_known_args(argv)
     cfg = load_config(args.config, overrides, init_model=_hf_model)
     if under_launcher():
-        if args.nproc is not None:
-            raise ConfigError("--nproc cannot be combined with an external torchrun launch; "
-                              "drop --nproc and set the process count with torchrun --nproc-per-node")
-        if args.max_restarts is not None:
-            raise ConfigError("--max-restarts cannot be combined with an external torchrun launch; "
-                              "pass --max-restarts to torchrun instead")
-        if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
-            raise ConfigError("--rdzv-endpoint / --rdzv-id / --rdzv-conf are the local launcher's; under torchrun "
-                              "pass them to torchrun instead")
-        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
-        change = None
-        if args.elastic is not None:  # every rank plans the same layout for this world; rank 0 says why
-            from hybridpar.training.elastic import WorldRange, plan_for_world, shared_store_warning
-
-            WorldRange.parse(args.elastic).check(world)
-            cfg, change = plan_for_world(cfg, world, local, verbose=os.environ["RANK"] == "0")
-            if (warning := shared_store_warning(os.environ)) is not None:
-                print(f"hybridpar: warning: {warning}", file=sys.stderr)
-        elif cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
-            from hybridpar.planner.front.auto import auto_config
-
-            cfg = auto_config(cfg, world, local, verbose=os.environ["RANK"] == "0")
-        resume = _preflight(cfg, world, args.resume)
-        # a torchrun restart after a lost rank continues from the newest complete checkpoint; an
-        # elastic job always does (a node joining restarts the workers without counting a restart)
-        auto = change is not None or (cfg.train.auto_resume and restart_count() > 0)
-        return _run_worker(cfg, resume, auto_resume=auto, elastic=change)
+        return _train_under_launcher(cfg, args)
     if args.elastic is not None:
         return _launch_elastic(cfg, args, argv)
     if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
@@ -143,6 +120,37 @@ def cmd_train(argv: list[str]) -> int:
         print(f"hybridpar: launching {nproc} local processes", flush=True)
         return launch_local(nproc, ["train", *strip_launcher_options(argv)], max_restarts=args.max_restarts or 0,
                             run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv])
+
+
+def _train_under_launcher(cfg: Config, args: argparse.Namespace) -> int:
+    """``hybridpar train`` as a worker of an external torchrun launch (its options refused here)."""
+    if args.nproc is not None:
+        raise ConfigError("--nproc cannot be combined with an external torchrun launch; "
+                          "drop --nproc and set the process count with torchrun --nproc-per-node")
+    if args.max_restarts is not None:
+        raise ConfigError("--max-restarts cannot be combined with an external torchrun launch; "
+                          "pass --max-restarts to torchrun instead")
+    if args.rdzv_endpoint is not None or args.rdzv_id is not None or args.rdzv_conf is not None:
+        raise ConfigError("--rdzv-endpoint / --rdzv-id / --rdzv-conf are the local launcher's; under torchrun "
+                          "pass them to torchrun instead")
+    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+    change = None
+    if args.elastic is not None:  # every rank plans the same layout for this world; rank 0 says why
+        from hybridpar.training.elastic import WorldRange, plan_for_world, shared_store_warning
+
+        WorldRange.parse(args.elastic).check(world)
+        cfg, change = plan_for_world(cfg, world, local, verbose=os.environ["RANK"] == "0")
+        if (warning := shared_store_warning(os.environ)) is not None:
+            print(f"hybridpar: warning: {warning}", file=sys.stderr)
+    elif cfg.parallel.auto:  # every rank plans the same layout; rank 0 says why
+        from hybridpar.planner.front.auto import auto_config
+
+        cfg = auto_config(cfg, world, local, verbose=os.environ["RANK"] == "0")
+    resume = _preflight(cfg, world, args.resume)
+    # a torchrun restart after a lost rank continues from the newest complete checkpoint; an
+    # elastic job always does (a node joining restarts the workers without counting a restart)
+    auto = change is not None or (cfg.train.auto_resume and restart_count() > 0)
+    return _run_worker(cfg, resume, auto_resume=auto, elastic=change)
 
 
 def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
@@ -241,7 +249,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
     ``elastic``: the layout an elastic job planned for this world (recorded in the run)."""
     from hybridpar.distributed import flight, lifecycle
     from hybridpar.distributed.mesh import ParallelDims, destroy_distributed
-    from hybridpar.training.elastic import check_same_plan
+    from hybridpar.training.elastic import agreed_latest_checkpoint, check_same_plan
 
     device = _start_worker(cfg)
     run_dir = Path(cfg.train.run_dir)
@@ -258,7 +266,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
                 stop.on_signal = lambda sig: flight.dump(counter, run_dir, rank,
                                                         f"signal {lifecycle.signal_name(sig)} received")
             if auto_resume:
-                resume = _agreed_latest_checkpoint(topo, run_dir, resume, elastic)
+                resume = agreed_latest_checkpoint(topo, run_dir, resume, elastic, restart_count())
                 if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
                     if topo.rank == 0:
                         print(f"hybridpar: restarted, but {resume} already holds the final step "
@@ -352,40 +360,6 @@ def _teardown(topo: Topology | None, orderly: bool) -> None:
         with contextlib.suppress(Exception):
             topo.comm.barrier()
     topo.close()
-
-
-def _agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None,
-                              elastic: LayoutChange | None = None) -> Path | None:
-    """The newest complete checkpoint in ``run_dir`` as rank 0 sees it, the same on every rank (a
-    broadcast of its step), else ``fallback`` (``--resume``; None: start over). Used when torchrun
-    restarted the job after a failure (``train.auto_resume``). Newer checkpoints that fail their
-    checksums are skipped, and rank 0 says which and why."""
-    import torch
-
-    from hybridpar.training.checkpoint import (
-        latest_verified_checkpoint,
-        read_info,
-        recover,
-        step_dir,
-    )
-    from hybridpar.training.elastic import processes
-
-    found = None
-    if topo.rank == 0:  # the others wait in the broadcast while rank 0 tidies and checks the checksums
-        recover(run_dir)
-        found, skipped = latest_verified_checkpoint(run_dir)
-        for _, why in skipped:
-            print(f"hybridpar: skipping checkpoint {why}", flush=True)
-    step = torch.tensor([int(read_info(found)["step"]) if found is not None else -1], dtype=torch.int64)
-    topo.comm.broadcast(step, topo.world, src=0)
-    chosen = step_dir(run_dir, int(step)) if int(step) >= 0 else fallback
-    if topo.rank == 0:
-        what = f"resuming from {chosen}" if chosen else "no complete checkpoint yet, starting over"
-        if elastic is not None:
-            print(f"hybridpar: elastic: {processes(topo.world_size)}, layout {elastic.layout}: {what}", flush=True)
-        else:
-            print(f"hybridpar: restart {restart_count()} of the job (torchrun --max-restarts): {what}", flush=True)
-    return chosen
 
 
 def cmd_convert(argv: list[str]) -> int:

@@ -439,3 +439,59 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     and dtype) without reading it: ``torch._foreach_mul_`` (private), one kernel per group."""
     for (device, dtype), group in group_by_device_dtype(tensors).items():
         torch._foreach_mul_(group, factor.to(device, dtype))
+
+
+# ----------------------------------------------------------------------------- fake tensors, fake process group
+# The dry run (hybridpar.training.dryrun) trains a real-size rank on these; all checked on torch 2.13.0.
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` (tensors with shape, dtype and device, no storage) that accepts real
+    inputs too. Why private: fake tensors live only in ``torch._subclasses``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def real_tensors() -> contextlib.AbstractContextManager[Any]:
+    """Suspend an active fake-tensor mode (a no-op without one), for host-side planning on small
+    tensors whose values are read. Why private: ``torch._subclasses.fake_tensor``."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor, whose values a host-side check cannot read."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """The default process group as torch's fake one: collectives keep shapes and move nothing,
+    so this process plays ``rank`` of ``world_size``. Why private: the backend registers itself
+    on import of ``torch.testing._internal.distributed.fake_pg``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def flash_attention_cpu_flops() -> dict[Any, Any]:
+    """``FlopCounterMode(custom_mapping=...)`` entries for :func:`flash_attention_cpu`'s kernels,
+    which torch's counter leaves out: counted as it counts the GPU's flash kernels (forward 2
+    matmuls, backward 5 with the scores recomputed; GQA included). Empty without the kernel."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    kernels = flash_attention_cpu()
+    if kernels is None:
+        return {}
+
+    def forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:  # noqa: ARG001
+        return sdpa_flop_count(q, k, v)
+
+    def backward(dout: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:  # noqa: ARG001
+        return sdpa_backward_flop_count(dout, q, k, v)
+
+    return {kernels[0]: forward, kernels[1]: backward}

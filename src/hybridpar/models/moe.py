@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridpar.compat import in_backward
+from hybridpar.compat import in_backward, is_fake
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.experts import combine, sort_by_expert, swiglu_experts
 
@@ -99,12 +99,15 @@ class Router(nn.Module):
         if self.n_group > 1:
             choose = self._within_groups(choose)
         idx = choose.topk(self.k, dim=-1).indices
+        if is_fake(idx):  # the dry run: no scores to rank; token i's slots go to experts i*k, ... (mod E), evenly
+            idx = (torch.arange(idx.numel(), device=idx.device) % self.n_experts).view_as(idx)
         weights = scores.gather(1, idx)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score == "sigmoid" else 0.0))
         if self.scaling != 1.0:
             weights = weights * self.scaling
-        counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+        counts = (torch.zeros(self.n_experts, dtype=torch.int64, device=idx.device) if is_fake(idx)  # dry run
+                  else torch.bincount(idx.reshape(-1), minlength=self.n_experts))
         if torch.is_grad_enabled() and not in_backward():  # training forwards, once (not a recompute)
             self.load += counts
         aux = self._aux_loss(logits, scores, counts, x.shape[0])

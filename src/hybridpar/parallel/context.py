@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from hybridpar.compat import cpu_fused_attention_runs, flash_attention_cpu
+from hybridpar.compat import cpu_fused_attention_runs, flash_attention_cpu, real_tensors
 
 if TYPE_CHECKING:
     from hybridpar.distributed.comm import Pending
@@ -210,7 +210,8 @@ class RingPlan:
         """Plan for ``rank`` when the sequence of ``seq_len`` tokens is sharded by ``layout``
         (zigzag: blocks of one chunk, ``seq_len / 2cp`` tokens; contiguous: one block per rank)."""
         chunk = seq_len // (2 * cp) if layout == "zigzag" and cp > 1 else None
-        return cls.build(positions_table(seq_len, cp, layout), rank, device, chunk)
+        with real_tensors():  # host-side planning, read as values even under the dry run's fake tensors
+            return cls.build(positions_table(seq_len, cp, layout), rank, device, chunk)
 
 
 @dataclass

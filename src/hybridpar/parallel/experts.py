@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridpar.compat import grouped_mm
+from hybridpar.compat import grouped_mm, is_fake
 from hybridpar.distributed.autograd import (
     all_to_all,
     copy_to_tp,
@@ -95,7 +95,10 @@ def sort_by_expert(idx: Tensor, n_experts: int) -> tuple[Tensor, Tensor, list[in
     expert (stable), the token of each sorted slot, and the slots per expert."""
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    if is_fake(flat):  # the dry run: no values to count; the router routes evenly (models/moe.py)
+        counts = [flat.numel() // n_experts + (e < flat.numel() % n_experts) for e in range(n_experts)]
+    else:
+        counts = torch.bincount(flat, minlength=n_experts).tolist()
     return order, order // idx.shape[1], counts
 
 
@@ -163,11 +166,13 @@ class ExpertParallel(nn.Module):
         # counts[src][e]: rows rank src sends to global expert e; every rank learns its experts' rows
         mine = torch.tensor(counts, dtype=torch.int64).view(ep.size, per)
         theirs = ep.comm.all_to_all(mine.clone(), ep, [1] * ep.size, [1] * ep.size)  # [ep, per]
-        send = mine.sum(1).tolist()
-        recv = theirs.sum(1).tolist()
+        send = [sum(counts[r * per:(r + 1) * per]) for r in range(ep.size)]
+        # the dry run routes evenly: every source sends this rank's experts what this rank's counts say
+        got_counts = counts[ep.rank * per:(ep.rank + 1) * per] * ep.size if is_fake(theirs) else theirs.reshape(-1).tolist()
+        recv = [sum(got_counts[r * per:(r + 1) * per]) for r in range(ep.size)]
         got = all_to_all(rows, ep, send, recv)  # source-major, each source's rows by local expert
         # computed as they arrived, in (source, local expert) segments: no regrouping either way
-        y = swiglu_experts(got, theirs.reshape(-1).tolist(), w1, w3, w2, experts=list(range(per)) * ep.size)
+        y = swiglu_experts(got, got_counts, w1, w3, w2, experts=list(range(per)) * ep.size)
         return all_to_all(y, ep, recv, send)
 
     def extra_repr(self) -> str:

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from hybridpar.compat import real_tensors
 from hybridpar.parallel.context import (
     AttentionStats,
     Layout,
@@ -140,11 +141,13 @@ class UlyssesLayout:
               device: torch.device | str = "cpu") -> UlyssesLayout:
         cp, u = ulysses.size * ring.size, ulysses.size
         first = ring.rank * u  # the Ulysses group's first cp rank (groups are consecutive cp ranks)
-        gathered = torch.cat([shard_positions(seq_len, cp, first + s, layout) for s in range(u)])
-        order = torch.argsort(gathered)
+        with real_tensors():  # host-side positions, read as values even under the dry run's fake tensors
+            gathered = torch.cat([shard_positions(seq_len, cp, first + s, layout) for s in range(u)])
+            order = torch.argsort(gathered)
+            expected = shard_positions(seq_len, ring.size, ring.rank, layout)
+            holds = torch.equal(gathered[order], expected)
         plan = RingPlan.for_layout(seq_len, ring.size, ring.rank, layout, device)
-        expected = shard_positions(seq_len, ring.size, ring.rank, layout)
-        if not torch.equal(gathered[order], expected):  # the module docstring's claim, checked once
+        if not holds:  # the module docstring's claim, checked once
             raise RuntimeError(f"Ulysses group of cp ranks {first}..{first + u - 1} does not hold ring position "
                                f"{ring.rank}'s tokens of a {seq_len}-token {layout} layout")
         return cls(plan, order.to(device), torch.argsort(order).to(device))

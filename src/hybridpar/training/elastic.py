@@ -31,9 +31,15 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from hybridpar.config import Config, ConfigError, ParallelConfig
+from hybridpar.training.checkpoint import latest_verified_checkpoint, read_info, recover, step_dir
+
+if TYPE_CHECKING:
+    from hybridpar.distributed.mesh import Topology
 
 AXES = ("dp", "tp", "pp", "cp")
 GIVE_UP_ORDER = ("dp", "cp", "pp", "tp")  # which configured axis a smaller world drops first
@@ -292,3 +298,27 @@ def record(run_dir: Path, change: LayoutChange, step: int) -> list[dict[str, Any
         entries.append(change.entry(step))
     atomic_write_text(Path(run_dir) / HISTORY_FILE, json.dumps(entries, indent=2) + "\n")
     return entries
+
+
+def agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None,
+                             elastic: LayoutChange | None = None, restart: int = 0) -> Path | None:
+    """The newest complete checkpoint in ``run_dir`` as rank 0 sees it, the same on every rank (a
+    broadcast of its step), else ``fallback`` (``--resume``; None: start over). Used when torchrun
+    restarted the job after a failure (``train.auto_resume``). Newer checkpoints that fail their
+    checksums are skipped, and rank 0 says which and why. ``restart``: torchrun's restart count."""
+    found = None
+    if topo.rank == 0:  # the others wait in the broadcast while rank 0 tidies and checks the checksums
+        recover(run_dir)
+        found, skipped = latest_verified_checkpoint(run_dir)
+        for _, why in skipped:
+            print(f"hybridpar: skipping checkpoint {why}", flush=True)
+    step = torch.tensor([int(read_info(found)["step"]) if found is not None else -1], dtype=torch.int64)
+    topo.comm.broadcast(step, topo.world, src=0)
+    chosen = step_dir(run_dir, int(step)) if int(step) >= 0 else fallback
+    if topo.rank == 0:
+        what = f"resuming from {chosen}" if chosen else "no complete checkpoint yet, starting over"
+        if elastic is not None:
+            print(f"hybridpar: elastic: {processes(topo.world_size)}, layout {elastic.layout}: {what}", flush=True)
+        else:
+            print(f"hybridpar: restart {restart} of the job (torchrun --max-restarts): {what}", flush=True)
+    return chosen

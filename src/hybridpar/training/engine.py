@@ -41,6 +41,8 @@ from hybridpar.parallel.pipeline.runtime import PipelineRunner
 from hybridpar.parallel.pipeline.stages import (
     build_stage_modules,
     owned_named_parameters,
+    release_other_stages,
+    restore_other_stages,
     sync_tied_embedding_grads,
     tied_embedding_weight,
 )
@@ -105,7 +107,9 @@ class Engine(StepEngine):
     # ------------------------------------------------------------------ the build, step by step
     def _build(self) -> nn.Module:
         """The family's whole model on this device, initialised from ``train.seed``."""
-        model = self.family.build(self.cfg.model).to(self.device)
+        model = self.family.build(self.cfg.model)
+        if self.device.type != "cpu":  # built on the CPU; a no-op .to() would swap fake tensors (dry run)
+            model = model.to(self.device)
         model.init_weights(self.cfg.train.seed)
         return model
 
@@ -175,6 +179,7 @@ class Engine(StepEngine):
             schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, self.cfg.microbatches)
             runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits, **stage)
         train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
+        self.released = release_other_stages(model, train)  # restored to share the weights (sampling)
         return runner, owned_named_parameters(self.chunks), train
 
     def _block_runs(self, model: nn.Module) -> list[list[nn.Module]]:
@@ -324,6 +329,8 @@ class Engine(StepEngine):
         the model's parameters, or ``tensors`` (name -> full tensor, ZeRO-3's gathered ones)."""
         if self.runner is None:
             return
+        if tensors is None:
+            restore_other_stages(self.released)
         pp = self.topo.pp
         owner: dict[str, int] = {}
         for r in range(pp.size):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridpar.compat import real_tensors
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.schedules import ScheduleError, rank_stages, stage_rank
 from hybridpar.rules import partition_error
@@ -98,6 +99,13 @@ def _layer_range(r: range) -> str:
 
 
 def _min_max_split(weights: Sequence[float], k: int, first: float, last: float) -> list[int]:
+    """:func:`_split_tables` on real tensors even under the dry run's fake-tensor mode (its
+    tables' values are read)."""
+    with real_tensors():
+        return _split_tables(weights, k, first, last)
+
+
+def _split_tables(weights: Sequence[float], k: int, first: float, last: float) -> list[int]:
     """Sizes of ``k`` contiguous non-empty groups of ``weights`` minimising the largest group sum,
     where the first group also carries ``first`` and the last ``last``; among those, the one with
     the smallest sum of squared group sums (evenest). Two dynamic programs over (groups, prefix),

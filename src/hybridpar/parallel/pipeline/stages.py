@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from hybridpar.compat import free_storage, restore_storage, spans_whole_storage
 from hybridpar.distributed.mesh import Topology
 from hybridpar.parallel.pipeline.partition import ChunkSpec, Partition, partition_model
 
@@ -104,3 +105,24 @@ def sync_tied_embedding_grads(chunks: list[nn.Module], topo: Topology) -> None:
         weight.grad.add_(theirs)
     else:
         weight.grad.copy_(theirs.add_(weight.grad))
+
+
+def release_other_stages(model: nn.Module, trained: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Free the storage of every parameter of ``model`` this pipeline rank does not train (the
+    other stages' layers: the whole model is built on each rank, then cut), keeping the tensor
+    objects; returns them, for :func:`restore_other_stages`. Without this each rank held the
+    whole model's weights through the run (found by ``hybridpar train --dry-run``: at 405B,
+    pp16, 16x a stage's parameters)."""
+    keep = {id(q) for q in trained}
+    released = [q for q in model.parameters() if id(q) not in keep and spans_whole_storage(q.data)]
+    for q in released:
+        free_storage(q.data)
+    return released
+
+
+def restore_other_stages(released: list[nn.Parameter]) -> None:
+    """Give the parameters :func:`release_other_stages` freed their memory back (contents
+    undefined: the caller fills them, e.g. by broadcasting each stage's weights)."""
+    for q in released:
+        restore_storage(q.data)
+    released.clear()

@@ -229,7 +229,7 @@ def _loss_bytes(work: Workload, tok: int, t: int, vocab: int) -> float:
     return tok * (4 * vocab + 10) + 8  # vocab-parallel: fp32 softmax, local target index, two masks, token count
 
 
-def loss_backward_bytes(L: Layout, work: Workload, vocab: int) -> float:
+def loss_backward_bytes(L: Layout, work: Workload, vocab: int, dim: int = 0) -> float:
     """What the unchunked loss's backward holds beside what it saved, at its peak, per
     micro-batch (``vocab``: the rank's share): at tp = 1 ``F.cross_entropy``'s ``nll_loss``
     backward writes a dense fp32 gradient and ``log_softmax``'s backward its fp32 result, both
@@ -237,8 +237,26 @@ def loss_backward_bytes(L: Layout, work: Workload, vocab: int) -> float:
     loss, its fp32 gradient beside the saved softmax (4). Measured: a CPU step's peak of live
     bytes (``benchmarks/planner_kernels.py``) exceeds the saved tensors by exactly this. None for the
     chunked loss (one chunk's logits at a time) and Megatron-LM's block (its loss writes the
-    gradient into the saved softmax)."""
+    gradient into the saved softmax). The chunked loss: :func:`chunked_loss_backward_bytes`
+    (with the model's ``dim``; 0 without it)."""
     tok = L.micro_batch * (work.seq_len // L.cp)
-    if work.style is BlockStyle.MEGATRON or loss_chunked(work, tok):
+    if work.style is BlockStyle.MEGATRON:
         return 0.0
+    if loss_chunked(work, tok):
+        return chunked_loss_backward_bytes(tok, work.loss_chunk_tokens, vocab, dim, work.act_bytes) if dim else 0.0
     return tok * vocab * (8 if L.tp == 1 else 4)
+
+
+def chunked_loss_backward_bytes(tok: int, chunk: int, vocab: int, dim: int, ab: int) -> float:
+    """What the chunked loss's backward (:class:`hybridpar.parallel.loss._ChunkedHeadCrossEntropy`)
+    holds beside what it saved, at its peak: the masked output gradient (fp32 per token), the input
+    gradient (``tok x dim``, matmul dtype) and the fp32 weight gradient (``vocab x dim``), and the
+    largest of one chunk's steps: the recomputed logits and their fp32 copy, the fp32 softmax
+    beside them (8 bytes per chunk token and vocabulary entry), its cast to the matmul dtype, the
+    weight-gradient product (``vocab x dim``) beside the cast chunk, and at the end the weight
+    gradient's cast. Found by ``hybridpar train --dry-run`` (Llama-3.1-8B's peak was 6% over)."""
+    c = min(chunk, tok)
+    held = 4 * tok + ab * tok * dim + 4 * vocab * dim
+    steps = [c * vocab * (ab + 4) if ab != 4 else 0, 8 * c * vocab, (4 + ab) * c * vocab if ab != 4 else 0,
+             ab * c * vocab + ab * vocab * dim, ab * vocab * dim if ab != 4 else 0]
+    return held + max(steps)

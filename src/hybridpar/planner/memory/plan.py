@@ -357,14 +357,15 @@ def comm_buffer_bytes(model: ModelConfig, layout: Layout, work: Workload) -> flo
     sp = L.sequence_parallel and t > 1
     s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
     comm = 0.0
-    if L.dp * L.cp > 1 and L.zero_stage < 3:
-        comm += 2 * work.bucket_mb * 2**20  # the gradient bucket being reduced and the one filling
+    # no term for data parallelism's gradient buckets: the gradients live in the buckets and are
+    # reduced in place (``hybridpar train --dry-run`` measures no other tensor; NCCL's own staging
+    # buffers are the allocator term's communicators, :mod:`.allocator`)
     if L.zero_stage == 3 and L.pp == 1:  # one gathered layer in use and the prefetched next one (pp: in params)
         kinds = {0, *model.moe_layer_ids()[:1]}  # a dense layer (if any) and an MoE layer
         layer = max(sum(math.prod(sh) for _, sh in layer_shapes(model, t, i, L.ep)) for i in kinds)
         comm += 2 * work.param_bytes * layer
-    if t > 1:  # the all-gathered (SP) or all-reduced activation of one block
-        comm += 2 * s * b * h * ab
+    # no term for tensor parallelism: its all-reduces run in place and an SP gather's output is a
+    # saved activation; at the peak (the loss) none is in flight (``hybridpar train --dry-run``)
     if L.pp > 1:  # one send and one receive buffer per direction
         comm += 4 * s * b * h * ab / (t if sp else 1)
     if L.cp > 1:  # ring attention: the K and V blocks in use and the ones arriving
@@ -405,9 +406,12 @@ def _rank_parts(key: ModelKey, L: Layout, work: Workload,
     acts, logits, in_flight = _rank_activations(key, _activation_fields(L), work, pp_rank)
     part = layer_partition(key, L.pp, L.virtual_stages if L.pp > 1 else 1, L.pp > 1 and v_shaped(L.pipeline_schedule))
     if any(c.head for c in part.for_rank(pp_rank)):
-        logits += loss_backward_bytes(L, work, padded(model_of(key).vocab_size, L.tp) // L.tp)
+        logits += loss_backward_bytes(L, work, padded(model_of(key).vocab_size, L.tp) // L.tp, model_of(key).dim)
     if gradients_dropped(L, work) and acts + logits >= st.grads:
         st = dataclasses.replace(st, grads=0)  # the peak (backward's start) comes before any gradient
+    elif L.zero_stage >= 2 and L.pp == 1 and not L.offload_optimizer and acts + logits >= work.param_bytes * shard:
+        # the reduced shard is written as backward frees the activations: not there at the peak
+        st = dataclasses.replace(st, grads=st.grads - work.param_bytes * shard)
     return st, (acts, logits, in_flight)
 
 
