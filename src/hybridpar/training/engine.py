@@ -179,7 +179,9 @@ class Engine(StepEngine):
             schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_stages, self.cfg.microbatches)
             runner = PipelineRunner(self.chunks, topo, schedule, self.loss_from_logits, **stage)
         train = list({id(q): q for c in self.chunks for q in c.parameters()}.values())  # tied mirror too
-        self.released = release_other_stages(model, train)  # restored to share the weights (sampling)
+        # restored to share the weights (sampling); not under ZeRO-3: with it every rank died of
+        # SIGSEGV at dp2 x pp2 ZeRO-3 (tests/test_fp8_all_gather, test_activation_offload; cause not found yet)
+        self.released = release_other_stages(model, train) if self.cfg.parallel.zero_stage < 3 else []
         return runner, owned_named_parameters(self.chunks), train
 
     def _block_runs(self, model: nn.Module) -> list[list[nn.Module]]:
