@@ -180,7 +180,7 @@ SEQ = 98304  # llama3-8b on 8 H100s, global batch 16: micro-batch 2 fits only wi
 def test_search_offloads_before_a_smaller_micro_batch():
     """llama3-8b at 96k tokens on 8 H100s (dp8): micro-batch 2 fits no other way (not with full
     recompute, nor with ZeRO-3's optimizer offload), micro-batch 1 would fit without offloading
-    activations, and the search takes micro-batch 2 with activation offload."""
+    activations, and the search offloads activations rather than give up speed."""
     from hybridpar.config import model_preset
     from hybridpar.planner.machine.hardware import GPUS, Cluster
     from hybridpar.planner.model.layout import Workload
@@ -192,9 +192,15 @@ def test_search_offloads_before_a_smaller_micro_batch():
     assert not without.fits
     smaller, _ = complete(model, {"dp": 8, "micro_batch": 1, "offload_activations": False}, work, cluster)
     assert smaller.fits
+    offloaded, _ = complete(model, {"dp": 8, "micro_batch": 2}, work, cluster)
+    assert offloaded.fits and offloaded.layout.offload_activations  # what makes micro-batch 2 fit
+    assert offloaded.memory.cpu_bytes > 0  # the offloaded activations are in host memory
+    # the search's pick offloads too, and is no slower; since the dry run found ZeRO-2's reduced
+    # shard absent at the peak (issue 41), micro-batch 1 with offload at ZeRO-2 prices 0.01%
+    # faster than micro-batch 2, so the pick may be either
     best, _ = complete(model, {"dp": 8}, work, cluster)
-    assert best.fits and best.layout.offload_activations and best.layout.micro_batch == 2
-    assert best.memory.cpu_bytes > 0  # the offloaded activations are in host memory
+    assert best.fits and best.layout.offload_activations
+    assert best.cost.step_time_s <= offloaded.cost.step_time_s
 
 
 def test_plan_json_and_text_show_offload(capsys, tmp_path):

@@ -253,11 +253,13 @@ def test_expert_states_shard_over_edp():
         # leave one expert per ZeRO shard
         shard = dense // 8 + experts // 8
         assert mem.components["params"] == 4 * held
-        assert mem.components["grads"] == 4 * (shard if zero >= 2 else held)
+        # ZeRO-2 with one micro-batch: the reduced shard is written as backward frees the
+        # activations, so it is not live at the peak (measured by the dry run, tests/test_dryrun.py)
+        assert mem.components["grads"] == 4 * (0 if zero >= 2 else held)
         assert mem.components["optimizer"] == 8 * (shard if zero else held)
         if zero == 2:  # 8 micro-batches: the full gradients add up in no_sync, then reduce into the shard
             accumulating = plan_memory(model, Layout(dp=8, tp=8, ep=ep, zero_stage=zero), Workload(64, 4096, half_params=False))
-            assert accumulating.components["grads"] == 4 * (held + shard)
+            assert accumulating.components["grads"] == 4 * held  # the shard, again, not yet written
 
 
 ACT_CASES = {  # layout, routing, bf16

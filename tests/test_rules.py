@@ -24,7 +24,7 @@ def test_rule_names_are_unique_and_named_by_area():
     assert len(names) == len(set(names))
     assert all(n.split("-")[0] in {"model", "parallel", "hierarchical", "train", "seq", "dp", "tp", "pp",
                                    "virtual", "microbatches", "interleaved", "cp", "sp", "world", "offload", "ep",
-                                   "zero3", "zero"} for n in names)
+                                   "zero3", "zero", "runtime"} for n in names)
 
 
 @pytest.mark.parametrize(("overrides", "rule"), [
