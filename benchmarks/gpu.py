@@ -34,7 +34,6 @@ for the same config on an H200 (``PLANNER_GPU``).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_fp8 import planned
+from gpu_fp8 import planned, release
 from overhead import build_loops, compare_loops, mfu_of
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -172,15 +171,6 @@ def overhead(shape: list[str], device: torch.device, steps: int, rounds: int, co
         out["ratio_vs_plain_compiled"] = round(med["hybridpar"] / med["plain_compiled"], 4)
     release(device)
     return out
-
-
-def release(device: torch.device) -> None:
-    """Free the models, optimizers and compiled graphs of the part that just ended, so the next
-    part has the whole GPU."""
-    gc.collect()
-    torch._dynamo.reset()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def cli_mfu(shape: list[str], device: str, steps: int, timeout_s: float) -> dict[str, Any]:

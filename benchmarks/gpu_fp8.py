@@ -26,6 +26,7 @@ without torchao, so the script cannot rot; its ratios mean nothing there.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -93,9 +94,8 @@ def time_steps(step: Callable[[int], object], device: torch.device, steps: int) 
 
 
 def release(device: torch.device) -> None:
-    """Free the last model's memory and compiled graphs before the next one is built."""
-    import gc
-
+    """Free the last model's memory and compiled graphs before the next one is built (also
+    ``benchmarks/gpu.py``'s, between its parts)."""
     gc.collect()
     torch._dynamo.reset()
     if device.type == "cuda":

@@ -60,7 +60,7 @@ def test_shared_gpu_test_mode_puts_every_rank_on_gpu_0_over_gloo(gpus, monkeypat
     assert _device("cuda") == torch.device("cuda", 0)
 
 
-def test_staging_leaves_cpu_tensors_and_non_gloo_groups_alone(monkeypatch) -> None:
+def test_staging_leaves_cpu_tensors_alone_even_on_gloo(monkeypatch) -> None:
     """A CPU tensor is handed to gloo as it is: the staging of the one-GPU test mode costs CPU
     runs nothing (no copy, nothing to copy back)."""
     from hybridpar.distributed import staging
