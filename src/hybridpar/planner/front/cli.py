@@ -3,7 +3,10 @@
 Answers in about a second without a GPU: the memory model (:mod:`hybridpar.planner.memory.plan`),
 the cost model (:mod:`hybridpar.planner.price.cost`) and the search
 (:mod:`hybridpar.planner.search.search`) do the work, :mod:`hybridpar.planner.front.explain` says
-why; this module parses and prints. ``hybridpar calibrate`` (:func:`cmd_calibrate`) measures this
+why; this module parses and prints. ``--dry-run [K]`` builds the top layouts with the trainer's
+dry run (:mod:`hybridpar.training.dryrun_plan`, handed in by :mod:`hybridpar.cli` as a
+:data:`DryRun`, since the planner sits below the trainer) and drops those that cannot build.
+``hybridpar calibrate`` (:func:`cmd_calibrate`) measures this
 machine (:mod:`hybridpar.planner.machine.calibrate`) or fits a profile to runs
 (:mod:`hybridpar.planner.front.fit`).
 """
