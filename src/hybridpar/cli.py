@@ -391,6 +391,10 @@ def cmd_timeline(argv: list[str]) -> int:
 def cmd_plan(argv: list[str]) -> int:
     from hybridpar.planner.front.cli import cmd_plan as plan
 
+    if any(a == "--dry-run" or a.startswith("--dry-run=") for a in argv):  # the trainer (torch) only when asked
+        from hybridpar.training.dryrun_plan import check_layouts
+
+        return plan(argv, check_layouts)
     return plan(argv)
 
 

@@ -10,7 +10,8 @@ clipping and the optimizer, in the run's dtype. The first step warms up (the opt
 appears in it); the last one is measured:
 
 * the payload bytes per mesh axis the :class:`~hybridpar.distributed.comm.Comm` layer counts,
-  beside :func:`hybridpar.planner.price.traffic.comm_bytes_per_axis` (equal to the byte);
+  beside :func:`hybridpar.planner.price.traffic.comm_bytes_per_axis` (equal to the byte; through
+  :func:`hybridpar.training.plancheck.planned_traffic`, as every real run checks it);
 * FLOPs (``FlopCounterMode``, with the CPU fused attention kernel counted as the GPU's),
   beside :func:`predicted_flops`, built from the model's per-layer FLOPs and the planner's
   partition (equal);
@@ -35,8 +36,8 @@ from hybridpar.distributed.mesh import ParallelDims, Topology
 from hybridpar.parallel.context import RingPlan
 from hybridpar.planner.model.layout import Layout, Workload, from_config, model_key
 from hybridpar.planner.model.shapes import layer_partition, v_shaped
-from hybridpar.planner.price.traffic import comm_bytes_per_axis
 from hybridpar.training.dryrun_memory import LiveBytes, planned_memory
+from hybridpar.training.plancheck import planned_traffic
 from hybridpar.training.trainer import Trainer
 
 
@@ -162,7 +163,7 @@ def run_rank(cfg: Config, rank: int, why: str, steps: int = 2) -> RankRun:
             pp_rank, zero_rank, cp_rank = topo.pp.rank, topo.dp_cp.rank, topo.cp.rank
     finally:
         dist.destroy_process_group()
-    out.traffic_planned = comm_bytes_per_axis(cfg.model, layout, work, pp_rank, zero_rank=zero_rank, ep_load=1.0)
+    out.traffic_planned = planned_traffic(cfg, pp_rank, zero_rank, ep_load=1.0)  # what every real run checks too
     out.flops_planned = predicted_flops(cfg, layout, work, pp_rank, cp_rank)
     out.memory_planned = planned_memory(cfg.model, layout, work, pp_rank)
     out.seconds = time.perf_counter() - start

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -278,11 +278,14 @@ class Checkpointing:
 
 
 class LastStepTraffic:
-    """Measures the bytes this rank sends per axis (ring model) during the run's last step."""
+    """Measures the bytes this rank sends per axis (ring model) during the run's last step, and
+    the payload bytes per axis (what :func:`hybridpar.planner.price.traffic.comm_bytes_per_axis`
+    predicts: the run's plan check)."""
 
     def __init__(self, counter: CommCounter, last_step: int) -> None:
         self.counter, self.last_step = counter, last_step
         self.bytes: dict[str, int] = {}  # {axis: bytes}, axes that sent nothing left out
+        self.payload: dict[str, int] = {}  # {axis: payload bytes}, axes that moved nothing left out
 
     @contextlib.contextmanager
     def measure(self, step: int) -> Iterator[None]:
@@ -290,9 +293,17 @@ class LastStepTraffic:
         if step != self.last_step:
             yield
             return
-        before = self.counter.wire_bytes_by_axis()
+        before, payload = self.counter.wire_bytes_by_axis(), self._payload()
         yield
         self.bytes = self.counter.wire_bytes_since(before)
+        self.payload = {a: b - payload.get(a, 0) for a, b in self._payload().items() if b > payload.get(a, 0)}
+
+    def _payload(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, row in self.counter.snapshot().items():  # "op/axis"
+            axis = key.split("/", 1)[1]
+            out[axis] = out.get(axis, 0) + row["bytes"]
+        return out
 
 
 class LossRange:
@@ -334,8 +345,9 @@ class RunReport:
         self.device_type, self.pipeline_schedule = device_type, pipeline_schedule
 
     def write(self, log: MetricsLogger, summary: dict[str, Any], sample: str | None, losses: LossRange,
-              timeline: tuple[Path, float] | None) -> None:
-        """Write the files and lines (``log`` is closed; it still draws the plot and prints)."""
+              timeline: tuple[Path, float] | None, plan: Sequence[str] = ()) -> None:
+        """Write the files and lines (``log`` is closed; it still draws the plot and prints);
+        ``plan``: the plan check's lines, printed after the traffic and memory."""
         if not self.enabled:
             return
         plot = log.plot()
@@ -348,6 +360,8 @@ class RunReport:
         if sample is not None:  # train.sample_tokens = 0: no sample, no empty block
             log.write(f"--- sample ---\n{sample}\n--------------")
         log.write(self.details(summary["traffic_bytes_per_step"], summary["peak_memory_bytes_per_rank"], timeline))
+        for line in plan:
+            log.write(line)
         if "expert_imbalance" in summary:
             per_layer = " ".join(f"{v:.2f}" for v in summary["expert_imbalance_per_layer"])
             log.write(f"experts: load max/mean {summary['expert_imbalance']:.2f} (worst layer, mean over steps); "

@@ -24,7 +24,7 @@ from hybridpar.distributed.lifecycle import StopRequest
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
-from hybridpar.training import checkpoint, elastic
+from hybridpar.training import checkpoint, elastic, plancheck
 from hybridpar.training.elastic import LayoutChange
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
@@ -53,10 +53,12 @@ class Trainer:
     def __init__(self, cfg: Config, topo: Topology, device: torch.device | None = None,
                  stop: StopRequest | None = None, elastic: LayoutChange | None = None) -> None:
         self.cfg = cfg
+        self.device = device or torch.device("cpu")
+        # this process before data and model: the baseline of the plan check's CPU resident-set model
+        self.host_baseline = float(devices.memory_bytes(self.device)) if self.device.type == "cpu" else None
         self.elastic = elastic  # an elastic job's layout for this world: recorded in layouts.json
         self.stop = stop  # a signal asks for a checkpoint and a clean stop after the current step
         self.topo = topo
-        self.device = device or torch.device("cpu")
         t = cfg.train
         self.data = open_training_data(t.data, t.seq_len, t.seed)  # one dataset or a weighted mixture
         self.tokenizer = self.data.tokenizer
@@ -286,7 +288,7 @@ class Trainer:
                 checkpoints.stop_if_requested(step, saved, log)  # raises Preempted
         self.hooks.end_run(log)
         log.close()
-        return self._finish(log, losses, evaluation.val_loss, traffic.bytes)
+        return self._finish(log, losses, evaluation.val_loss, traffic)
 
     def _checkpointing(self) -> Checkpointing:
         """When ``fit`` saves, how long each save stalled training (``checkpoint_stalls``), the
@@ -318,29 +320,39 @@ class Trainer:
         return start
 
     def _finish(self, log: MetricsLogger, losses: LossRange, val_loss: float,
-                traffic: dict[str, int]) -> dict[str, Any]:
+                traffic: LastStepTraffic) -> dict[str, Any]:
         """The end of a run (collective: pipeline timeline, memory per rank, sample); rank 0
-        writes the report. Returns the summary (``summary.json``)."""
+        writes the report and checks the plan (:mod:`hybridpar.training.plancheck`). Returns the
+        summary (``summary.json``)."""
         t, m = self.cfg.train, self.cfg.model
         summary = {"first_loss": losses.first, "final_loss": losses.last, "val_loss": val_loss,
                    "steps": t.steps, "layout": self.layout_name(), "params": m.num_params()}
         timeline = self.engine.save_timeline(self.run_dir / "pipeline_timeline.png", self.is_logger)
-        memory = self._memory_per_rank()
+        memory, differences = self._per_rank(traffic.payload)
         if len(self.data.components) > 1:
             summary["tokens_per_dataset"] = self.data.tokens_drawn(t.steps * t.global_batch, t.seq_len)
-        summary["traffic_bytes_per_step"] = traffic
+        summary["traffic_bytes_per_step"] = traffic.bytes
         summary["peak_memory_bytes_per_rank"] = memory
         summary.update(self.hooks.summary())  # the features' keys
+        plan: list[str] = []
+        if self.is_logger:
+            summary["plan_check"] = check = plancheck.check_run(
+                self.cfg, self.device.type, log.history, memory, traffic.payload, differences, self.run_dir,
+                self.host_baseline)
+            plan = plancheck.lines(check)
         sample = self.sample_text(self.cfg.train.sample_prompt) if self.cfg.train.sample_tokens else None
         report = RunReport(self.run_dir, self.is_logger, self.layout_name(), self.topo.world_size,
                            self.device.type, self.cfg.parallel.pipeline_schedule)
-        report.write(log, summary, sample, losses, timeline)
+        report.write(log, summary, sample, losses, timeline, plan)
         return summary
 
-    def _memory_per_rank(self) -> list[int]:
-        """Every rank's peak memory (allocator peak on GPUs, resident set on CPU); collective."""
-        mine = torch.tensor([devices.memory_bytes(self.device)], dtype=torch.float64, device=self.device)
-        return [int(v) for v in self.topo.comm.all_gather(mine, self.topo.world).tolist()]
+    def _per_rank(self, payload: dict[str, int]) -> tuple[list[int], list[int]]:
+        """Every rank's peak memory (allocator peak on GPUs, resident set on CPU) and the summed
+        difference of its last step's traffic from the planner's (one all-gather; collective)."""
+        differs = plancheck.traffic_difference(self.cfg, self.topo.pp.rank, self.topo.dp_cp.rank, payload)
+        mine = torch.tensor([devices.memory_bytes(self.device), differs], dtype=torch.float64, device=self.device)
+        both = [int(v) for v in self.topo.comm.all_gather(mine, self.topo.world).tolist()]
+        return both[0::2], both[1::2]
 
     def sample_text(self, prompt: str = "def ") -> str:
         """A short continuation of ``prompt`` (every rank calls it; see Engine.sample)."""

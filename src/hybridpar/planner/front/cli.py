@@ -3,7 +3,10 @@
 Answers in about a second without a GPU: the memory model (:mod:`hybridpar.planner.memory.plan`),
 the cost model (:mod:`hybridpar.planner.price.cost`) and the search
 (:mod:`hybridpar.planner.search.search`) do the work, :mod:`hybridpar.planner.front.explain` says
-why; this module parses and prints. ``hybridpar calibrate`` (:func:`cmd_calibrate`) measures this
+why; this module parses and prints. ``--dry-run [K]`` builds the top layouts with the trainer's
+dry run (:mod:`hybridpar.training.dryrun_plan`, handed in by :mod:`hybridpar.cli` as a
+:data:`DryRun`, since the planner sits below the trainer) and drops those that cannot build.
+``hybridpar calibrate`` (:func:`cmd_calibrate`) measures this
 machine (:mod:`hybridpar.planner.machine.calibrate`) or fits a profile to runs
 (:mod:`hybridpar.planner.front.fit`).
 """
@@ -13,7 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
@@ -36,7 +40,14 @@ from hybridpar.planner.machine.calibrate import calibrate, default_profile_path,
 from hybridpar.planner.machine.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.model.layout import Workload, parse_layout
 from hybridpar.planner.model.moe import DEFAULT_IMBALANCE
-from hybridpar.planner.search.search import SearchResult, complete, evaluate, search, with_cost
+from hybridpar.planner.search.search import (
+    Evaluation,
+    SearchResult,
+    complete,
+    evaluate,
+    search,
+    with_cost,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     p.add_argument("--layout", help='evaluate one layout, e.g. "dp=8,tp=8,pp=16,cp=1" (other fields chosen by the planner)')
+    p.add_argument("--dry-run", type=int, nargs="?", const=2, default=0, metavar="K",
+                   help="dry-run the ranked layouts in order until K (default 2) have built, on fake tensors in this "
+                        "process (hybridpar train --dry-run): drop any the trainer refuses or cannot build, and show "
+                        "their measured traffic and memory beside the planner's")
     moe = p.add_mutually_exclusive_group()
     moe.add_argument("--moe-imbalance", type=float, default=None,
                      help=f"mixture of experts: max/mean tokens per expert to plan for (default {DEFAULT_IMBALANCE})")
@@ -145,19 +160,80 @@ def _question(args: argparse.Namespace) -> _Question:
     return _Question(model, cluster, work, (imbalance, source), head)
 
 
-def cmd_plan(argv: list[str]) -> int:
+@dataclass
+class Checked:
+    """A ranked layout ``plan --dry-run`` tried: why it cannot build (one line), or the measures
+    of its dry-run ranks beside the planner's (``hybridpar.training.dryrun_plan.measures``)."""
+
+    evaluation: Evaluation
+    refused: str | None = None
+    ranks: list[dict[str, object]] = field(default_factory=list)
+
+
+# (model, workload, ranked layouts, K) -> the layouts tried: the trainer's dry run, handed in by
+# the front door (hybridpar.cli), since the planner sits below the trainer
+DryRun = Callable[[ModelConfig, Workload, list[Evaluation], int], list[Checked]]
+
+
+def cmd_plan(argv: list[str], dry_run: DryRun | None = None) -> int:
     args = _parser().parse_args(argv)
     q = _question(args)
     if args.layout:
         return _plan_layout(args, q.model, q.work, q.cluster, q.head, q.moe_source)
     result = search(q.model, q.work, q.cluster, top=args.top, runnable_top=True)
-    return _print_json(args, q, result) if args.json else _print_table(args, q, result)
+    checked = _dry_run(args, q, result, dry_run) if args.dry_run else []
+    if checked and not result.ranked:
+        print(f"hybridpar: none of the {len(checked)} layouts tried builds in this trainer; the first: "
+              f"{checked[0].evaluation.layout.short()}: {checked[0].refused}", file=sys.stderr)
+        return 1
+    return _print_json(args, q, result, checked) if args.json else _print_table(args, q, result, checked)
 
 
-def _print_json(args: argparse.Namespace, q: _Question, result: SearchResult) -> int:
-    """``plan --json``: the ranked layouts, the closest that do not fit, the rejected rules, why."""
+def _dry_run(args: argparse.Namespace, q: _Question, result: SearchResult, dry_run: DryRun | None) -> list[Checked]:
+    """``--dry-run K``: the layouts tried, the dropped ones removed from ``result.ranked``."""
+    if dry_run is None:
+        raise PlanError("plan --dry-run builds layouts with the trainer: run it as `hybridpar plan` (hybridpar.cli)")
+    checked = dry_run(q.model, q.work, result.ranked[:args.top], args.dry_run)
+    dropped = [c.evaluation for c in checked if c.refused is not None]
+    result.ranked = [e for e in result.ranked if not any(e is d for d in dropped)]
+    return checked
+
+
+def dry_run_lines(checked: list[Checked]) -> list[str]:
+    """What ``plan --dry-run`` prints before the table: each dropped layout with why, and each
+    built one's ranks (traffic equal to the planner's or not, peak live tensors beside it)."""
+    out = [f"dry run (fake tensors, 2 steps, in this process) of the ranked layouts until "
+           f"{sum(c.refused is None for c in checked)} built:"]
+    for c in checked:
+        name = c.evaluation.layout.short()
+        if c.refused is not None:
+            out.append(f"  dropped {name}: {c.refused}")
+            continue
+        for r in c.ranks:
+            diff = {a: d for a, d in r["traffic_diff"].items() if d}  # type: ignore[attr-defined]
+            traffic = "traffic = planner's" if not diff else f"traffic differs from the planner's: {diff}"
+            flops = "FLOPs = planner's" if r["flops"] == r["flops_planned"] else "FLOPs differ from the planner's"
+            err = r["peak_error"]
+            out.append(f"  {name} rank {r['rank']} ({r['why']}): {traffic}, {flops}; peak live tensors "
+                       f"{int(r['peak_bytes']) / 2**30:.3f} GiB, planner {float(r['peak_planned_bytes']) / 2**30:.3f} GiB"  # type: ignore[call-overload, arg-type]
+                       + (f" ({100 * float(err):+.1f}%)" if err is not None else ""))  # type: ignore[arg-type]
+    return out
+
+
+def _layout_json(ev: Evaluation, checked: list[Checked]) -> dict[str, object]:
+    """A ranked layout's ``plan --json`` entry, with ``dry_run`` (its ranks) where it was dry-run."""
+    out = ev.to_json()
+    for c in checked:
+        if c.evaluation is ev:
+            out["dry_run"] = {"ranks": c.ranks}
+    return out
+
+
+def _print_json(args: argparse.Namespace, q: _Question, result: SearchResult, checked: list[Checked]) -> int:
+    """``plan --json``: the ranked layouts, the closest that do not fit, the rejected rules, why;
+    with ``--dry-run``, ``dry_run.dropped`` (each with its ``reason``)."""
     unbuilt = unbuilt_gain(result)
-    doc = {**q.head, "layouts": [e.to_json() for e in result.ranked[:args.top]],
+    doc = {**q.head, "layouts": [_layout_json(e, checked) for e in result.ranked[:args.top]],
            "too_big": [with_cost(e, q.model, q.work, q.cluster).to_json()
                        for e in sorted(result.too_big, key=lambda e: e.shortfall_gib)[:args.top]],
            "rejected": {rule: len(ls) for rule, ls in result.rejected_rules.items()}}
@@ -165,12 +241,16 @@ def _print_json(args: argparse.Namespace, q: _Question, result: SearchResult) ->
         doc["why"] = why(q.model, result, q.work, q.cluster)
     if unbuilt is not None:
         doc["unbuilt"] = {**unbuilt[0].to_json(), "gain": round(unbuilt[1], 4)}
+    if args.dry_run:
+        doc["dry_run"] = {"dropped": [{**c.evaluation.to_json(), "reason": c.refused} for c in checked
+                                      if c.refused is not None]}
     print(json.dumps(doc, indent=1))
     return 0 if result.ranked else 1
 
 
-def _print_table(args: argparse.Namespace, q: _Question, result: SearchResult) -> int:
-    """``plan``'s table: the ranked layouts and why the best won, or why none fits."""
+def _print_table(args: argparse.Namespace, q: _Question, result: SearchResult, checked: list[Checked]) -> int:
+    """``plan``'s table: the ranked layouts and why the best won, or why none fits (after the
+    dry run's lines, with ``--dry-run``)."""
     unbuilt, cluster, work, moe = unbuilt_gain(result), q.cluster, q.work, q.model.n_experts > 0
     if not result.ranked:
         near = result.smallest_shortfall()
@@ -183,6 +263,8 @@ def _print_table(args: argparse.Namespace, q: _Question, result: SearchResult) -
             msg += f"; {unbuilt_line(*unbuilt)}"
         print(f"hybridpar: {msg}", file=sys.stderr)
         return 1
+    if checked:
+        print("\n".join(dry_run_lines(checked)) + "\n")
     print(f"{args.model} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, global batch "
           f"{work.global_batch} x {work.seq_len} tokens, {work.precision}")
     print(header(moe))

@@ -42,7 +42,7 @@ from hybridpar.planner.machine.hardware import (
     gpu_spec,
     load_gpu_toml,
 )
-from hybridpar.planner.memory.plan import plan_memory
+from hybridpar.planner.memory.plan import plan_memory, rank_memory
 from hybridpar.planner.model.layout import LAYOUT_KEYS, BlockStyle, Layout, Workload
 from hybridpar.planner.price.cost import step_cost
 
@@ -71,16 +71,21 @@ def _read_json(path: Path) -> object:
 
 
 def _step_times(metrics: Path) -> list[float]:
-    """The logged ``step_time_s`` of every line after step 1."""
-    times = []
+    """The logged ``step_time_s`` of every line after step 1 (:func:`warm_step_times`)."""
+    rows = []
     for line in metrics.read_text().splitlines():
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and row.get("step", 0) > 1 and isinstance(row.get("step_time_s"), int | float):
-            times.append(float(row["step_time_s"]))
-    return times
+    return warm_step_times(rows)
+
+
+def warm_step_times(rows: list[object]) -> list[float]:
+    """The ``step_time_s`` of every ``metrics.jsonl`` record after step 1, which holds start-up
+    and compilation: the step times after warm-up that a run's prediction is checked against."""
+    return [float(row["step_time_s"]) for row in rows
+            if isinstance(row, dict) and row.get("step", 0) > 1 and isinstance(row.get("step_time_s"), int | float)]
 
 
 def training_run(run_dir: str | Path) -> bool:
@@ -287,19 +292,29 @@ class FittedRuns:
 
 
 def predicted_peak(run: RunRecord) -> float:
-    """The planner's prediction of what the run logged as peak memory: on CPU the resident set
-    (:func:`hybridpar.planner.machine.allocator.cpu_resident_bytes`), on GPUs the allocator's peak of
-    allocated bytes (``max_memory_allocated``: the live tensors, without the ``overhead`` the
-    context and fragmentation add to what is reserved)."""
-    mem = plan_memory(run.model, run.layout, run.work)
+    """The planner's prediction of what the run logged as peak memory, on its worst pipeline
+    rank (:func:`predicted_rank_peak`)."""
+    return predicted_rank_peak(run.model, run.layout, run.work, run.device)
+
+
+def predicted_rank_peak(model: ModelConfig, layout: Layout, work: Workload, device: str,
+                        pp_rank: int | None = None, cpu_baseline: float | None = None) -> float:
+    """The planner's prediction of the peak memory a run logs for pipeline rank ``pp_rank``
+    (default: the worst, :func:`~hybridpar.planner.memory.plan.plan_memory`): on CPU the resident
+    set (:func:`hybridpar.planner.machine.allocator.cpu_resident_bytes`, with the baseline measured
+    in this environment by a fresh interpreter, :func:`~hybridpar.planner.machine.allocator.measured_cpu_baseline`,
+    unless ``cpu_baseline`` gives it), on GPUs the allocator's peak of allocated bytes
+    (``max_memory_allocated``: the live tensors, without the ``overhead`` the context and
+    fragmentation add to what is reserved)."""
+    mem = plan_memory(model, layout, work) if pp_rank is None else rank_memory(model, layout, work, pp_rank)
     live = mem.total - mem.components["overhead"]
-    if run.device != "cpu":
+    if device != "cpu":
         return live
-    layers = run.model.n_layers / run.layout.pp
+    layers = model.n_layers / layout.pp
     layer_acts = mem.components["activations"] / max(1, mem.in_flight) / layers
     # a CPU run read from its directory ran here: the baseline measured in this environment
-    return cpu_resident_bytes(live, layer_acts, mem.components["params"] / run.work.param_bytes,
-                              measured_cpu_baseline())
+    baseline = measured_cpu_baseline() if cpu_baseline is None else cpu_baseline
+    return cpu_resident_bytes(live, layer_acts, mem.components["params"] / work.param_bytes, baseline)
 
 
 def from_run(args: object) -> FittedRuns:
