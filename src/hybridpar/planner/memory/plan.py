@@ -308,7 +308,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
     chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
     offloads = [chunk_offload(model, L, work, c) for c in chunks]  # parallel.offload_activations (.offload)
-    sizes = [dataclasses.replace(cb, body=cb.body - o.saved)
+    sizes = [ChunkBytes(cb.body - o.saved, cb.head, cb.deferred)
              for cb, o in zip((chunk_bytes(model, L, work, c) for c in chunks), offloads, strict=True)]
     v = len(chunks)
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
