@@ -292,17 +292,6 @@ def test_group_by_device_dtype_keeps_order_within_groups():
     assert groups[(a.device, torch.float32)][0] is a and groups[(a.device, torch.float32)][1] is c
 
 
-def test_foreach_norm_is_each_tensors_fp32_norm_in_input_order():
-    gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(5, 7, generator=gen), torch.randn(300, generator=gen).bfloat16(), torch.zeros(3),
-               torch.randn(1, generator=gen)]
-    norms = compat.foreach_norm(tensors)
-    assert all(n.dtype == torch.float32 and n.dim() == 0 for n in norms)
-    for t, n in zip(tensors, norms, strict=True):  # bf16 summed in fp32, as clip_grad_norm_ does
-        torch.testing.assert_close(n, torch.linalg.vector_norm(t.float()), rtol=2e-6, atol=0)
-    assert compat.foreach_norm([]) == []
-
-
 def test_foreach_mul_scales_in_place_like_mul_per_tensor():
     gen = torch.Generator().manual_seed(1)
     tensors = [torch.randn(33, generator=gen), torch.randn(4, 5, generator=gen).bfloat16(), torch.randn(17, generator=gen)[3:]]

@@ -245,12 +245,8 @@ def test_live_chunk_counts_cap_and_worst_rank():
     candidate ranks find the same worst rank as checking every rank."""
     from hybridpar.config import model_preset
     from hybridpar.parallel.pipeline.schedules import ActionKind, compute_order, rank_stages
-    from hybridpar.planner.memory.plan import (
-        live_chunk_counts,
-        pareto_max,
-        plan_memory,
-        rank_memory,
-    )
+    from hybridpar.planner.memory.peaks import live_chunk_counts, pareto_max
+    from hybridpar.planner.memory.plan import plan_memory, rank_memory
     from hybridpar.planner.model.layout import Layout, Workload
 
     def full(kind, pp, v, m, r):

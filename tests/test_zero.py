@@ -271,9 +271,9 @@ def test_zero_matches_single_process(dist_run, world, stage, offload, reduce_dty
             assert rs["wire_bytes"] + ag["wire_bytes"] == STEPS * ar
         else:
             assert 2 * (rs["wire_bytes"] + ag["wire_bytes"]) == STEPS * (2 * MICRO + 1) * ar
-        # the only all-reduces: the squared-norm scalar and the logged loss
-        assert t["all_reduce/dp"] == {"calls": 2 * STEPS, "bytes": 8 * STEPS,
-                                      "wire_bytes": 2 * STEPS * wire_bytes("all_reduce", 4, n)}
+        # the only all-reduces: the squared-norm scalar (fp64) and the logged loss (fp32)
+        assert t["all_reduce/dp"] == {"calls": 2 * STEPS, "bytes": 12 * STEPS,
+                                      "wire_bytes": STEPS * (wire_bytes("all_reduce", 8, n) + wire_bytes("all_reduce", 4, n))}
         # memory (fp32 Adam): stage 1 = 4P + 4P + 8P/N, 2 = 4P + 12P/N, 3 = 16P/N, within padding
         m, local = r["memory"], r["local"]
         assert m["params"] == (4 * P if stage < 3 else S4)

@@ -422,18 +422,6 @@ def group_by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.devic
     return groups
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor as an fp32 scalar, one multi-tensor kernel per (device, dtype)
-    group: ``torch._foreach_norm`` (private; what ``torch.nn.utils.clip_grad_norm_`` uses, with
-    ``dtype=float32`` so bf16 gradients are summed in fp32). Checked on torch 2.13."""
-    out: dict[int, torch.Tensor] = {}
-    index = {id(t): i for i, t in enumerate(tensors)}
-    for group in group_by_device_dtype(tensors).values():
-        for t, n in zip(group, torch._foreach_norm(group, 2, dtype=torch.float32), strict=True):
-            out[index[id(t)]] = n
-    return [out[i] for i in range(len(tensors))]
-
-
 def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply every tensor in place by the 0-d tensor ``factor`` (cast to each group's device
     and dtype) without reading it: ``torch._foreach_mul_`` (private), one kernel per group."""

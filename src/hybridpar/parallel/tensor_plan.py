@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hybridpar.compat import foreach_norm
 from hybridpar.distributed.autograd import copy_to_tp, gather_from_sp
 from hybridpar.distributed.mesh import Axis
 from hybridpar.parallel.experts import ExpertParallel
@@ -160,21 +159,21 @@ class TensorPlan:
 
     def grad_norm_sq(self, model: nn.Module | Iterable[tuple[str, nn.Parameter]], axis: Axis) -> Tensor:
         """Squared L2 norm of the gradient of ``model`` (or of the named parameters given),
-        fp32 scalar, same on every tp rank."""
+        fp64 scalar (:func:`sum_of_squares`), same on every tp rank."""
         named = list(model.named_parameters() if isinstance(model, nn.Module) else model)
         device = named[0][1].device
         return self.norm_sq([(n, p.grad) for n, p in named if p.grad is not None], axis, device)
 
     def norm_sq(self, named: Iterable[tuple[str, Tensor]], axis: Axis, device: torch.device) -> Tensor:
         """Squared L2 norm of named gradient tensors (whole tp pieces, or ZeRO's rows of them):
-        tp-split ones summed over ``axis``, replicated ones counted once. Each tensor's norm by a
-        multi-tensor kernel (one per device and dtype, :func:`~hybridpar.compat.foreach_norm`)."""
+        tp-split ones summed over ``axis``, replicated ones counted once; in fp64
+        (:func:`sum_of_squares`)."""
         sharded, replicated = self.local_norm_sq(named, device)
         return axis.comm.all_reduce(sharded, axis) + replicated
 
     def local_norm_sq(self, named: Iterable[tuple[str, Tensor]], device: torch.device) -> tuple[Tensor, Tensor]:
         """``(tp-split, replicated)`` sums of squares of this rank's named gradient tensors, not
-        yet reduced over anything (fp32 scalars on ``device``)."""
+        yet reduced over anything (fp64 scalars on ``device``, :func:`sum_of_squares`)."""
         sharded: list[Tensor] = []
         replicated: list[Tensor] = []
         for name, g in named:
@@ -196,16 +195,32 @@ class TensorPlan:
         (or ZeRO rows of them) this rank holds: :meth:`norm_sq` over tp, then summed over
         ``reduce_over`` (the axes that split parameters between ranks: ZeRO's shards, pipeline
         stages). Every front door's clipping uses this one norm. On the device: nothing is read."""
-        return self.global_grad_norm_sq(named, tp, reduce_over, device).sqrt()
+        return self.global_grad_norm_sq(named, tp, reduce_over, device).sqrt().float()
+
+
+#: Elements of one gradient :func:`sum_of_squares` casts to fp64 at a time (128 MiB): a bound on
+#: the transient copy, whatever the largest tensor (an 8B model's 525M-element embedding).
+NORM_CHUNK = 1 << 24
 
 
 def sum_of_squares(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """Sum of the squares of every element of ``tensors``, an fp32 scalar on ``device`` (0 when
-    empty): per-tensor norms by multi-tensor kernels, then their squares summed."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = foreach_norm(tensors)
-    return torch.stack([n.to(device) for n in norms]).square().sum()
+    """Sum of the squares of every element of ``tensors``, an **fp64** scalar on ``device`` (0 when
+    empty), so that the norm taken from it does not depend on how the elements are split between
+    tensors and ranks (ZeRO's rows, tp pieces, pipeline stages).
+
+    Why fp64: in fp32 a shard's sum is rounded where the whole tensor's is not, so ZeRO-3's norm
+    differed from one process's in its last bits (fp32 ZeRO-3 runs agreed to 1e-7), and through
+    the clipping coefficient that moved inputs of FP8 casts across e4m3 rounding midpoints: FP8
+    tensorwise ZeRO-3 parted from one process by 9e-4 in 5 steps. Every fp32 or bf16 square is
+    exact in fp64 and the sums' rounding is below ``n * 2**-53`` relative, far under half an fp32
+    step (``2**-24``), so the fp32 norm of :meth:`TensorPlan.global_grad_norm` is the same for
+    every split unless the exact value lies within that error of an fp32 rounding boundary. The
+    cost: one fp64 copy of a chunk (:data:`NORM_CHUNK`) and a dot product per chunk."""
+    parts = [torch.dot(c, c).to(device) for t in tensors
+             for c in (chunk.double() for chunk in t.detach().reshape(-1).split(NORM_CHUNK))]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(parts).sum()
 
 
 # ----------------------------------------------------------------------------- region entry

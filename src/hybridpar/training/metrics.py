@@ -2,12 +2,18 @@
 
 Only the rank that owns the logger writes (rank 0); the others get a logger whose methods do
 nothing, so the trainer never branches on rank to log.
+
+The bar is drawn only when stderr is a terminal. In a log file or pipe (``make demo | tee``, a
+CI job) its redraws, each a carriage return and a line of spaces that clears the bar for the
+next message, read as blank lines before the run's first lines (issue 44); there each logged
+step prints one plain line instead (:meth:`MetricsLogger.step`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,14 @@ from hybridpar.fsutil import (
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+
+
+def _terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an interactive terminal (False for files, pipes and closed streams)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 class MetricsLogger:
@@ -35,8 +49,9 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(run_dir / METRICS_FILE, "a" if start_step else "w")  # noqa: SIM115 (open for the run)
         self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.total_steps = total_steps
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                         dynamic_ncols=True, mininterval=1.0)
+                         dynamic_ncols=True, mininterval=1.0, disable=not _terminal(sys.stderr))
 
     def step(self, record: dict[str, Any] | None) -> None:
         """Advance the bar by one step; log ``record`` if given (it must contain ``step``)."""
@@ -58,7 +73,11 @@ class MetricsLogger:
                 "mfu": "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%", "mem": f"{record['mem_bytes'] / 2**20:.0f}MiB"}
         if "val_loss" in record:
             post["val"] = f"{record['val_loss']:.4f}"
-        self._bar.set_postfix(post, refresh=False)
+        if self._bar.disable:  # no terminal: one line per logged step instead of the bar
+            self.write(f"train: step {record['step']}/{self.total_steps} "
+                       + " ".join(f"{k}={v}" for k, v in post.items()))
+        else:
+            self._bar.set_postfix(post, refresh=False)
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar (rank 0 only)."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hybridpar.config import TrainConfig
+from hybridpar.parallel.tensor_plan import sum_of_squares
 
 
 def build_optimizer(model: nn.Module | Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
@@ -42,11 +43,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def grad_norm_sq(params: Iterable[nn.Parameter]) -> torch.Tensor:
-    """Sum of squared gradient entries of the given parameters, in fp32."""
+    """Sum of squared gradient entries of the given parameters, in fp64 (the trainer's norm,
+    :func:`~hybridpar.parallel.tensor_plan.sum_of_squares`, on the first gradient's device)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    return sum_of_squares(grads, grads[0].device if grads else torch.device("cpu"))
 
 
 def clip_by_total_norm(params: list[nn.Parameter], total_norm: torch.Tensor, max_norm: float) -> None:

@@ -140,7 +140,7 @@ class StepEngine:
             squares = [self.plan.global_grad_norm_sq(named, self.topo.tp, [*axes, self.topo.pp], device)
                        for named, axes in mine]
             total = torch.stack(squares).sum()
-        return total.sqrt()  # on the device: nothing is read to the host
+        return total.sqrt().float()  # summed in fp64 (sum_of_squares); on the device: nothing is read
 
     def clip(self, total_norm: Tensor, max_norm: float) -> None:
         """Scale gradients so their global norm is at most ``max_norm`` (0 disables)."""
@@ -184,7 +184,7 @@ def one_collective_norm_sq(topo: Topology, plan: TensorPlan, parts: Sequence[tup
     mine = topo.dims.coords(topo.rank)
     counted = [value * float(all(mine[d] == 0 for d in union - (dims or set()))) for value, dims in terms]
     out = torch.stack([counted[i] + counted[i + 1] for i in range(0, len(counted), 2)]).sum() if counted \
-        else torch.zeros((), dtype=torch.float32, device=device)
+        else torch.zeros((), dtype=torch.float64, device=device)
     if over.size > 1:
         over.comm.all_reduce(out, over)
     return out

@@ -73,6 +73,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hybridpar.distributed.mesh import Axis
+from hybridpar.parallel.tensor_plan import sum_of_squares
 from hybridpar.parallel.zero.base import NamedGrads, NormPart, clip_grads
 from hybridpar.parallel.zero.offload import DiskStore
 from hybridpar.parallel.zero.options import check_options, impl_kwargs, kernel_of, normalize_groups
@@ -252,14 +253,11 @@ class ZeroOptimizer:
         return self._stage.grad_views()
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """Squared L2 norm of the full averaged gradient, in fp32, identical on every rank:
-        local sum of squares of this rank's shard, then (stages 1-3) one all-reduce of that scalar."""
+        """Squared L2 norm of the full averaged gradient, in fp64, identical on every rank and to
+        one process's (:func:`~hybridpar.parallel.tensor_plan.sum_of_squares`): local sum of
+        squares of this rank's shard, then (stages 1-3) one all-reduce of that scalar."""
         self.finish_grads()
-        grads = self._stage.grad_views()
-        if not grads:
-            total = torch.zeros((), dtype=torch.float32, device=self._stage.device)
-        else:
-            total = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+        total = sum_of_squares(self._stage.grad_views(), self._stage.device)
         self._stage.sum_over_dp(total)
         return total
 

@@ -1,6 +1,6 @@
 """``hybridpar plan``: rank layouts for a model on a cluster, or explain one layout.
 
-Answers in about a second without a GPU: the memory model (:mod:`hybridpar.planner.memory.plan`),
+Answers in seconds without a GPU (timings in :mod:`hybridpar.planner.search.search`): the memory model (:mod:`hybridpar.planner.memory.plan`),
 the cost model (:mod:`hybridpar.planner.price.cost`) and the search
 (:mod:`hybridpar.planner.search.search`) do the work, :mod:`hybridpar.planner.front.explain` says
 why; this module parses and prints. ``--dry-run [K]`` builds the top layouts with the trainer's

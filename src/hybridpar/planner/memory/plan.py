@@ -56,12 +56,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import ChunkSpec
-from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order, rank_stages
 from hybridpar.planner.machine.allocator import communicators, gpu_overhead
 from hybridpar.planner.machine.hardware import GiB
 from hybridpar.planner.memory.activations import (
@@ -81,6 +79,7 @@ from hybridpar.planner.memory.offload import (
     chunk_offload,
     offload_peak,
 )
+from hybridpar.planner.memory.peaks import live_chunk_counts, peak_microbatches
 from hybridpar.planner.model.hsdp import expert_group, replica_residual_bytes, zero_group
 from hybridpar.planner.model.layout import (
     BlockStyle,
@@ -207,58 +206,6 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     return ChunkBytes(body, head, deferred)
 
 
-@functools.lru_cache(maxsize=8192)
-def live_chunk_counts(kind: str, pp: int, virtual_stages: int, microbatches: int,
-                      rank: int) -> tuple[tuple[int, ...], ...]:
-    """What rank ``rank`` of a ``pp``-stage pipeline holds at its peaks: the Pareto-maximal
-    vectors ``(alive_0, .., alive_{V-1}, held_0, .., held_{V-1})`` over the schedule's compute
-    order, where ``alive_c`` counts micro-batches of local chunk ``c`` between their F and their
-    first backward action, and ``held_c`` those between B and W (ZB-H1: deferred weight gradients).
-
-    GPipe, 1F1B and 2BW have closed forms (``M`` and ``min(pp - rank, M)``); the others walk
-    :func:`compute_order`, capped at ``2 pp`` micro-batches (ZB-H1) or ``4 pp`` (interleaved):
-    past the warm-up the steady state repeats every micro-batch (every ``pp`` with
-    interleaving), so the peaks of longer runs are the same."""
-    kind_ = Schedule.parse(kind)
-    m, v = microbatches, virtual_stages
-    if pp == 1:
-        return ((1, 0),)
-    if kind_ is Schedule.GPIPE:
-        return ((m, 0),)
-    if kind_ in (Schedule.ONE_F_ONE_B, Schedule.TWO_BW):  # 2BW: a step's carried warm-up forwards included
-        return ((min(pp - rank, m), 0),)
-    cap = min(m, (4 if kind_ is Schedule.INTERLEAVED else 2) * pp)
-    actions = compute_order(kind_, pp, v, cap, rank)
-    split = any(a.kind is ActionKind.W for a in actions)
-    local = rank_stages(rank, pp, v, kind_ is Schedule.ZBV)
-    counts = [0] * (2 * v)
-    seen: set[tuple[int, ...]] = set()
-    for act in actions:
-        c = local.index(act.stage)
-        if act.kind is ActionKind.F:
-            counts[c] += 1
-        elif act.kind is ActionKind.B:
-            counts[c] -= 1
-            if not split:
-                continue
-            counts[v + c] += 1
-        else:
-            counts[v + c] -= 1
-            continue
-        seen.add(tuple(counts))  # peaks follow an increase
-    return pareto_max(seen)
-
-
-def pareto_max(vectors: Iterable[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
-    """The vectors no other one covers componentwise (a covering vector has a larger sum, so
-    in decreasing-sum order the kept ones are all a vector needs to be checked against)."""
-    kept: list[tuple[int, ...]] = []
-    for x in sorted(set(vectors), key=lambda x: (-sum(x), x)):
-        if not any(all(k >= xi for k, xi in zip(y, x, strict=True)) for y in kept):
-            kept.append(x)
-    return tuple(sorted(kept))
-
-
 # ----------------------------------------------------------------------------- the whole rank
 
 
@@ -308,7 +255,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
     chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
     offloads = [chunk_offload(model, L, work, c) for c in chunks]  # parallel.offload_activations (.offload)
-    sizes = [dataclasses.replace(cb, body=cb.body - o.saved)
+    sizes = [ChunkBytes(cb.body - o.saved, cb.head, cb.deferred)
              for cb, o in zip((chunk_bytes(model, L, work, c) for c in chunks), offloads, strict=True)]
     v = len(chunks)
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
@@ -384,8 +331,8 @@ def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int
 
 
 def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, pp_rank: int,
-                 comm: float) -> MemoryReport:
-    st, (acts, logits, in_flight) = _rank_parts(key, L, work, pp_rank)
+                 comm: float, parts: tuple[ModelStates, tuple[float, float, int]] | None = None) -> MemoryReport:
+    st, (acts, logits, in_flight) = parts or _rank_parts(key, L, work, pp_rank)
     overhead = gpu_overhead(acts + logits, communicators(L.dp, L.tp, L.pp, L.cp))
     comps = {"params": float(st.params), "grads": float(st.grads), "optimizer": float(st.optimizer),
              "activations": acts, "logits": logits, "comm_buffers": comm, "overhead": overhead}
@@ -455,9 +402,15 @@ def _total(st: ModelStates, acts: float, logits: float, comm: float, axes: int) 
     return sum((float(st.params), float(st.grads), float(st.optimizer), acts, logits, comm, overhead))
 
 
-@functools.lru_cache(maxsize=4096)
 def candidate_ranks(key: ModelKey, pp: int, virtual_stages: int, kind: str,
                     microbatches: int) -> tuple[int, ...]:
+    """:func:`_candidate_ranks` of the :func:`peak_microbatches` that decide it."""
+    return _candidate_ranks(key, pp, virtual_stages, kind, peak_microbatches(kind, pp, microbatches))
+
+
+@functools.lru_cache(maxsize=4096)
+def _candidate_ranks(key: ModelKey, pp: int, virtual_stages: int, kind: str,
+                     microbatches: int) -> tuple[int, ...]:
     """The pipeline ranks that can hold the most memory. Ranks whose chunks have the same layer
     counts, embedding and head hold the same parameters and buffers; of those, a rank each of
     whose peak vectors (:func:`live_chunk_counts`) another rank's covers holds no more of
@@ -488,9 +441,10 @@ def plan_memory(model: ModelConfig, layout: Layout, work: Workload) -> MemoryRep
         key, layout.pp, layout.virtual_stages, layout.pipeline_schedule, layout.microbatches(work.global_batch))
     if len(ranks) == 1:
         return _rank_memory(model, key, layout, work, ranks[0], comm)
-    totals = []
+    totals, parts = [], []
     for r in ranks:
-        st, (acts, logits, _) = _rank_parts(key, layout, work, r)
+        parts.append(_rank_parts(key, layout, work, r))
+        st, (acts, logits, _) = parts[-1]
         totals.append(_total(st, acts, logits, comm, communicators(layout.dp, layout.tp, layout.pp, layout.cp)))
-    worst = ranks[totals.index(max(totals))]  # the first of equals, as max over reports
-    return _rank_memory(model, key, layout, work, worst, comm)
+    worst = totals.index(max(totals))  # the first of equals, as max over reports
+    return _rank_memory(model, key, layout, work, ranks[worst], comm, parts[worst])

@@ -25,10 +25,10 @@ bucket and an all-gather of the updated shard (ZeRO-1/2), or two all-gathers per
 micro-batch and one reduce-scatter per unit (ZeRO-3), each over the padded ``ceil(rows/N)``
 shard layout of the rank's tp pieces. ``grad_compression``: int8 turns each reduce-scatter into
 one all-to-all of int8 blocks with fp32 scales (ZeRO-0: plus an all-gather of the summed
-blocks); bf16/fp16 halve the reduce-scatter payload. Then one fp32 scalar each for the logged loss and the
+blocks); bf16/fp16 halve the reduce-scatter payload. Then one fp32 scalar for the logged loss and fp64 ones for the
 gradient norm's partial sums over tp, the ZeRO axis and pp.
 Dtypes: the residual stream and gradients are in the parameter dtype, matmul outputs and
-attention inputs in the matmul dtype, losses and norms fp32.
+attention inputs in the matmul dtype, losses fp32, the norm's partial sums fp64.
 
 Mixture of experts (:func:`_moe_collectives`, :mod:`hybridpar.planner.model.moe`): per MoE layer and micro-batch the
 routing weights (and under SP the expert ids) enter the tp region, the router sums its counts over
@@ -73,6 +73,7 @@ Named = list[tuple[str, Shape]]
 Adder = Callable[..., None]  # add(op, axis, axis size, payload bytes, times=1)
 
 AXES = ("tp", "cp", "pp", "dp")
+NORM_BYTES = 8  # one partial sum of the gradient norm: fp64 (parallel.tensor_plan.sum_of_squares)
 
 
 def _layer_params(model: ModelConfig, tp: int, i: int, ep: int = 1) -> Named:
@@ -346,16 +347,16 @@ def _grad_norm(add: Adder, L: Layout, experts: bool) -> None:
                 ("world", set(sizes)))
         for name, dims in axes:
             if {d for d in dims if sizes[d] > 1} == union:
-                add("all_reduce", name, math.prod(sizes[d] for d in union), 4)
+                add("all_reduce", name, math.prod(sizes[d] for d in union), NORM_BYTES)
                 return
     for part_is_experts in ([False, True] if experts else [False]):
-        add("all_reduce", "tp", L.tp, 4)
+        add("all_reduce", "tp", L.tp, NORM_BYTES)
         if part_is_experts:
-            add("all_reduce", "ep", L.ep, 4)
+            add("all_reduce", "ep", L.ep, NORM_BYTES)
         if L.zero_stage > 0:
             name, size, _ = hs.expert_group(L) if part_is_experts else hs.zero_group(L)
-            add("all_reduce", name, size, 4)
-        add("all_reduce", "pp", L.pp, 4)
+            add("all_reduce", name, size, NORM_BYTES)
+        add("all_reduce", "pp", L.pp, NORM_BYTES)
 
 
 def _norm_dims(L: Layout, experts: bool) -> set[str] | None:
