@@ -28,7 +28,7 @@ NEW_SRC = Path(__file__).resolve().parents[1] / "src"
 COMMON = ["--train.steps", "3", "--train.log_every", "1", "--train.eval_every", "0", "--train.checkpoint_every", "3",
           "--train.global_batch", "8", "--train.micro_batch", "2", "--train.seq_len", "32", "--train.sample_tokens", "0",
           "--model.n_layers", "4", "--train.warmup_steps", "1"]
-MOE = ["--model.n_experts", "4", "--model.experts_per_token", "2", "--model.bias_update_rate", "0.01"]
+MOE = ["--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2", "--model.bias_update_rate", "0.01"]
 
 #: name -> overrides (each on top of COMMON)
 LAYOUTS: dict[str, list[str]] = {
@@ -42,6 +42,8 @@ LAYOUTS: dict[str, list[str]] = {
     "moe_ep2_dp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero_stage", "1", *MOE],
     "int8_dp2_fp16": ["--parallel.dp", "2", "--parallel.zero_stage", "2", "--parallel.grad_compression", "int8",
                       "--train.precision", "fp16", "--train.loss_scale_init", "1e9", "--train.loss_scale_window", "1"],
+    "int8_dp2_fp16_growing": ["--parallel.dp", "2", "--parallel.zero_stage", "1", "--parallel.grad_compression",
+                              "int8", "--train.precision", "fp16", "--train.loss_scale_window", "1"],
     "async_ckpt_dp2": ["--parallel.dp", "2", "--async_checkpoint.enabled", "true", "--train.checkpoint_every", "1"],
     "offload_act": ["--parallel.dp", "2", "--parallel.offload_activations", "true"],
     "twobw_pp2": ["--parallel.pp", "2", "--parallel.pipeline_schedule", "2bw"],

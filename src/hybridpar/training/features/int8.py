@@ -6,7 +6,10 @@ themselves are part of the data-parallel optimizer's checkpoint state."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from hybridpar.config import Config
+from hybridpar.parallel.zero.base import ErrorFeedback
 from hybridpar.training.features.base import UpdateOutcome
 from hybridpar.training.features.component import Component, Launch, RunContext
 
@@ -31,7 +34,7 @@ class Int8Compression(Component):
         The update itself reads no residual (they feed the next backward's reduction)."""
         if outcome.scale_factor == 1.0:
             return
-        optimizer = self.engine.optimizer  # a DataParallelOptimizer: without compression these are no-ops
+        optimizer = cast(ErrorFeedback, self.engine.optimizer)  # int8 runs only on ZeRO's optimizers, which compress
         if outcome.finite:
             optimizer.scale_residuals(outcome.scale_factor)
         else:
