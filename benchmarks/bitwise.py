@@ -40,6 +40,8 @@ LAYOUTS: dict[str, list[str]] = {
                              "--fp8.all_gather", "true"],
     "fp8_rowwise_tp2": ["--parallel.tp", "2", "--fp8.recipe", "rowwise"],
     "moe_ep2_dp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero_stage", "1", *MOE],
+    "moe_ep2_dp2_zero3": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero_stage", "3", *MOE],
+    "moe_pp2_zero3": ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.zero_stage", "3", *MOE],
     "int8_dp2_fp16": ["--parallel.dp", "2", "--parallel.zero_stage", "2", "--parallel.grad_compression", "int8",
                       "--train.precision", "fp16", "--train.loss_scale_init", "1e9", "--train.loss_scale_window", "1"],
     "int8_dp2_fp16_growing": ["--parallel.dp", "2", "--parallel.zero_stage", "1", "--parallel.grad_compression",

@@ -46,9 +46,8 @@ from hybridpar.parallel.tensor_plan import TensorPlan
 from hybridpar.parallel.zero import (
     OuterSplit,
     decay_groups,
-    shard_model,
 )
-from hybridpar.parallel.zero.spec import DataParallelSpec, data_parallel_spec
+from hybridpar.parallel.zero.spec import DataParallelSpec, Zero3, data_parallel_spec
 from hybridpar.rules import first_broken
 from hybridpar.training.checkpoint import (
     CheckpointError,
@@ -229,10 +228,9 @@ class ModelEngine:
         plan = TensorPlan.of_names({name: dim for name, (dim, _) in self.tp_sharded.items()})
         # checkpoints hold DTensor pieces of the whole tensors (tp's split, then ZeRO's): any tp reads them
         outer = OuterSplit(topo.tp, plan.shard_dim) if topo.tp.size > 1 else None
-        sharded = shard_model(model, topo.dp, _units(model, cfg.zero3_units), prefetch=cfg.zero3_prefetch,
-                              outer=outer) if cfg.zero_stage == 3 else None
+        zero3 = Zero3(model, _units(model, cfg.zero3_units) if cfg.zero_stage == 3 else (), prefetch=cfg.zero3_prefetch)
         groups = decay_groups(model, cfg.weight_decay) if param_groups is None else _by_name(model, param_groups)
-        self.optimizer = cfg.data_parallel_spec().build(groups, topo.dp, sharded=sharded, outer=outer)
+        self.optimizer = cfg.data_parallel_spec().build(groups, topo.dp, zero3=zero3, outer=outer)  # ZeRO-3: sharded here
         self.core = StepEngine(topo, self.optimizer, plan, list(model.named_parameters()), tp_partial=partial)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.global_step = 0  # optimizer steps taken
