@@ -9,6 +9,8 @@ Used to show that a refactoring changed no result (issue 40)::
 
 Each layout is the demo's or one component's (FP8, MoE/ep, int8, async checkpoint, activation
 offload, 2BW, compile, ZeRO-3). Prints one row per layout and exits 1 if any differs.
+``--resume``: old checkpoints still load: the base tree's checkpoint after 3 steps continued for
+2 more under each tree, losses and final checkpoints compared the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,11 +56,13 @@ LAYOUTS: dict[str, list[str]] = {
 }
 
 
-def train(src: Path, run_dir: Path, overrides: list[str]) -> None:
-    """``hybridpar train`` with ``src`` first on the path (its ranks inherit it)."""
+def train(src: Path, run_dir: Path, overrides: list[str], resume: bool = False) -> None:
+    """``hybridpar train`` with ``src`` first on the path (its ranks inherit it); ``resume``:
+    continue from the run directory's latest checkpoint."""
     env = {**os.environ, "PYTHONPATH": str(src), "HYBRIDPAR_RENAMED_SAID": ""}
     code = "import sys; from hybridpar.cli import entry; sys.argv = ['hybridpar', *sys.argv[1:]]; entry()"
-    cmd = [sys.executable, "-c", code, "train", *COMMON, *overrides, "--train.run_dir", str(run_dir)]
+    cmd = [sys.executable, "-c", code, "train", *(["--resume"] if resume else []), *COMMON, *overrides,
+           "--train.run_dir", str(run_dir)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{src}: {' '.join(overrides)} failed:\n{done.stderr[-3000:]}")
@@ -111,17 +116,34 @@ def compare(name: str, base: Path, work: Path) -> tuple[bool, str]:
     return ok, said
 
 
+def compare_resume(name: str, base: Path, work: Path) -> tuple[bool, str]:
+    """An old checkpoint (the ``base`` tree's, after 3 steps) continued for 2 more steps under
+    each tree: (identical losses and final checkpoints?, the row's text)."""
+    first = work / f"{name}-first"
+    train(base, first, LAYOUTS[name])
+    runs = {tree: work / f"{name}-resumed-{tree}" for tree in ("base", "new")}
+    for tree, src in (("base", base), ("new", NEW_SRC)):
+        shutil.copytree(first, runs[tree])
+        train(src, runs[tree], [*LAYOUTS[name], "--train.steps", "5", "--train.checkpoint_every", "5"], resume=True)
+    la, lb = losses(runs["base"]), losses(runs["new"])
+    diff = differences(final_state(runs["base"]), final_state(runs["new"]))
+    ok = la == lb and not diff and len(la) > 3
+    return ok, f"{name + ' (resumed)':24s} losses {'equal' if la == lb else 'DIFFER'} ({len(la)} steps); " \
+               f"checkpoint {'equal' if not diff else 'DIFFER: ' + ', '.join(diff[:5])}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", type=Path, required=True, help="the reference tree's src/ directory")
     parser.add_argument("--only", default="", help="comma-separated layout names (default: all)")
+    parser.add_argument("--resume", action="store_true", help="continue the base tree's checkpoints under both trees")
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(LAYOUTS)
     all_ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             try:
-                ok, said = compare(name, args.base, Path(tmp))
+                ok, said = (compare_resume if args.resume else compare)(name, args.base, Path(tmp))
             except RuntimeError as e:
                 ok, said = False, f"{name:24s} FAILED: {e}"
             all_ok &= ok
