@@ -12,8 +12,9 @@ for any ``nn.Module``, for users who keep their own training loop.
     engine.save("ckpt/step-100")            # torch.distributed.checkpoint, atomic
 
 The engine wraps :class:`~hybridpar.parallel.zero.ZeroOptimizer` (stage 0 is plain data
-parallelism with bucketed all-reduce) over the topology's dp axis, :func:`shard_model` for
-stage 3 (one unit per child module by default), and :func:`~hybridpar.api.tp.parallelize_module`
+parallelism with bucketed all-reduce) over the topology's dp axis, built in one call by the
+data-parallel spec (:meth:`~hybridpar.parallel.zero.spec.DataParallelSpec.build`), which at
+stage 3 shards the model first (one unit per child module by default), and :func:`~hybridpar.api.tp.parallelize_module`
 for the plan. Gradients are averaged over dp: every dp rank should pass an equally sized share
 of the global batch and a mean loss, so the result equals one process on the whole batch.
 """
