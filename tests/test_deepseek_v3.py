@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from test_families import hf_lib, one_line_error, rel_err
-from test_moe_families import assert_reads_back
+from test_moe_families import assert_reads_back, save_random, saved_once
 
 from hybridpar.models.family import HFError
 from hybridpar.models.hf import (
@@ -79,19 +79,12 @@ def decisive(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_hf(spec: str, path: Path, seed: int = 0):
-    torch.manual_seed(seed)
-    model = hf_lib().DeepseekV3ForCausalLM(hf_config(spec)).float()
-    decisive(model, seed)
-    model.save_pretrained(path)
-    return model.eval()
+    return save_random(lambda: hf_lib().DeepseekV3ForCausalLM(hf_config(spec)), decisive, path, seed)
 
 
 @functools.cache
 def hf_dir(spec: str, base: str) -> str:
-    path = Path(base) / f"hf-deepseek-{spec}"
-    if not path.exists():
-        make_hf(spec, path)
-    return str(path)
+    return saved_once(make_hf, spec, base, "hf-deepseek")
 
 
 def tokens(shape=(2, 24)) -> torch.Tensor:

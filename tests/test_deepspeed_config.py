@@ -16,7 +16,7 @@ from hybridpar.api.deepspeed import parse_ds_config
 from hybridpar.api.deepspeed.checkpoint import resolve
 from hybridpar.api.deepspeed.config import batch_sizes
 from hybridpar.api.deepspeed.schedules import schedule_lrs
-from hybridpar.api.engine import _deepspeed_call
+from hybridpar.api.front import _deepspeed_call
 from hybridpar.config import ConfigError
 from hybridpar.training.checkpoint import CheckpointError
 

@@ -17,7 +17,14 @@ from test_trainer import small_config
 
 from hybridpar.distributed.mesh import ParallelDims
 from hybridpar.training import checkpoint
-from hybridpar.training.features import COMPONENTS, Component, Launch, StepFeature, components_for
+from hybridpar.training.features import (
+    COMPONENTS,
+    Component,
+    Launch,
+    StepFeature,
+    UpdateOutcome,
+    components_for,
+)
 from hybridpar.training.features.async_checkpoint import AsyncCheckpoint
 from hybridpar.training.features.int8 import Int8Compression
 from hybridpar.training.features.registry import check_order
@@ -49,12 +56,9 @@ class Recorder(StepFeature):
         self.calls.append(("after_backward", step))
         return {"toy_microbatches": microbatches}
 
-    def before_update(self, step: int) -> None:
-        self.calls.append(("before_update", step))
-
-    def after_update(self, step: int) -> None:
-        self.calls.append(("after_update", step))
-        self.counter += 1
+    def after_update(self, step: int, outcome: UpdateOutcome) -> None:
+        self.calls.append(("after_update", step) if outcome.stepped else ("skipped", step))
+        self.counter += outcome.stepped
 
     def after_step(self, step: int, log: MetricsLogger) -> None:
         self.calls.append(("after_step", step))
@@ -73,7 +77,7 @@ class Recorder(StepFeature):
         self.loaded = state["toy_counter"].clone()
 
 
-STEP = ["batches", "start_step", "after_backward", "before_update", "after_update", "after_step"]
+STEP = ["batches", "start_step", "after_backward", "after_update", "after_step"]
 
 
 def _fit(cfg: Any, resume: Path | None = None) -> tuple[Recorder, dict[str, Any]]:
@@ -102,9 +106,9 @@ def test_a_feature_sees_every_hook_in_order_and_its_state_round_trips(tmp_path):
     assert resumed.loaded is not None and int(resumed.loaded) == 2  # the checkpoint of step 2 held 2 updates
 
 
-def test_a_skipped_step_gets_no_update_hook(tmp_path):
-    """A step whose update is skipped (non-finite loss, ``train.nonfinite = "skip"``) calls the
-    hooks up to ``before_update`` and not ``after_update``."""
+def test_a_skipped_step_says_so_to_the_update_hook(tmp_path):
+    """A step whose update is skipped (non-finite loss, ``train.nonfinite = "skip"``) calls
+    ``after_update`` with an outcome that did not step."""
     cfg = small_config(tmp_path, "--train.steps", "2", "--train.nonfinite", "skip")
     with ParallelDims.from_config(cfg.parallel).build("cpu") as topo:
         trainer = Trainer(cfg, topo)
@@ -113,7 +117,7 @@ def test_a_skipped_step_gets_no_update_hook(tmp_path):
         trainer.engine.loss = lambda *batch: torch.tensor(float("nan"), requires_grad=True)
         result = trainer.train_step(1)
     assert result.skipped
-    assert toy.calls == [("batches", 1), ("start_step", 1), ("after_backward", 1), ("before_update", 1)]
+    assert toy.calls == [("batches", 1), ("start_step", 1), ("after_backward", 1), ("skipped", 1)]
 
 
 def test_the_training_loop_names_no_feature():

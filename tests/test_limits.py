@@ -3,7 +3,8 @@
 * every file under ``src/`` has at most :data:`MAX_FILE_LINES` lines and every function (method,
   nested function) at most :data:`MAX_FUNCTION_LINES`, from its ``def`` line to its last line;
   what is over today is named in :data:`ALLOWED`, with the lines it may have, and may not grow;
-* no planner module imports another planner module inside a function: the rooms' layers
+* no planner module imports another planner module inside a function (nor an ``api/`` module
+  any of the package's): the rooms' layers
   (``pyproject.toml``'s planner contract, checked by ``lint-imports``) leave no cycle to dodge,
   and the run-time import graph inside ``planner/`` has no cycle at all (also inside a room).
 
@@ -114,3 +115,14 @@ def test_planner_has_no_function_level_imports_and_no_cycle():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+def test_api_has_no_function_level_imports_of_the_package():
+    """``api/``'s modules import the package's modules at module level (its layers in
+    ``pyproject.toml`` leave no cycle to break inside a function, issue 40)."""
+    inner = {str(p.relative_to(SRC)): lines for p in (SRC / "hybridpar" / "api").rglob("*.py")
+             if (lines := [sub.lineno for fn in _functions(ast.parse(p.read_text())) for sub in ast.walk(fn)
+                           if isinstance(sub, ast.Import | ast.ImportFrom)
+                           and any(m.startswith("hybridpar") for m in [getattr(sub, "module", "") or ""]
+                                   + [a.name for a in sub.names])])}
+    assert not inner, f"api/ modules importing hybridpar inside functions (lines): {inner}"

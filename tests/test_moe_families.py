@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import test_families as fam
@@ -91,21 +93,35 @@ def decisive(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
 
 
-def make_hf(spec: str, path: Path, seed: int = 0):
-    """A random ``*ForCausalLM`` saved with ``save_pretrained`` into ``path``, in eval mode."""
+def save_random(build: Callable[[], torch.nn.Module], decide: Callable[[torch.nn.Module, int], None],
+                path: Path, seed: int = 0) -> torch.nn.Module:
+    """``build()`` (a transformers ``*ForCausalLM``) seeded by ``seed``, its weights set by
+    ``decide(model, seed)``, saved with ``save_pretrained`` into ``path``; in eval mode. The MoE
+    families' tests and DeepSeek-V3's share it."""
     torch.manual_seed(seed)
-    model = getattr(hf_lib(), f"{SPECS[spec][0]}ForCausalLM")(hf_config(spec)).float()
-    decisive(model, seed)
+    model = build().float()
+    decide(model, seed)
     model.save_pretrained(path, safe_serialization=True)
     return model.eval()
 
 
+def saved_once(make: Callable[[str, Path], Any], spec: str, base: str, prefix: str) -> str:
+    """The directory ``base/prefix-spec``, written by ``make(spec, path)`` if it is not there."""
+    path = Path(base) / f"{prefix}-{spec}"
+    if not path.exists():
+        make(spec, path)
+    return str(path)
+
+
+def make_hf(spec: str, path: Path, seed: int = 0):
+    """A random ``*ForCausalLM`` saved with ``save_pretrained`` into ``path``, in eval mode."""
+    return save_random(lambda: getattr(hf_lib(), f"{SPECS[spec][0]}ForCausalLM")(hf_config(spec)), decisive,
+                       path, seed)
+
+
 @functools.cache
 def hf_dir(spec: str, base: str) -> str:
-    path = Path(base) / f"hf-{spec}"
-    if not path.exists():
-        make_hf(spec, path)
-    return str(path)
+    return saved_once(make_hf, spec, base, "hf")
 
 
 def tokens(vocab: int = 256, shape=(2, 24)) -> torch.Tensor:

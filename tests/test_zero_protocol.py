@@ -22,6 +22,7 @@ from hybridpar.distributed.mesh import ParallelDims, Topology
 from hybridpar.parallel.tensor_plan import TensorPlan
 from hybridpar.parallel.zero import (
     DataParallelOptimizer,
+    ErrorFeedback,
     ExpertSplitOptimizer,
     LocalOptimizer,
     ZeroOptimizer,
@@ -31,6 +32,7 @@ from hybridpar.parallel.zero import (
 from hybridpar.training.step import StepEngine
 
 MEMBERS = sorted(n for n, _ in inspect.getmembers(DataParallelOptimizer) if not n.startswith("_"))
+FEEDBACK = sorted(n for n, _ in inspect.getmembers(ErrorFeedback) if not n.startswith("_"))
 
 
 def _model() -> nn.Sequential:
@@ -48,7 +50,7 @@ def _step(topo: Topology, opt: DataParallelOptimizer, model: nn.Module, rank: in
     return float(engine.update(1.0))
 
 
-def _kinds_worker(rank: int, world: int) -> dict[str, tuple[bool, list[str], bool, float, int | None]]:
+def _kinds_worker(rank: int, world: int) -> dict[str, tuple[bool, list[str], bool, float, int | None, list[str]]]:
     out: dict[str, tuple[DataParallelOptimizer, nn.Module]] = {}
     with ParallelDims(dp=world).build("cpu") as topo:
         for stage in (0, 1, 2, 3):
@@ -65,9 +67,10 @@ def _kinds_worker(rank: int, world: int) -> dict[str, tuple[bool, list[str], boo
         result = {}
         for name, (opt, model) in out.items():
             missing = [m for m in MEMBERS if not hasattr(type(opt), m)]
+            feedback = [m for m in FEEDBACK if hasattr(type(opt), m)]  # int8's part: ZeRO's, not a plain one's
             norm = _step(topo, opt, model, rank)
             mode = opt.mode if isinstance(opt, ZeroOptimizer) else None  # the stage family actually run
-            result[name] = (isinstance(opt, DataParallelOptimizer), missing, opt.reduces_per_stage, norm, mode)
+            result[name] = (isinstance(opt, DataParallelOptimizer), missing, opt.reduces_per_stage, norm, mode, feedback)
         return result
 
 
@@ -75,10 +78,12 @@ def test_every_optimizer_kind_implements_the_protocol(dist_run):
     """ZeRO 0-3, the expert split and a plain optimizer: each has every member of the interface
     and steps through the StepEngine (whose norm is the same on every dp rank)."""
     assert {"finish_grads", "norm_parts", "gather_full_state_dict", "reduces_per_stage", "checkpoint_state"} <= set(MEMBERS)
+    assert FEEDBACK == ["reset_residuals", "residuals", "scale_residuals"] and not set(FEEDBACK) & set(MEMBERS)
     ranks = dist_run(2, _kinds_worker)
-    for name, (is_dp, missing, per_stage, norm, _) in ranks[0].items():
+    for name, (is_dp, missing, per_stage, norm, _, feedback) in ranks[0].items():
         assert is_dp and missing == [] and per_stage is False, name
         assert norm > 0 and torch.isfinite(torch.tensor(norm)), name
+        assert feedback == ([] if name == "local" else FEEDBACK), name  # a plain optimizer implements less
     assert [ranks[0][f"zero{s}"][4] for s in range(4)] == [0, 1, 2, 3]  # replicated, sharded 1/2, parameter-sharded
     for name in ("zero0", "zero1", "zero2", "zero3", "expert-split"):  # reduced: every rank's norm is one
         assert ranks[0][name][3] == pytest.approx(ranks[1][name][3], rel=1e-6), name

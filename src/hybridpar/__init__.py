@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
         "get_tensor_parallel_world_size", "get_pipeline_parallel_world_size",
         "get_context_parallel_world_size"], "hybridpar.api.facade"),
     # engine for any nn.Module
-    "initialize": "hybridpar.api.engine",
+    "initialize": "hybridpar.api.front",
     "EngineConfig": "hybridpar.api.engine",
     "ModelEngine": "hybridpar.api.engine",
     "keep_host_heap": "hybridpar.distributed.device",  # opt-in process-wide malloc tuning (CPU)

@@ -3,7 +3,7 @@
 Everything here is re-exported (lazily) from the ``hybridpar`` package itself.
 """
 
-from hybridpar.api.engine import EngineConfig, ModelEngine, initialize
+from hybridpar.api.engine import EngineConfig, ModelEngine
 from hybridpar.api.facade import (
     destroy_parallelism,
     get_context_parallel_group,
@@ -22,6 +22,7 @@ from hybridpar.api.facade import (
     initialize_parallelism,
     is_parallelism_initialized,
 )
+from hybridpar.api.front import initialize
 from hybridpar.api.pipeline import PipelineModule
 from hybridpar.api.tp import (
     full_tensor_parallel_state_dict,

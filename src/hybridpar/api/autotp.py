@@ -160,7 +160,7 @@ def _local_head_counts(model: nn.Module, split: list[str], tp: int) -> None:
 
 def check_autotp(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None) -> tuple[dict[str, PlanStyle], list[str]]:
     """Validate AutoTP of ``model`` at tensor-parallel size ``tp`` without changing it (no process
-    group needed: :func:`~hybridpar.api.engine.initialize` calls it before creating any) and
+    group needed: :func:`~hybridpar.api.front.initialize` calls it before creating any) and
     return (the ``parallelize_module`` plan, patterns of the partial-gradient modules)."""
     plan = hf_tp_plan(model) if plan is None else dict(plan)
     if not plan:

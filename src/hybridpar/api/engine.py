@@ -12,8 +12,9 @@ for any ``nn.Module``, for users who keep their own training loop.
     engine.save("ckpt/step-100")            # torch.distributed.checkpoint, atomic
 
 The engine wraps :class:`~hybridpar.parallel.zero.ZeroOptimizer` (stage 0 is plain data
-parallelism with bucketed all-reduce) over the topology's dp axis, :func:`shard_model` for
-stage 3 (one unit per child module by default), and :func:`~hybridpar.api.tp.parallelize_module`
+parallelism with bucketed all-reduce) over the topology's dp axis, built in one call by the
+data-parallel spec (:meth:`~hybridpar.parallel.zero.spec.DataParallelSpec.build`), which at
+stage 3 shards the model first (one unit per child module by default), and :func:`~hybridpar.api.tp.parallelize_module`
 for the plan. Gradients are averaged over dp: every dp rank should pass an equally sized share
 of the global batch and a mean loss, so the result equals one process on the whole batch.
 """
@@ -34,21 +35,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from hybridpar.api.autotp import autotp, check_autotp
+from hybridpar.api.autotp import autotp
 from hybridpar.api.tp import (
     full_tensor_parallel_state_dict,
     parallelize_module,
     tp_sharded_params,
 )
 from hybridpar.config import Config, ConfigError, parse_config
-from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
+from hybridpar.distributed.mesh import Topology
 from hybridpar.parallel.tensor_plan import TensorPlan
 from hybridpar.parallel.zero import (
     OuterSplit,
     decay_groups,
-    shard_model,
 )
-from hybridpar.parallel.zero.spec import DataParallelSpec, data_parallel_spec
+from hybridpar.parallel.zero.spec import DataParallelSpec, Zero3, data_parallel_spec
 from hybridpar.rules import first_broken
 from hybridpar.training.checkpoint import (
     CheckpointError,
@@ -62,7 +62,7 @@ from hybridpar.training.optim import warmup_cosine
 from hybridpar.training.precision import LossScaler, autocast
 from hybridpar.training.step import StepEngine
 
-__all__ = ["EngineConfig", "ModelEngine", "initialize"]
+__all__ = ["EngineConfig", "ModelEngine"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -229,10 +229,9 @@ class ModelEngine:
         plan = TensorPlan.of_names({name: dim for name, (dim, _) in self.tp_sharded.items()})
         # checkpoints hold DTensor pieces of the whole tensors (tp's split, then ZeRO's): any tp reads them
         outer = OuterSplit(topo.tp, plan.shard_dim) if topo.tp.size > 1 else None
-        sharded = shard_model(model, topo.dp, _units(model, cfg.zero3_units), prefetch=cfg.zero3_prefetch,
-                              outer=outer) if cfg.zero_stage == 3 else None
+        zero3 = Zero3(model, _units(model, cfg.zero3_units) if cfg.zero_stage == 3 else (), prefetch=cfg.zero3_prefetch)
         groups = decay_groups(model, cfg.weight_decay) if param_groups is None else _by_name(model, param_groups)
-        self.optimizer = cfg.data_parallel_spec().build(groups, topo.dp, sharded=sharded, outer=outer)
+        self.optimizer = cfg.data_parallel_spec().build(groups, topo.dp, zero3=zero3, outer=outer)  # ZeRO-3: sharded here
         self.core = StepEngine(topo, self.optimizer, plan, list(model.named_parameters()), tp_partial=partial)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.global_step = 0  # optimizer steps taken
@@ -387,60 +386,3 @@ class ModelEngine:
         """Release the process groups of a topology this engine created itself."""
         if self._owns_topology:
             self.topo.close()
-
-
-def initialize(model: nn.Module | None = None, config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-               *, topo: Topology | None = None, args: Any = None, model_parameters: Any = None, optimizer: Any = None,
-               training_data: Any = None, lr_scheduler: Any = None, mpu: Any = None, dist_init_required: bool | None = None,
-               collate_fn: Any = None, config_params: Mapping[str, Any] | None = None) -> Any:
-    """Wrap ``model`` (initialised identically on every rank) for data parallel / ZeRO training
-    and, with ``tensor_parallel_plan``, tensor parallelism; returns a :class:`ModelEngine`.
-
-    ``topo`` (e.g. from :func:`~hybridpar.initialize_parallelism`) gives the layout; without it
-    the engine initializes ``torch.distributed`` from the torchrun environment and builds a
-    dp x tp topology from ``data_parallel_size`` / ``tensor_parallel_size``.
-
-    Called DeepSpeed's way (any of ``config_params``, ``model_parameters``, ``optimizer``,
-    ``training_data``, ``lr_scheduler``, ``args``, ``mpu``, a ds_config file path, or a dict with
-    DeepSpeed's keys), it returns ``(engine, optimizer, dataloader, lr_scheduler)`` as
-    ``deepspeed.initialize`` does (:mod:`hybridpar.api.deepspeed`; docs/howto/deepspeed.md).
-    ``dist_init_required`` is accepted and has no effect (the process group is created when needed)."""
-    if model is None:
-        raise ValueError("initialize() needs a model (model=...)")
-    if _deepspeed_call(config, args, model_parameters, optimizer, training_data, lr_scheduler, mpu, config_params):
-        from hybridpar.api.deepspeed import deepspeed_initialize
-
-        return deepspeed_initialize(model, config, topo=topo, args=args, model_parameters=model_parameters,
-                                    optimizer=optimizer, training_data=training_data, lr_scheduler=lr_scheduler,
-                                    mpu=mpu, collate_fn=collate_fn, config_params=config_params)
-    cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config or {})  # type: ignore[arg-type]
-    if (cfg.tensor_parallel_size or 1) > 1 and not cfg.tensor_parallel_plan:  # AutoTP: refused before any group
-        check_autotp(model, cfg.tensor_parallel_size)
-    owns = topo is None
-    if topo is None:
-        _, world = init_distributed()
-        tp = cfg.tensor_parallel_size or 1
-        dp = cfg.data_parallel_size if cfg.data_parallel_size is not None else max(1, world // tp)
-        if dp * tp != world:
-            raise ValueError(f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp} but "
-                             f"{world} processes are running; launch {dp * tp} or change the sizes")
-        import torch.distributed as dist
-
-        device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-        topo = ParallelDims(dp=dp, tp=tp).build(device)
-    elif cfg.data_parallel_size not in (None, topo.dp.size):
-        raise ValueError(f"data_parallel_size = {cfg.data_parallel_size} but the topology has dp = {topo.dp.size}")
-    return ModelEngine(model, cfg, topo, owns_topology=owns)
-
-
-def _deepspeed_call(config: Any, *deepspeed_only: Any) -> bool:
-    """Whether ``initialize`` was called DeepSpeed's way: a DeepSpeed-only argument given, a
-    config file path, or a dict with a DeepSpeed key that no :class:`EngineConfig` field shares."""
-    if any(a is not None for a in deepspeed_only) or isinstance(config, str | os.PathLike):
-        return True
-    if not isinstance(config, Mapping):
-        return False
-    from hybridpar.api.deepspeed.schema import BLOCKS, KNOWN_UNSUPPORTED
-
-    ours = {f.name for f in dataclasses.fields(EngineConfig)}
-    return any(k not in ours and (k in BLOCKS[""] or k in KNOWN_UNSUPPORTED) for k in config)

@@ -38,7 +38,8 @@ __all__ = [
 _topology: Topology | None = None
 
 
-def _device_type(backend: str | None) -> str:
+def backend_device_type(backend: str | None) -> str:
+    """``"cuda"`` under NCCL (the initialized group's backend, else ``backend``), else ``"cpu"``."""
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
     return "cuda" if backend == "nccl" else "cpu"
@@ -75,7 +76,7 @@ def initialize_parallelism(data_parallel_size: int | None = None, tensor_paralle
                          f"{dims.world_size} but {world} processes are running; launch "
                          f"{dims.world_size} (torchrun --nproc-per-node {dims.world_size}) or change the sizes")
     destroy_parallelism()
-    _topology = dims.build(device_type or _device_type(backend))
+    _topology = dims.build(device_type or backend_device_type(backend))
     return _topology
 
 

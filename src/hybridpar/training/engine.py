@@ -56,12 +56,9 @@ from hybridpar.parallel.zero import (
     ExpertSplitOptimizer,
     OuterSplit,
     Replicas,
-    ShardedModel,
     decay_groups,
-    shard_model,
-    shard_stages,
 )
-from hybridpar.parallel.zero.spec import data_parallel_spec
+from hybridpar.parallel.zero.spec import Zero3, data_parallel_spec
 from hybridpar.training.features import Components, components_for
 from hybridpar.training.features.moe import MixtureOfExperts
 from hybridpar.training.generate import sample
@@ -200,23 +197,26 @@ class Engine(StepEngine):
         outer = OuterSplit(topo.tp, self.plan.shard_dim) if topo.tp.size > 1 else None
         split = OuterSplit(topo.ep, lambda n: 0, inner=outer)  # experts: their rows over ep, then tp's split
         ids = {id(q) for q in train}
-        names = {n for n, q in model.named_parameters() if id(q) in ids}  # before ZeRO-3 swaps in shards
-        sharded, expert_sharded = self._shard_parameters(model, runner, outer, split)
-        named = [(n, q) for n, q in model.named_parameters() if n in names]  # ZeRO-3: the shards
+        named = [(n, q) for n, q in model.named_parameters() if id(q) in ids]  # ZeRO-3 swaps in shards: by name
+        names = {n for n, _ in named}
         hierarchy, replicas = self._dp_hierarchy()
         spec = data_parallel_spec(self.cfg)  # the one data-parallel spec of the settings
+        expert_ids = frozenset(id(q) for n, q in model.named_parameters() if n in self.expert_names)
         dense = [(n, q) for n, q in named if n not in self.expert_names]
-        optimizer: DataParallelOptimizer = spec.build(decay_groups(dense, t.weight_decay), topo.zero, sharded=sharded,
-                                                      outer=outer, hierarchy=hierarchy, replicas=replicas)
-        experts = [(n, q) for n, q in named if n in self.expert_names]  # ZeRO-3: the shards
+        optimizer: DataParallelOptimizer = spec.build(decay_groups(dense, t.weight_decay), topo.zero,
+                                                      zero3=self._dense_zero3(model, runner, expert_ids), outer=outer,
+                                                      hierarchy=hierarchy, replicas=replicas)
+        experts = [(n, q) for n, q in named if n in self.expert_names]
         if self.expert_names and not experts:  # a pipeline stage of dense layers (DeepSeek-V3's first)
             optimizer = ExpertlessStage(optimizer, [topo.ep, *([topo.ezero] if self.cfg.parallel.zero_stage else [])])
         elif experts:
+            zero3 = Zero3(model, expert_units(model), prefetch=self.device.type == "cuda",
+                          skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
             optimizer = ExpertSplitOptimizer(optimizer, spec.build(decay_groups(experts, t.weight_decay), topo.ezero,
-                                                                   sharded=expert_sharded, outer=split,
+                                                                   zero3=zero3, outer=split,
                                                                    replicas=Replicas(topo.ereplicas)),
                                              topo.ep)
-        return optimizer, [q for _, q in named if q.requires_grad]
+        return optimizer, [q for n, q in model.named_parameters() if n in names and q.requires_grad]
 
     def _dp_hierarchy(self) -> tuple[tuple[Axis, Axis] | None, Replicas]:
         """``(hierarchy, replicas)`` of the dense gradients' reduction: with
@@ -231,29 +231,21 @@ class Engine(StepEngine):
             return None, Replicas(topo.replicas, topo.node_split(topo.replicas, node))
         return None, Replicas(topo.replicas)
 
-    def _shard_parameters(self, model: nn.Module, runner: PipelineRunner | None, outer: OuterSplit | None,
-                          split: OuterSplit) -> tuple[ShardedModel | None, ShardedModel | None]:
-        """ZeRO-3's parameter shards: the dense parameters' (per pipeline stage, gathered once per
-        step by the runner's hooks; else per unit) and the experts' (over edp); None below stage 3.
-        Prefetching the next unit's gather overlaps it with compute on GPUs (separate comm
-        streams); on CPU the collective runs on the same cores, so it only adds a unit of peak
-        memory (as FSDP2, which prefetches only with CUDA streams)."""
-        if self.cfg.parallel.zero_stage != 3:
-            return None, None
-        topo, prefetch, fp8 = self.topo, self.device.type == "cuda", self.cfg.fp8.all_gather
-        expert_ids = frozenset(id(q) for n, q in model.named_parameters() if n in self.expert_names)
+    def _dense_zero3(self, model: nn.Module, runner: PipelineRunner | None, expert_ids: frozenset[int]) -> Zero3:
+        """What ZeRO-3 shards of the dense parameters (the spec shards at stage 3 only): per
+        pipeline stage, gathered once per step by the runner's hooks, the tied embedding kept
+        whole (its two copies' gradients are summed after the pipeline); else per unit, the
+        experts left to their own optimizer (over edp). Prefetching the next unit's gather
+        overlaps it with compute on GPUs (separate comm streams); on CPU the collective runs on
+        the same cores, so it only adds a unit of peak memory (as FSDP2, which prefetches only
+        with CUDA streams)."""
+        fp8 = self.cfg.fp8.all_gather
         if runner is not None:
-            tied = tied_embedding_weight(self.chunks)  # its two copies' gradients are summed after the pipeline
-            sharded = shard_stages(model, topo.zero, self.chunks, outer=outer,
-                                   hold=frozenset() if tied is None else frozenset({id(tied)}), fp8_gather=fp8)
-            runner.stage_hooks = sharded
-        else:
-            sharded = shard_model(model, topo.zero, self.family.zero3_units(model), prefetch=prefetch, outer=outer,
-                                  skip=expert_ids, fp8_gather=fp8)
-        expert_sharded = (shard_model(model, topo.ezero, expert_units(model), prefetch=prefetch, outer=split,
-                                      skip=frozenset(id(q) for q in model.parameters()) - expert_ids)
-                          if expert_ids else None)
-        return sharded, expert_sharded
+            tied = tied_embedding_weight(self.chunks) if self.cfg.parallel.zero_stage == 3 else None
+            return Zero3(model, runner=runner, stages=self.chunks, fp8_gather=fp8,
+                         hold=frozenset() if tied is None else frozenset({id(tied)}))
+        return Zero3(model, self.family.zero3_units(model), prefetch=self.device.type == "cuda", skip=expert_ids,
+                     fp8_gather=fp8)
 
     # ------------------------------------------------------------------ loss
     @contextlib.contextmanager

@@ -30,6 +30,7 @@ from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
 from hybridpar.training.features import Launch, RunContext, components_for
 from hybridpar.training.features.async_checkpoint import AsyncCheckpoint
+from hybridpar.training.features.base import UpdateOutcome
 from hybridpar.training.loop import (
     Checkpointing,
     Evaluation,
@@ -45,6 +46,8 @@ from hybridpar.training.metrics import METRICS_FILE, MetricsLogger, atomic_write
 from hybridpar.training.optim import lr_at
 from hybridpar.training.precision import LossScaler, record_nonfinite
 from hybridpar.training.rundir import backup_previous_run
+
+STEPPED = UpdateOutcome()  # an update that stepped, the loss scale unchanged
 
 
 class Trainer:
@@ -146,7 +149,6 @@ class Trainer:
         loss = self.engine.forward_backward(batches, self.scaler.scale / (len(batches) * replicas)).mean().float()
         stats = self.hooks.after_backward(step, len(batches))  # statistics for the record (collective)
         self.topo.comm.all_reduce(loss, self.topo.dp_cp, op="avg")  # NaN on any rank reaches all
-        self.hooks.before_update(step)  # e.g. a checkpoint being copied in the background: wait for it
         overflow = self.scaler.unscale(self.engine.gradients(), self.topo.world, replicas)  # fp16: on the device
         norm = self.engine.grad_norm()  # global norm, on the device (collective)
         if overflow is not None or t.nonfinite == "skip":
@@ -162,23 +164,25 @@ class Trainer:
         flag = overflow if overflow is not None else torch.zeros(1, device=loss.device)
         overflowed, loss_v, norm_v = torch.cat([flag.reshape(1).float(), loss.reshape(1).float(),
                                                 norm.reshape(1).float()]).tolist()
+        factor, clean = 1.0, True
         if overflow is not None:
             scale = self.scaler.scale
             clean = self.scaler.decide(overflowed > 0, self.engine.gradients())
-            if self.scaler.scale != scale:
-                self.hooks.loss_scale_changed(self.scaler.scale / scale, clean)
+            factor = self.scaler.scale / scale
             if not clean:
+                self.hooks.after_update(step, UpdateOutcome(stepped=False, scale_factor=factor, finite=False))
                 return StepResult(loss=loss_v, grad_norm=0.0, lr=lr, skipped=True)
         if not math.isfinite(loss_v):
             self._on_nonfinite(step, loss_v)
+            self.hooks.after_update(step, UpdateOutcome(stepped=False, scale_factor=factor))
             return StepResult(loss=loss_v, grad_norm=0.0, lr=lr, skipped=True)
-        self._update(step, norm)
+        self._update(step, norm, UpdateOutcome(scale_factor=factor))
         return StepResult(loss=loss_v, grad_norm=norm_v, lr=lr, stats=stats)
 
-    def _update(self, step: int, norm: torch.Tensor) -> None:
+    def _update(self, step: int, norm: torch.Tensor, outcome: UpdateOutcome = STEPPED) -> None:
         """Clip by ``norm`` on the device and step the optimizer; then the features' hooks."""
         self.engine.apply_update(norm, self.cfg.train.grad_clip)
-        self.hooks.after_update(step)
+        self.hooks.after_update(step, outcome)
 
     def check_nonfinite(self, result: StepResult) -> None:
         """``train.nonfinite = "stop"`` without a per-step read: raise for the run's first

@@ -13,54 +13,26 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch import nn
 
 from hybridpar.api.autotp import check_autotp
-from hybridpar.api.deepspeed.config import DeepSpeedConfig, load_ds_config, parse_ds_config
+from hybridpar.api.deepspeed.config import load_ds_config, parse_ds_config
 from hybridpar.api.deepspeed.engine import DeepSpeedEngine
+from hybridpar.api.deepspeed.inputs import GROUP_OPTIONS, dataloader, named_groups
+from hybridpar.api.deepspeed.pipe import pipeline_initialize
 from hybridpar.api.engine import EngineConfig
+from hybridpar.api.facade import backend_device_type
+from hybridpar.api.pipeline import PipelineModule
 from hybridpar.config import ConfigError
 from hybridpar.distributed.mesh import ParallelDims, Topology, init_distributed
 
 __all__ = ["add_config_arguments", "deepspeed_initialize", "named_groups"]
 
 CLIENT_OPTIMIZERS = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
-GROUP_OPTIONS = ("lr", "weight_decay", "betas", "eps", "momentum", "name")
-
-
-def named_groups(model: nn.Module, model_parameters: Any, weight_decay: float) -> list[dict[str, Any]]:
-    """``model_parameters`` (None: the model's trainable ones) as named groups, DeepSpeed's way:
-    groups as given, a plain iterable one group; ``weight_decay`` where a group has none."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    items = list(model_parameters) if model_parameters is not None else \
-        [p for p in model.parameters() if p.requires_grad]
-    if not items:
-        raise ConfigError("initialize(): model_parameters is empty; pass model.parameters() or parameter groups")
-    groups = items if isinstance(items[0], Mapping) else [{"params": items}]
-    out = []
-    for g in groups:
-        params = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
-        named = []
-        for x in params:
-            p = x[1] if isinstance(x, tuple) else x
-            if id(p) not in names:
-                raise ConfigError(f"initialize(): model_parameters holds a tensor of shape {tuple(p.shape)} that is not "
-                                  "a parameter of model; pass model.parameters() or groups of them")
-            named.append((names[id(p)], p))
-        extra = sorted(set(g) - {"params", *GROUP_OPTIONS})
-        if extra:
-            raise ConfigError(f"initialize(): parameter group options {extra} are not supported; a group may set "
-                              f"{', '.join(GROUP_OPTIONS)}")
-        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": named,
-                    "weight_decay": g.get("weight_decay", weight_decay)})
-    return out
-
-
 def _client_optimizer(optimizer: Any, model: nn.Module, model_parameters: Any) -> tuple[dict[str, Any], Any]:
     """A client optimizer (or a callable making one) as EngineConfig keys and its groups."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -97,13 +69,6 @@ def _hidden(model: nn.Module) -> int | None:
     return int(hidden) if isinstance(hidden, int) else None
 
 
-def _dataloader(data: Any, ds: DeepSpeedConfig, topo: Topology, collate_fn: Callable[..., Any] | None) -> DataLoader:
-    """DeepSpeed's loader: this dp rank's share (DistributedSampler, shuffled with seed 0) in
-    micro-batches of ``train_micro_batch_size_per_gpu``."""
-    sampler = DistributedSampler(data, num_replicas=topo.dp.size, rank=topo.dp.rank)
-    return DataLoader(data, batch_size=ds.micro_batch, sampler=sampler, collate_fn=collate_fn)
-
-
 def deepspeed_initialize(model: nn.Module, config: Any = None, *, topo: Topology | None = None, args: Any = None,
                          model_parameters: Any = None, optimizer: Any = None, training_data: Any = None,
                          lr_scheduler: Any = None, mpu: Any = None, collate_fn: Any = None,
@@ -118,9 +83,7 @@ def deepspeed_initialize(model: nn.Module, config: Any = None, *, topo: Topology
     if lr_scheduler is not None and (not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)):
         raise ConfigError("initialize(lr_scheduler=<scheduler object>) is not supported (the engine builds its own "
                           "optimizer); pass a callable optimizer -> scheduler, or a scheduler block in the ds_config")
-    if isinstance(model, _pipeline_module()):
-        from hybridpar.api.deepspeed.pipe import pipeline_initialize
-
+    if isinstance(model, PipelineModule):
         return pipeline_initialize(model, load_ds_config(config, config_params), training_data, collate_fn)
     raw = load_ds_config(config, config_params)
     ds = parse_ds_config(raw, _world(topo), _hidden(model), client_optimizer=optimizer is not None)
@@ -140,12 +103,12 @@ def deepspeed_initialize(model: nn.Module, config: Any = None, *, topo: Topology
     if topo is None:
         init_distributed()
         tp = ds.engine.tensor_parallel_size or 1
-        topo = ParallelDims(dp=_world(None) // tp, tp=tp).build(_device())
+        topo = ParallelDims(dp=_world(None) // tp, tp=tp).build(backend_device_type(None))
     engine = DeepSpeedEngine(model, ds, topo, owns, groups, lr_scheduler)
     if ds.no_effect and topo.rank == 0:
         print(f"[hybridpar] ds_config keys accepted without effect here (docs/howto/deepspeed.md): {', '.join(ds.no_effect)}",
               flush=True)
-    loader = None if training_data is None else _dataloader(training_data, ds, topo, collate_fn)
+    loader = None if training_data is None else dataloader(training_data, ds, topo, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
@@ -153,18 +116,6 @@ def _fields(cfg: EngineConfig) -> dict[str, Any]:
     import dataclasses
 
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-
-
-def _device() -> str:
-    import torch.distributed as dist
-
-    return "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-
-
-def _pipeline_module() -> type:
-    from hybridpar.api.pipeline import PipelineModule
-
-    return PipelineModule
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

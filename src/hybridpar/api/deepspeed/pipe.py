@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from hybridpar.api.deepspeed.config import parse_ds_config
-from hybridpar.api.deepspeed.front import _dataloader, named_groups
+from hybridpar.api.deepspeed.inputs import dataloader, named_groups
 from hybridpar.api.deepspeed.schedules import schedule_lrs
 from hybridpar.api.pipeline import LayerSpec, PipelineModule
 from hybridpar.config import ConfigError
@@ -100,5 +100,5 @@ def pipeline_initialize(module: PipelineModule, raw: Mapping[str, Any], training
     """``initialize(model=<PipelineModule>, config=...)``: the pipeline engine and its optimizer."""
     engine = PipelineEngine(module, raw)
     if training_data is not None:
-        engine.training_dataloader = _dataloader(training_data, engine.ds, module.topo, collate_fn)
+        engine.training_dataloader = dataloader(training_data, engine.ds, module.topo, collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, None

@@ -25,7 +25,7 @@ module              what it holds
 ==================  ===============================================================
 """
 
-from hybridpar.parallel.zero.base import DataParallelOptimizer, LocalOptimizer
+from hybridpar.parallel.zero.base import DataParallelOptimizer, ErrorFeedback, LocalOptimizer
 from hybridpar.parallel.zero.expert_split import ExpertlessStage, ExpertSplitOptimizer
 from hybridpar.parallel.zero.optimizer import ZeroOptimizer
 from hybridpar.parallel.zero.options import COMPRESSION_DTYPES, decay_groups
@@ -35,6 +35,6 @@ from hybridpar.parallel.zero.shard import OuterSplit
 from hybridpar.parallel.zero.zero3 import ShardedModel, shard_model
 from hybridpar.parallel.zero.zero3_pp import StageSharded, shard_stages
 
-__all__ = ["COMPRESSION_DTYPES", "DataParallelOptimizer", "ExpertSplitOptimizer", "ExpertlessStage", "GradientReducer",
+__all__ = ["COMPRESSION_DTYPES", "DataParallelOptimizer", "ErrorFeedback", "ExpertSplitOptimizer", "ExpertlessStage", "GradientReducer",
            "LocalOptimizer", "OuterSplit", "Replicas", "ShardedModel", "StageSharded", "ZeroOptimizer", "decay_groups", "shard_model",
            "shard_stages"]

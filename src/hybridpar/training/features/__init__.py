@@ -7,9 +7,9 @@ here with its class, and a line in :data:`~.registry.COMPONENTS`
 
 from __future__ import annotations
 
-from hybridpar.training.features.base import StepFeature, StepHooks
+from hybridpar.training.features.base import StepFeature, StepHooks, UpdateOutcome
 from hybridpar.training.features.component import Component, Components, Launch, RunContext
 from hybridpar.training.features.registry import COMPONENTS, components_for
 
-__all__ = ["COMPONENTS", "Component", "Components", "Launch", "RunContext", "StepFeature", "StepHooks",
+__all__ = ["COMPONENTS", "Component", "Components", "Launch", "RunContext", "StepFeature", "StepHooks", "UpdateOutcome",
            "components_for"]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from hybridpar.config import Config
 from hybridpar.training.checkpoint import BackgroundWriter
+from hybridpar.training.features.base import Stats
 from hybridpar.training.features.component import Component, Launch, RunContext
 from hybridpar.training.metrics import MetricsLogger
 
@@ -44,8 +45,10 @@ class AsyncCheckpoint(Component):
         if self.hold_before_backward:
             self.maybe_wait_for_staging()
 
-    def before_update(self, step: int) -> None:
+    def after_backward(self, step: int, microbatches: int) -> Stats | None:
+        """Before the update changes what the save holds: wait for its copy."""
         self.maybe_wait_for_staging()
+        return None
 
     def maybe_wait_for_staging(self) -> None:
         """Wait until a save in flight has copied the state (no-op without one)."""

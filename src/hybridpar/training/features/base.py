@@ -11,10 +11,9 @@ The order within one step (``train_step``)::
 
     batches(step)                 # a feature may supply the step's micro-batches (read early)
     start_step(step, batches)     # before forward and backward
-    after_backward(step, M)       # gradients reduced; returns per-step statistics (collective)
-    before_update(step)           # before anything the update changes (loss scale, weights)
-    loss_scale_changed(f, clean)  # fp16: the loss scale moved by factor f this step
-    after_update(step)            # the optimizer stepped (not on a skipped step)
+    after_backward(step, M)       # gradients reduced, nothing the update changes changed yet;
+                                  # returns per-step statistics (collective)
+    after_update(step, outcome)   # the update is done: stepped or skipped, the loss scale's move
 
 and around the steps (``fit``): ``start_run(start, log)`` once before the first step,
 ``after_step(step, log)`` after each, ``end_run(log)`` after the last, ``summary()`` for
@@ -34,7 +33,7 @@ from torch import Tensor
 
 from hybridpar.training.metrics import MetricsLogger
 
-__all__ = ["DeviceStats", "StepFeature", "StepHooks", "Stats", "merge_stats"]
+__all__ = ["DeviceStats", "StepFeature", "StepHooks", "Stats", "UpdateOutcome", "merge_stats"]
 
 @dataclass(frozen=True)
 class DeviceStats:
@@ -44,6 +43,17 @@ class DeviceStats:
 
     tensors: tuple[Tensor, ...]
     make: Callable[[list[list[float]]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """How a step's update went, for :meth:`StepFeature.after_update`: whether the optimizer
+    ``stepped`` (False: the update was skipped), fp16's loss scale multiplied by ``scale_factor``
+    this step (1.0: unchanged), and whether the gradients were ``finite`` (fp16's overflow check)."""
+
+    stepped: bool = True
+    scale_factor: float = 1.0
+    finite: bool = True
 
 
 #: a step's statistics for its record: the dict, or the device tensors that make it when read
@@ -92,20 +102,15 @@ class StepFeature:
         """Step ``step`` is about to run forward and backward on ``batches``."""
 
     def after_backward(self, step: int, microbatches: int) -> Stats | None:
-        """The step's gradients are complete; returns statistics for its ``metrics.jsonl``
+        """The step's gradients are complete, and nothing the update changes (loss scale,
+        weights, optimizer state) has changed yet; returns statistics for its ``metrics.jsonl``
         record (None: none): a dict, or :class:`DeviceStats` (kept on the device, read only at
         the steps that log, with the loss). Collective."""
         return None
 
-    def before_update(self, step: int) -> None:
-        """Before the loss-scale check and the optimizer update change any state."""
-
-    def loss_scale_changed(self, factor: float, clean: bool) -> None:
-        """fp16: the loss scale was multiplied by ``factor`` this step; ``clean``: the
-        gradients were finite (False: the update is skipped)."""
-
-    def after_update(self, step: int) -> None:
-        """The optimizer stepped (skipped steps do not get here). May be collective."""
+    def after_update(self, step: int, outcome: UpdateOutcome) -> None:
+        """The step's update is done: ``outcome`` says whether the optimizer stepped (a skipped
+        step gets here too) and how fp16's loss scale moved. Every rank alike: may be collective."""
 
     def after_step(self, step: int, log: MetricsLogger) -> None:
         """After ``train_step(step)`` in ``fit``, before the step is logged. Collective."""
@@ -160,17 +165,9 @@ class StepHooks:
         parts = [mine for f in self.features if (mine := f.after_backward(step, microbatches)) is not None]
         return merge_stats(parts) if parts else None
 
-    def before_update(self, step: int) -> None:
+    def after_update(self, step: int, outcome: UpdateOutcome) -> None:
         for f in self.features:
-            f.before_update(step)
-
-    def loss_scale_changed(self, factor: float, clean: bool) -> None:
-        for f in self.features:
-            f.loss_scale_changed(factor, clean)
-
-    def after_update(self, step: int) -> None:
-        for f in self.features:
-            f.after_update(step)
+            f.after_update(step, outcome)
 
     def after_step(self, step: int, log: MetricsLogger) -> None:
         for f in self.features:

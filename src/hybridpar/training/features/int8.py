@@ -6,7 +6,11 @@ themselves are part of the data-parallel optimizer's checkpoint state."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from hybridpar.config import Config
+from hybridpar.parallel.zero.base import ErrorFeedback
+from hybridpar.training.features.base import UpdateOutcome
 from hybridpar.training.features.component import Component, Launch, RunContext
 
 __all__ = ["Int8Compression"]
@@ -25,9 +29,13 @@ class Int8Compression(Component):
     def attach(self, run: RunContext) -> None:
         self.engine = run.engine
 
-    def loss_scale_changed(self, factor: float, clean: bool) -> None:
-        optimizer = self.engine.optimizer  # a DataParallelOptimizer: without compression these are no-ops
-        if clean:
-            optimizer.scale_residuals(factor)
+    def after_update(self, step: int, outcome: UpdateOutcome) -> None:
+        """fp16's loss scale moved: rescale the residuals, or forget them (non-finite gradients).
+        The update itself reads no residual (they feed the next backward's reduction)."""
+        if outcome.scale_factor == 1.0:
+            return
+        optimizer = cast(ErrorFeedback, self.engine.optimizer)  # int8 runs only on ZeRO's optimizers, which compress
+        if outcome.finite:
+            optimizer.scale_residuals(outcome.scale_factor)
         else:
             optimizer.reset_residuals()  # computed from non-finite gradients

@@ -26,7 +26,7 @@ from hybridpar.config import Config
 from hybridpar.distributed.mesh import Topology
 from hybridpar.models.moe import AuxLossScale, MoE, moe_layers, update_balance_bias
 from hybridpar.parallel.experts import expert_param_names, sum_over_axes
-from hybridpar.training.features.base import DeviceStats, Stats
+from hybridpar.training.features.base import DeviceStats, Stats, UpdateOutcome
 from hybridpar.training.features.component import Component, Launch
 
 if TYPE_CHECKING:
@@ -116,10 +116,11 @@ class MixtureOfExperts(Component):
         self._dropped = dropped if self._dropped is None else self._dropped + dropped
         return DeviceStats((per_layer, aux / microbatches, dropped, load), functools.partial(_step_stats, load.shape))
 
-    def after_update(self, step: int) -> None:
-        """``model.bias_update_rate > 0``: the balancing bias update from the step's load."""
+    def after_update(self, step: int, outcome: UpdateOutcome) -> None:
+        """``model.bias_update_rate > 0``: the balancing bias update from the step's load (not
+        on a skipped step)."""
         rate = self.cfg.model.bias_update_rate
-        if rate > 0:
+        if rate > 0 and outcome.stepped:
             update_balance_bias(self.layers, self.step_load(), rate)
 
     def summary(self) -> dict[str, Any]:
