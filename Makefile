@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m numerics
 	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m numerics
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
