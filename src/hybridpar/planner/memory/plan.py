@@ -384,8 +384,8 @@ def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int
 
 
 def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, pp_rank: int,
-                 comm: float) -> MemoryReport:
-    st, (acts, logits, in_flight) = _rank_parts(key, L, work, pp_rank)
+                 comm: float, parts: tuple[ModelStates, tuple[float, float, int]] | None = None) -> MemoryReport:
+    st, (acts, logits, in_flight) = _rank_parts(key, L, work, pp_rank) if parts is None else parts
     overhead = gpu_overhead(acts + logits, communicators(L.dp, L.tp, L.pp, L.cp))
     comps = {"params": float(st.params), "grads": float(st.grads), "optimizer": float(st.optimizer),
              "activations": acts, "logits": logits, "comm_buffers": comm, "overhead": overhead}
@@ -488,9 +488,10 @@ def plan_memory(model: ModelConfig, layout: Layout, work: Workload) -> MemoryRep
         key, layout.pp, layout.virtual_stages, layout.pipeline_schedule, layout.microbatches(work.global_batch))
     if len(ranks) == 1:
         return _rank_memory(model, key, layout, work, ranks[0], comm)
-    totals = []
+    totals, parts = [], []
     for r in ranks:
-        st, (acts, logits, _) = _rank_parts(key, layout, work, r)
+        parts.append(_rank_parts(key, layout, work, r))
+        st, (acts, logits, _) = parts[-1]
         totals.append(_total(st, acts, logits, comm, communicators(layout.dp, layout.tp, layout.pp, layout.cp)))
-    worst = ranks[totals.index(max(totals))]  # the first of equals, as max over reports
-    return _rank_memory(model, key, layout, work, worst, comm)
+    worst = totals.index(max(totals))  # the first of equals, as max over reports
+    return _rank_memory(model, key, layout, work, ranks[worst], comm, parts[worst])

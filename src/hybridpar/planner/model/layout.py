@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import operator
 from dataclasses import dataclass
 
 from hybridpar.config import (
@@ -136,7 +137,10 @@ def model_key(model: ModelConfig) -> ModelKey:
     """``model``'s current field values as a tuple (equal shapes, equal keys): the key of cached
     results (``ModelConfig`` itself is mutable, so not hashable). :func:`model_of` inverts it.
     Shallow (its fields are scalars and strings): the planner asks for it thousands of times."""
-    return tuple(getattr(model, f.name) for f in dataclasses.fields(model))
+    return _MODEL_FIELDS(model)  # type: ignore[no-any-return]
+
+
+_MODEL_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig)))
 
 
 def model_of(key: ModelKey) -> ModelConfig:
