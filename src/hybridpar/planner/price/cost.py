@@ -60,10 +60,16 @@ from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.schedules import rank_stages
 from hybridpar.planner.machine import efficiency as eff
 from hybridpar.planner.machine.hardware import Cluster, GPUSpec
+from hybridpar.planner.machine.memo import IdentityMemo
 from hybridpar.planner.memory.offload import offload_layer_times
 from hybridpar.planner.model import sac
-from hybridpar.planner.machine.memo import IdentityMemo
-from hybridpar.planner.model.layout import BlockStyle, Layout, ModelKey, Workload, model_key, model_of
+from hybridpar.planner.model.layout import (
+    BlockStyle,
+    Layout,
+    Workload,
+    flops_per_token_of,
+    model_key,
+)
 from hybridpar.planner.model.mla import mla_core_width, mla_gemms
 from hybridpar.planner.model.moe import dispatch_rows, rank_load
 from hybridpar.planner.model.shapes import layer_partition, padded, v_shaped
@@ -376,12 +382,7 @@ def pipeline_lower_bound(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p:
 
 def model_flops(model: ModelConfig, work: Workload) -> float:
     """Model FLOPs of one step: ``flops_per_token(seq) * tokens`` (PaLM accounting)."""
-    return _flops_per_token(model_key(model), work.seq_len) * work.global_batch * work.seq_len
-
-
-@functools.lru_cache(maxsize=1024)
-def _flops_per_token(key: ModelKey, seq_len: int) -> float:
-    return model_of(key).flops_per_token(seq_len)
+    return flops_per_token_of(model, work.seq_len) * work.global_batch * work.seq_len
 
 
 # The Layout fields layer_time never reads (nor what it calls): candidates differing only in them
