@@ -19,8 +19,9 @@ contract is in ``pyproject.toml``, ``docs/architecture.md`` draws it):
   terms (:mod:`.model.moe`), op-level selective AC (:mod:`.model.sac`) and the HSDP groups
   (:mod:`.model.hsdp`);
 * ``machine/``: the device and cluster the models divide by (:mod:`.machine.hardware`), kernel
-  efficiency (:mod:`.machine.efficiency`), allocator overhead (:mod:`.machine.allocator`) and the
-  measurements behind ``calibrate`` (:mod:`.machine.calibrate`, :mod:`.machine.probes`);
+  efficiency (:mod:`.machine.efficiency`), allocator overhead (:mod:`.machine.allocator`), the
+  search's memo keyed by device or cluster (:mod:`.machine.memo`) and the measurements behind
+  ``calibrate`` (:mod:`.machine.calibrate`, :mod:`.machine.probes`);
 
 and :mod:`.errors`, the planner's one error, below them all.
 """

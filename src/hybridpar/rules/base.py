@@ -115,11 +115,13 @@ def first_message(checks: list[Callable[..., str | None]], *args: object) -> str
     return None
 
 
-def first_broken(cfg: Config, world_size: int | None = None, skip: tuple[str, ...] = ()) -> Broken | None:
+def first_broken(cfg: Config, world_size: int | None = None, skip: tuple[str, ...] = (),
+                 only: tuple[str, ...] = ()) -> Broken | None:
     """The first rule ``cfg`` breaks and its message, or None; rules whose names start with one of
-    ``skip`` are not asked (those that do not apply to a caller, by name)."""
+    ``skip`` are not asked (those that do not apply to a caller, by name), and with ``only``, just
+    the rules whose names start with one of those."""
     for r in RULES:
-        if skip and r.name.startswith(skip):
+        if (skip and r.name.startswith(skip)) or (only and not r.name.startswith(only)):
             continue
         message = r.check(cfg, world_size)
         if message is not None:

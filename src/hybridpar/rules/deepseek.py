@@ -1,7 +1,8 @@
 """The rules of DeepSeek-V3's shape (multi-head latent attention, group-limited routing) and of
 the layouts its multi-token prediction runs under (``runtime-mtp-layout``: a limit of this
-runtime, not of the model; the planner, which prices DeepSeek's own pp x ep run, skips
-``runtime-*`` rules)."""
+runtime, not of the model; the planner prices such layouts, as DeepSeek's own pp x ep run, but
+notes them as ones ``train`` refuses and never ranks them first:
+:func:`hybridpar.planner.model.layout.runtime_note`)."""
 
 from __future__ import annotations
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hybridpar.planner.errors import PlanError
+from hybridpar.planner.machine.memo import IdentityMemo
 
 if TYPE_CHECKING:
     from hybridpar.planner.machine.hardware import GPUSpec
@@ -96,7 +97,15 @@ def efficiency_of(gpu: GPUSpec) -> Efficiency:
     """The device's :class:`Efficiency`: its own (a profile's ``[efficiency]`` table), else the
     family default by name, else the planner's earlier single-efficiency model built from its
     ``gemm_efficiency`` and ``launch_overhead`` (custom and calibrated devices: a calibrated CPU's
-    tables already hold what it reaches; attention at 0.7 of peak, FlashAttention-2 on A100)."""
+    tables already hold what it reaches; attention at 0.7 of peak, FlashAttention-2 on A100).
+    Memoised per device (the search asks for it millions of times)."""
+    return _EFFICIENCIES.get(gpu, None, lambda: _efficiency_of(gpu))
+
+
+_EFFICIENCIES: IdentityMemo[Efficiency] = IdentityMemo(256)
+
+
+def _efficiency_of(gpu: GPUSpec) -> Efficiency:
     if gpu.efficiency is not None:
         return gpu.efficiency
     return _default_efficiency(gpu.name, gpu.launch_overhead, gpu.gemm_efficiency)

@@ -149,6 +149,26 @@ def model_of(key: ModelKey) -> ModelConfig:
     return ModelConfig(*key)
 
 
+def num_params_of(model: ModelConfig) -> int:
+    """``model.num_params()``, memoised per shape (the search prices thousands of candidates)."""
+    return _num_params(model_key(model))
+
+
+def flops_per_token_of(model: ModelConfig, seq_len: int) -> float:
+    """``model.flops_per_token(seq_len)``, memoised per shape and length."""
+    return _flops_per_token(model_key(model), seq_len)
+
+
+@functools.lru_cache(maxsize=1024)
+def _num_params(key: ModelKey) -> int:
+    return model_of(key).num_params()
+
+
+@functools.lru_cache(maxsize=1024)
+def _flops_per_token(key: ModelKey, seq_len: int) -> float:
+    return model_of(key).flops_per_token(seq_len)
+
+
 def layout_rule(model: ModelConfig, layout: Layout, work: Workload) -> Broken | None:
     """The layout rule ``validate`` says this layout breaks, with its message (None if it breaks
     none), judging only shapes and divisibility: ZeRO (and its dp_shard), offload, recompute and
@@ -167,16 +187,25 @@ def layout_rule_error(model: ModelConfig, layout: Layout, work: Workload) -> str
 
 
 def runtime_note(model: ModelConfig, layout: Layout, work: Workload) -> str | None:
-    """Why this version's trainer would refuse the layout (a feature not built yet), else None."""
-    broken = _broken(model_key(model), layout, work)
+    """Why this version's trainer would refuse the layout (a feature not built yet, or a
+    ``runtime-*`` rule: a limit of this runtime, not of the layout), else None. ``hybridpar
+    plan`` ranks only layouts without a note (:func:`hybridpar.planner.search.search.search`'s
+    ``runnable_top``), so it never recommends first a layout ``train`` refuses."""
+    key = model_key(model)
+    broken = _broken(key, layout, work) or _runtime_broken(key, layout, work)
     return None if broken is None else broken.message
 
 
 @functools.lru_cache(maxsize=16384)
 def _broken(key: ModelKey, layout: Layout, work: Workload) -> Broken | None:
-    # runtime-* rules: what this runtime cannot run yet but the layout's cost model prices (DeepSeek-V3's
-    # multi-token prediction under pp, as DeepSeek trained it); train refuses them with their message
+    # runtime-* rules: what this runtime cannot run yet but the layout's cost model prices; the search
+    # prices such layouts (the "what would it take" answers, published rows) and notes them (runtime_note)
     return first_broken(to_config(model_of(key), layout, work), layout.world_size, skip=("runtime-",))
+
+
+@functools.lru_cache(maxsize=16384)
+def _runtime_broken(key: ModelKey, layout: Layout, work: Workload) -> Broken | None:
+    return first_broken(to_config(model_of(key), layout, work), layout.world_size, only=("runtime-",))
 
 
 def parse_layout(text: str) -> dict[str, object]:

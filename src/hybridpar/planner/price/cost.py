@@ -52,6 +52,7 @@ steady-state rate (exact for periodic steady states). The data-parallel and opti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -59,9 +60,16 @@ from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.schedules import rank_stages
 from hybridpar.planner.machine import efficiency as eff
 from hybridpar.planner.machine.hardware import Cluster, GPUSpec
+from hybridpar.planner.machine.memo import IdentityMemo
 from hybridpar.planner.memory.offload import offload_layer_times
 from hybridpar.planner.model import sac
-from hybridpar.planner.model.layout import BlockStyle, Layout, Workload, model_key
+from hybridpar.planner.model.layout import (
+    BlockStyle,
+    Layout,
+    Workload,
+    flops_per_token_of,
+    model_key,
+)
 from hybridpar.planner.model.mla import mla_core_width, mla_gemms
 from hybridpar.planner.model.moe import dispatch_rows, rank_load
 from hybridpar.planner.model.shapes import layer_partition, padded, v_shaped
@@ -374,7 +382,22 @@ def pipeline_lower_bound(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p:
 
 def model_flops(model: ModelConfig, work: Workload) -> float:
     """Model FLOPs of one step: ``flops_per_token(seq) * tokens`` (PaLM accounting)."""
-    return model.flops_per_token(work.seq_len) * work.global_batch * work.seq_len
+    return flops_per_token_of(model, work.seq_len) * work.global_batch * work.seq_len
+
+
+# The Layout fields layer_time never reads (nor what it calls): candidates differing only in them
+# share one layer's price (the schedule matters to activation offload's zero-bubble split only)
+_UNPRICED = dict(zero_stage=0, dp_shard=0, offload_optimizer=False, offload_to="cpu", offload_params=False,
+                 grad_compression="none")
+_LAYERS: IdentityMemo[LayerTime] = IdentityMemo(65536)
+
+
+def priced_layer(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, moe: bool = False) -> LayerTime:
+    """:func:`layer_time`, memoised per cluster, model shape and the layout fields it reads."""
+    fields = _UNPRICED if L.offload_activations else {**_UNPRICED, "pipeline_schedule": "1f1b"}
+    shape = dataclasses.replace(L, **fields)  # type: ignore[arg-type]
+    return _LAYERS.get(cluster, (model_key(model), shape, work, moe),
+                       lambda: layer_time(model, shape, work, cluster, moe=moe))
 
 
 def recompute_flops(model: ModelConfig, layout: Layout, work: Workload) -> float:
@@ -447,7 +470,7 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     m = L.microbatches(work.global_batch)
     tok = L.micro_batch * (work.seq_len // L.cp)
     moe_ids = set(model.moe_layer_ids())
-    lts = {moe: layer_time(model, L, work, cluster, moe=moe) for moe in {i in moe_ids for i in range(model.n_layers)}}
+    lts = {moe: priced_layer(model, L, work, cluster, moe) for moe in {i in moe_ids for i in range(model.n_layers)}}
     lt = _mean_layer(lts, len(moe_ids), model.n_layers)
     scale = _stage_scale(model, L, work, cluster, lts, lt, tok)
     per_stage_layers = model.n_layers / (L.pp * v)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hybridpar.config import ModelConfig
 from hybridpar.planner.machine.efficiency import memory_time
 from hybridpar.planner.machine.hardware import Cluster, GPUSpec
-from hybridpar.planner.model.layout import BlockStyle, Layout, Workload
+from hybridpar.planner.model.layout import BlockStyle, Layout, Workload, num_params_of
 
 
 def all_to_all_time(cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
@@ -52,4 +52,4 @@ def clip_time(model: ModelConfig, L: Layout, g: GPUSpec) -> float:
     reads them (4 bytes per parameter), the scale reads and writes them (8); ZeRO-2 and 3 clip
     the rank's shard."""
     shards = L.tp * L.pp * (L.dp * L.cp if L.zero_stage >= 2 else 1)
-    return memory_time(12 * model.num_params() / shards, g)
+    return memory_time(12 * num_params_of(model) / shards, g)

@@ -9,7 +9,7 @@ import dataclasses
 from hybridpar.config import ModelConfig
 from hybridpar.planner.machine.hardware import Cluster
 from hybridpar.planner.model.layout import Layout, Workload
-from hybridpar.planner.price.cost import layer_time
+from hybridpar.planner.price.cost import priced_layer
 from hybridpar.rules import ulysses_error
 
 
@@ -29,7 +29,7 @@ def modes(model: ModelConfig, L: Layout) -> list[Layout]:
 
 def layer_seconds(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster) -> float:
     """Forward + backward seconds of one dense layer and micro-batch under ``L`` (cost's model)."""
-    t = layer_time(model, L, work, cluster)
+    t = priced_layer(model, L, work, cluster)
     return t.f + t.b + t.w
 
 

@@ -14,11 +14,13 @@ time; then the same levels with activation offload of all of each chunk's layers
 (ZeRO-2 over ZeRO-1 over ZeRO-0 when their step times are equal).
 
 Speed (``plan``, user + sys CPU s, 2 loaded cores, ~1 s of it torch's import): 8B on 8 GPUs 1.7-1.9,
-70B on 64 GPUs 4.1-4.3. Rules and memory are checked before any time is estimated; the memory model
-caches per shape and evaluates only the pipeline ranks that can be the worst; the schedule simulator runs only for candidates whose
-closed-form lower bound (the busiest rank's compute, no bubble) can still beat the best step
-time found so far. Pruning never changes the answer: every candidate skipped has a lower bound
-above a step time already reached.
+70B on 64 GPUs 4.1-4.3 (before the layer memo). Rules and memory are checked before any time is
+estimated; the memory model caches per shape and evaluates only the pipeline ranks that can be the
+worst; a layer is priced once per distinct set of the fields its price reads
+(:func:`~hybridpar.planner.price.cost.priced_layer`); the schedule simulator runs only for
+candidates whose closed-form lower bound (the busiest rank's compute, no bubble) can still beat the
+best step time found so far. Pruning never changes the answer: every candidate skipped has a lower
+bound above a step time already reached.
 """
 
 from __future__ import annotations
@@ -441,8 +443,9 @@ def _set_aside_unbuilt(found: list[tuple[list[Option], list[Evaluation]]], model
     kept: list[tuple[list[Option], list[Evaluation]]] = []
     aside: list[Option] = []
     for options, misses in found:
-        runs = [o for o in options if runtime_note(model, o[2].layout, work) is None]
-        aside += [o for o in options if runtime_note(model, o[2].layout, work) is not None]
+        notes = [runtime_note(model, o[2].layout, work) for o in options]
+        runs = [o for o, note in zip(options, notes, strict=True) if note is None]
+        aside += [o for o, note in zip(options, notes, strict=True) if note is not None]
         if runs:
             kept.append((runs, misses))
     best: Evaluation | None = None
