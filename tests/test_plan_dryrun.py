@@ -5,8 +5,8 @@ The tiny preset on 8 ranks: the top two layouts build, and their dry-run ranks' 
 FLOPs equal the planner's. A layout the trainer refuses but the planner's search prices: a small
 DeepSeek-V3 with multi-token prediction (``runtime-mtp-layout``: MTP runs under data, expert
 and ZeRO parallelism only; the search skips ``runtime-*`` rules) on a cluster whose links take
-1 ms per collective step. There the planner ranks dp4 x pp2 first, and ``--dry-run`` drops it for the
-rule's message and ranks dp8 first.
+1 ms per collective step. There the planner's fastest is dp4 x pp2: the plan sets it aside
+(``unbuilt``) and ranks dp8 first, and its dry run is refused with the rule's message.
 """
 
 from __future__ import annotations
@@ -55,22 +55,26 @@ def test_top_layouts_dry_run_beside_the_planner(capsys):
             assert r["peak_bytes"] > 0 and r["peak_error"] == r["peak_bytes"] / r["peak_planned_bytes"] - 1
 
 
-def test_a_layout_the_trainer_refuses_is_dropped_from_first_place(tmp_path, capsys):
+def test_a_layout_the_trainer_refuses_is_never_first_and_its_dry_run_says_why(tmp_path, capsys):
+    """The planner's fastest layout here is dp4 x pp2, MTP under pp, which train refuses: the plan
+    sets it aside as ``unbuilt`` and ranks dp8 first, and dry-running the refused layout itself
+    drops it with the rule's one-line message."""
     model = make_config(str(tmp_path), *DS_MTP).model
     (tmp_path / "config.json").write_text(json.dumps(family_of(model).hf.to_hf_config(model)))
     (tmp_path / "slow.toml").write_text('[gpu]\nbase = "H100-SXM"\nintra_latency = 1e-3\n')
     argv = ["--model", str(tmp_path), "--gpu", str(tmp_path / "slow.toml"), "--gpus", "8", "--global-batch", "8",
             "--seq-len", "64", "--top", "3", "--json"]
     plain = _plan(capsys, argv)
-    first = plain["layouts"][0]
-    assert (first["dp"], first["pp"]) == (4, 2)  # the planner's pick: MTP under pp, which train refuses
+    assert (plain["unbuilt"]["dp"], plain["unbuilt"]["pp"]) == (4, 2)  # the fastest: MTP under pp
     doc = _plan(capsys, [*argv, "--dry-run", "1"])
-    (dropped,) = doc["dry_run"]["dropped"]
-    assert {k: v for k, v in dropped.items() if k != "reason"} == first
-    assert dropped["reason"].startswith("the trainer refuses it: model.mtp_layers = 1") and "\n" not in dropped["reason"]
-    assert doc["layouts"][0]["dp"] == 8 and doc["layouts"][0]["dry_run"]["ranks"]  # built: the new first
-    assert [{k: v for k, v in lay.items() if k != "dry_run"} for lay in doc["layouts"]] == plain["layouts"][1:]
-    assert ["dry_run" in lay for lay in doc["layouts"]] == [True, False]  # K = 1: the walk stops once one built
+    assert doc["dry_run"] == {"dropped": []} and doc["layouts"][0]["dp"] == 8 and doc["layouts"][0]["dry_run"]["ranks"]
+    work = Workload(8, 64, "bf16")
+    fastest = search(model, work, Cluster.of(dataclasses.replace(gpu_spec("H100-SXM"), intra_latency=1e-3), 8, 8),
+                     top=3, runnable_top=True).unbuilt
+    assert fastest is not None and (fastest.layout.dp, fastest.layout.pp) == (4, 2)
+    refused = check_layout(model, work, fastest).refused
+    assert refused is not None and refused.startswith("the trainer refuses it: model.mtp_layers = 1")
+    assert "\n" not in refused
 
 
 def test_a_layout_whose_measured_peak_does_not_fit_is_dropped(tmp_path):
