@@ -32,6 +32,7 @@ from hybridpar.planner.front.explain import (
     why,
 )
 from hybridpar.planner.front.fit import from_run, read_run, training_run, write_profile
+from hybridpar.planner.front.resilience import lines, parse_duration, resilience
 from hybridpar.planner.machine.calibrate import calibrate, default_profile_path, usable_cores
 from hybridpar.planner.machine.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.model.layout import Workload, parse_layout
@@ -59,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     p.add_argument("--layout", help='evaluate one layout, e.g. "dp=8,tp=8,pp=16,cp=1" (other fields chosen by the planner)')
+    p.add_argument("--mttf", help="mean time to failure, e.g. 3h, at --mttf-gpus GPUs: the snapshot and checkpoint "
+                   "intervals that maximise goodput at --gpus and the goodput to expect (Young/Daly)")
+    p.add_argument("--mttf-gpus", type=int, default=16384, help="the GPUs --mttf was measured at (default 16384)")
+    p.add_argument("--restart-s", type=float, default=60.0, help="with --mttf: seconds a restart takes before loading")
+    p.add_argument("--durable-every", default="1h", help="with --mttf: disk checkpoints beside the snapshots")
     moe = p.add_mutually_exclusive_group()
     moe.add_argument("--moe-imbalance", type=float, default=None,
                      help=f"mixture of experts: max/mean tokens per expert to plan for (default {DEFAULT_IMBALANCE})")
@@ -165,6 +171,8 @@ def _print_json(args: argparse.Namespace, q: _Question, result: SearchResult) ->
         doc["why"] = why(q.model, result, q.work, q.cluster)
     if unbuilt is not None:
         doc["unbuilt"] = {**unbuilt[0].to_json(), "gain": round(unbuilt[1], 4)}
+    if args.mttf and result.ranked:
+        doc["resilience"] = _resilience(args, q, result)
     print(json.dumps(doc, indent=1))
     return 0 if result.ranked else 1
 
@@ -195,7 +203,15 @@ def _print_table(args: argparse.Namespace, q: _Question, result: SearchResult) -
         print(explain_ep(q.model, result.ranked[0], work, cluster, *q.moe_source))
     if unbuilt is not None:
         print(unbuilt_line(*unbuilt))
+    if args.mttf:
+        print("\n".join(lines(_resilience(args, q, result))))
     return 0
+
+
+def _resilience(args: argparse.Namespace, q: _Question, result: SearchResult) -> dict[str, object]:
+    """``--mttf``: the best layout's snapshot and checkpoint intervals and goodput."""
+    return resilience(result.ranked[0], q.cluster, parse_duration(args.mttf, "--mttf"), args.mttf_gpus,
+                      args.restart_s, parse_duration(args.durable_every, "--durable-every"))
 
 
 def cmd_calibrate(argv: list[str]) -> int:

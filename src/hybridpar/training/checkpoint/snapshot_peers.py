@@ -100,9 +100,12 @@ def agree(topo: Topology, store: Path, layout: str) -> tuple[Path | None, int]:
     checksum checked), fetched where a rank lacks its own: the folder in this rank's store, and
     how many shards came from peers (None, 0: no complete snapshot). Collective over the world;
     each rank says which shards it skipped and why."""
-    world, mine = topo.world_size, []
+    world, mine, other_layout = topo.world_size, [], 0
     for step, owner, shard in held(store):
         why = shard_problem(shard, world, layout)
+        if why is not None and " was taken by " in why:  # another world's: said once below
+            other_layout += 1
+            continue
         if why is not None:
             print(f"hybridpar: skipping snapshot shard {why}", file=sys.stderr, flush=True)
             continue
@@ -113,6 +116,10 @@ def agree(topo: Topology, store: Path, layout: str) -> tuple[Path | None, int]:
     if mine:
         table[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
     everyone = topo.comm.all_gather(table.view(-1), topo.world).view(world, MAX_HELD, 2).tolist()
+    if other_layout and topo.rank == 0:
+        print(f"hybridpar: the in-memory snapshots here were taken under another world or layout than {layout!r} "
+              "(a snapshot reloads only into its own layout): a changed world reshards from the disk checkpoint",
+              file=sys.stderr, flush=True)
     holders: dict[tuple[int, int], list[int]] = {}
     for rank, rows in enumerate(everyone):
         for step, owner in rows:
