@@ -53,13 +53,17 @@ from pathlib import Path
 DEMO = ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--train.micro_batch", "4"]
 RUN = ["--train.log_every", "1", "--train.eval_every", "0", "--train.sample_tokens", "0"]
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1"
-SHM = Path("/dev/shm")
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 class Job:
@@ -72,8 +76,14 @@ class Job:
                      self.rdzv_id, "--rdzv-conf", RDZV_CONF, "--max-restarts", str(restarts)]
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.lines: list[tuple[float, str]] = []
+        self.stores: set[str] = set()  # the nodes' snapshot stores, as their workers name them
         self.steps: list[tuple[float, int]] = []  # (arrival, step) of every completed step, redone ones again
-        self.nodes: list[subprocess.Popen] = [self._launch(), self._launch()]
+        self.nodes: list[subprocess.Popen] = [self._launch()]
+        while not _listening(self.port):  # node 0 hosts the rendezvous store: the one never lost
+            if self.nodes[0].poll() is not None:
+                raise RuntimeError("the first launcher exited before its rendezvous store listened")
+            time.sleep(0.05)
+        self.nodes.append(self._launch())
         self._watch = threading.Thread(target=self._poll_metrics, daemon=True)
         self._watch.start()
 
@@ -120,6 +130,7 @@ class Job:
                 continue
             if f"TORCHELASTIC_RUN_ID={self.rdzv_id}".encode() in env and any(e.startswith(b"RANK=") for e in env):
                 out.append(int(p.name))
+                self.stores.update(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"HYBRIDPAR_SNAPSHOT_STORE="))
         return out
 
     def kill_worker(self, rng: random.Random) -> str:
@@ -128,10 +139,11 @@ class Job:
         os.kill(pid, signal.SIGKILL)
         return f"worker {rank.decode().lower()}"
 
-    def kill_node(self, rng: random.Random) -> str:
+    def kill_node(self, rng: random.Random) -> str:  # noqa: ARG002 - the same signature as kill_worker
         """The second node: the first hosts the c10d rendezvous store, whose loss ends any torch
         elastic job (torchrun's too), so a lost node here is one that does not host it."""
         i = 1
+        self.workers()  # learn the node's store, which its SIGKILLed launcher leaves behind
         os.killpg(self.nodes[i].pid, signal.SIGKILL)
         self.nodes[i].wait()
         self.nodes[i] = self._launch()  # a replacement node joins the job
@@ -175,7 +187,6 @@ def run_row(name: str, steps: int, extra: list[str], failures: list[str], interv
             root: Path) -> dict:
     """One job; returns its failures and span (module doc)."""
     rng = random.Random(seed)
-    before = set(SHM.glob("hybridpar-snapshots-*")) if SHM.is_dir() else set()
     job = Job(root / name, steps, extra, restarts=len(failures) + 1)
     events = []
     try:
@@ -204,8 +215,8 @@ def run_row(name: str, steps: int, extra: list[str], failures: list[str], interv
             raise RuntimeError(f"{name}: the job failed ({code}):\n" + "\n".join(x for _, x in job.lines[-60:]))
     finally:
         job.stop()
-        for leaked in (set(SHM.glob("hybridpar-snapshots-*")) if SHM.is_dir() else set()) - before:
-            subprocess.run(["rm", "-rf", str(leaked)], check=False)  # a SIGKILLed launcher's store
+        for leaked in job.stores:  # a SIGKILLed launcher's store (the others removed theirs)
+            subprocess.run(["rm", "-rf", leaked], check=False)
     times = [t for t, _ in job.steps]
     deltas = [b - a for a, b in zip(times, times[1:], strict=False) if b - a > 0]
     return {"row": name, "failures": events, "span_s": times[-1] - times[0], "steps": steps,

@@ -21,7 +21,9 @@ import io
 import json
 import os
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,3 +247,49 @@ def test_a_rank_killed_under_max_restarts_costs_one_step_and_the_run_is_unchange
     _same_final_state(run, ref)
     assert not any(Path("/dev/shm").glob("hybridpar-snapshots-*")) or all(
         str(p) not in text for p in Path("/dev/shm").glob("hybridpar-snapshots-*"))  # the launcher removed its store
+
+
+NODE_ARGS = [*BASE, "--train.steps", "6", "--parallel.dp", "2", "--parallel.tp", "2"]
+
+
+def _uninterrupted_dp2_tp2(rank: int, world: int, run_dir: str) -> None:
+    with trainer_for(load_config(None, [*NODE_ARGS, "--train.run_dir", run_dir])) as trainer:
+        trainer.fit()
+
+
+def test_a_lost_node_recovers_from_its_peers_replicas_with_one_step_lost(tmp_path, dist_run):
+    """Two launchers as two nodes of 2 ranks (``--elastic 4:4``, dp2 x tp2). The second node (its
+    launcher, its workers and its snapshot store) is lost after training 3 steps, and a fresh
+    launcher joins in its place: the job continues from the snapshot of step 2, the lost node's two
+    shards sent back from the replicas on the first node, and ends bit for bit equal to the
+    uninterrupted run."""
+    from test_elastic_launch import _faults_env
+    from test_faults import _free_port, _launched, _wait
+
+    def _listening(port: int) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    dist_run(4, _uninterrupted_dp2_tp2, str(ref))
+    port = _free_port()
+    node = [sys.executable, "-m", "hybridpar.cli", "train", *NODE_ARGS, "--train.run_dir", str(run), "--elastic",
+            "4:4", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "snapshot-node-test",
+            "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1", "--max-restarts", "2"]
+    logs = [tmp_path / "a.log", tmp_path / "b.log", tmp_path / "b2.log"]
+    with _launched([node], _faults_env(), logs[:1]) as first:
+        while not _listening(port):  # the first node hosts the rendezvous store (the one never lost)
+            assert first[0].poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        with _launched([node], _faults_env(HYBRIDPAR_FAULT_KILL_NODE_AFTER_STEPS="3"), logs[1:2]) as lost:
+            assert lost[0].wait(timeout=300) == -9, logs[1].read_text()[-3000:]  # the node died
+        with _launched([node], _faults_env(), logs[2:]) as replacement:
+            codes = _wait([*first, *replacement], 300)
+    text = "".join(log.read_text() for log in logs)
+    assert codes == [0, 0], text[-5000:]
+    said = [line for line in text.splitlines() if "elastic: 4 processes, layout" in line and "in-memory" in line]
+    assert said and "resuming from the in-memory snapshot of step 2 (" in said[-1], text[-5000:]
+    assert "2 shards from a peer node's replica); the disk checkpoint is not read" in said[-1]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert losses(run) == losses(ref)
+    _same_final_state(run, ref)
