@@ -203,11 +203,14 @@ def run_row(name: str, steps: int, extra: list[str], failures: list[str], interv
                 break
             done_before, killed = job.last_step(), time.monotonic()
             what = job.kill_worker(rng) if kind == "worker" else job.kill_node(rng)
-            while not [s for t, s in job.steps if t > killed + 0.05]:
+            # the next step completed after the job saw the failure (a step in flight at the kill
+            # may still be logged by rank 0 before the others notice)
+            while (seen := job.first(r"lost a peer|restart \d+ of the job", killed)) is None or not [
+                    s for t, s in job.steps if t > seen[0]]:
                 if time.monotonic() - killed > 900:
                     raise RuntimeError(f"{name}: no recovery after {what}:\n" + "\n".join(x for _, x in job.lines[-60:]))
                 time.sleep(0.05)
-            recovered, next_step = next((t, s) for t, s in job.steps if t > killed + 0.05)
+            recovered, next_step = next((t, s) for t, s in job.steps if t > seen[0])
             events.append({"failure": what, "steps_lost": done_before - (next_step - 1),
                            "recovery_s": recovered - killed, **_breakdown(job, killed, recovered)})
         code = job.wait(timeout=1800)
