@@ -293,3 +293,25 @@ def test_a_lost_node_recovers_from_its_peers_replicas_with_one_step_lost(tmp_pat
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
     assert losses(run) == losses(ref)
     _same_final_state(run, ref)
+
+
+def test_the_launchers_store_is_removed_at_the_end_and_a_killed_launchers_by_the_next(tmp_path, monkeypatch):
+    """A SIGKILLed launcher (a lost node) cannot remove its store; the next launcher on the node
+    removes the stores whose launcher is gone, and leaves a live one's."""
+    import subprocess
+
+    from hybridpar.distributed import launch
+
+    monkeypatch.setattr(launch, "SHM", tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale, live = tmp_path / f"hybridpar-snapshots-{gone.pid}-x", tmp_path / f"hybridpar-snapshots-{os.getpid()}-y"
+    stale.mkdir()
+    live.mkdir()
+    with launch.snapshot_store(True) as store:
+        assert store is not None and store.parent == tmp_path and store.is_dir()
+        assert store.name.startswith(f"hybridpar-snapshots-{os.getpid()}-")
+        assert not stale.exists() and live.exists()
+    assert not store.exists()
+    with launch.snapshot_store(False) as none:
+        assert none is None

@@ -49,16 +49,32 @@ SNAPSHOT_STORE_ENV = "HYBRIDPAR_SNAPSHOT_STORE"
 SHM = Path("/dev/shm")
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def snapshot_store(wanted: bool) -> Iterator[Path | None]:
     """This node's snapshot store for the job's life (None when ``wanted`` is false): a fresh
-    directory under ``/dev/shm`` (the temporary directory where there is none), owner-only, removed
-    on leaving however the job ended."""
+    directory under ``/dev/shm`` (the temporary directory where there is none), owner-only, named
+    with this launcher's pid and removed on leaving however the job ended. A SIGKILLed launcher
+    cannot remove its store: the next launcher on the node removes the stores whose launcher is gone."""
     if not wanted:
         yield None
         return
     base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
-    store = Path(tempfile.mkdtemp(prefix="hybridpar-snapshots-", dir=base))
+    for leftover in base.glob("hybridpar-snapshots-*-*"):  # a SIGKILLed launcher's: it could not remove it
+        owner = leftover.name.split("-")[2]
+        if owner.isdigit() and not _alive(int(owner)):
+            shutil.rmtree(leftover, ignore_errors=True)
+    store = Path(tempfile.mkdtemp(prefix=f"hybridpar-snapshots-{os.getpid()}-", dir=base))
     try:
         yield store
     finally:
