@@ -223,7 +223,7 @@ def test_restart_after_the_final_checkpoint_has_nothing_left_to_train(tmp_path, 
 def test_a_rank_killed_under_hybridpars_max_restarts_is_one_line_naming_it(tmp_path):
     """``hybridpar train --nproc 2 --max-restarts 1``, rank 1 SIGKILLed after step 3: one line
     names the lost rank and its signal (no gloo tracebacks), and the job finishes from its step-2
-    checkpoint. Without restarts left the same line says the job stops, exit status 1."""
+    in-memory snapshot (on by default under --max-restarts; test_snapshot.py). Without restarts left the same line says the job stops, exit status 1."""
     path = os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH", "")) if p)
     args = [*BASE, "--train.steps", "4", "--train.checkpoint_every", "2", "--parallel.dp", "2", "--nproc", "2"]
     cmd = [sys.executable, "-m", "hybridpar.cli", "train", *args, "--max-restarts", "1",
@@ -233,7 +233,7 @@ def test_a_rank_killed_under_hybridpars_max_restarts_is_one_line_naming_it(tmp_p
     assert lost == ["hybridpar: lost a peer: rank 1 (killed by SIGKILL); the launcher restarts the job from its last "
                     "checkpoint (1 restart left)"], text[-4000:]
     assert "Traceback" not in text and "GLHF" not in text, text[-4000:]
-    assert f"resumed from {step_dir(tmp_path / 'r', 2)} at step 2" in text
+    assert "snapshot-step-00000002 at step 2" in text, text[-4000:]
     cmd = [sys.executable, "-m", "hybridpar.cli", "train", *args, "--train.run_dir", str(tmp_path / "s")]
     with _launched([cmd], _env(**{FAULT_ENV: "3:1", "PYTHONPATH": path}), [tmp_path / "s.log"]) as procs:
         (code,) = _wait(procs, 240)

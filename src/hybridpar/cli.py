@@ -110,6 +110,10 @@ def cmd_train(argv: list[str]) -> int:
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
     resume = _preflight(cfg, nproc, args.resume)
+    if args.max_restarts:  # the launcher keeps in-memory snapshots: refuse now those that cannot fit
+        from hybridpar.training.checkpoint.snapshot import check_budget
+
+        check_budget(cfg, nproc, multi_node=False)
     from hybridpar.training.rundir import hold_run_dir
 
     with hold_run_dir(Path(cfg.train.run_dir), " ".join(["hybridpar", "train", *argv])):  # the job's life
@@ -171,6 +175,9 @@ def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> i
     for n in range(nodes[0], nodes[1] + 1):
         planned, _ = plan_for_world(cfg, n * nproc, nproc)
         _preflight(planned, n * nproc, args.resume, local=nproc)
+        from hybridpar.training.checkpoint.snapshot import check_budget
+
+        check_budget(planned, nproc, multi_node=n > 1)
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
     from hybridpar.distributed.launch import Rendezvous, launch_local, strip_launcher_options
@@ -236,9 +243,17 @@ def _preflight(cfg: Config, world_size: int, resume: str | None, local: int | No
 
 
 def _checkpoint_step(path: Path) -> int:
-    from hybridpar.training.checkpoint import read_info
+    from hybridpar.training.checkpoint import read_info, snapshot
 
-    return int(read_info(path)["step"])
+    return snapshot.step_of(path) if snapshot.is_snapshot(path) else int(read_info(path)["step"])
+
+
+def _snapshot_layout(cfg: Config) -> str | None:
+    """This job's layout when it takes in-memory snapshots (a restart looks for them), else None."""
+    from hybridpar.training.checkpoint import snapshot
+    from hybridpar.training.elastic import layout_name
+
+    return layout_name(cfg.parallel) if snapshot.snapshot_every(cfg, snapshot.store_dir() is not None) else None
 
 
 def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = False,
@@ -249,6 +264,7 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
     ``elastic``: the layout an elastic job planned for this world (recorded in the run)."""
     from hybridpar.distributed import flight, lifecycle
     from hybridpar.distributed.mesh import ParallelDims, destroy_distributed
+    from hybridpar.training.checkpoint.snapshot_peers import agree_store
     from hybridpar.training.elastic import agreed_latest_checkpoint, check_same_plan
 
     device = _start_worker(cfg)
@@ -261,12 +277,13 @@ def _run_worker(cfg: Config, resume: Path | None = None, auto_resume: bool = Fal
             if elastic is not None and elastic.world > 1:  # ranks planned alone: agree before the mesh
                 check_same_plan(cfg, elastic.world, device.type)
             topo = ParallelDims.from_config(cfg.parallel).build(device.type)
+            agree_store(topo)  # in-memory snapshots on every rank or on none
             if topo.world_size > 1:  # a rank signalled while stuck in a collective leaves a record
                 counter = topo.comm.counter
                 stop.on_signal = lambda sig: flight.dump(counter, run_dir, rank,
                                                         f"signal {lifecycle.signal_name(sig)} received")
             if auto_resume:
-                resume = agreed_latest_checkpoint(topo, run_dir, resume, elastic, restart_count())
+                resume = agreed_latest_checkpoint(topo, run_dir, resume, elastic, restart_count(), _snapshot_layout(cfg))
                 if resume is not None and _checkpoint_step(resume) >= cfg.train.steps:  # died after the end
                     if topo.rank == 0:
                         print(f"hybridpar: restarted, but {resume} already holds the final step "

@@ -33,6 +33,10 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 0  # keep the newest K complete checkpoints, delete older ones; 0 = keep all
+    # in-memory snapshots to the launcher's per-node store (and a peer node's): steps between them;
+    # -1 = every step when the launcher keeps a store (--max-restarts, --elastic), else off; 0 = off
+    snapshot_every: int = -1
+    snapshot_memory_fraction: float = 0.5  # snapshots may use at most this share of the node's available memory
     compile: bool = False  # torch.compile each transformer block (regional compilation)
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # aot_eager: traced graphs, eager kernels
     # the optimizer's kernel: auto (torch's fused Adam/AdamW/SGD where the device and dtype support it),

@@ -11,13 +11,16 @@ nothing of the job outlives it, even under SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,42 @@ SHUTDOWN_TIMEOUT_S = 120  # how long a signalled worker may take to save its che
 # publishes that store's address under the first round only: a node that joins a running job
 # (a later round) waits for it until it times out (torch 2.13). Unshared, every round publishes.
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# The node's in-memory snapshot store (train.snapshot_every): a directory this launcher creates in
+# shared memory and removes when the job ends, so it outlives the workers it restarts.
+SNAPSHOT_STORE_ENV = "HYBRIDPAR_SNAPSHOT_STORE"
+SHM = Path("/dev/shm")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def snapshot_store(wanted: bool) -> Iterator[Path | None]:
+    """This node's snapshot store for the job's life (None when ``wanted`` is false): a fresh
+    directory under ``/dev/shm`` (the temporary directory where there is none), owner-only, named
+    with this launcher's pid and removed on leaving however the job ended. A SIGKILLed launcher
+    cannot remove its store: the next launcher on the node removes the stores whose launcher is gone."""
+    if not wanted:
+        yield None
+        return
+    base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
+    for leftover in base.glob("hybridpar-snapshots-*-*"):  # a SIGKILLed launcher's: it could not remove it
+        owner = leftover.name.split("-")[2]
+        if owner.isdigit() and not _alive(int(owner)):
+            shutil.rmtree(leftover, ignore_errors=True)
+    store = Path(tempfile.mkdtemp(prefix=f"hybridpar-snapshots-{os.getpid()}-", dir=base))
+    try:
+        yield store
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -69,8 +108,12 @@ def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_d
     rdzv = rendezvous or Rendezvous()
     config = launch_config(LaunchConfig, nproc, rdzv, max_restarts)
     flight.clear(run_dir)
-    with tempfile.TemporaryDirectory(prefix="hybridpar-errors-") as errors:
+    # a job that restarts its workers keeps their in-memory snapshots here (train.snapshot_every)
+    with tempfile.TemporaryDirectory(prefix="hybridpar-errors-") as errors, \
+            snapshot_store(max_restarts > 0 or rdzv.max_nodes > 1 or rendezvous is not None) as store:
         env = {ERROR_DIR_ENV: errors, COMMAND_ENV: shlex.join(command)}
+        if store is not None:
+            env[SNAPSHOT_STORE_ENV] = str(store)
         if rdzv.max_nodes > 1:  # nodes may join a running job: see SHARED_STORE_ENV
             env[SHARED_STORE_ENV] = "1"
         if nproc > 1:

@@ -158,6 +158,10 @@ def _train_settings(cfg: Config, world: int | None) -> str | None:
         return f"train.max_skipped_steps = {t.max_skipped_steps} must be >= 0"
     if t.timeout_s <= 0:
         return f"train.timeout_s = {t.timeout_s} must be > 0 seconds"
+    if t.snapshot_every < -1:
+        return f"train.snapshot_every = {t.snapshot_every} must be >= 0 (or -1: every step under a launcher's store)"
+    if not 0 < t.snapshot_memory_fraction <= 1:
+        return f"train.snapshot_memory_fraction = {t.snapshot_memory_fraction} must be in (0, 1]"
     if t.grad_clip < 0:
         return f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)"
     return None

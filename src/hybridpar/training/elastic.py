@@ -301,11 +301,23 @@ def record(run_dir: Path, change: LayoutChange, step: int) -> list[dict[str, Any
 
 
 def agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | None,
-                             elastic: LayoutChange | None = None, restart: int = 0) -> Path | None:
-    """The newest complete checkpoint in ``run_dir`` as rank 0 sees it, the same on every rank (a
-    broadcast of its step), else ``fallback`` (``--resume``; None: start over). Used when torchrun
-    restarted the job after a failure (``train.auto_resume``). Newer checkpoints that fail their
-    checksums are skipped, and rank 0 says which and why. ``restart``: torchrun's restart count."""
+                             elastic: LayoutChange | None = None, restart: int = 0,
+                             layout: str | None = None) -> Path | None:
+    """Where a restarted job continues, the same on every rank: the newest in-memory snapshot every
+    rank's shard is held for (``layout``: this job's, when it takes snapshots; see
+    :func:`agreed_snapshot`) unless a disk checkpoint is newer, else the newest complete checkpoint
+    in ``run_dir`` as rank 0 sees it (a broadcast of its step), else ``fallback`` (``--resume``;
+    None: start over). Used when torchrun restarted the job after a failure
+    (``train.auto_resume``). Newer checkpoints that fail their checksums are skipped, and rank 0
+    says which and why. ``restart``: torchrun's restart count."""
+    what = f"restart {restart} of the job (torchrun --max-restarts)"
+    if elastic is not None:
+        what = f"elastic: {processes(topo.world_size)}, layout {elastic.layout}"
+    snap, said = agreed_snapshot(topo, run_dir, layout)
+    if snap is not None:
+        if topo.rank == 0:
+            print(f"hybridpar: {what}: {said}", flush=True)
+        return snap
     found = None
     if topo.rank == 0:  # the others wait in the broadcast while rank 0 tidies and checks the checksums
         recover(run_dir)
@@ -316,9 +328,30 @@ def agreed_latest_checkpoint(topo: Topology, run_dir: Path, fallback: Path | Non
     topo.comm.broadcast(step, topo.world, src=0)
     chosen = step_dir(run_dir, int(step)) if int(step) >= 0 else fallback
     if topo.rank == 0:
-        what = f"resuming from {chosen}" if chosen else "no complete checkpoint yet, starting over"
-        if elastic is not None:
-            print(f"hybridpar: elastic: {processes(topo.world_size)}, layout {elastic.layout}: {what}", flush=True)
-        else:
-            print(f"hybridpar: restart {restart} of the job (torchrun --max-restarts): {what}", flush=True)
+        resuming = f"resuming from {chosen}" if chosen else "no complete checkpoint yet, starting over"
+        print(f"hybridpar: {what}: {said}{resuming}", flush=True)
     return chosen
+
+
+def agreed_snapshot(topo: Topology, run_dir: Path, layout: str | None) -> tuple[Path | None, str]:
+    """The newest in-memory snapshot of ``layout`` every rank's shard is held for in the node
+    stores, fetched from peers where needed (collective), when it is at least as new as the newest
+    disk checkpoint (read from its ``complete.json`` only); and rank 0's words for it. (None, the
+    start of the words for a disk fallback) when there is none or the job takes no snapshots."""
+    from hybridpar.training.checkpoint import latest_checkpoint
+    from hybridpar.training.checkpoint.snapshot import step_of, store_dir
+    from hybridpar.training.checkpoint.snapshot_peers import agree
+
+    store = store_dir()
+    if layout is None or store is None:
+        return None, ""
+    snap, fetched = agree(topo, store, layout)
+    disk = latest_checkpoint(run_dir)
+    disk_step = int(read_info(disk)["step"]) if disk is not None else -1
+    if snap is None:
+        return None, "no complete in-memory snapshot in the node stores, falling back to the disk checkpoint: "
+    if step_of(snap) < disk_step:
+        return None, f"the disk checkpoint is newer than the in-memory snapshot of step {step_of(snap)}: "
+    peers = f", {fetched} shard{'s' if fetched != 1 else ''} from a peer node's replica" if fetched else ""
+    return snap, (f"resuming from the in-memory snapshot of step {step_of(snap)} ({store}{peers}); "
+                  "the disk checkpoint is not read")

@@ -25,6 +25,7 @@ from hybridpar.distributed.mesh import Topology
 from hybridpar.models.common import Documents
 from hybridpar.parallel.context import zigzag_positions, zigzag_shard
 from hybridpar.training import checkpoint, elastic, plancheck
+from hybridpar.training.checkpoint import snapshot
 from hybridpar.training.elastic import LayoutChange
 from hybridpar.training.engine import Engine
 from hybridpar.training.errors import NonFiniteLossError
@@ -82,7 +83,7 @@ class Trainer:
         self.checkpoint_stalls: list[tuple[int, float]] = []  # (step, seconds training waited to save it)
         self.hooks.attach(RunContext(self.engine, topo, self.device, self.run_dir, self.is_logger,
                                      lambda step: self.micro_batches(step, t.global_batch, self.train_data),
-                                     t.timeout_s, self.checkpoint_stalls))
+                                     t.timeout_s, self.checkpoint_stalls, extra_state=self._extra_state))
         # async_checkpoint.enabled: its component's thread copies each save to host memory and writes it
         staging = self.hooks.find(AsyncCheckpoint)
         self.writer = staging.writer if staging is not None else None
@@ -232,9 +233,15 @@ class Trainer:
         return self.save_checkpoint(step)
 
     def load_checkpoint(self, path: Path) -> int:
-        """Restore model, optimizer and RNG; the data position is the step (global sample ids)."""
-        extra = self._extra_state(self.hooks.state_to_load(path))  # what that checkpoint holds
-        step = checkpoint.load(path, self.model, self.optimizer, self.cfg, self.topo, extra=extra)
+        """Restore model, optimizer and RNG; the data position is the step (global sample ids).
+        ``path``: a disk checkpoint, or an in-memory snapshot of this layout (its shard here)."""
+        if snapshot.is_snapshot(path):
+            extra = self._extra_state()
+            step = snapshot.restore(path, self.model, self.optimizer, self.topo.rank, self.topo.world_size,
+                                    self.layout_name(), extra)
+        else:
+            extra = self._extra_state(self.hooks.state_to_load(path))  # what that checkpoint holds
+            step = checkpoint.load(path, self.model, self.optimizer, self.cfg, self.topo, extra=extra)
         self.hooks.load_state_dict(extra)
         self.scaler.load_state_dict({k: v.item() for k, v in extra["scaler"].items()})
         self.skipped_nonfinite = int(extra["skipped_nonfinite"])

@@ -36,6 +36,7 @@ from hybridpar.planner.front.explain import (
     why,
 )
 from hybridpar.planner.front.fit import from_run, read_run, training_run, write_profile
+from hybridpar.planner.front.resilience import lines, parse_duration, resilience
 from hybridpar.planner.machine.calibrate import calibrate, default_profile_path, usable_cores
 from hybridpar.planner.machine.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.model.layout import Workload, parse_layout
@@ -74,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="dry-run the ranked layouts in order until K (default 2) have built, on fake tensors in this "
                         "process (hybridpar train --dry-run): drop any the trainer refuses or cannot build, and show "
                         "their measured traffic and memory beside the planner's")
+    p.add_argument("--mttf", help="mean time to failure, e.g. 3h, at --mttf-gpus GPUs: the snapshot and checkpoint "
+                   "intervals that maximise goodput at --gpus and the goodput to expect (Young/Daly)")
+    p.add_argument("--mttf-gpus", type=int, default=16384, help="the GPUs --mttf was measured at (default 16384)")
+    p.add_argument("--restart-s", type=float, default=60.0, help="with --mttf: seconds a restart takes before loading")
+    p.add_argument("--durable-every", default="1h", help="with --mttf: disk checkpoints beside the snapshots")
     moe = p.add_mutually_exclusive_group()
     moe.add_argument("--moe-imbalance", type=float, default=None,
                      help=f"mixture of experts: max/mean tokens per expert to plan for (default {DEFAULT_IMBALANCE})")
@@ -244,6 +250,8 @@ def _print_json(args: argparse.Namespace, q: _Question, result: SearchResult, ch
     if args.dry_run:
         doc["dry_run"] = {"dropped": [{**c.evaluation.to_json(), "reason": c.refused} for c in checked
                                       if c.refused is not None]}
+    if args.mttf and result.ranked:
+        doc["resilience"] = _resilience(args, q, result)
     print(json.dumps(doc, indent=1))
     return 0 if result.ranked else 1
 
@@ -277,7 +285,15 @@ def _print_table(args: argparse.Namespace, q: _Question, result: SearchResult, c
         print(explain_ep(q.model, result.ranked[0], work, cluster, *q.moe_source))
     if unbuilt is not None:
         print(unbuilt_line(*unbuilt))
+    if args.mttf:
+        print("\n".join(lines(_resilience(args, q, result))))
     return 0
+
+
+def _resilience(args: argparse.Namespace, q: _Question, result: SearchResult) -> dict[str, object]:
+    """``--mttf``: the best layout's snapshot and checkpoint intervals and goodput."""
+    return resilience(result.ranked[0], q.cluster, parse_duration(args.mttf, "--mttf"), args.mttf_gpus,
+                      args.restart_s, parse_duration(args.durable_every, "--durable-every"))
 
 
 def cmd_calibrate(argv: list[str]) -> int:

@@ -92,9 +92,9 @@ class BackgroundWriter:
     """At most one checkpoint save in flight on a thread of its own (module doc). Built on
     every rank at the same point (it creates the writer's process group: collective)."""
 
-    def __init__(self, topo: Topology, timeout_s: float | None = None) -> None:
+    def __init__(self, topo: Topology, timeout_s: float | None = None, group: str = "checkpoint") -> None:
         self.topo = topo
-        self.axis = topo.side_axis("checkpoint", timeout_s)
+        self.axis = topo.side_axis(group, timeout_s)  # ``group``: a writer of another kind gets its own
         self.stager = HostStager()
         self._thread: threading.Thread | None = None
         self._path: Path | None = None

@@ -58,7 +58,7 @@ def save(path: Path, model: nn.Module, optimizer: DataParallelOptimizer, cfg: Co
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
 
-    state = _train_state(model, optimizer, extra)
+    state = train_state(model, optimizer, extra)
     keep = cfg.train.keep_checkpoints
     if writer is None:
         return write_checkpoint(path, state, topo, step, files, keep=keep)
@@ -74,7 +74,7 @@ def load(path: Path, model: nn.Module, optimizer: DataParallelOptimizer, cfg: Co
     info = read_info(require_complete(path))
     saved = read_config(path)
     check_compatible(saved, cfg, path)
-    state = _train_state(model, optimizer, extra, same_layout=saved.parallel == cfg.parallel)
+    state = train_state(model, optimizer, extra, same_layout=saved.parallel == cfg.parallel)
     own_names = [list(group["params"]) for group in state["optim"]["param_groups"]]
     try:
         with single_process_quiet():
@@ -131,7 +131,7 @@ def check_compatible(saved: Config, cfg: Config, path: Path) -> None:
                               "set the run's model.* to match or start a new run")
 
 
-def _train_state(model: nn.Module, optimizer: DataParallelOptimizer, extra: dict[str, Any] | None,
+def train_state(model: nn.Module, optimizer: DataParallelOptimizer, extra: dict[str, Any] | None,
                  same_layout: bool = True) -> dict[str, Any]:
     """What a checkpoint holds, keyed by parameter name: the parameters this rank trains (all
     of them, or one pipeline stage's), the model's buffers and their optimizer state, as DTensor

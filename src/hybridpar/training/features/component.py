@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -56,8 +56,9 @@ class RunContext:
     """What a component's step hooks may use, given once the Trainer is built: the built
     ``engine``, the run's ``topo`` and ``device``, its directory (``is_logger``: this rank
     writes it), ``read(step)``: this rank's micro-batches of a step, ``timeout_s``, the list the
-    run's checkpoint stalls are recorded in, and whether a component of the run rewrites
-    checkpointed state in its backward (:class:`Components` sets it)."""
+    run's checkpoint stalls are recorded in, whether a component of the run rewrites
+    checkpointed state in its backward (:class:`Components` sets it), and the trainer's state
+    beyond model and optimizer as a checkpoint holds it (``extra_state()``)."""
 
     engine: Engine
     topo: Topology
@@ -68,6 +69,7 @@ class RunContext:
     timeout_s: float
     checkpoint_stalls: list[tuple[int, float]]
     backward_writes_checkpoint_state: bool = False
+    extra_state: Callable[[], dict[str, Any]] | None = None  # the trainer's state beyond model and optimizer
 
 
 class Component(StepFeature):

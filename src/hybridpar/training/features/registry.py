@@ -20,6 +20,7 @@ from hybridpar.training.features.elastic import ElasticComponent
 from hybridpar.training.features.fp8 import Fp8Component
 from hybridpar.training.features.int8 import Int8Compression
 from hybridpar.training.features.moe import MixtureOfExperts
+from hybridpar.training.features.snapshot import Snapshots
 from hybridpar.training.features.twobw import TwoBWComponent
 
 __all__ = ["COMPONENTS", "check_order", "components_for"]
@@ -30,6 +31,7 @@ COMPONENTS: tuple[type[Component], ...] = (
     TwoBWComponent,
     Int8Compression,
     AsyncCheckpoint,
+    Snapshots,
     ActivationOffloadComponent,
     Fp8Component,
     CompileComponent,
