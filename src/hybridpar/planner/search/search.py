@@ -13,14 +13,11 @@ time; then the same levels with activation offload of all of each chunk's layers
 :func:`memory_levels`), and among the ZeRO stages that fit there the fastest, the one with less memory on a tie
 (ZeRO-2 over ZeRO-1 over ZeRO-0 when their step times are equal).
 
-Speed (``plan``, user + sys CPU s, 2 loaded cores, ~1 s of it torch's import): 8B on 8 GPUs 1.7-1.9,
-70B on 64 GPUs 4.1-4.3 (before the layer memo). Rules and memory are checked before any time is
-estimated; the memory model caches per shape and evaluates only the pipeline ranks that can be the
-worst; a layer is priced once per distinct set of the fields its price reads
-(:func:`~hybridpar.planner.price.cost.priced_layer`); the schedule simulator runs only for
-candidates whose closed-form lower bound (the busiest rank's compute, no bubble) can still beat the
-best step time found so far. Pruning never changes the answer: every candidate skipped has a lower
-bound above a step time already reached.
+Speed (user + sys CPU s, 2 loaded cores, ~1 s torch's import): 8B on 8 GPUs 1.7-1.9, 70B on 64
+4.1-4.6. Memory before time, cached per shape, only the pipeline ranks that can be the worst; a
+layer priced once per set of the fields it reads (:func:`~hybridpar.planner.price.cost.priced_layer`);
+the schedule simulated only where the lower bound (the busiest rank's compute) can still win.
+Pruning never changes the answer.
 """
 
 from __future__ import annotations

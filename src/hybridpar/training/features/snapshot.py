@@ -34,6 +34,7 @@ from hybridpar.training.checkpoint.snapshot import (
 )
 from hybridpar.training.checkpoint.snapshot_peers import replicate, ring_peers
 from hybridpar.training.checkpoint.state import train_state
+from hybridpar.training.features.base import Stats
 from hybridpar.training.features.component import Component, Launch, RunContext
 from hybridpar.training.metrics import MetricsLogger
 
@@ -80,8 +81,10 @@ class Snapshots(Component):
         if self.hold_before_backward and self.writer is not None:
             self.writer.hold()  # the backward rewrites state the copy is still reading
 
-    def before_update(self, step: int) -> None:
+    def after_backward(self, step: int, microbatches: int) -> Stats | None:
+        """Before the update changes the state the copy reads: wait until it is whole."""
         self._settle()
+        return None
 
     def _settle(self) -> None:
         """Wait until the snapshot in flight is whole on every rank (collective while one is)."""
