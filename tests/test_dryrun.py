@@ -112,6 +112,12 @@ MEMORY = {  # layouts whose peak live tensor bytes the planner's tensor term get
     "cp2-dp2-zero3-chunked-loss-bf16": [*ZERO3_SHAPE, "--parallel.cp", "2", "--parallel.dp", "2",
                                         "--parallel.zero_stage", "3", "--train.loss_chunk_tokens", "32",
                                         "--train.precision", "bf16"],
+    # FP8 linears save 1-byte quantized inputs and weights (tensorwise) or the bf16 input itself
+    # (rowwise) where autocast kept bf16 casts (planner/memory/activations.py: fp8_layer_delta)
+    "tp2-sp-fp8-tensorwise": [*FP8_SHAPE, "--fp8.recipe", "tensorwise", "--parallel.tp", "2",
+                              "--parallel.sequence_parallel", "true"],
+    "tp2-sp-fp8-rowwise": [*FP8_SHAPE, "--fp8.recipe", "rowwise", "--parallel.tp", "2",
+                           "--parallel.sequence_parallel", "true"],
 }
 
 

@@ -29,7 +29,7 @@ host memory (``cpu_gib``), as :mod:`hybridpar.planner.memory.offload` says.
 
 Per micro-batch and pipeline chunk come the embedding's token ids (int64, plus a mask under tp),
 the fp32 RoPE tables, under autocast a half copy of every matmul weight (autocast caches casts per
-forward, and autograd keeps them), on non-last pipeline chunks the output the runner holds until
+forward, and autograd keeps them; FP8 linears keep theirs quantized, ``fp8.recipe``), on non-last pipeline chunks the output the runner holds until
 the backward, and on the last the final norm and the fp32 softmax of the loss (``4 V/t``; the
 logits themselves are not kept), or with the chunked loss (``train.loss_chunk_tokens``) 18 bytes
 per token instead (:data:`CHUNKED_LOSS_TOKEN_BYTES`; a chunk's logits are transient). The
@@ -179,7 +179,7 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     autocast = a != r
     body = layers + (2 * s * model.head_dim * 4 if n else 0)  # RoPE cos and sin
     if autocast:  # half copies of the layers' matmul weights
-        body += sum(layer_weight_cast_bytes(model, i, t, L.ep, a) for i in chunk.layers)
+        body += sum(layer_weight_cast_bytes(model, i, t, L.ep, a, work.fp8) for i in chunk.layers)
     if chunk.embedding:  # token ids (int64), and under tp the out-of-shard mask
         body += tok * (9 if t > 1 else 8)
     held = tok * h * r / shard  # a hidden state crossing a stage boundary
