@@ -393,15 +393,13 @@ def test_fake_process_group_plays_any_rank_of_a_large_world():
         dist.destroy_process_group()
 
 
-def test_flash_attention_cpu_flops_count_the_cpu_kernel_as_sdpa():
+def test_flop_counter_counts_the_cpu_flash_kernel_as_sdpa():
     """The fused CPU kernel's forward and backward FLOPs, as torch counts the GPU's flash kernel
     (forward 2 matmuls, backward 5: the scores recomputed), GQA included."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     b, h, kv, s, d = 2, 4, 2, 16, 8
     q = torch.randn(b, h, s, d, requires_grad=True)
     k, v = (torch.randn(b, kv, s, d, requires_grad=True) for _ in range(2))
-    counter = FlopCounterMode(display=False, custom_mapping=compat.flash_attention_cpu_flops())
+    counter = compat.flop_counter()
     with counter:
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
     assert counter.get_total_flops() == 7 * 2 * b * h * s * s * d

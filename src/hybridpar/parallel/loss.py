@@ -159,6 +159,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             g = g.to(h.dtype)
             torch.mm(g, w, out=grad_h[sl])
             grad_w.add_(torch.mm(g.t(), h[sl]))
+            del g  # else alive beside the next chunk's logits and softmax (one chunk x vocab more)
         return grad_h, grad_w.to(w.dtype), None, None, None, None, None
 
 

@@ -12,8 +12,9 @@ contract is in ``pyproject.toml``, ``docs/architecture.md`` draws it):
   :mod:`.price.cp`, FP8 :mod:`.price.fp8`, pipeline makespans :mod:`.price.pipesim`, shared
   rates :mod:`.price.rates`) and the bytes on the wire per axis (:mod:`.price.traffic`);
 * ``memory/``: per-rank device memory (:mod:`.memory.plan`), activation bytes
-  (:mod:`.memory.activations`), activation offload (:mod:`.memory.offload`) and the schedule's
-  peak micro-batch counts (:mod:`.memory.peaks`);
+  (:mod:`.memory.activations`), activation offload (:mod:`.memory.offload`), the schedule's
+  peak micro-batch counts (:mod:`.memory.peaks`) and the buffers of collectives in flight
+  (:mod:`.memory.comm`);
 * ``model/``: what is planned: the layout and workload and their bridge to the config rules
   (:mod:`.model.layout`), the parameter shapes each rank holds (:mod:`.model.shapes`), the MoE
   terms (:mod:`.model.moe`), op-level selective AC (:mod:`.model.sac`) and the HSDP groups

@@ -114,7 +114,7 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
     :class:`~hybridpar.parallel.context.RingPlan` does not skip (``work``), on
     ``n_heads / (tp * ulysses)`` heads. Recomputation: ``full`` reruns a layer's forward up to
     the last tensor its backward needs (torch's checkpoint stops early: the down projection's
-    output is never recomputed), ``selective`` the attention forward; the chunked loss
+    output is never recomputed, but for an FP8 one, whose operands are saved when it returns), ``selective`` the attention forward; the chunked loss
     (``train.loss_chunk_tokens`` below a micro-batch's tokens) the head's forward."""
 
     model, S, p = cfg.model, work.seq_len, cfg.parallel
@@ -129,7 +129,8 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
     attn_fwd = 4.0 * model.head_dim * heads * scores * (work.global_batch // layout.dp)  # per layer, this rank
     total = sum(matmul) * tokens / layout.tp + 3.5 * attn_fwd * len(layers)
     if layout.recompute == "full":
-        down = [2.0 * model.dim * model.ffn_hidden if i not in model.moe_layer_ids() else 0.0 for i in layers]
+        early = work.fp8 == "none"  # an FP8 linear's operands are saved as its Function returns, after its GEMM
+        down = [2.0 * model.dim * model.ffn_hidden if early and i not in model.moe_layer_ids() else 0.0 for i in layers]
         total += sum(f / 3 - d for f, d in zip(matmul, down, strict=True)) * tokens / layout.tp
     if layout.recompute in ("full", "selective"):
         total += attn_fwd * len(layers)
@@ -141,9 +142,6 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
 
 def run_rank(cfg: Config, rank: int, why: str, steps: int = 2) -> RankRun:
     """Dry-run ``rank`` of ``cfg``'s world: ``steps`` training steps, the last one measured."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-
     start = time.perf_counter()
     layout, work = from_config(cfg)
     compat.init_fake_process_group(rank, cfg.parallel.world_size)
@@ -154,7 +152,7 @@ def run_rank(cfg: Config, rank: int, why: str, steps: int = 2) -> RankRun:
             for step in range(1, steps):
                 trainer.train_step(step)
             topo.comm.counter.reset()
-            flops = FlopCounterMode(display=False, custom_mapping=compat.flash_attention_cpu_flops())
+            flops = compat.flop_counter()  # no module tracker: it would keep recomputed blocks' tensors
             memory.mark(trainer.model)
             with flops:
                 trainer.train_step(steps)

@@ -28,8 +28,9 @@ the norms' outputs, casts and SiLU in backward. That holds for a block compiled 
 with tp or cp its collectives split it into pieces, and MoE routing breaks it too, so those keep
 the eager set.
 
-An MoE layer's feed-forward replaces the dense MLP's with :func:`moe_ffn_bytes` at the busiest
-ep rank's load. :mod:`hybridpar.planner.memory.plan` adds the per-chunk terms and counts the live sets.
+Under ``fp8.recipe`` the FP8 linears keep quantized (tensorwise) or high-precision (rowwise)
+inputs instead of autocast's casts (:func:`fp8_layer_delta`). An MoE layer's feed-forward
+replaces the dense MLP's with :func:`moe_ffn_bytes` at the busiest ep rank's load. :mod:`hybridpar.planner.memory.plan` adds the per-chunk terms and counts the live sets.
 """
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
         return compiled_layer_bytes(model, s, b, rec, a, r)
     else:  # eager; compiled blocks split at collectives (tp, cp) or MoE routing keep the eager set
         dense = llama_layer_bytes(model, s, b, t, sp, rec, a, r, cp)
+        if rec != "full":
+            dense += fp8_layer_delta(model, s, b, t, work.fp8, a, r, moe)
     if not moe or rec == "full":
         return dense
     norm = ((4 + r) * model.dim + 4) / (t if sp else 1) + (2 if a != r else 1) * a * model.dim
@@ -187,12 +190,35 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
     return dense - dense_ffn + moe_ffn_bytes(model, s, b, t, sp, a, r, layout.ep, load)
 
 
-def layer_weight_cast_bytes(model: ModelConfig, layer: int, tp: int, ep: int, act_bytes: int) -> float:
+def layer_weight_cast_bytes(model: ModelConfig, layer: int, tp: int, ep: int, act_bytes: int,
+                            fp8: str = "none") -> float:
     """Half copies of one layer's matmul weights that autocast (and the experts' explicit
-    casts) keep per forward: q/k/v/o, and the MLP or the router, routed and shared experts."""
+    casts) keep per forward: q/k/v/o, and the MLP or the router, routed and shared experts.
+    ``fp8`` (``fp8.recipe``): its linears (attention, a dense MLP) keep their weight quantized,
+    1 byte per element (tensorwise), or the master weight itself (rowwise), instead."""
     h, q, kv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     ffn = sum(math.prod(s) for n, s in ffn_shapes(model, layer, tp, ep))
-    return act_bytes * ((2 * h * q + 2 * h * kv) / tp + ffn)
+    per = {"none": act_bytes, "tensorwise": 1, "rowwise": 0}[fp8]
+    dense = layer not in model.moe_layer_ids()
+    return per * (2 * h * q + 2 * h * kv) / tp + (per if dense else act_bytes) * ffn
+
+
+def fp8_layer_delta(model: ModelConfig, s: int, b: int, t: int, recipe: str, act_bytes: int,
+                    residual_bytes: int, moe: bool) -> float:
+    """What ``fp8.recipe``'s linears (:mod:`hybridpar.parallel.fp8`) change in one layer's saved
+    bytes under autocast, per micro-batch (weights aside: :func:`layer_weight_cast_bytes`).
+    Tensorwise: each linear saves its own 1-byte quantized input where autocast kept a cast copy
+    (q/k/v, w1/w3), ``wo`` one beside the attention output the kernel keeps, ``w2`` one instead
+    of the SwiGLU product. Rowwise: the high-precision input itself, once per group sharing it
+    (the norm's output, full length under SP), and no cast. An MoE layer's experts stay bf16:
+    only its attention changes."""
+    a, r, h, q, f = act_bytes, residual_bytes, model.dim, model.n_heads * model.head_dim, model.ffn_hidden
+    if recipe == "none" or a == r:
+        return 0.0
+    copies, groups = (3, 1) if moe else (5, 2)
+    if recipe == "tensorwise":
+        return s * b * (copies * (1 - a) * h + q / t + (0 if moe else (1 - a) * f / t))
+    return s * b * (groups * r * h - copies * a * h)
 
 
 def deferred_layer_bytes(model: ModelConfig, t: int, act_bytes: int, residual_bytes: int) -> tuple[float, float]:

@@ -29,7 +29,7 @@ host memory (``cpu_gib``), as :mod:`hybridpar.planner.memory.offload` says.
 
 Per micro-batch and pipeline chunk come the embedding's token ids (int64, plus a mask under tp),
 the fp32 RoPE tables, under autocast a half copy of every matmul weight (autocast caches casts per
-forward, and autograd keeps them), on non-last pipeline chunks the output the runner holds until
+forward, and autograd keeps them; FP8 linears keep theirs quantized, ``fp8.recipe``), on non-last pipeline chunks the output the runner holds until
 the backward, and on the last the final norm and the fp32 softmax of the loss (``4 V/t``; the
 logits themselves are not kept), or with the chunked loss (``train.loss_chunk_tokens``) 18 bytes
 per token instead (:data:`CHUNKED_LOSS_TOKEN_BYTES`; a chunk's logits are transient). The
@@ -44,7 +44,9 @@ at B but keeping, until W, what its deferred weight gradients need (:func:`defer
 Mixture of experts (:mod:`hybridpar.planner.model.moe`): the routed experts' states are a ZeRO group of their own over
 ``edp = dp x cp / ep`` (:func:`rank_state_numels`); an MoE layer's activations replace the dense
 MLP's with :func:`moe_ffn_bytes` at the busiest ep rank's load; the all-to-all's send and receive
-buffers are comm buffers.
+buffers are comm buffers. Those alive only inside a layer (the dispatch's, ZeRO-3's gathered
+layers, ring attention's blocks) are not there at the loss's backward, the peak of the rank with
+the head (:class:`hybridpar.planner.memory.comm.CommBuffers`).
 
 Allowance (``overhead``, stated, not fitted: :mod:`hybridpar.planner.machine.allocator`): the CUDA context, cuBLAS
 workspaces, one NCCL communicator's buffers per mesh axis with peers, and the caching allocator's
@@ -55,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
@@ -75,6 +76,7 @@ from hybridpar.planner.memory.activations import gpt_layer_bytes as gpt_layer_by
 from hybridpar.planner.memory.activations import korthikanti_layer_bytes as korthikanti_layer_bytes
 from hybridpar.planner.memory.activations import llama_layer_bytes as llama_layer_bytes
 from hybridpar.planner.memory.activations import moe_ffn_bytes as moe_ffn_bytes
+from hybridpar.planner.memory.comm import CommBuffers, comm_buffer_bytes
 from hybridpar.planner.memory.offload import (
     chunk_offload,
     offload_peak,
@@ -89,10 +91,8 @@ from hybridpar.planner.model.layout import (
     model_key,
     model_of,
 )
-from hybridpar.planner.model.moe import dispatch_rows, rank_load
 from hybridpar.planner.model.shapes import (
     layer_partition,
-    layer_shapes,
     numel,
     padded,
     rank_numel,
@@ -178,7 +178,7 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     autocast = a != r
     body = layers + (2 * s * model.head_dim * 4 if n else 0)  # RoPE cos and sin
     if autocast:  # half copies of the layers' matmul weights
-        body += sum(layer_weight_cast_bytes(model, i, t, L.ep, a) for i in chunk.layers)
+        body += sum(layer_weight_cast_bytes(model, i, t, L.ep, a, work.fp8) for i in chunk.layers)
     if chunk.embedding:  # token ids (int64), and under tp the out-of-shard mask
         body += tok * (9 if t > 1 else 8)
     held = tok * h * r / shard  # a hidden state crossing a stage boundary
@@ -298,32 +298,6 @@ def _host_activations(key: ModelKey, fields: tuple, work: Workload, pp_rank: int
     return max(sum(n * b for n, b in zip(vec, moved, strict=False)) for vec in vectors)
 
 
-def comm_buffer_bytes(model: ModelConfig, layout: Layout, work: Workload) -> float:
-    """Buffers of the collectives in flight (the same on every pipeline rank)."""
-    L, t, ab = layout, layout.tp, work.act_bytes
-    sp = L.sequence_parallel and t > 1
-    s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
-    comm = 0.0
-    # no term for data parallelism's gradient buckets: the gradients live in the buckets and are
-    # reduced in place (``hybridpar train --dry-run`` measures no other tensor; NCCL's own staging
-    # buffers are the allocator term's communicators, :mod:`.allocator`)
-    if L.zero_stage == 3 and L.pp == 1:  # one gathered layer in use and the prefetched next one (pp: in params)
-        kinds = {0, *model.moe_layer_ids()[:1]}  # a dense layer (if any) and an MoE layer
-        layer = max(sum(math.prod(sh) for _, sh in layer_shapes(model, t, i, L.ep)) for i in kinds)
-        comm += 2 * work.param_bytes * layer
-    # no term for tensor parallelism: its all-reduces run in place and an SP gather's output is a
-    # saved activation; at the peak (the loss) none is in flight (``hybridpar train --dry-run``)
-    if L.pp > 1:  # one send and one receive buffer per direction
-        comm += 4 * s * b * h * ab / (t if sp else 1)
-    if L.cp > 1:  # ring attention: the K and V blocks in use and the ones arriving
-        comm += 2 * 2 * s * b * model.n_kv_heads * model.head_dim * ab / t
-    if L.ep > 1 and model.moe_layer_ids():  # the dispatch's rows to send and the rows received
-        load = rank_load(work.moe_imbalance, L.ep, model.n_experts)
-        _, _, rows = dispatch_rows(s * b, model.experts_per_token, L.ep, load)
-        comm += (model.experts_per_token * s * b + rows) * h * work.param_bytes
-    return comm
-
-
 def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int) -> MemoryReport:
     """Memory of pipeline rank ``pp_rank`` (see the module docstring for every term)."""
     return _rank_memory(model, model_key(model), layout, work, pp_rank,
@@ -331,11 +305,11 @@ def rank_memory(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int
 
 
 def _rank_memory(model: ModelConfig, key: ModelKey, L: Layout, work: Workload, pp_rank: int,
-                 comm: float, parts: tuple[ModelStates, tuple[float, float, int]] | None = None) -> MemoryReport:
+                 comm: CommBuffers, parts: tuple[ModelStates, tuple[float, float, int]] | None = None) -> MemoryReport:
     st, (acts, logits, in_flight) = parts or _rank_parts(key, L, work, pp_rank)
     overhead = gpu_overhead(acts + logits, communicators(L.dp, L.tp, L.pp, L.cp))
     comps = {"params": float(st.params), "grads": float(st.grads), "optimizer": float(st.optimizer),
-             "activations": acts, "logits": logits, "comm_buffers": comm, "overhead": overhead}
+             "activations": acts, "logits": logits, "comm_buffers": comm.at_peak(logits), "overhead": overhead}
     host = float(st.cpu_optimizer) + _host_activations(key, _activation_fields(L), work, pp_rank)
     return MemoryReport(comps, pp_rank, host, in_flight, disk_bytes=float(st.disk))
 
@@ -395,11 +369,11 @@ def rank_state_numels(key: ModelKey, L: Layout, pp_rank: int) -> tuple[int, int]
     return full, rank_numel(*args, n, L.ep, "dense", **vs) + rank_numel(*args, expert_group(L)[1], L.ep, "experts", **vs)
 
 
-def _total(st: ModelStates, acts: float, logits: float, comm: float, axes: int) -> float:
+def _total(st: ModelStates, acts: float, logits: float, comm: CommBuffers, axes: int) -> float:
     """``MemoryReport.total`` of these parts (the same sum, in the same order); ``axes`` mesh axes
     with peers."""
     overhead = gpu_overhead(acts + logits, axes)
-    return sum((float(st.params), float(st.grads), float(st.optimizer), acts, logits, comm, overhead))
+    return sum((float(st.params), float(st.grads), float(st.optimizer), acts, logits, comm.at_peak(logits), overhead))
 
 
 def candidate_ranks(key: ModelKey, pp: int, virtual_stages: int, kind: str,

@@ -12,7 +12,8 @@ Scaling overhead (``parallel/fp8``): quantizing an operand of ``e`` elements rea
 quantizes ``x`` and ``W`` in forward and ``dy`` once in backward (its ``dW`` reuses them);
 rowwise quantizes ``x`` and ``W`` in forward, ``dy`` and ``W`` again (other axis) for ``dx``,
 and ``dy`` and ``x`` again for ``dW``. The amax all-reduces under tp and cp are a few floats
-each (latency only) and are left out. Experts (grouped GEMMs) and attention stay bf16.
+each: their bytes are counted (:func:`amax_all_reduces`), their time (latency only) left out.
+Experts (grouped GEMMs) and attention stay bf16.
 
 FP8 parameter all-gather (``fp8.all_gather``, ZeRO-3 with tensorwise FP8): the FP8
 linears' weights (:func:`is_fp8_weight`) cross ZeRO-3's all-gathers at 1 byte per element
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from hybridpar.config import ModelConfig
 from hybridpar.planner.machine.hardware import GPUSpec, PlanError
+from hybridpar.planner.model.layout import Layout, Workload
 from hybridpar.planner.model.shapes import FP8_LINEARS, is_fp8_weight, shard_elems
 
-__all__ = ["FP8_LINEARS", "fp8_gemm_deltas", "is_fp8_weight", "zero3_gather"]
+__all__ = ["FP8_LINEARS", "amax_all_reduces", "fp8_gemm_deltas", "is_fp8_weight", "zero3_gather"]
 
 
 def zero3_gather(add: Callable[..., None], axis: str, n: int, unit: Sequence[tuple[str, tuple[int, ...]]],
@@ -42,6 +45,39 @@ def zero3_gather(add: Callable[..., None], axis: str, n: int, unit: Sequence[tup
     add("all_gather", axis, n, shard_elems(rest, n) * elem + shard_elems(weights, n), times)
     if weights:
         add("all_reduce", axis, n, 4 * len(weights), times)
+
+
+def amax_all_reduces(add: Callable[..., None], model: ModelConfig, L: Layout, work: Workload, n_dense: int,
+                     n_moe: int, m: int, gathered: bool) -> None:
+    """The FP8 linears' amax all-reduces (fp32, 4 bytes per amax) in ``n_dense`` dense and ``n_moe``
+    MoE layers (their attention's four linears), ``m`` micro-batches, into ``add`` (as
+    ``planner.price.traffic`` counts). As :class:`hybridpar.parallel.fp8.Fp8Layout` reduces them:
+    a column-parallel linear ``[N/t, K]`` over tp its ``W`` (forward) and ``dy`` (backward),
+    a row-parallel one ``[N, K/t]`` its ``x`` and ``W`` (forward); every linear over cp its ``x``
+    and ``dy``. Tensorwise, one scalar each (no ``W``'s when ZeRO-3 gathers it in FP8,
+    ``gathered``); rowwise, vectors: column ``dy`` per token and ``W`` per input feature for
+    ``dx``, row ``x`` per token and ``W`` per output feature in forward, and for ``dW`` over cp
+    ``dy`` and ``x`` per feature. Full recomputation reruns the forward's, the down projection's
+    too: torch's checkpoint stops after its saved operands, quantized before its GEMM."""
+    if work.fp8 == "none":
+        return
+    h, f, q, kv = model.dim, model.ffn_hidden, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    t, tok, n = L.tp, L.micro_batch * (work.seq_len // L.cp), n_dense + n_moe
+    rerun = m if L.recompute == "full" else 0
+    w = 0 if gathered else 1
+    if work.fp8 == "tensorwise":
+        linears, rows = 7 * n_dense + 4 * n_moe, 2 * n_dense + n_moe
+        add("all_reduce", "tp", t, 4 * (1 + w) * linears, m)
+        add("all_reduce", "cp", L.cp, 4 * 2 * linears, m)
+        add("all_reduce", "tp", t, 4 * (w * linears + rows), rerun)  # each W, and the row-parallel x
+        add("all_reduce", "cp", L.cp, 4 * linears, rerun)
+        return
+    column = [(q, h), (kv, h), (kv, h)] * n + [(f, h), (f, h)] * n_dense  # (N, K) of the whole weight
+    row = [(h, q)] * n + [(h, f)] * n_dense
+    add("all_reduce", "tp", t, 4 * sum(tok + k for _, k in column) + 4 * sum(tok + nn for nn, _ in row), m)
+    add("all_reduce", "cp", L.cp, 4 * sum(nn // t + k for nn, k in column) + 4 * sum(nn + k // t for nn, k in row), m)
+    add("all_reduce", "tp", t, 4 * (tok + h) * len(row), rerun)  # the rerun forward's row-parallel x, W
+
 
 _QUANT_BYTES = 5  # per element: read for the amax, read again, write one FP8 byte
 _QUANT_KERNELS = 3

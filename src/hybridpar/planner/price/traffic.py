@@ -65,7 +65,7 @@ from hybridpar.planner.model.shapes import (
     v_shaped,
 )
 from hybridpar.planner.price.cp import cp_collectives
-from hybridpar.planner.price.fp8 import zero3_gather
+from hybridpar.planner.price.fp8 import amax_all_reduces, zero3_gather
 from hybridpar.rules import fp8_gathers
 
 Shape = tuple[int, ...]
@@ -256,8 +256,9 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
     # context parallelism: ring attention's K/V hops, Ulysses' all-to-alls (and their reruns)
     cp_collectives(add, model, L, work, n_c, m, rerun)
     moe_ids = set(model.moe_layer_ids())
-    _moe_collectives(add, model, L, work, sum(i in moe_ids for i in c.layers), m, 1,
-                     m if L.recompute == "full" else 0, load)  # ZB's W runs no collective
+    n_moe = sum(i in moe_ids for i in c.layers)
+    _moe_collectives(add, model, L, work, n_moe, m, 1, m if L.recompute == "full" else 0, load)  # ZB's W: none
+    amax_all_reduces(add, model, L, work, n_c - n_moe, n_moe, m, fp8_gathers(work.fp8, work.fp8_all_gather, L.zero_stage))
 
 
 def _pipeline_p2p(add: Adder, model: ModelConfig, L: Layout, work: Workload, chunks: list[ChunkSpec],
