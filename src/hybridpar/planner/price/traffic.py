@@ -60,6 +60,7 @@ from hybridpar.planner.model.moe import is_expert, rank_load, replicated_ffn
 from hybridpar.planner.model.shapes import (
     layer_partition,
     layer_shapes,
+    mtp_shapes,
     padded,
     shard_elems,
     v_shaped,
@@ -89,7 +90,7 @@ def model_params(model: ModelConfig, tp: int, ep: int = 1) -> Named:
     out.append(("norm.weight", (model.dim,)))
     if not model.tie_embeddings:
         out.append(("output.weight", (vocab, model.dim)))
-    return out
+    return out + mtp_shapes(model, tp, ep)
 
 
 def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> Named:
@@ -119,6 +120,7 @@ def rank_chunk_params(model: ModelConfig, layout: Layout, pp_rank: int) -> list[
             chunk.append(("norm.weight", (model.dim,)))
             if not model.tie_embeddings:
                 chunk.append(("output.weight", (vocab, model.dim)))
+            chunk += mtp_shapes(model, layout.tp, layout.ep)
         out.append(chunk)
     return out
 
