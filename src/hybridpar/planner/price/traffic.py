@@ -259,6 +259,8 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
     moe_ids = set(model.moe_layer_ids())
     _moe_collectives(add, model, L, work, sum(i in moe_ids for i in c.layers), m, 1,
                      m if L.recompute == "full" else 0, load)  # ZB's W runs no collective
+    if c.head and model.n_experts:  # the MTP modules' MoE layers (not recomputed)
+        _moe_collectives(add, model, L, work, model.mtp_layers, m, 1, 0, load)
 
 
 def _pipeline_p2p(add: Adder, model: ModelConfig, L: Layout, work: Workload, chunks: list[ChunkSpec],
@@ -326,7 +328,7 @@ def _step_scalars(add: Adder, model: ModelConfig, L: Layout, work: Workload, nam
     if model.moe_layer_ids():
         # the step's MoE statistics (Engine.moe_step_stats): every router's float64 load and the
         # auxiliary losses' sum, over tp (SP), pp and dp x cp (the bias update reuses that load)
-        load = len(model.moe_layer_ids()) * model.n_experts * 8
+        load = (len(model.moe_layer_ids()) + model.mtp_layers) * model.n_experts * 8  # MTP's routers too
         for axis, size in (("tp", t if sp else 1), ("pp", L.pp), (zero_axis, n)):
             add("all_reduce", axis, size, load + 8)
     if work.precision == "fp16":
