@@ -114,7 +114,7 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
     :class:`~hybridpar.parallel.context.RingPlan` does not skip (``work``), on
     ``n_heads / (tp * ulysses)`` heads. Recomputation: ``full`` reruns a layer's forward up to
     the last tensor its backward needs (torch's checkpoint stops early: the down projection's
-    output is never recomputed), ``selective`` the attention forward; the chunked loss
+    output, an MoE layer's shared experts' one, is never recomputed), ``selective`` the attention forward; the chunked loss
     (``train.loss_chunk_tokens`` below a micro-batch's tokens) the head's forward."""
 
     model, S, p = cfg.model, work.seq_len, cfg.parallel
@@ -126,11 +126,12 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
     ulysses, ring = p.cp_split() if layout.cp > 1 else (1, 1)
     scores = S * S if ring == 1 else RingPlan.for_layout(S, ring, cp_rank // ulysses).work
     heads = model.n_heads / (layout.tp * ulysses)
-    width = mla_core_width(model)[1] if model.mla else model.head_dim  # (QK + AV channels) / 2 per head
+    width = mla_core_width(model)[1] if model.mla else model.head_dim  # MLA: values padded to qk
     attn_fwd = 4.0 * width * heads * scores * (work.global_batch // layout.dp)  # per layer, this rank
     total = sum(matmul) * tokens / layout.tp + 3.5 * attn_fwd * len(layers)
     if layout.recompute == "full":
-        down = [2.0 * model.dim * model.ffn_hidden if i not in model.moe_layer_ids() else 0.0 for i in layers]
+        shared = 2.0 * model.dim * model.n_shared_experts * model.expert_hidden  # an MoE layer's last matmul
+        down = [2.0 * model.dim * model.ffn_hidden if i not in model.moe_layer_ids() else shared for i in layers]
         total += sum(f / 3 - d for f, d in zip(matmul, down, strict=True)) * tokens / layout.tp
     if layout.recompute in ("full", "selective"):
         total += attn_fwd * len(layers)

@@ -8,8 +8,9 @@ Per token, with ``H`` heads (``H / tp`` on a rank), ``qk = qk_nope + qk_rope``:
 * the per-head up-projections split by head: ``wq_b`` (``q_lora_rank -> H qk``; or ``wq``,
   ``dim -> H qk``) and ``wkv_b`` (``kv_lora_rank -> H (qk_nope + v_head_dim)``), and ``wo``
   (``H v_head_dim -> dim``);
-* the core: scores over ``qk`` channels and values of ``v_head_dim``, i.e. Llama's core with a
-  head of ``(qk + v_head_dim) / 2`` channels (the same FLOPs).
+* the core: scores over ``qk`` channels and values of ``v_head_dim`` zero-padded to ``qk``
+  (:class:`~hybridpar.models.deepseek_v3.MLAttention`: the fused kernels take one head size),
+  i.e. Llama's core with a head of ``qk`` channels.
 
 Its parameters (:func:`mla_shapes`) are :class:`~hybridpar.models.deepseek_v3.MLAttention`'s in
 registration order, split as :mod:`hybridpar.models.deepseek_v3.parallelize` splits them.
@@ -34,8 +35,9 @@ def mla_gemms(model: ModelConfig, tp: int, tok: float) -> list[tuple[float, floa
 
 
 def mla_core_width(model: ModelConfig) -> tuple[float, float]:
-    """``(all heads' channels, one head's)`` of the attention core as Llama's core of equal FLOPs."""
-    d = (model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim) / 2
+    """``(all heads' channels, one head's)`` of the attention core as Llama's core: the query/key
+    head size, the values padded to it (module doc)."""
+    d = model.qk_nope_head_dim + model.qk_rope_head_dim
     return model.n_heads * d, d
 
 

@@ -126,10 +126,7 @@ def rank_chunk_params(model: ModelConfig, layout: Layout, pp_rank: int) -> list[
 
 
 def _numel(shape: Shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape)
 
 
 def buckets(shapes: Iterable[Shape], elem: int, bucket_bytes: int) -> list[list[Shape]]:
