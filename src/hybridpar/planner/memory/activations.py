@@ -90,9 +90,28 @@ def llama_layer_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, reco
     def norm(consumers: int) -> float:
         return ((4 + r) * h + 4) / shard + (consumers if autocast else 1) * a * h
 
-    core = 0.0 if recompute == "selective" else 4 * heads / t + (a * model.n_heads * model.head_dim / t if cp > 1 else 0.0)
-    attn = a * (2 * model.n_heads * model.head_dim + 2 * kv) / t + core  # q and the output: heads x head dim
+    q = model.n_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim if model.mla else model.head_dim)
+    core = 0.0 if recompute == "selective" else 4 * heads / t + (a * q / t if cp > 1 else 0.0)
+    if model.mla:
+        attn = mla_attention_bytes(model, a, t, recompute == "selective") + core
+        return s * b * (norm(2) + norm(2) + attn + 4 * a * f / t)
+    attn = a * (2 * q + 2 * kv) / t + core  # q and the output: heads x head dim
     return s * b * (norm(3) + norm(2) + attn + 4 * a * f / t)
+
+
+def mla_attention_bytes(model: ModelConfig, a: int, t: int, selective: bool) -> float:
+    """Bytes per token DeepSeek-V3's latent attention (:class:`~hybridpar.models.deepseek_v3.MLAttention`)
+    keeps for backward besides its input norm and the core's log-sum-exp: each inner RMSNorm
+    (``q_norm`` over ``q_lora_rank``, ``kv_norm`` over ``kv_lora_rank``, on every tp rank) its fp32
+    input, ``rsqrt``, its output cast back and the up-projection's input, ``(4 + 2a) n + 4`` (in
+    fp32 the input is a view of ``wkv_a``'s output, whose rope key columns come along); the fused
+    core's q, k and the values padded to ``qk`` channels (``3 a H qk / t``), its output (not under
+    selective recompute, which reruns the core) and ``wo``'s input, a copy of the output's first
+    ``v_head_dim`` channels (``a H v / t``)."""
+    heads, qk = model.n_heads / t, model.qk_nope_head_dim + model.qk_rope_head_dim
+    q_norm = (4 + 2 * a) * model.q_lora_rank + 4 if model.q_lora_rank else 0
+    kv_norm = (4 + 2 * a) * model.kv_lora_rank + 4 + (4 * model.qk_rope_head_dim if a == 4 else 0)
+    return q_norm + kv_norm + a * heads * ((3 if selective else 4) * qk + model.v_head_dim)
 
 
 def compiled_layer_bytes(model: ModelConfig, s: int, b: int, recompute: str, act_bytes: int = 2,
