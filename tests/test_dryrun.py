@@ -15,6 +15,7 @@ import json
 import pytest
 import torch.distributed as dist
 from layouts import make_config
+from test_deepseek_v3_layouts import DS, MTP
 
 from hybridpar.config import ConfigError
 from hybridpar.training.dryrun import default_ranks, dry_run
@@ -27,6 +28,12 @@ LAYOUTS = {
     "moe-ep2-chunked-loss": ["--model.family", "mixtral", "--model.n_experts", "4", "--model.experts_per_token", "2",
                              "--model.moe_ffn_hidden", "32", "--parallel.dp", "2", "--parallel.ep", "2",
                              "--train.loss_chunk_tokens", "16"],
+    # DeepSeek-V3 (tests/test_deepseek_v3_layouts.py's tiny model): latent attention's projections and
+    # norms, its core over qk channels with values of v_head_dim, shared experts, the MTP module's
+    # projection, MoE layer and head (its routers' statistics, its all-to-alls, never recomputed)
+    "deepseek-v3-dp2-ep2-mtp": [*DS, *MTP, "--parallel.dp", "2", "--parallel.ep", "2"],
+    "deepseek-v3-dp2-full-no-q-lora": [*DS, "--model.q_lora_rank", "0", "--parallel.dp", "2",
+                                       "--parallel.recompute", "full"],
 }
 
 
@@ -96,6 +103,7 @@ MEMORY = {  # layouts whose peak live tensor bytes the planner's tensor term get
     "dp2-zero2-one-micro-batch": ["--parallel.dp", "2", "--parallel.zero_stage", "2", "--train.micro_batch", "4"],
     "tp2-sp-chunked-loss": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
                             "--train.loss_chunk_tokens", "16"],
+    "deepseek-v3-dp2": [*DS, "--parallel.dp", "2"],  # latent attention's saved tensors, MoE with shared experts
 }
 
 
