@@ -38,6 +38,7 @@ import math
 
 from hybridpar.config import ModelConfig
 from hybridpar.planner.model.layout import BlockStyle, Layout, Workload
+from hybridpar.planner.model.mla import mla_shapes
 from hybridpar.planner.model.moe import dispatch_rows, ffn_shapes, rank_load
 from hybridpar.planner.model.sac import op_layer_bytes
 
@@ -208,9 +209,12 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
 
 def layer_weight_cast_bytes(model: ModelConfig, layer: int, tp: int, ep: int, act_bytes: int) -> float:
     """Half copies of one layer's matmul weights that autocast (and the experts' explicit
-    casts) keep per forward: q/k/v/o, and the MLP or the router, routed and shared experts."""
+    casts) keep per forward: q/k/v/o (latent attention's projections), and the MLP or the router,
+    routed and shared experts."""
     h, q, kv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     ffn = sum(math.prod(s) for n, s in ffn_shapes(model, layer, tp, ep))
+    if model.mla:
+        return act_bytes * (sum(math.prod(s) for _, s in mla_shapes(model, tp) if len(s) == 2) + ffn)
     return act_bytes * ((2 * h * q + 2 * h * kv) / tp + ffn)
 
 

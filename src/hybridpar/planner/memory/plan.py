@@ -177,7 +177,8 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
         head = 2 * tok * h * a / shard + logits if chunk.head else 0.0
         return ChunkBytes(body, head, body + head)  # not modelled in detail: all of it until W
     autocast = a != r
-    body = layers + (2 * s * model.head_dim * 4 if n else 0)  # RoPE cos and sin
+    rope = model.qk_rope_head_dim if model.mla else model.head_dim
+    body = layers + (2 * s * rope * 4 if n else 0)  # RoPE cos and sin
     if autocast:  # half copies of the layers' matmul weights
         body += sum(layer_weight_cast_bytes(model, i, t, L.ep, a) for i in chunk.layers)
     if chunk.embedding:  # token ids (int64), and under tp the out-of-shard mask
