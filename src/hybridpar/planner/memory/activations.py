@@ -207,6 +207,27 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
     return dense - dense_ffn + moe_ffn_bytes(model, s, b, t, sp, a, r, layout.ep, load)
 
 
+def mtp_activation_bytes(model: ModelConfig, layout: Layout, work: Workload) -> float:
+    """Bytes the multi-token prediction modules (:class:`~hybridpar.models.deepseek_v3.MTP`) keep
+    for backward per micro-batch of ``T = b s`` tokens on the rank with the head (tp = cp = 1, the
+    layouts the runtime trains MTP under). Per module ``k`` and token: the rolled token ids (int64);
+    ``enorm`` and ``hnorm`` each its fp32 input (``hnorm``'s is, in fp32 without autocast, the final
+    norm's output the head already keeps), ``rsqrt`` and normalised output ``r h``; ``eh_proj``'s
+    input ``2 a h``; a decoder layer (:func:`layer_activation_bytes`, an MoE layer's when the model
+    has experts); the output norm and the logits' input, as the final norm; and ``F.cross_entropy``'s
+    fp32 log-softmax and targets on the ``s - k - 1`` positions whose target is in the sequence.
+    Under autocast: the projection's and the layer's half weight copies."""
+    s, b, h, a, r = work.seq_len // layout.cp, layout.micro_batch, model.dim, work.act_bytes, work.param_bytes
+    autocast, vocab = a != r, model.vocab_size
+    hnorm_in = 0 if r == 4 and not autocast else 4 * h
+    per_token = 8 + (4 * h + 4 + r * h) + (hnorm_in + 4 + r * h) + 2 * a * h + ((4 + r) * h + 4) + a * h
+    layer = layer_activation_bytes(model, layout, work, moe=model.n_experts > 0)
+    like = model.moe_layer_ids()[0] if model.n_experts else -1  # -1: a dense layer
+    casts = a * 2 * h * h + layer_weight_cast_bytes(model, like, layout.tp, layout.ep, a) if autocast else 0.0
+    loss = sum(b * max(s - k - 1, 0) * (4 * vocab + 8) + 4 for k in range(1, model.mtp_layers + 1))
+    return model.mtp_layers * (s * b * per_token + layer + casts) + loss
+
+
 def layer_weight_cast_bytes(model: ModelConfig, layer: int, tp: int, ep: int, act_bytes: int) -> float:
     """Half copies of one layer's matmul weights that autocast (and the experts' explicit
     casts) keep per forward: q/k/v/o (latent attention's projections), and the MLP or the router,

@@ -71,6 +71,7 @@ from hybridpar.planner.memory.activations import (
     layer_weight_cast_bytes,
     loss_backward_bytes,
     loss_chunked,
+    mtp_activation_bytes,
 )
 from hybridpar.planner.memory.activations import _loss_bytes as _loss_bytes
 from hybridpar.planner.memory.activations import gpt_layer_bytes as gpt_layer_bytes
@@ -193,6 +194,7 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
         head = tok * (((4 + r) * h + 4) / shard + a * h)  # final norm
         head += 4 if L.pp > 1 else 0  # the runner keeps the scaled loss
         head += _loss_bytes(work, tok, t, vocab)
+        head += mtp_activation_bytes(model, L, work) if model.mtp_layers else 0.0
         if autocast or loss_chunked(work, tok):
             head += a * vocab * h  # the head weight's cast (the chunked loss copies it in fp32 too)
     inputs, grads = deferred_layer_bytes(model, t, a, r)
