@@ -104,7 +104,7 @@ MEMORY = {  # layouts whose peak live tensor bytes the planner's tensor term get
     "tp2-sp-chunked-loss": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
                             "--train.loss_chunk_tokens", "16"],
     "deepseek-v3-dp2": [*DS, "--parallel.dp", "2"],  # latent attention's saved tensors, MoE with shared experts
-    "deepseek-v3-dp2-mtp-bf16": [*DS, *MTP, "--parallel.dp", "2", "--train.precision", "bf16"],  # the MTP module
+    "deepseek-v3-dp2-mtp": [*DS, *MTP, "--parallel.dp", "2"],  # the MTP module's activations on the head's rank
 }
 
 
