@@ -15,6 +15,7 @@ import json
 import pytest
 import torch.distributed as dist
 from layouts import make_config
+from test_deepseek_v3_layouts import DS, MTP
 
 from hybridpar.config import ConfigError
 from hybridpar.training.dryrun import default_ranks, dry_run
@@ -35,6 +36,12 @@ LAYOUTS = {
                                     "--parallel.recompute", "full"],
     "tp2-cp2-fp8-rowwise-full": [*FP8_SHAPE, "--fp8.recipe", "rowwise", "--parallel.tp", "2", "--parallel.cp", "2",
                                  "--parallel.recompute", "full"],
+    # DeepSeek-V3 (tests/test_deepseek_v3_layouts.py's tiny model): latent attention's projections and
+    # norms, its core over qk channels with values of v_head_dim, shared experts, the MTP module's
+    # projection, MoE layer and head (its routers' statistics, its all-to-alls, never recomputed)
+    "deepseek-v3-dp2-ep2-mtp": [*DS, *MTP, "--parallel.dp", "2", "--parallel.ep", "2"],
+    "deepseek-v3-dp2-full-no-q-lora": [*DS, "--model.q_lora_rank", "0", "--parallel.dp", "2",
+                                       "--parallel.recompute", "full"],
 }
 
 
@@ -120,6 +127,8 @@ MEMORY = {  # layouts whose peak live tensor bytes the planner's tensor term get
                            "--parallel.sequence_parallel", "true"],
     # the expert dispatch's buffers are not alive at the loss's backward (planner/memory/comm.py)
     "moe-ep2-dp2": [*ZERO3_SHAPE, *LAYOUTS["moe-ep2-chunked-loss"][:8], "--parallel.dp", "2", "--parallel.ep", "2"],
+    "deepseek-v3-dp2": [*DS, "--parallel.dp", "2"],  # latent attention's saved tensors, MoE with shared experts
+    "deepseek-v3-dp2-mtp": [*DS, *MTP, "--parallel.dp", "2"],  # the MTP module's activations on the head's rank
 }
 
 

@@ -151,13 +151,20 @@ class ModelConfig:
         """Training FLOPs per token of decoder layer ``layer``: 6 x its matmul parameters a token
         uses (an MoE layer's routed + shared experts and router, not all experts) + 12 x dim x
         seq_len for the attention scores (forward + backward = 3x forward, PaLM appendix B)."""
-        if self.mla:  # scores over qk_nope + qk_rope channels, values of v_head_dim, per head
-            scores = 6.0 * self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) * seq_len
+        if self.mla:
             matmuls = self.mla_params() - self.q_lora_rank - self.kv_lora_rank  # less the two norms
-            return 6.0 * (matmuls + self.active_ffn_params(layer)) + scores
+            return 6.0 * (matmuls + self.active_ffn_params(layer)) + self.score_flops(seq_len)
         attn = 2 * self.dim * self.n_heads * self.head_dim + 2 * self.dim * self.n_kv_heads * self.head_dim
         mlp = (2 * self.dim * self.ffn_hidden if self.family == "gpt2" else self.active_ffn_params(layer))
-        return 6.0 * (attn + mlp) + 12.0 * self.dim * seq_len
+        return 6.0 * (attn + mlp) + self.score_flops(seq_len)
+
+    def score_flops(self, seq_len: int) -> float:
+        """The attention-score term of :meth:`layer_flops` per token: PaLM's ``12 dim seq_len``;
+        under multi-head latent attention ``6 heads (qk_nope + qk_rope + v_head_dim) seq_len``
+        (scores over the query/key channels, values of ``v_head_dim``)."""
+        if self.mla:
+            return 6.0 * self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) * seq_len
+        return 12.0 * self.dim * seq_len
 
     def head_flops(self) -> float:
         """Training FLOPs per token of the output head (a matmul, tied or not); the embedding

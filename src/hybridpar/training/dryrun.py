@@ -31,10 +31,11 @@ from typing import Any
 import torch.distributed as dist
 
 from hybridpar import compat
-from hybridpar.config import Config, ConfigError
+from hybridpar.config import Config, ConfigError, ModelConfig
 from hybridpar.distributed.mesh import ParallelDims, Topology
 from hybridpar.parallel.context import RingPlan
 from hybridpar.planner.model.layout import Layout, Workload, from_config, model_key
+from hybridpar.planner.model.mla import mla_core_width
 from hybridpar.planner.model.shapes import layer_partition, v_shaped
 from hybridpar.training.dryrun_memory import LiveBytes, planned_memory
 from hybridpar.training.plancheck import planned_traffic
@@ -114,7 +115,7 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
     :class:`~hybridpar.parallel.context.RingPlan` does not skip (``work``), on
     ``n_heads / (tp * ulysses)`` heads. Recomputation: ``full`` reruns a layer's forward up to
     the last tensor its backward needs (torch's checkpoint stops early: the down projection's
-    output is never recomputed, but for an FP8 one, whose operands are saved when it returns), ``selective`` the attention forward; the chunked loss
+    output, an MoE layer's shared experts' one, is never recomputed, but for an FP8 one, whose operands are saved when it returns), ``selective`` the attention forward; the chunked loss
     (``train.loss_chunk_tokens`` below a micro-batch's tokens) the head's forward."""
 
     model, S, p = cfg.model, work.seq_len, cfg.parallel
@@ -122,22 +123,38 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
                              layout.pp > 1 and v_shaped(layout.pipeline_schedule)).for_rank(pp_rank)
     layers = [i for c in chunks for i in c.layers]
     tokens = work.global_batch * S // (layout.dp * layout.cp)
-    matmul = [model.layer_flops(i, S) - 12.0 * model.dim * S for i in layers]
+    matmul = [model.layer_flops(i, S) - model.score_flops(S) for i in layers]
     ulysses, ring = p.cp_split() if layout.cp > 1 else (1, 1)
     scores = S * S if ring == 1 else RingPlan.for_layout(S, ring, cp_rank // ulysses).work
     heads = model.n_heads / (layout.tp * ulysses)
-    attn_fwd = 4.0 * model.head_dim * heads * scores * (work.global_batch // layout.dp)  # per layer, this rank
+    width = mla_core_width(model)[1] if model.mla else model.head_dim  # MLA: values padded to qk
+    attn_fwd = 4.0 * width * heads * scores * (work.global_batch // layout.dp)  # per layer, this rank
     total = sum(matmul) * tokens / layout.tp + 3.5 * attn_fwd * len(layers)
     if layout.recompute == "full":
         early = work.fp8 == "none"  # an FP8 linear's operands are saved as its Function returns, after its GEMM
-        down = [2.0 * model.dim * model.ffn_hidden if early and i not in model.moe_layer_ids() else 0.0 for i in layers]
+        shared = 2.0 * model.dim * model.n_shared_experts * model.expert_hidden  # an MoE layer's last matmul (bf16)
+        down = [(2.0 * model.dim * model.ffn_hidden if early else 0.0) if i not in model.moe_layer_ids() else shared
+                for i in layers]
         total += sum(f / 3 - d for f, d in zip(matmul, down, strict=True)) * tokens / layout.tp
     if layout.recompute in ("full", "selective"):
         total += attn_fwd * len(layers)
     chunked = 0 < work.loss_chunk_tokens < layout.micro_batch * S // layout.cp  # the chunked loss's
     head = model.head_flops() * (4 / 3 if chunked else 1)  # backward projects each chunk again
     total += sum(head for c in chunks if c.head) * tokens / layout.tp
+    if model.mtp_layers and any(c.head for c in chunks):
+        total += _mtp_flops(model, S, work.global_batch // layout.dp, layout.tp) + 3.5 * attn_fwd * model.mtp_layers
     return round(total)
+
+
+def _mtp_flops(model: ModelConfig, seq: int, sequences: int, tp: int) -> float:
+    """The matmul FLOPs of the multi-token prediction modules on ``sequences`` sequences of
+    ``seq`` tokens (forward and backward, never recomputed): per module ``k`` its ``[2 dim ->
+    dim]`` projection and decoder layer (an MoE layer's when the model has experts) on every
+    token, the shared head on the ``seq - k - 1`` positions whose target is in the sequence."""
+    like = model.moe_layer_ids()[0] if model.n_experts else -1  # -1: a dense layer
+    block = 12.0 * model.dim * model.dim + model.layer_flops(like, seq) - model.score_flops(seq)
+    heads = sum(max(seq - k - 1, 0) for k in range(1, model.mtp_layers + 1)) * model.head_flops()
+    return (model.mtp_layers * block * seq + heads) * sequences / tp
 
 
 def run_rank(cfg: Config, rank: int, why: str, steps: int = 2) -> RankRun:

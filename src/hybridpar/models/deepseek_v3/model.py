@@ -12,9 +12,11 @@ norm, head) with three differences:
   (DeepSeek's checkpoints store those channels as interleaved pairs: ``cfg.rope_interleave``
   reorders them to halves first, which changes no dot product). The softmax scale is
   ``(qk_nope + qk_rope)^-1/2``, times ``mscale^2`` under yarn with ``mscale_all_dim`` (folded
-  into the query, so the attention core is the generic one that context parallelism replaces;
-  a replaced core, whose ring and all-to-all move keys and values of one size, gets the values
-  zero-padded to the query/key head size and returns them cut back: the same numbers).
+  into the query, so the attention core is the generic one that context parallelism replaces).
+  The core gets the values zero-padded to the query/key head size and returns them cut back
+  (the same numbers): the fused attention kernels (the CPU's, the GPU's flash) take one head
+  size for q, k and v, and without them torch's math path keeps the ``T x T`` probabilities for
+  backward; the ring's and all-to-all's keys and values are then of one size too.
 * **MoE layers** after the first ``first_k_dense_replace`` (= ``cfg.moe_layers``): sigmoid
   scores, group-limited top-k, ``routed_scaling_factor`` and shared experts, all in
   :class:`~hybridpar.models.moe.Router`/:class:`~hybridpar.models.moe.MoE`.
@@ -100,7 +102,7 @@ class MLAttention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
-        pad = q.shape[-1] - self.v_dim if "core" in vars(self) else 0  # a parallel core: k and v of one size
+        pad = q.shape[-1] - self.v_dim  # the fused kernels and the parallel cores take one head size
         v = F.pad(v, (0, pad)) if pad > 0 else v.contiguous()
         out = self.core(q, k, v) if docs is None else self.core(q, k, v, docs)
         out = out[..., : self.v_dim] if pad > 0 else out

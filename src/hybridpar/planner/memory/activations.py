@@ -39,6 +39,7 @@ import math
 
 from hybridpar.config import ModelConfig
 from hybridpar.planner.model.layout import BlockStyle, Layout, Workload
+from hybridpar.planner.model.mla import mla_shapes
 from hybridpar.planner.model.moe import dispatch_rows, ffn_shapes, rank_load
 from hybridpar.planner.model.sac import op_layer_bytes
 
@@ -91,9 +92,28 @@ def llama_layer_bytes(model: ModelConfig, s: int, b: int, t: int, sp: bool, reco
     def norm(consumers: int) -> float:
         return ((4 + r) * h + 4) / shard + (consumers if autocast else 1) * a * h
 
-    core = 0.0 if recompute == "selective" else 4 * heads / t + (a * model.n_heads * model.head_dim / t if cp > 1 else 0.0)
-    attn = a * (2 * model.n_heads * model.head_dim + 2 * kv) / t + core  # q and the output: heads x head dim
+    q = model.n_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim if model.mla else model.head_dim)
+    core = 0.0 if recompute == "selective" else 4 * heads / t + (a * q / t if cp > 1 else 0.0)
+    if model.mla:
+        attn = mla_attention_bytes(model, a, t, recompute == "selective") + core
+        return s * b * (norm(2) + norm(2) + attn + 4 * a * f / t)
+    attn = a * (2 * q + 2 * kv) / t + core  # q and the output: heads x head dim
     return s * b * (norm(3) + norm(2) + attn + 4 * a * f / t)
+
+
+def mla_attention_bytes(model: ModelConfig, a: int, t: int, selective: bool) -> float:
+    """Bytes per token DeepSeek-V3's latent attention (:class:`~hybridpar.models.deepseek_v3.MLAttention`)
+    keeps for backward besides its input norm and the core's log-sum-exp: each inner RMSNorm
+    (``q_norm`` over ``q_lora_rank``, ``kv_norm`` over ``kv_lora_rank``, on every tp rank) its fp32
+    input, ``rsqrt``, its output cast back and the up-projection's input, ``(4 + 2a) n + 4`` (in
+    fp32 the input is a view of ``wkv_a``'s output, whose rope key columns come along); the fused
+    core's q, k and the values padded to ``qk`` channels (``3 a H qk / t``), its output (not under
+    selective recompute, which reruns the core) and ``wo``'s input, a copy of the output's first
+    ``v_head_dim`` channels (``a H v / t``)."""
+    heads, qk = model.n_heads / t, model.qk_nope_head_dim + model.qk_rope_head_dim
+    q_norm = (4 + 2 * a) * model.q_lora_rank + 4 if model.q_lora_rank else 0
+    kv_norm = (4 + 2 * a) * model.kv_lora_rank + 4 + (4 * model.qk_rope_head_dim if a == 4 else 0)
+    return q_norm + kv_norm + a * heads * ((3 if selective else 4) * qk + model.v_head_dim)
 
 
 def compiled_layer_bytes(model: ModelConfig, s: int, b: int, recompute: str, act_bytes: int = 2,
@@ -190,17 +210,41 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
     return dense - dense_ffn + moe_ffn_bytes(model, s, b, t, sp, a, r, layout.ep, load)
 
 
+def mtp_activation_bytes(model: ModelConfig, layout: Layout, work: Workload) -> float:
+    """Bytes the multi-token prediction modules (:class:`~hybridpar.models.deepseek_v3.MTP`) keep
+    for backward per micro-batch of ``T = b s`` tokens on the rank with the head (tp = cp = 1, the
+    layouts the runtime trains MTP under). Per module ``k`` and token: the rolled token ids (int64);
+    ``enorm`` and ``hnorm`` each its fp32 input (``hnorm``'s is, in fp32 without autocast, the final
+    norm's output the head already keeps), ``rsqrt`` and normalised output ``r h``; ``eh_proj``'s
+    input ``2 a h``; a decoder layer (:func:`layer_activation_bytes`, an MoE layer's when the model
+    has experts); the output norm and the logits' input, as the final norm; and ``F.cross_entropy``'s
+    fp32 log-softmax and targets on the ``s - k - 1`` positions whose target is in the sequence.
+    Under autocast: the projection's and the layer's half weight copies."""
+    s, b, h, a, r = work.seq_len // layout.cp, layout.micro_batch, model.dim, work.act_bytes, work.param_bytes
+    autocast, vocab = a != r, model.vocab_size
+    hnorm_in = 0 if r == 4 and not autocast else 4 * h
+    per_token = 8 + (4 * h + 4 + r * h) + (hnorm_in + 4 + r * h) + 2 * a * h + ((4 + r) * h + 4) + a * h
+    layer = layer_activation_bytes(model, layout, work, moe=model.n_experts > 0)
+    like = model.moe_layer_ids()[0] if model.n_experts else -1  # -1: a dense layer
+    casts = a * 2 * h * h + layer_weight_cast_bytes(model, like, layout.tp, layout.ep, a) if autocast else 0.0
+    loss = sum(b * max(s - k - 1, 0) * (4 * vocab + 8) + 4 for k in range(1, model.mtp_layers + 1))
+    return model.mtp_layers * (s * b * per_token + layer + casts) + loss
+
+
 def layer_weight_cast_bytes(model: ModelConfig, layer: int, tp: int, ep: int, act_bytes: int,
                             fp8: str = "none") -> float:
     """Half copies of one layer's matmul weights that autocast (and the experts' explicit
-    casts) keep per forward: q/k/v/o, and the MLP or the router, routed and shared experts.
-    ``fp8`` (``fp8.recipe``): its linears (attention, a dense MLP) keep their weight quantized,
-    1 byte per element (tensorwise), or the master weight itself (rowwise), instead."""
+    casts) keep per forward: q/k/v/o (latent attention's projections), and the MLP or the router,
+    routed and shared experts. ``fp8`` (``fp8.recipe``): its linears (attention, a dense MLP) keep
+    their weight quantized, 1 byte per element (tensorwise), or the master weight itself
+    (rowwise), instead (latent attention's projections too: every linear of a block is FP8)."""
     h, q, kv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     ffn = sum(math.prod(s) for n, s in ffn_shapes(model, layer, tp, ep))
     per = {"none": act_bytes, "tensorwise": 1, "rowwise": 0}[fp8]
-    dense = layer not in model.moe_layer_ids()
-    return per * (2 * h * q + 2 * h * kv) / tp + (per if dense else act_bytes) * ffn
+    mlp = (per if layer not in model.moe_layer_ids() else act_bytes) * ffn
+    if model.mla:
+        return per * sum(math.prod(s) for _, s in mla_shapes(model, tp) if len(s) == 2) + mlp
+    return per * (2 * h * q + 2 * h * kv) / tp + mlp
 
 
 def fp8_layer_delta(model: ModelConfig, s: int, b: int, t: int, recipe: str, act_bytes: int,

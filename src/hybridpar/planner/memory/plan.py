@@ -70,6 +70,7 @@ from hybridpar.planner.memory.activations import (
     layer_weight_cast_bytes,
     loss_backward_bytes,
     loss_chunked,
+    mtp_activation_bytes,
 )
 from hybridpar.planner.memory.activations import _loss_bytes as _loss_bytes
 from hybridpar.planner.memory.activations import gpt_layer_bytes as gpt_layer_bytes
@@ -176,7 +177,8 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
         head = 2 * tok * h * a / shard + logits if chunk.head else 0.0
         return ChunkBytes(body, head, body + head)  # not modelled in detail: all of it until W
     autocast = a != r
-    body = layers + (2 * s * model.head_dim * 4 if n else 0)  # RoPE cos and sin
+    rope = model.qk_rope_head_dim if model.mla else model.head_dim
+    body = layers + (2 * s * rope * 4 if n else 0)  # RoPE cos and sin
     if autocast:  # half copies of the layers' matmul weights
         body += sum(layer_weight_cast_bytes(model, i, t, L.ep, a, work.fp8) for i in chunk.layers)
     if chunk.embedding:  # token ids (int64), and under tp the out-of-shard mask
@@ -191,6 +193,7 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
         head = tok * (((4 + r) * h + 4) / shard + a * h)  # final norm
         head += 4 if L.pp > 1 else 0  # the runner keeps the scaled loss
         head += _loss_bytes(work, tok, t, vocab)
+        head += mtp_activation_bytes(model, L, work) if model.mtp_layers else 0.0
         if autocast or loss_chunked(work, tok):
             head += a * vocab * h  # the head weight's cast (the chunked loss copies it in fp32 too)
     inputs, grads = deferred_layer_bytes(model, t, a, r)

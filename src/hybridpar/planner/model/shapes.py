@@ -11,9 +11,10 @@ from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.partition import Partition, partition_model
 from hybridpar.parallel.pipeline.schedules import Schedule
 from hybridpar.planner.model.layout import ModelKey, model_key, model_of
+from hybridpar.planner.model.mla import mla_shapes
 from hybridpar.planner.model.moe import ffn_shapes, is_expert
 
-__all__ = ["layer_partition", "layer_shapes", "numel", "padded", "rank_named_shapes", "rank_numel",
+__all__ = ["layer_partition", "layer_shapes", "mtp_shapes", "numel", "padded", "rank_named_shapes", "rank_numel",
            "rank_param_shapes", "v_shaped"]
 
 
@@ -36,17 +37,34 @@ def v_shaped(schedule: str) -> bool:
 def layer_shapes(model: ModelConfig, tp: int, layer: int, ep: int = 1) -> list[tuple[str, tuple[int, ...]]]:
     """Layer ``layer``'s parameters (names after ``layers.<i>.``) in registration order,
     tp-local (and for MoE experts ep-local) shapes: norms, q/k/v/o (with Qwen2's q/k/v biases and
-    Qwen3's q/k norms), the feed-forward
-    (:func:`hybridpar.planner.model.moe.ffn_shapes`: the dense MLP or an MoE layer's router and experts)."""
+    Qwen3's q/k norms; DeepSeek-V3's latent attention, :func:`~hybridpar.planner.model.mla.mla_shapes`),
+    the feed-forward (:func:`hybridpar.planner.model.moe.ffn_shapes`: the dense MLP or an MoE
+    layer's router and experts)."""
     h, hd = model.dim, model.head_dim
     q, kv = model.n_heads * hd // tp, model.n_kv_heads * hd // tp
     out: list[tuple[str, tuple[int, ...]]] = [("attention_norm.weight", (h,))]
-    for name, rows in (("wq", q), ("wk", kv), ("wv", kv)):  # Qwen2's biases split like their rows
-        out += [(f"attention.{name}.weight", (rows, h))] + ([(f"attention.{name}.bias", (rows,))] if model.qkv_bias else [])
-    out.append(("attention.wo.weight", (h, q)))
+    if model.mla:
+        out += mla_shapes(model, tp)
+    else:
+        for name, rows in (("wq", q), ("wk", kv), ("wv", kv)):  # Qwen2's biases split like their rows
+            out += [(f"attention.{name}.weight", (rows, h))] + ([(f"attention.{name}.bias", (rows,))] if model.qkv_bias else [])
+        out.append(("attention.wo.weight", (h, q)))
     if model.qk_norm:  # Qwen3's per-head norms, whole on every tp rank
         out += [("attention.q_norm.weight", (hd,)), ("attention.k_norm.weight", (hd,))]
     return [*out, ("ffn_norm.weight", (h,)), *((f"feed_forward.{n}", s) for n, s in ffn_shapes(model, layer, tp, ep))]
+
+
+def mtp_shapes(model: ModelConfig, tp: int, ep: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """The multi-token prediction modules' parameters (:class:`~hybridpar.models.deepseek_v3.MTP`,
+    registered after the head: ``mtp.<k>.``) in registration order: the two input norms, the
+    ``[2 dim -> dim]`` projection, a decoder layer (an MoE layer's when the model has experts) and
+    the output norm. The embedding and head are the model's."""
+    h = model.dim
+    like = model.moe_layer_ids()[0] if model.n_experts else -1  # -1: no MoE layer, a dense FFN
+    block = [(f"block.{n}", s) for n, s in layer_shapes(model, tp, like, ep)]
+    one = [("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)), *block,
+           ("norm.weight", (h,))]
+    return [(f"mtp.{k}.{n}", s) for k in range(model.mtp_layers) for n, s in one]
 
 
 def rank_named_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
@@ -67,6 +85,7 @@ def rank_named_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int,
             out.append(("norm.weight", (h,)))
             if not model.tie_embeddings or (pp > 1 and not v_shape):
                 out.append(("output.weight" if not model.tie_embeddings else "tok_embeddings.weight", (vocab, h)))
+            out += mtp_shapes(model, tp, ep)
     return out
 
 

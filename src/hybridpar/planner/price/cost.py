@@ -223,7 +223,7 @@ def _attention_core(model: ModelConfig, L: Layout, work: Workload, g: GPUSpec, s
                     tok: int) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core over the full (cp-gathered) keys."""
     ab, t, h, a = work.act_bytes, L.tp, model.dim, model.n_heads
-    h = mla_core_width(model)[0] if model.mla else h  # MLA: Llama's core of the same FLOPs
+    h = mla_core_width(model)[0] if model.mla else h  # MLA: Llama's core, the values padded to qk
     s_kv = work.seq_len
     if work.style is BlockStyle.MEGATRON:  # unfused: batched QK^T and AV GEMMs + scale-mask-softmax + dropout
         heads = L.micro_batch * a / t

@@ -60,6 +60,7 @@ from hybridpar.planner.model.moe import is_expert, rank_load, replicated_ffn
 from hybridpar.planner.model.shapes import (
     layer_partition,
     layer_shapes,
+    mtp_shapes,
     padded,
     shard_elems,
     v_shaped,
@@ -90,7 +91,7 @@ def model_params(model: ModelConfig, tp: int, ep: int = 1) -> Named:
     out.append(("norm.weight", (model.dim,)))
     if not model.tie_embeddings:
         out.append(("output.weight", (vocab, model.dim)))
-    return out
+    return out + mtp_shapes(model, tp, ep)
 
 
 def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> Named:
@@ -120,15 +121,12 @@ def rank_chunk_params(model: ModelConfig, layout: Layout, pp_rank: int) -> list[
             chunk.append(("norm.weight", (model.dim,)))
             if not model.tie_embeddings:
                 chunk.append(("output.weight", (vocab, model.dim)))
+            chunk += mtp_shapes(model, layout.tp, layout.ep)
         out.append(chunk)
     return out
 
 
-def _numel(shape: Shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+_numel = math.prod  # a shape's element count
 
 
 def buckets(shapes: Iterable[Shape], elem: int, bucket_bytes: int) -> list[list[Shape]]:
@@ -258,6 +256,8 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
     moe_ids = set(model.moe_layer_ids())
     n_moe = sum(i in moe_ids for i in c.layers)
     _moe_collectives(add, model, L, work, n_moe, m, 1, m if L.recompute == "full" else 0, load)  # ZB's W: none
+    if c.head and model.n_experts:  # the MTP modules' MoE layers (not recomputed)
+        _moe_collectives(add, model, L, work, model.mtp_layers, m, 1, 0, load)
     amax_all_reduces(add, model, L, work, n_c - n_moe, n_moe, m, fp8_gathers(work.fp8, work.fp8_all_gather, L.zero_stage))
 
 
@@ -326,7 +326,7 @@ def _step_scalars(add: Adder, model: ModelConfig, L: Layout, work: Workload, nam
     if model.moe_layer_ids():
         # the step's MoE statistics (Engine.moe_step_stats): every router's float64 load and the
         # auxiliary losses' sum, over tp (SP), pp and dp x cp (the bias update reuses that load)
-        load = len(model.moe_layer_ids()) * model.n_experts * 8
+        load = (len(model.moe_layer_ids()) + model.mtp_layers) * model.n_experts * 8  # MTP's routers too
         for axis, size in (("tp", t if sp else 1), ("pp", L.pp), (zero_axis, n)):
             add("all_reduce", axis, size, load + 8)
     if work.precision == "fp16":
