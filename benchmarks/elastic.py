@@ -31,13 +31,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from _spawn import free_port, listening
 
 from hybridpar.distributed.launch import SHARED_STORE_ENV
 
@@ -50,17 +51,6 @@ MODELS = {
 TRAIN = ["--train.steps", "4", "--train.checkpoint_every", "2", "--train.seq_len", "64", "--train.global_batch", "2",
          "--train.micro_batch", "1", "--train.log_every", "1", "--train.eval_every", "0", "--train.sample_tokens", "4",
          "--parallel.dp", "2"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 class Stamped:
@@ -88,7 +78,7 @@ class Stamped:
 
 def restart_time(model: str, last_call: int, keep_alive: int, run_dir: Path, log: Path | None = None) -> dict[str, float]:
     """One job with a lost node; the survivor's restart split into its parts (seconds)."""
-    port = _free_port()
+    port = free_port()
     job = ["train", *MODELS[model], *TRAIN, "--train.run_dir", str(run_dir), "--elastic", "1:2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO", SHARED_STORE_ENV: "1"}
     survivor = subprocess.Popen(
@@ -97,7 +87,7 @@ def restart_time(model: str, last_call: int, keep_alive: int, run_dir: Path, log
          "--max-restarts", "1", "--rdzv-conf", f"last_call_timeout={last_call},keep_alive_interval={keep_alive}", "-m", "hybridpar.cli", *job],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = Stamped(survivor)
-    while not _listening(port):
+    while not listening(port):
         if survivor.poll() is not None:
             raise RuntimeError("the survivor exited before its rendezvous store listened")
         time.sleep(0.05)

@@ -41,7 +41,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,27 +49,18 @@ import threading
 import time
 from pathlib import Path
 
+from _spawn import free_port, listening
+
 DEMO = ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--train.micro_batch", "4"]
 RUN = ["--train.log_every", "1", "--train.eval_every", "0", "--train.sample_tokens", "0"]
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 class Job:
     """One job of two launchers; their lines and the completed steps, time-stamped on arrival."""
 
     def __init__(self, run_dir: Path, steps: int, extra: list[str], restarts: int) -> None:
-        self.run_dir, self.port, self.rdzv_id = run_dir, _free_port(), f"goodput-{os.getpid()}-{time.time_ns()}"
+        self.run_dir, self.port, self.rdzv_id = run_dir, free_port(), f"goodput-{os.getpid()}-{time.time_ns()}"
         self.argv = ["train", *DEMO, *RUN, "--train.steps", str(steps), "--train.run_dir", str(run_dir), *extra,
                      "--elastic", "8:8", "--nproc", "4", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id",
                      self.rdzv_id, "--rdzv-conf", RDZV_CONF, "--max-restarts", str(restarts)]
@@ -79,7 +69,7 @@ class Job:
         self.stores: set[str] = set()  # the nodes' snapshot stores, as their workers name them
         self.steps: list[tuple[float, int]] = []  # (arrival, step) of every completed step, redone ones again
         self.nodes: list[subprocess.Popen] = [self._launch()]
-        while not _listening(self.port):  # node 0 hosts the rendezvous store: the one never lost
+        while not listening(self.port):  # node 0 hosts the rendezvous store: the one never lost
             if self.nodes[0].poll() is not None:
                 raise RuntimeError("the first launcher exited before its rendezvous store listened")
             time.sleep(0.05)

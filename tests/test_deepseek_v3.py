@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from test_families import hf_lib, one_line_error, rel_err
-from test_moe_families import assert_reads_back, save_random, saved_once
+from test_moe_families import assert_reads_back, router_gaps, save_random, saved_once
 
 from hybridpar.models.family import HFError
 from hybridpar.models.hf import (
@@ -91,32 +91,23 @@ def tokens(shape=(2, 24)) -> torch.Tensor:
     return torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(1))
 
 
-@torch.no_grad()
 def routing_margin(model: torch.nn.Module, x: torch.Tensor) -> float:
     """The smallest gap, over ``x``'s tokens and every router, between the last chosen and the
     first unchosen group score and expert score (as the router chooses: sigmoid + bias)."""
-    gaps: list[float] = []
 
     def gap(scores: torch.Tensor, k: int) -> float:
         top = scores.sort(-1, descending=True).values
         return (top[:, k - 1] - top[:, k]).min().item() if k < scores.shape[-1] else float("inf")
 
-    def hook(router: Router, args: tuple) -> None:
-        choose = F.linear(args[0], router.weight).float().sigmoid() + router.expert_bias
+    def gaps_of(router: Router, h: torch.Tensor) -> list[float]:
+        choose, out = F.linear(h, router.weight).float().sigmoid() + router.expert_bias, []
         if router.n_group > 1:
             grouped = choose.view(choose.shape[0], router.n_group, -1)
-            gaps.append(gap(grouped.topk(2, -1).values.sum(-1), router.topk_group))
+            out.append(gap(grouped.topk(2, -1).values.sum(-1), router.topk_group))
             choose = router._within_groups(choose)
-        gaps.append(gap(choose.nan_to_num(neginf=-1e9), router.k))
+        return [*out, gap(choose.nan_to_num(neginf=-1e9), router.k)]
 
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, Router)]
-    try:
-        model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    assert handles, "no MoE layer"
-    return min(gaps)
+    return router_gaps(model, x, gaps_of)
 
 
 # ----------------------------------------------------------------------------- import, generate

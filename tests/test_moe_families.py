@@ -129,15 +129,13 @@ def tokens(vocab: int = 256, shape=(2, 24)) -> torch.Tensor:
 
 
 @torch.no_grad()
-def min_logit_gap(model: torch.nn.Module, x: torch.Tensor) -> float:
-    """The smallest gap between a token's k-th and (k+1)-th router logit over ``x``'s tokens and
-    every MoE layer of our ``model`` (inf with k = E: nothing to choose)."""
-    gaps = []
+def router_gaps(model: torch.nn.Module, x: torch.Tensor, gaps_of) -> float:
+    """The smallest of the gaps ``gaps_of(router, input)`` lists for every router of our
+    ``model`` over ``x``'s tokens (inf when none lists one); a model without MoE layers fails."""
+    gaps: list[float] = []
 
     def hook(router: Router, args: tuple) -> None:
-        top = F.linear(args[0], router.weight).float().sort(-1, descending=True).values
-        if router.k < router.n_experts:
-            gaps.append((top[:, router.k - 1] - top[:, router.k]).min().item())
+        gaps.extend(gaps_of(router, args[0]))
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, Router)]
     try:
@@ -147,6 +145,17 @@ def min_logit_gap(model: torch.nn.Module, x: torch.Tensor) -> float:
             h.remove()
     assert handles, "no MoE layer"
     return min(gaps, default=float("inf"))
+
+
+def min_logit_gap(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """The smallest gap between a token's k-th and (k+1)-th router logit over ``x``'s tokens and
+    every MoE layer of our ``model`` (inf with k = E: nothing to choose)."""
+
+    def gaps_of(router: Router, h: torch.Tensor) -> list[float]:
+        top = F.linear(h, router.weight).float().sort(-1, descending=True).values
+        return [(top[:, router.k - 1] - top[:, router.k]).min().item()] if router.k < router.n_experts else []
+
+    return router_gaps(model, x, gaps_of)
 
 
 def fused_copy(hf, src: Path, dst: Path) -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import json
 
 from layouts import make_config
+from test_deepseek_v3_layouts import DS, MTP
 
 from hybridpar.cli import main
 from hybridpar.config import model_preset
@@ -24,14 +25,7 @@ from hybridpar.planner.model.layout import Workload
 from hybridpar.planner.search.search import search
 from hybridpar.training.dryrun_plan import check_layout
 
-# tests/test_deepseek_v3_layouts.py's small DeepSeek-V3, with one multi-token prediction module
-DS_MTP = ("--model.family", "deepseek_v3", "--model.n_layers", "3", "--model.n_kv_heads", "4",
-          "--model.q_lora_rank", "24", "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
-          "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "12", "--model.rope_interleave", "true",
-          "--model.n_experts", "8", "--model.experts_per_token", "2", "--model.moe_ffn_hidden", "32",
-          "--model.moe_layers", "1,2", "--model.router_score", "sigmoid", "--model.n_group", "4",
-          "--model.topk_group", "2", "--model.routed_scaling_factor", "2.5", "--model.n_shared_experts", "1",
-          "--model.aux_loss_coef", "0", "--model.seq_aux_loss_coef", "0.01", "--model.mtp_layers", "1")
+DS_MTP = (*DS, *MTP)  # tests/test_deepseek_v3_layouts.py's small DeepSeek-V3, one multi-token prediction module
 TINY = ["--model", "tiny", "--gpus", "8", "--global-batch", "16", "--seq-len", "128", "--json"]
 
 
