@@ -32,7 +32,6 @@ is ``predicted - measured`` bytes.
 from __future__ import annotations
 
 import os
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from hybridpar.planner.front.fit import (
     layout_and_workload,
     predict,
     predicted_rank_peak,
+    run_record,
     warm_step_times,
 )
 from hybridpar.planner.machine.allocator import RUN_OVER_IMPORT_BYTES
@@ -126,13 +126,10 @@ def check_run(cfg: Config, device: str, history: list[dict[str, Any]], memory: l
     step time, peak memory per rank and traffic per axis, and ``misses``, one line per term
     beyond the planner's stated accuracy. Never raises: a term the planner cannot price says
     why under ``unpriced``."""
-    layout, work = layout_and_workload(cfg)
-    times = warm_step_times(history)
-    record = RunRecord(run_dir, cfg.model, layout, work, layout.world_size, device,
-                       statistics.median(times) if times else 0.0, len(times), tuple(memory), cfg.train.hardware)
+    record = run_record(cfg, run_dir, device, warm_step_times(history), tuple(memory))
     out: dict[str, Any] = {}
     unpriced: dict[str, str] = {}
-    for term, price in (("step_time_s", lambda: _step_time(record, cfg, device, layout.world_size)),
+    for term, price in (("step_time_s", lambda: _step_time(record, cfg, device, record.world)),
                         ("peak_memory_bytes_per_rank", lambda: _memory(record, cfg, cpu_baseline)),
                         ("traffic_bytes_per_step", lambda: _traffic(cfg, rank0_traffic, differences))):
         try:

@@ -105,7 +105,6 @@ def read_run(run_dir: str | Path) -> RunRecord:
         raise PlanError(f"--from-run: {root / 'config.json'} is not a config")
     cfg = parse_config(doc, str(root / "config.json"))
     train = cfg.train
-    layout, work = layout_and_workload(cfg)
     times = _step_times(root / "metrics.jsonl")
     if not times:
         raise PlanError(f"--from-run: {root / 'metrics.jsonl'} logs no step_time_s after step 1; train a few "
@@ -113,8 +112,15 @@ def read_run(run_dir: str | Path) -> RunRecord:
     summary = _read_json(root / "summary.json") if (root / "summary.json").is_file() else {}
     peaks = tuple(int(x) for x in summary.get("peak_memory_bytes_per_rank", [])) if isinstance(summary, dict) else ()
     device = train.device if train.device in ("cpu", "cuda") else ("cuda" if _logged_gpu(root) else "cpu")
-    return RunRecord(root, cfg.model, layout, work, layout.world_size, device, statistics.median(times),
-                     len(times), peaks, train.hardware)
+    return run_record(cfg, root, device, times, peaks)
+
+
+def run_record(cfg: Config, root: Path, device: str, times: list[float], peaks: tuple[int, ...]) -> RunRecord:
+    """The :class:`RunRecord` of a run of ``cfg`` in ``root`` on ``device`` whose warm step times
+    were ``times`` (median taken; 0 when none) and per-rank peaks ``peaks``."""
+    layout, work = layout_and_workload(cfg)
+    return RunRecord(root, cfg.model, layout, work, layout.world_size, device,
+                     statistics.median(times) if times else 0.0, len(times), peaks, cfg.train.hardware)
 
 
 def layout_and_workload(cfg: Config) -> tuple[Layout, Workload]:

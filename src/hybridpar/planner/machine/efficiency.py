@@ -45,7 +45,6 @@ multipliers of each class's time fitted to a training run (``hybridpar plan --fr
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -108,18 +107,11 @@ _EFFICIENCIES: IdentityMemo[Efficiency] = IdentityMemo(256)
 def _efficiency_of(gpu: GPUSpec) -> Efficiency:
     if gpu.efficiency is not None:
         return gpu.efficiency
-    return _default_efficiency(gpu.name, gpu.launch_overhead, gpu.gemm_efficiency)
-
-
-@functools.lru_cache(maxsize=64)
-def _default_efficiency(name: str, launch: float, gemm: float) -> Efficiency:
-    """:func:`efficiency_of` for a device without its own table (cached: the search asks for it
-    once per GEMM priced, tens of thousands of times)."""
     for family, eff in DEFAULTS.items():
-        if name.upper().startswith(family):
-            return replace(eff, launch=launch)
-    return Efficiency(gemm=gemm, gemm_knee=0.0, attention=0.7, attention_bwd=1.0, attention_knee=0.0,
-                      memory=1.0, launch=launch, host=0.0, host_compiled=0.0)
+        if gpu.name.upper().startswith(family):
+            return replace(eff, launch=gpu.launch_overhead)
+    return Efficiency(gemm=gpu.gemm_efficiency, gemm_knee=0.0, attention=0.7, attention_bwd=1.0, attention_knee=0.0,
+                      memory=1.0, launch=gpu.launch_overhead, host=0.0, host_compiled=0.0)
 
 
 def _q(x: float) -> float:

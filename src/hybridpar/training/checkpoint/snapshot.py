@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridpar.config import Config
 from hybridpar.distributed.launch import SNAPSHOT_STORE_ENV
+from hybridpar.fsutil import atomic_write_text
 from hybridpar.parallel.zero import DataParallelOptimizer
 from hybridpar.training.checkpoint.durable import sha256, size_text
 from hybridpar.training.checkpoint.safe_metadata import CheckpointError
@@ -114,11 +115,8 @@ def publish(tmp: Path, shard: Path, meta: dict[str, Any]) -> None:
 
 
 def write_record(shard: Path, record: dict[str, Any]) -> None:
-    """Write ``shard``'s record atomically (temporary name, rename)."""
-    target = record_file(shard)
-    tmp = target.with_name(f".tmp-{target.name}")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, target)
+    """Write ``shard``'s record atomically (:func:`hybridpar.fsutil.atomic_write_text`)."""
+    atomic_write_text(record_file(shard), json.dumps(record) + "\n")
 
 
 def read_record(shard: Path) -> dict[str, Any] | None:
