@@ -37,6 +37,8 @@ LAYOUTS = {
     "cp4-hybrid": ["--parallel.cp", "4", "--parallel.cp_mode", "hybrid", "--parallel.cp_ulysses", "2"],
     "ep2-tp2-sp-zero2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2",
                          "--parallel.sequence_parallel", "true", "--parallel.zero_stage", "2"],
+    "pp2-uneven-mtp": ["--parallel.pp", "2", "--parallel.stage_layers", "1,2", *MTP],
+    "tp2-sp-mtp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *MTP],
     # 5D: dp (ep carved from it) x cp x tp x pp, the dense layer alone on the first stage
     "dp2-ep2-cp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.cp", "2", "--parallel.tp", "2",
                             "--parallel.pp", "2", "--parallel.stage_layers", "1,2"],

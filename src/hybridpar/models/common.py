@@ -177,7 +177,7 @@ class DecoderChunk(nn.Module):
     def __init__(self, model: nn.Module, spec: Any) -> None:
         super().__init__()
         self.spec = spec
-        self.tied = model.output is None
+        self.tied = self.embedding_at_head(model)
         self.tok_embeddings = model.tok_embeddings if spec.embedding or (spec.head and self.tied) else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in spec.layers})
         self.norm = model.norm if spec.head else None
@@ -189,6 +189,13 @@ class DecoderChunk(nn.Module):
         # parallelism's zigzag shards); None means arange.
         self.positions: Tensor | None = None
 
+    @staticmethod
+    def embedding_at_head(model: nn.Module) -> bool:
+        """Whether the last chunk uses the token embedding too (a tied head; a family whose head
+        embeds more, such as DeepSeek-V3's multi-token prediction, says so): the last stage
+        then holds a mirror of it (``tied``)."""
+        return model.output is None
+
     def embedding_weight(self) -> Tensor:
         """The (tied) embedding weight this chunk uses, read now (ZeRO-3 swaps parameters)."""
         return self.tok_embeddings.weight
@@ -196,6 +203,12 @@ class DecoderChunk(nn.Module):
     def head(self, x: Tensor) -> Tensor:
         """Logits of the last chunk: the final norm, then the head (or the tied embedding)."""
         return project(self.norm(x), self.output, self.tok_embeddings)
+
+    def finish(self, x: Tensor, tokens: Tensor | None, cos: Tensor, sin: Tensor,
+               docs: Documents | None = None) -> Tensor:
+        """The last chunk's output of the last layer's ``x`` (:meth:`head`; a family with extra
+        heads on the final norm's output, as the model's ``finish``, adds them here)."""
+        return self.head(x)
 
 
 def project(h: Tensor, output: nn.Module | None, tok_embeddings: nn.Module) -> Tensor | HeadInput:
@@ -242,14 +255,16 @@ def split_attention(attn: nn.Module, axis: Axis, sequence_parallel: bool) -> Non
     attn.wo = row_parallel(attn.wo, axis, sp)
 
 
-def split_ends(model: nn.Module, axis: Axis, sequence_parallel: bool) -> None:
+def split_ends(model: nn.Module, axis: Axis, sequence_parallel: bool, head_in: nn.Module | None = None) -> None:
     """The decoder's ends under tp, in place: ``tok_embeddings`` by vocabulary (padded to a
-    multiple of tp), the final ``norm``'s output entering the tp region, and an untied ``output``
-    by columns over the padded vocabulary (a tied head uses the embedding's shard)."""
+    multiple of tp), the final ``norm``'s output (or ``head_in``'s: the module the head's input
+    passes, where the norm's output has other readers outside the region) entering the tp
+    region, and an untied ``output`` by columns over the padded vocabulary (a tied head uses the
+    embedding's shard)."""
     sp = sequence_parallel
     model.tok_embeddings = VocabParallelEmbedding.from_full(model.tok_embeddings.weight.detach(),
                                                             axis, sequence_parallel=sp)
-    enter_tp_region(model.norm, axis, sp)
+    enter_tp_region(model.norm if head_in is None else head_in, axis, sp)
     if model.output is not None:
         full = pad_dim(model.output.weight.detach(), 0, padded_size(model.cfg.vocab_size, axis.size))
         model.output = ColumnParallelLinear.from_full(full, axis, sync_input=False, sequence_parallel=sp)

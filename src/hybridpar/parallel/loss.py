@@ -164,10 +164,11 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
 
 def head_cross_entropy(head: HeadInput, targets: Tensor, axis: Axis, vocab_size: int, *,
-                       ignore_index: int = -100) -> Tensor:
-    """Mean cross-entropy of ``head``'s logits (never materialised whole) against ``targets``,
-    equal to :func:`~hybridpar.parallel.tensor.vocab_parallel_cross_entropy` of them: vocab-
-    sharded under tp (padding entries excluded), ``ignore_index`` targets not counted."""
+                       ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """Mean (``reduction="sum"``: sum) cross-entropy of ``head``'s logits (never materialised
+    whole) against ``targets``, equal to
+    :func:`~hybridpar.parallel.tensor.vocab_parallel_cross_entropy` of them: vocab-sharded under
+    tp (padding entries excluded), ``ignore_index`` targets not counted."""
     h, w = head.hidden, head.weight
     if w.shape[0] * axis.size < vocab_size:
         raise ValueError(f"head shard of {w.shape[0]} rows x tp {axis.size} < vocab_size {vocab_size}")
@@ -176,4 +177,4 @@ def head_cross_entropy(head: HeadInput, targets: Tensor, axis: Axis, vocab_size:
     flat = targets.reshape(-1)
     loss = _ChunkedHeadCrossEntropy.apply(h.reshape(-1, h.shape[-1]), w, flat, axis, vocab_size,
                                           ignore_index, head.chunk)
-    return loss.sum() / (flat != ignore_index).sum()
+    return loss.sum() if reduction == "sum" else loss.sum() / (flat != ignore_index).sum()

@@ -49,8 +49,7 @@ def _expert_groups(m: ModelConfig) -> str | None:
 @rule("runtime-mtp-layout")
 def _mtp_layout(cfg: Config, world: int | None) -> str | None:
     m, p = cfg.model, cfg.parallel
-    if not m.mtp_layers or (p.tp, p.cp, p.pp) == (1, 1, 1):
+    if not m.mtp_layers or p.cp == 1:
         return None
-    return (f"model.mtp_layers = {m.mtp_layers} with parallel.tp = {p.tp}, cp = {p.cp}, pp = {p.pp}: multi-token "
-            "prediction runs under data, expert and ZeRO parallelism only (its modules read the tokens ahead and the "
-            "full vocabulary's head); set tp, cp and pp to 1, or train without the modules (--model.mtp_layers 0)")
+    return (f"model.mtp_layers = {m.mtp_layers} with parallel.cp = {p.cp}: multi-token prediction runs under every "
+            "axis but context parallelism; set parallel.cp to 1, or train without the modules (--model.mtp_layers 0)")

@@ -28,7 +28,7 @@ norm, head) with three differences:
   ``mtp_loss_weight / K * sum_k CE_k`` (each the mean over the positions whose target lies in
   the sequence) through the gradient, as the MoE auxiliary losses are
   (:class:`~hybridpar.models.moe.AttachAuxLoss`); inference (no gradient) skips the modules, so
-  the logits are the main model's.
+  the logits are the main model's. The loss under tp, cp and pp: :mod:`.mtp`.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.config import ModelConfig
-from hybridpar.models.common import Documents, apply_rope
+from hybridpar.distributed.mesh import Axis
+from hybridpar.models.common import Documents, apply_rope, project
+from hybridpar.models.deepseek_v3.mtp import attach_mtp_loss, mtp_loss
 from hybridpar.models.llama.model import Attention, Block, FeedForward, Llama, RMSNorm
-from hybridpar.models.moe import AttachAuxLoss, AuxLossScale, MoE
+from hybridpar.models.moe import AuxLossScale, MoE
 
 __all__ = ["MTP", "DeepseekV3", "MLABlock", "MLAttention", "softmax_mscale"]
 
@@ -136,30 +138,26 @@ class DeepseekV3(Llama):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.mtp = nn.ModuleList(MTP(cfg, self.moe_aux) for _ in range(cfg.mtp_layers))
+        # where the heads' input (the final norm's and each module's output) enters the tp
+        # region: the tp plan hooks this rather than the final norm, whose output the modules
+        # read outside the region, as a decoder layer reads its input
+        self.head_in = nn.Identity()
+        self.mtp_tp: Axis | None = None  # the heads' vocab-parallel axis (the tp plan sets it)
 
     @staticmethod
     def rope_dim_of(cfg: ModelConfig) -> int:
         return cfg.qk_rope_head_dim
 
     def finish(self, h: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
-        """The logits of ``h``; in training, with the multi-token prediction losses attached."""
-        if len(self.mtp) and self.cfg.mtp_loss_weight and torch.is_grad_enabled():
-            h = AttachAuxLoss.apply(h, self.mtp_loss(h, tokens, cos, sin, docs), self.moe_aux)
-        return super().finish(h, tokens, cos, sin, docs)
+        """The logits of ``h``; in training, with the multi-token prediction losses attached
+        (:func:`~hybridpar.models.deepseek_v3.mtp.attach_mtp_loss`)."""
+        h = attach_mtp_loss(self, h, tokens, cos, sin, docs)
+        return project(self.head_in(h), self.output, self.tok_embeddings)
 
     def mtp_loss(self, h: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
-        """``mtp_loss_weight / K * sum_k CE_k`` of the modules (module doc) on ``tokens [B, T]``
-        and the final norm's output ``h``. Position ``i`` of depth ``k`` reads token ``i + k``
-        (rolled: the last ``k`` positions read wrapped tokens, which causal attention keeps
-        from the others) and predicts token ``i + k + 1``; positions without one are left out."""
-        t, total = tokens.shape[1], h.new_zeros((), dtype=torch.float32)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        for k, module in enumerate(self.mtp, start=1):
-            h = module(h, self.tok_embeddings(tokens.roll(-k, dims=1)), cos, sin, docs)
-            if t > k + 1:
-                logits = F.linear(h[:, : t - k - 1], weight).float()
-                total = total + F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1:].flatten())
-        return total * (self.cfg.mtp_loss_weight / len(self.mtp))
+        """``mtp_loss_weight / K * sum_k CE_k`` of the modules on ``tokens [B, T]`` and the final
+        norm's output ``h`` (:func:`~hybridpar.models.deepseek_v3.mtp.mtp_loss`)."""
+        return mtp_loss(self, h, tokens, cos, sin, docs)
 
 
 class MTP(nn.Module):

@@ -29,12 +29,14 @@ class LlamaChunk(DecoderChunk):
         self.rope_theta = model.cfg.rope_theta
         self.rope_scaling = model.cfg
 
-    def forward(self, x: Tensor, positions: Tensor | None = None, docs: Documents | None = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None, docs: Documents | None = None,
+                tokens: Tensor | None = None) -> Tensor:
         """Tokens ``[B, T]`` (first chunk) or hidden ``[B, T, dim]`` -> hidden, or logits
         ``[B, T, vocab]`` (last chunk). ``docs``: the micro-batch's packed documents (every
-        stage gets them from the runner; RoPE then uses their positions)."""
+        stage gets them from the runner; RoPE then uses their positions). ``tokens``: the
+        micro-batch's input ids, for a last chunk that ``reads_tokens`` (:meth:`finish`)."""
         if docs is not None:
-            return self._forward_documents(x, docs.to(x.device))
+            return self._forward_documents(x, docs.to(x.device), tokens)
         if positions is None:
             positions = self.positions
         if positions is None:
@@ -47,12 +49,12 @@ class LlamaChunk(DecoderChunk):
             x = layer(x, cos, sin)
         if not self.spec.head:
             return x
-        return self.head(x)
+        return self.finish(x, tokens, cos, sin)
 
-    def _forward_documents(self, x: Tensor, docs: Documents) -> Tensor:
+    def _forward_documents(self, x: Tensor, docs: Documents, tokens: Tensor | None) -> Tensor:
         if self.spec.embedding:
             x = self.tok_embeddings(x)
         cos, sin = docs.rope(self.head_dim, self.rope_theta, self.rope_scaling)
         for layer in self.layers.values():
             x = layer(x, cos, sin, docs)
-        return self.head(x) if self.spec.head else x
+        return self.finish(x, tokens, cos, sin, docs) if self.spec.head else x

@@ -291,7 +291,7 @@ class PipelineRunner:
         deferred = Deferred() if split else None
         with self.forward_context(), (self.split.forward(deferred) if deferred is not None
                                       else contextlib.nullcontext()):
-            out = self._call_chunk(a, x, extra)
+            out = self._call_chunk(a, x, self._chunk_kwargs(a.stage, inputs, extra))
             if s == self.last_stage:
                 loss = self.loss_fn(out, targets.to(self.topo.device))
         if s == self.last_stage:
@@ -306,11 +306,19 @@ class PipelineRunner:
             step.saved[(m, s)] = _Saved(inp, out, deferred)
             step.peak = max(step.peak, len(step.saved))
 
-    def _call_chunk(self, a: Action, x: Tensor, extra: Sequence[Any]) -> Tensor:
-        """Stage ``a.stage``'s chunk on ``x`` (and the packed documents, if any): the one place a
-        chunk runs, so a runner that keeps weight versions (:mod:`.twobw`) can choose its weights."""
-        chunk = self.chunks[a.stage]
-        return chunk(x) if not extra else chunk(x, docs=extra[0])
+    def _chunk_kwargs(self, stage: int, inputs: Tensor, extra: Sequence[Any]) -> dict[str, Any]:
+        """The keyword arguments of stage ``stage``'s chunk: the packed documents (any stage),
+        and the micro-batch's input ids for a chunk that ``reads_tokens`` (a last stage whose
+        heads embed tokens, as DeepSeek-V3's multi-token prediction does)."""
+        kwargs: dict[str, Any] = {"docs": extra[0]} if extra else {}
+        if getattr(self.chunks[stage], "reads_tokens", False):
+            kwargs["tokens"] = inputs.to(self.topo.device)
+        return kwargs
+
+    def _call_chunk(self, a: Action, x: Tensor, kwargs: dict[str, Any]) -> Tensor:
+        """Stage ``a.stage``'s chunk on ``x`` (and :meth:`_chunk_kwargs`): the one place a chunk
+        runs, so a runner that keeps weight versions (:mod:`.twobw`) can choose its weights."""
+        return self.chunks[a.stage](x, **kwargs)
 
     def _backward(self, a: Action, grad: Tensor | None, step: _Step) -> None:
         m, s = a.microbatch, a.stage

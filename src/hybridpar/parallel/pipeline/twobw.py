@@ -183,10 +183,10 @@ class TwoBWRunner(PipelineRunner):
         self.versions.rotate()
         return PipelineStepResult(self._gather_losses(step, m), step.peak, tuple(step.intervals))
 
-    def _call_chunk(self, a: Action, x: Tensor, extra: Sequence[Any]) -> Tensor:
+    def _call_chunk(self, a: Action, x: Tensor, kwargs: dict[str, Any]) -> Tensor:
         if not self._training:  # evaluation: the model's own weights, the newest version
-            return super()._call_chunk(a, x, extra)
+            return super()._call_chunk(a, x, kwargs)
         version = self.versions.stale if a.microbatch < self.schedule.microbatches else self.versions.newest
         params = self.versions.params
         weights = {name: _Read.apply(params[i], version[i]) for name, i in self._reads[a.stage]}
-        return torch.func.functional_call(self.chunks[a.stage], weights, (x,), {"docs": extra[0]} if extra else {})
+        return torch.func.functional_call(self.chunks[a.stage], weights, (x,), kwargs)
