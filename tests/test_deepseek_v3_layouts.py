@@ -39,6 +39,8 @@ LAYOUTS = {
                          "--parallel.sequence_parallel", "true", "--parallel.zero_stage", "2"],
     "pp2-uneven-mtp": ["--parallel.pp", "2", "--parallel.stage_layers", "1,2", *MTP],
     "tp2-sp-mtp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *MTP],
+    "cp2-ring-mtp": ["--parallel.cp", "2", *MTP],
+    "cp2-ulysses-mtp": ["--parallel.cp", "2", "--parallel.cp_mode", "ulysses", *MTP],
     # 5D: dp (ep carved from it) x cp x tp x pp, the dense layer alone on the first stage
     "dp2-ep2-cp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.cp", "2", "--parallel.tp", "2",
                             "--parallel.pp", "2", "--parallel.stage_layers", "1,2"],

@@ -1,17 +1,15 @@
-"""The rules of DeepSeek-V3's shape (multi-head latent attention, group-limited routing) and of
-the layouts its multi-token prediction runs under (``runtime-mtp-layout``: a limit of this
-runtime, not of the model; the planner prices such layouts, as DeepSeek's own pp x ep run, but
-notes them as ones ``train`` refuses and never ranks them first:
-:func:`hybridpar.planner.model.layout.runtime_note`)."""
+"""The rules of DeepSeek-V3's shape (multi-head latent attention, group-limited routing). Its
+multi-token prediction trains under every layout (tp with SP, cp, pp with the modules on the last
+stage, ep, ZeRO): no layout rule of its own."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybridpar.rules.base import model_rule, rule
+from hybridpar.rules.base import model_rule
 
 if TYPE_CHECKING:
-    from hybridpar.config import Config, ModelConfig
+    from hybridpar.config import ModelConfig
 
 
 @model_rule("model-mla-shape")
@@ -44,12 +42,3 @@ def _expert_groups(m: ModelConfig) -> str | None:
         return (f"model.experts_per_token = {m.experts_per_token} exceeds the {m.topk_group} x "
                 f"{m.n_experts // m.n_group} experts of the topk_group groups a token may use")
     return None
-
-
-@rule("runtime-mtp-layout")
-def _mtp_layout(cfg: Config, world: int | None) -> str | None:
-    m, p = cfg.model, cfg.parallel
-    if not m.mtp_layers or p.cp == 1:
-        return None
-    return (f"model.mtp_layers = {m.mtp_layers} with parallel.cp = {p.cp}: multi-token prediction runs under every "
-            "axis but context parallelism; set parallel.cp to 1, or train without the modules (--model.mtp_layers 0)")

@@ -142,19 +142,19 @@ def predicted_flops(cfg: Config, layout: Layout, work: Workload, pp_rank: int, c
     head = model.head_flops() * (4 / 3 if chunked else 1)  # backward projects each chunk again
     total += sum(head for c in chunks if c.head) * tokens / layout.tp
     if model.mtp_layers and any(c.head for c in chunks):
-        total += _mtp_flops(model, S, work.global_batch // layout.dp, layout.tp) + 3.5 * attn_fwd * model.mtp_layers
+        total += _mtp_flops(model, S, tokens, layout.tp, head) + 3.5 * attn_fwd * model.mtp_layers
     return round(total)
 
 
-def _mtp_flops(model: ModelConfig, seq: int, sequences: int, tp: int) -> float:
-    """The matmul FLOPs of the multi-token prediction modules on ``sequences`` sequences of
-    ``seq`` tokens (forward and backward, never recomputed): per module ``k`` its ``[2 dim ->
-    dim]`` projection and decoder layer (an MoE layer's when the model has experts) on every
-    token, the shared head on the ``seq - k - 1`` positions whose target is in the sequence."""
+def _mtp_flops(model: ModelConfig, seq: int, tokens: int, tp: int, head: float) -> float:
+    """The matmul FLOPs of the multi-token prediction modules on this rank's ``tokens`` (of
+    sequences of ``seq``; forward and backward, never recomputed): per module its ``[2 dim ->
+    dim]`` projection, decoder layer (an MoE layer's when the model has experts) and the shared
+    head (``head`` FLOPs per token: the chunked loss's included) on every token (those without a
+    target in the sequence are ignored by the loss, not left out of the matmul)."""
     like = model.moe_layer_ids()[0] if model.n_experts else -1  # -1: a dense layer
     block = 12.0 * model.dim * model.dim + model.layer_flops(like, seq) - model.score_flops(seq)
-    heads = sum(max(seq - k - 1, 0) for k in range(1, model.mtp_layers + 1)) * model.head_flops()
-    return (model.mtp_layers * block * seq + heads) * sequences / tp
+    return model.mtp_layers * (block + head) * tokens / tp
 
 
 def run_rank(cfg: Config, rank: int, why: str, steps: int = 2) -> RankRun:

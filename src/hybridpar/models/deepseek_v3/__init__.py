@@ -16,7 +16,11 @@ from hybridpar.models.deepseek_v3.model import (
            MLAttention,
            softmax_mscale,
 )
-from hybridpar.models.deepseek_v3.parallelize import PLAN, attention_modules, parallelize_deepseek_v3
+from hybridpar.models.deepseek_v3.parallelize import (
+           PLAN,
+           attention_modules,
+           parallelize_deepseek_v3,
+)
 from hybridpar.models.deepseek_v3.pipeline import DeepseekV3Chunk
 from hybridpar.models.family import Family
 from hybridpar.models.llama.parallelize import (

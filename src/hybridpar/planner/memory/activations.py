@@ -42,6 +42,7 @@ from hybridpar.planner.model.layout import BlockStyle, Layout, Workload
 from hybridpar.planner.model.mla import mla_shapes
 from hybridpar.planner.model.moe import dispatch_rows, ffn_shapes, rank_load
 from hybridpar.planner.model.sac import op_layer_bytes
+from hybridpar.planner.model.shapes import padded
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -212,14 +213,14 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
 
 def mtp_activation_bytes(model: ModelConfig, layout: Layout, work: Workload) -> float:
     """Bytes the multi-token prediction modules (:class:`~hybridpar.models.deepseek_v3.MTP`) keep
-    for backward per micro-batch of ``T = b s`` tokens on the rank with the head (tp = cp = 1, the
-    layouts the runtime trains MTP under). Per module ``k`` and token: the rolled token ids (int64);
+    for backward per micro-batch of ``T = b s`` tokens on the rank with the head. Per module ``k``
+    and token: the rolled token ids (int64);
     ``enorm`` and ``hnorm`` each its fp32 input (``hnorm``'s is, in fp32 without autocast, the final
     norm's output the head already keeps), ``rsqrt`` and normalised output ``r h``; ``eh_proj``'s
     input ``2 a h``; a decoder layer (:func:`layer_activation_bytes`, an MoE layer's when the model
     has experts); the output norm and the logits' input, as the final norm; and ``F.cross_entropy``'s
-    fp32 log-softmax and targets on the ``s - k - 1`` positions whose target is in the sequence.
-    Under autocast: the projection's and the layer's half weight copies."""
+    fp32 log-softmax (of this rank's vocabulary share) and targets on every position (those
+    without a target in the sequence are ignored). Under autocast: the projection's and the layer's half weight copies."""
     s, b, h, a, r = work.seq_len // layout.cp, layout.micro_batch, model.dim, work.act_bytes, work.param_bytes
     autocast, vocab = a != r, model.vocab_size
     hnorm_in = 0 if r == 4 and not autocast else 4 * h
@@ -227,7 +228,8 @@ def mtp_activation_bytes(model: ModelConfig, layout: Layout, work: Workload) -> 
     layer = layer_activation_bytes(model, layout, work, moe=model.n_experts > 0)
     like = model.moe_layer_ids()[0] if model.n_experts else -1  # -1: a dense layer
     casts = a * 2 * h * h + layer_weight_cast_bytes(model, like, layout.tp, layout.ep, a) if autocast else 0.0
-    loss = sum(b * max(s - k - 1, 0) * (4 * vocab + 8) + 4 for k in range(1, model.mtp_layers + 1))
+    vocab = padded(vocab, layout.tp) // layout.tp
+    loss = model.mtp_layers * (b * s * (4 * vocab + 8) + 4)
     return model.mtp_layers * (s * b * per_token + layer + casts) + loss
 
 

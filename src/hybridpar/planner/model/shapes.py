@@ -14,7 +14,7 @@ from hybridpar.planner.model.layout import ModelKey, model_key, model_of
 from hybridpar.planner.model.mla import mla_shapes
 from hybridpar.planner.model.moe import ffn_shapes, is_expert
 
-__all__ = ["layer_partition", "layer_shapes", "mtp_shapes", "numel", "padded", "rank_named_shapes", "rank_numel",
+__all__ = ["embedding_at_head", "layer_partition", "layer_shapes", "mtp_shapes", "numel", "padded", "rank_named_shapes", "rank_numel",
            "rank_param_shapes", "v_shaped"]
 
 
@@ -67,6 +67,13 @@ def mtp_shapes(model: ModelConfig, tp: int, ep: int = 1) -> list[tuple[str, tupl
     return [(f"mtp.{k}.{n}", s) for k in range(model.mtp_layers) for n, s in one]
 
 
+def embedding_at_head(model: ModelConfig) -> bool:
+    """Whether the last pipeline stage uses the token embedding too (a tied head, or the
+    multi-token prediction modules, which embed the tokens ahead): under pp it then holds a
+    mirror, whose gradient is exchanged with the first stage's (``DecoderChunk.embedding_at_head``)."""
+    return model.tie_embeddings or model.mtp_layers > 0
+
+
 def rank_named_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
                       ep: int = 1, v_shape: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes of the parameters pipeline rank ``pp_rank`` holds under tensor
@@ -83,8 +90,10 @@ def rank_named_shapes(model: ModelConfig, tp: int, pp: int, virtual_stages: int,
             out += [(f"layers.{i}.{n}", s) for n, s in layer_shapes(model, tp, i, ep)]
         if chunk.head:
             out.append(("norm.weight", (h,)))
-            if not model.tie_embeddings or (pp > 1 and not v_shape):
-                out.append(("output.weight" if not model.tie_embeddings else "tok_embeddings.weight", (vocab, h)))
+            if not model.tie_embeddings:
+                out.append(("output.weight", (vocab, h)))
+            if embedding_at_head(model) and pp > 1 and not v_shape:  # the last stage's mirror
+                out.append(("tok_embeddings.weight", (vocab, h)))
             out += mtp_shapes(model, tp, ep)
     return out
 

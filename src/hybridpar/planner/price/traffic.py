@@ -58,6 +58,7 @@ from hybridpar.planner.model import hsdp as hs
 from hybridpar.planner.model.layout import Layout, Workload, model_key
 from hybridpar.planner.model.moe import is_expert, rank_load, replicated_ffn
 from hybridpar.planner.model.shapes import (
+    embedding_at_head,
     layer_partition,
     layer_shapes,
     mtp_shapes,
@@ -111,7 +112,7 @@ def rank_chunk_params(model: ModelConfig, layout: Layout, pp_rank: int) -> list[
     for c in layer_partition(model_key(model), layout.pp, layout.virtual_stages,
                              v_shaped(layout.pipeline_schedule)).for_rank(pp_rank):
         chunk: Named = []
-        tied_here = c.head and model.tie_embeddings
+        tied_here = c.head and embedding_at_head(model)
         if (c.embedding or tied_here) and not seen:
             chunk.append(("tok_embeddings.weight", (vocab, model.dim)))
             seen = True
@@ -227,19 +228,23 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
     s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
     m = L.microbatches(work.global_batch)
     d = b * s * h  # one full-length hidden state of a micro-batch on this rank
-    n_c, norms_c = len(c.layers), 2 * len(c.layers) + c.head
+    mtp = model.mtp_layers if c.head else 0  # the MTP modules' blocks, embeddings and heads (beside the head)
+    n_c, norms_c, emb = len(c.layers) + mtp, 2 * (len(c.layers) + mtp) + c.head * (1 + mtp), c.embedding + mtp
     # tensor parallelism, per micro-batch: norm entries (f / SP all-gather forward), row-parallel
     # exits (g / SP reduce-scatter), the embedding's exit, the vocab-parallel loss
     if sp:
         add("all_gather", "tp", t, norms_c * d // t * r, m)  # norm entries, forward
         add("reduce_scatter", "tp", t, norms_c * d * r, m)  # their backward
-        add("reduce_scatter", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits
-        add("all_gather", "tp", t, (2 * n_c * d * a + c.embedding * d * r) // t, m)
+        add("reduce_scatter", "tp", t, 2 * n_c * d * a + emb * d * r, m)  # exits
+        add("all_gather", "tp", t, (2 * n_c * d * a + emb * d * r) // t, m)
     else:
-        add("all_reduce", "tp", t, 2 * n_c * d * a + c.embedding * d * r, m)  # exits, forward
+        add("all_reduce", "tp", t, 2 * n_c * d * a + emb * d * r, m)  # exits, forward
         add("all_reduce", "tp", t, norms_c * d * r, m)  # norm entries, backward
     if c.head:
-        add("all_reduce", "tp", t, 3 * b * s * 4, m)  # max, then (sum of exp, target logit)
+        add("all_reduce", "tp", t, (1 + mtp) * 3 * b * s * 4, m)  # max, then (sum of exp, target logit)
+    if mtp:  # the MTP modules' token ids ahead: this rank's int64 share, gathered over cp
+        add("all_gather", "cp", L.cp, b * s * 8, m)
+    n_c -= mtp  # the MTP modules are not recomputed
     # recomputation reruns, in every backward traversal, the forward collectives of each
     # block (full: SP's gathers, ring attention, the attention exit) or of its attention
     # core (selective: ring attention). torch's checkpoint stops a block's recomputation once
@@ -253,6 +258,7 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
         add("all_reduce", "tp", t, n_c * d * a, rerun)
     # context parallelism: ring attention's K/V hops, Ulysses' all-to-alls (and their reruns)
     cp_collectives(add, model, L, work, n_c, m, rerun)
+    cp_collectives(add, model, L, work, mtp, m, 0)
     moe_ids = set(model.moe_layer_ids())
     n_moe = sum(i in moe_ids for i in c.layers)
     _moe_collectives(add, model, L, work, n_moe, m, 1, m if L.recompute == "full" else 0, load)  # ZB's W: none
@@ -264,7 +270,7 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
 def _pipeline_p2p(add: Adder, model: ModelConfig, L: Layout, work: Workload, chunks: list[ChunkSpec],
                   pp_rank: int) -> None:
     """Pipeline traffic: hidden states forward, their gradients backward, the losses, the tied
-    embedding's gradients."""
+    embedding's gradients (its mirror on the last stage: a tied head's, or the MTP modules')."""
     t, sp = L.tp, L.sequence_parallel and L.tp > 1
     m = L.microbatches(work.global_batch)
     d = L.micro_batch * (work.seq_len // L.cp) * model.dim
@@ -279,7 +285,7 @@ def _pipeline_p2p(add: Adder, model: ModelConfig, L: Layout, work: Workload, chu
     add("send", "pp", L.pp, sends * msg, m)
     add("recv", "pp", L.pp, sends * msg, m)
     add("broadcast", "pp", L.pp, 4 * m)
-    if model.tie_embeddings and pp_rank in (0, L.pp - 1) and not vs:  # ZBV: both ends on rank 0
+    if embedding_at_head(model) and pp_rank in (0, L.pp - 1) and not vs:  # ZBV: both ends on rank 0
         tied = padded(model.vocab_size, t) // t * model.dim * work.param_bytes
         add("send", "pp", L.pp, tied)
         add("recv", "pp", L.pp, tied)
@@ -316,7 +322,7 @@ def _step_scalars(add: Adder, model: ModelConfig, L: Layout, work: Workload, nam
     zero_axis, n = _dp_cp_name(L), L.dp * L.cp
     if sp:  # replicated weights (norms, routers) saw only this rank's sequence shard: one flat sum
         # over tp (of ZeRO's rows)
-        repl = [sh for nm, sh in names if nm.endswith("norm.weight") or replicated_ffn(nm)]
+        repl = [sh for nm, sh in names if nm.endswith(("norm.weight", "eh_proj.weight")) or replicated_ffn(nm)]
         if L.zero_stage > 0:
             add("all_reduce", "tp", t, sum(_rows_of(sh[0], hs.zero_group(L)[1], zero_rank) * _numel(sh[1:]) for sh in repl) * r)
         else:
