@@ -10,7 +10,8 @@ contract is in ``pyproject.toml``, ``docs/architecture.md`` draws it):
   layout's cp mode (:mod:`.search.cp_modes`);
 * ``price/``: step time (:mod:`.price.cost`, its data-parallel terms :mod:`.price.dp_cost`, cp
   :mod:`.price.cp`, FP8 :mod:`.price.fp8`, pipeline makespans :mod:`.price.pipesim`, shared
-  rates :mod:`.price.rates`) and the bytes on the wire per axis (:mod:`.price.traffic`);
+  rates :mod:`.price.rates`) and the bytes on the wire per axis (:mod:`.price.traffic`, a
+  layer's tp-region, MoE and MTP terms :mod:`.price.layer_traffic`);
 * ``memory/``: per-rank device memory (:mod:`.memory.plan`), activation bytes
   (:mod:`.memory.activations`), activation offload (:mod:`.memory.offload`), the schedule's
   peak micro-batch counts (:mod:`.memory.peaks`) and the buffers of collectives in flight

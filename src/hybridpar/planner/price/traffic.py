@@ -30,7 +30,7 @@ gradient norm's partial sums over tp, the ZeRO axis and pp.
 Dtypes: the residual stream and gradients are in the parameter dtype, matmul outputs and
 attention inputs in the matmul dtype, losses fp32, the norm's partial sums fp64.
 
-Mixture of experts (:func:`_moe_collectives`, :mod:`hybridpar.planner.model.moe`): per MoE layer and micro-batch the
+Mixture of experts (:func:`~hybridpar.planner.price.layer_traffic.moe_collectives`, :mod:`hybridpar.planner.model.moe`): per MoE layer and micro-batch the
 routing weights (and under SP the expert ids) enter the tp region, the router sums its counts over
 cp (and tp under SP), and over ``ep`` the counts, the dispatched rows and the combined rows go
 forward and their gradients back (the busiest rank's ``load``, or ``ep_load`` given); the routed
@@ -68,6 +68,7 @@ from hybridpar.planner.model.shapes import (
 )
 from hybridpar.planner.price.cp import cp_collectives
 from hybridpar.planner.price.fp8 import amax_all_reduces, zero3_gather
+from hybridpar.planner.price.layer_traffic import moe_collectives, mtp_collectives, tp_region
 from hybridpar.rules import fp8_gathers
 
 Shape = tuple[int, ...]
@@ -154,43 +155,6 @@ def _node_split(layout: Layout, pp_rank: int, node_size: int) -> tuple[int, int]
     return intra, len(ranks) // intra
 
 
-def _moe_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload, n_moe: int, m: int,
-                     back: int, rerun: int, load: float) -> None:
-    """What ``n_moe`` MoE layers add to a dense layer's collectives, per micro-batch (``rerun``:
-    forward passes full recompute repeats; ``back``: backward passes). The tokens' entry into
-    the tp region and the exit are the dense MLP's; the routing weights (``k`` per token, the
-    residual dtype) enter too (f, or SP's all-gather with the int64 expert ids); shared experts
-    enter and leave once more. The router sums its slot counts (fp32 ``E``) over the ranks
-    splitting the micro-batch's tokens (cp; tp under SP) when the balancing loss is on. Over ep:
-    the int64 counts ``E``, the dispatch (``kT`` rows of ``D``, residual dtype) and the combine
-    (the ``load * kT`` rows computed here, matmul dtype) forward; backward the same tensors'
-    gradients reversed. Full recompute repeats the forward collectives before the combine's
-    weighted sum (the last tensor saved): all but the tp exit (that of the shared experts)."""
-    if not n_moe:
-        return
-    t, sp = L.tp, L.sequence_parallel and L.tp > 1
-    r, a = work.param_bytes, work.act_bytes
-    tok, h, k, e = L.micro_batch * (work.seq_len // L.cp), model.dim, model.experts_per_token, model.n_experts
-    d, slots = tok * h, tok * k
-    shared = n_moe if model.n_shared_experts else 0
-    if sp:
-        add("all_gather", "tp", t, n_moe * slots // t * (r + 8) + shared * d // t * r, m + rerun)
-        add("reduce_scatter", "tp", t, n_moe * slots * r + shared * d * r, m * back)
-        add("reduce_scatter", "tp", t, shared * d * a, m)  # the shared experts' exit
-        add("reduce_scatter", "tp", t, shared * d * a, rerun)  # the routed exit, rerun before theirs
-        add("all_gather", "tp", t, shared * d // t * a, m * back)
-    else:
-        add("all_reduce", "tp", t, n_moe * slots * r + shared * d * r, m * back)
-        add("all_reduce", "tp", t, shared * d * a, m + rerun)
-    if model.aux_loss_coef:
-        for axis, size in (("cp", L.cp), ("tp", t if sp else 1)):
-            add("all_reduce", axis, size, n_moe * e * 4, m + rerun)
-    if L.ep > 1:
-        rows = load * slots  # computed here
-        add("all_to_all", "ep", L.ep, n_moe * (e * 8 + slots * h * r + rows * h * a), m + rerun)
-        add("all_to_all", "ep", L.ep, n_moe * (slots * h * a + rows * h * r), m * back)
-
-
 def comm_bytes(model: ModelConfig, layout: Layout, work: Workload, pp_rank: int = 0, *,
                zero_rank: int = 0, hierarchical_node: int = 0,
                ep_load: float | None = None) -> dict[tuple[str, str], int]:
@@ -228,23 +192,14 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
     s, b, h = work.seq_len // L.cp, L.micro_batch, model.dim
     m = L.microbatches(work.global_batch)
     d = b * s * h  # one full-length hidden state of a micro-batch on this rank
-    mtp = model.mtp_layers if c.head else 0  # the MTP modules' blocks, embeddings and heads (beside the head)
-    n_c, norms_c, emb = len(c.layers) + mtp, 2 * (len(c.layers) + mtp) + c.head * (1 + mtp), c.embedding + mtp
+    n_c = len(c.layers)
     # tensor parallelism, per micro-batch: norm entries (f / SP all-gather forward), row-parallel
     # exits (g / SP reduce-scatter), the embedding's exit, the vocab-parallel loss
-    if sp:
-        add("all_gather", "tp", t, norms_c * d // t * r, m)  # norm entries, forward
-        add("reduce_scatter", "tp", t, norms_c * d * r, m)  # their backward
-        add("reduce_scatter", "tp", t, 2 * n_c * d * a + emb * d * r, m)  # exits
-        add("all_gather", "tp", t, (2 * n_c * d * a + emb * d * r) // t, m)
-    else:
-        add("all_reduce", "tp", t, 2 * n_c * d * a + emb * d * r, m)  # exits, forward
-        add("all_reduce", "tp", t, norms_c * d * r, m)  # norm entries, backward
+    tp_region(add, L, work, d, 2 * n_c + c.head, n_c, c.embedding, m)
     if c.head:
-        add("all_reduce", "tp", t, (1 + mtp) * 3 * b * s * 4, m)  # max, then (sum of exp, target logit)
-    if mtp:  # the MTP modules' token ids ahead: this rank's int64 share, gathered over cp
-        add("all_gather", "cp", L.cp, b * s * 8, m)
-    n_c -= mtp  # the MTP modules are not recomputed
+        add("all_reduce", "tp", t, 3 * b * s * 4, m)  # max, then (sum of exp, target logit)
+    if c.head and model.mtp_layers:
+        mtp_collectives(add, model, L, work, m, load)
     # recomputation reruns, in every backward traversal, the forward collectives of each
     # block (full: SP's gathers, ring attention, the attention exit) or of its attention
     # core (selective: ring attention). torch's checkpoint stops a block's recomputation once
@@ -258,12 +213,9 @@ def _chunk_collectives(add: Adder, model: ModelConfig, L: Layout, work: Workload
         add("all_reduce", "tp", t, n_c * d * a, rerun)
     # context parallelism: ring attention's K/V hops, Ulysses' all-to-alls (and their reruns)
     cp_collectives(add, model, L, work, n_c, m, rerun)
-    cp_collectives(add, model, L, work, mtp, m, 0)
     moe_ids = set(model.moe_layer_ids())
     n_moe = sum(i in moe_ids for i in c.layers)
-    _moe_collectives(add, model, L, work, n_moe, m, 1, m if L.recompute == "full" else 0, load)  # ZB's W: none
-    if c.head and model.n_experts:  # the MTP modules' MoE layers (not recomputed)
-        _moe_collectives(add, model, L, work, model.mtp_layers, m, 1, 0, load)
+    moe_collectives(add, model, L, work, n_moe, m, 1, m if L.recompute == "full" else 0, load)  # ZB's W: none
     amax_all_reduces(add, model, L, work, n_c - n_moe, n_moe, m, fp8_gathers(work.fp8, work.fp8_all_gather, L.zero_stage))
 
 
