@@ -3,8 +3,9 @@ tolerances of :mod:`test_moe_layouts` (losses to 1e-5 relative, weights to 1% of
 tiny DeepSeek-V3: multi-head latent attention with a low-rank query, ``v_head_dim`` (12) unlike
 the query/key head size (16 + 8 decoupled RoPE channels, interleaved), one dense layer then MoE
 layers routed within groups (4 groups, 2 kept) with shared experts, ``routed_scaling_factor`` and
-the sequence-wise balance loss (whose gradient is part of what must agree); with one
-multi-token prediction module where its layouts allow it (dp, ep, ZeRO)."""
+the sequence-wise balance loss (whose gradient is part of what must agree); the layouts named
+``mtp`` with one multi-token prediction module (on the last stage under pp; tp with SP, cp ring
+and Ulysses, ep with ZeRO, and the 5D layout)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ LAYOUTS = {
     "tp2-sp-mtp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *MTP],
     "cp2-ring-mtp": ["--parallel.cp", "2", *MTP],
     "cp2-ulysses-mtp": ["--parallel.cp", "2", "--parallel.cp_mode", "ulysses", *MTP],
-    # 5D: dp (ep carved from it) x cp x tp x pp, the dense layer alone on the first stage
-    "dp2-ep2-cp2-tp2-pp2": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.cp", "2", "--parallel.tp", "2",
-                            "--parallel.pp", "2", "--parallel.stage_layers", "1,2"],
+    # 5D: dp (ep carved from it) x cp x tp x pp, the dense layer alone on the first stage, the
+    # MTP module on the last beside the head
+    "dp2-ep2-cp2-tp2-sp-pp2-mtp": ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.cp", "2",
+                                   "--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--parallel.pp", "2",
+                                   "--parallel.stage_layers", "1,2", *MTP],
 }
 
 
