@@ -57,10 +57,16 @@ def _context() -> mp.context.BaseContext:
     ctx = mp.get_context(method)
     if method == "forkserver":
         # Imported once in the server, shared by every forked worker. torch.distributed.tensor is
-        # what torch.testing.assert_close imports lazily (about 0.5 s per worker otherwise).
+        # what torch.testing.assert_close imports lazily (about 0.5 s per worker otherwise). The
+        # trainer brings the engine, every parallel mechanism, checkpoints and torch._dynamo: about
+        # 1.2 s of CPU per worker when each imported it at its first task, more than a layout
+        # test's training (~0.3 s a rank), and paid again by every worker of every pool started
+        # when the world size changes (~200 worker starts in test_layouts.py alone). Only
+        # installed packages: Python 3.11's forkserver ignores sys_path, so the tests' own
+        # modules (harness, layouts; cheap once these are loaded) cannot be preloaded here.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.device_mesh",
                                     "torch.distributed.tensor", "pytest", "hypothesis",
-                                    "hybridpar.distributed.mesh", "harness"])
+                                    "hybridpar.distributed.mesh", "hybridpar.training.trainer"])
     return ctx
 
 

@@ -39,16 +39,20 @@ INDUCTOR = ["--train.compile", "true"]
 STEPS = 3
 
 COMPOSED = {
-    name: LAYOUTS[name] for name in [
+    **{name: LAYOUTS[name] for name in [
         "dp2-zero3-recompute-full",  # ZeRO-3's unit hooks around compiled forwards, recomputed
         "dp2-tp2-sp-recompute-full",  # SP gathers / reduce-scatters: graph breaks
         "cp2-recompute-selective",  # ring attention inside a compiled block, its core recomputed
-        "dp2-tp2-pp2-cp2-recompute-full",
         "dp2-pp2-interleaved-zero3",  # ZeRO-3 x pp
         "dp2-pp2-zb-zero2",  # the W split: each linear eager, the code between compiled
         "pp2-zbv",
-        "dp2-tp2-pp2-cp2-zb",
-    ]
+    ]},
+    # every in-block axis at once (tp's and SP's collectives, cp's ring, pp's stage boundaries),
+    # recomputed and under the W split, on 8 ranks: dp sits outside the compiled blocks (its
+    # reduction runs after backward) and is composed with compile above; the 16-rank
+    # dp2-tp2-pp2-cp2 layouts are test_layouts.py's, eager
+    "pp2-cp2-tp2-sp-recompute-full": [*LAYOUTS["pp2-cp2-tp2-sp"], "--parallel.recompute", "full"],
+    "pp2-cp2-tp2-zb": [*LAYOUTS["pp2-cp2"], "--parallel.tp", "2", "--parallel.pipeline_schedule", "zb-h1"],
 }
 
 

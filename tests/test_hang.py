@@ -21,7 +21,12 @@ SCRIPT = textwrap.dedent("""
     def train_step(self, step):
         if step == 2 and self.topo.rank == 1:  # this rank skips step 2's collectives entirely
             import time
-            time.sleep(60)
+            deadline = time.monotonic() + 60
+            while not self.stop.signum and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # the launcher's SIGTERM (rank 0 failed) left this rank's flight record; end here as
+            # its SIGKILL would, instead of sitting out torchrun's 30 s grace period
+            os._exit(128 + self.stop.signum if self.stop.signum else 1)
         return real(self, step)
 
     Trainer.train_step = train_step

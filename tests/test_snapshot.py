@@ -112,6 +112,17 @@ def _uninterrupted(rank: int, world: int, run_dir: str) -> None:
         trainer.fit()
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The uninterrupted 6-step dp2 run every recovery must end bit for bit equal to: one run
+    directory, trained once for the module (each test only reads it)."""
+    from harness import run_distributed
+
+    ref = tmp_path_factory.mktemp("snapshot") / "ref"
+    run_distributed(2, _uninterrupted, str(ref))
+    return ref
+
+
 class _Crash(Exception):
     """The simulated failure: a rank dies once a step returns, before anything after it runs."""
 
@@ -194,9 +205,8 @@ def _same_final_state(run: Path, ref: Path) -> None:
 
 
 @pytest.mark.parametrize("case", ["intact", "node lost", "corrupt", "copy fails", "none"])
-def test_recovery_continues_from_the_newest_whole_snapshot_bit_for_bit(tmp_path, dist_run, case):
-    ref = tmp_path / "ref"
-    dist_run(2, _uninterrupted, str(ref))
+def test_recovery_continues_from_the_newest_whole_snapshot_bit_for_bit(tmp_path, dist_run, uninterrupted, case):
+    ref = uninterrupted
     (chosen, kept, words), (_, _, words1) = dist_run(2, _snapshot_then_recover, str(tmp_path / "job"), case)
     # each store held its own and the other node's shards of the last two steps (rank 1's of step
     # 4 nowhere when its copy failed)
@@ -231,9 +241,8 @@ def test_recovery_continues_from_the_newest_whole_snapshot_bit_for_bit(tmp_path,
 # ----------------------------------------------------------------------------- through the launcher
 
 
-def test_a_rank_killed_under_max_restarts_costs_one_step_and_the_run_is_unchanged(tmp_path, dist_run):
-    ref, run = tmp_path / "ref", tmp_path / "killed"
-    dist_run(2, _uninterrupted, str(ref))
+def test_a_rank_killed_under_max_restarts_costs_one_step_and_the_run_is_unchanged(tmp_path, uninterrupted):
+    ref, run = uninterrupted, tmp_path / "killed"
     path = os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "hybridpar.cli", "train", *ARGS, "--nproc", "2", "--max-restarts", "1",
            "--train.run_dir", str(run)]
