@@ -431,6 +431,22 @@ def _candidate_ranks(key: ModelKey, pp: int, virtual_stages: int, kind: str,
     return tuple(sorted(out))
 
 
+def memory_bound(model: ModelConfig, layout: Layout, work: Workload, hint: int | None = None) -> float | None:
+    """A lower bound of ``plan_memory(model, layout, work).total``: the total of one of the
+    pipeline ranks it compares (``hint`` when it is one, else the first), computed as it does,
+    so never above the worst rank's. None when it compares one rank only (the bound would be
+    the answer: evaluate it instead)."""
+    if layout.pp == 1:
+        return None
+    ranks = candidate_ranks(model_key(model), layout.pp, layout.virtual_stages, layout.pipeline_schedule,
+                            layout.microbatches(work.global_batch))
+    if len(ranks) == 1:
+        return None
+    key, comm = model_key(model), comm_buffer_bytes(model, layout, work)
+    st, (acts, logits, _) = _rank_parts(key, layout, work, hint if hint in ranks else ranks[0])
+    return _total(st, acts, logits, comm, communicators(layout.dp, layout.tp, layout.pp, layout.cp))
+
+
 def plan_memory(model: ModelConfig, layout: Layout, work: Workload) -> MemoryReport:
     """The pipeline rank with the largest total (the one that OOMs first), not the average."""
     key, comm = model_key(model), comm_buffer_bytes(model, layout, work)
