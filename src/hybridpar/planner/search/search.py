@@ -13,11 +13,12 @@ time; then the same levels with activation offload of all of each chunk's layers
 :func:`memory_levels`), and among the ZeRO stages that fit there the fastest, the one with less memory on a tie
 (ZeRO-2 over ZeRO-1 over ZeRO-0 when their step times are equal).
 
-Speed (user + sys CPU s, 2 loaded cores, ~1 s torch's import): 8B on 8 GPUs 1.7-1.9, 70B on 64
-4.1-4.6. Memory before time, cached per shape, only the pipeline ranks that can be the worst; a
-layer priced once per set of the fields it reads (:func:`~hybridpar.planner.price.cost.priced_layer`);
-the schedule simulated only where the lower bound (the busiest rank's compute) can still win.
-Pruning never changes the answer.
+Speed (``benchmarks/planner_search.py``; ``hybridpar plan`` imports no torch): memory before time,
+cached per shape, only the pipeline ranks that can be the worst, and a pipeline layout whose one
+rank already exceeds the GPU not priced further (:mod:`hybridpar.planner.search.fitting`); a
+layer priced once per set of the fields it reads (:func:`~hybridpar.planner.price.cost.priced_layer`,
+:func:`~hybridpar.planner.memory.activations.layer_activation_bytes`); the schedule simulated only
+where the lower bound (the busiest rank's compute) can still win. Pruning never changes the answer.
 """
 
 from __future__ import annotations
