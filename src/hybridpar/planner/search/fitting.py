@@ -3,7 +3,7 @@ level (recompute, then activation offload, then the offload ladder), and the sma
 when none does (:func:`_fitting_options`, the search's memory step; :mod:`hybridpar.planner.search.search`
 ranks what fits by step time).
 
-Most layouts the search meets do not fit (the 70B search on 64 GPUs: ~14,000 of ~15,000 memory
+Most layouts the search meets do not fit (the 70B search on 64 GPUs: ~13,000 of ~15,000 memory
 evaluations). A layout with pipeline parallelism is first priced on one of its candidate ranks
 (:func:`hybridpar.planner.memory.plan.memory_bound`, the worst rank of the candidate's last full
 evaluation): that rank's total is a lower bound of the layout's (the worst rank's), so a bound
