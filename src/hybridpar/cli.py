@@ -416,7 +416,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_calibrate(argv: list[str]) -> int:
-    from hybridpar.planner.front.cli import cmd_calibrate as calibrate
+    from hybridpar.planner.front.calibrate_cli import cmd_calibrate as calibrate
 
     return calibrate(argv)
 

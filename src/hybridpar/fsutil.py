@@ -87,3 +87,11 @@ def atomic_write_text(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def cache_root() -> Path:
+    """``$HYBRIDPAR_CACHE``, else ``$XDG_CACHE_HOME/hybridpar``, else ``~/.cache/hybridpar``."""
+    if os.environ.get("HYBRIDPAR_CACHE"):
+        return Path(os.environ["HYBRIDPAR_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hybridpar"

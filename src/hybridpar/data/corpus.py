@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -19,6 +18,7 @@ from hybridpar.data.dataset import FORMAT_VERSION, META_FILE, TokenSplits, load_
 from hybridpar.data.errors import DataError, DatasetExistsError, split_too_short
 from hybridpar.data.prepare import prepare_dataset
 from hybridpar.data.tokenizer import BYTE_VOCAB, ByteTokenizer
+from hybridpar.fsutil import cache_root
 
 __all__ = ["BYTE_VOCAB", "TokenSplits", "WindowSampler", "builtin_cache_dir", "builtin_corpus_files",
            "decode_bytes", "encode_bytes", "load_builtin", "load_tokens"]
@@ -41,14 +41,6 @@ def encode_bytes(text: str) -> np.ndarray:
 
 def decode_bytes(tokens: list[int]) -> str:
     return ByteTokenizer().decode(tokens)
-
-
-def cache_root() -> Path:
-    """``$HYBRIDPAR_CACHE``, else ``$XDG_CACHE_HOME/hybridpar``, else ``~/.cache/hybridpar``."""
-    if os.environ.get("HYBRIDPAR_CACHE"):
-        return Path(os.environ["HYBRIDPAR_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hybridpar"
 
 
 def _builtin_selection(max_bytes: int) -> list[Path]:

@@ -31,7 +31,6 @@ longest for their backward).
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,14 +40,9 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from hybridpar.distributed.device import CopyStream
+from hybridpar.parallel.offload_count import offloaded_count
 
 __all__ = ["ActivationOffload", "HostBytes", "offloaded_count"]
-
-
-def offloaded_count(layers: int, fraction: float) -> int:
-    """How many of a chunk's ``layers`` blocks are offloaded at ``fraction`` (the first ones):
-    ``ceil(fraction * layers)``, so any positive fraction offloads at least one."""
-    return min(layers, math.ceil(fraction * layers - 1e-9)) if fraction > 0 else 0
 
 
 class _Resident:

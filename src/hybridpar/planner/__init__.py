@@ -3,11 +3,12 @@
 Six rooms, each importing only the rooms listed after it (``lint-imports`` checks this; the
 contract is in ``pyproject.toml``, ``docs/architecture.md`` draws it):
 
-* ``front/``: the doors: ``hybridpar plan`` and ``hybridpar calibrate`` (:mod:`.front.cli`),
+* ``front/``: the doors: ``hybridpar plan`` (:mod:`.front.cli`; it imports no torch) and
+  ``hybridpar calibrate`` (:mod:`.front.calibrate_cli`),
   ``hybridpar train --parallel.auto`` (:mod:`.front.auto`), what ``plan`` explains
   (:mod:`.front.explain`) and learning from runs (:mod:`.front.fit`);
-* ``search/``: enumerate layouts, reject and rank them (:mod:`.search.search`), and each
-  layout's cp mode (:mod:`.search.cp_modes`);
+* ``search/``: enumerate layouts, reject and rank them (:mod:`.search.search`), a candidate's
+  options that fit (:mod:`.search.fitting`), and each layout's cp mode (:mod:`.search.cp_modes`);
 * ``price/``: step time (:mod:`.price.cost`, its data-parallel terms :mod:`.price.dp_cost`, cp
   :mod:`.price.cp`, FP8 :mod:`.price.fp8`, pipeline makespans :mod:`.price.pipesim`, shared
   rates :mod:`.price.rates`) and the bytes on the wire per axis (:mod:`.price.traffic`, a
@@ -22,8 +23,9 @@ contract is in ``pyproject.toml``, ``docs/architecture.md`` draws it):
   (:mod:`.model.hsdp`);
 * ``machine/``: the device and cluster the models divide by (:mod:`.machine.hardware`), kernel
   efficiency (:mod:`.machine.efficiency`), allocator overhead (:mod:`.machine.allocator`), the
-  search's memo keyed by device or cluster (:mod:`.machine.memo`) and the measurements behind
-  ``calibrate`` (:mod:`.machine.calibrate`, :mod:`.machine.probes`);
+  search's memo keyed by device or cluster (:mod:`.machine.memo`), the profile file
+  (:mod:`.machine.profile`) and the measurements behind ``calibrate`` (:mod:`.machine.calibrate`,
+  :mod:`.machine.probes`);
 
 and :mod:`.errors`, the planner's one error, below them all.
 """

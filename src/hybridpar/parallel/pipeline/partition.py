@@ -22,12 +22,10 @@ Every chunk gets at least one layer, so ``n_layers >= pp * V`` is required.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from hybridpar.compat import real_tensors
 from hybridpar.config import ModelConfig
 from hybridpar.parallel.pipeline.schedules import ScheduleError, rank_stages, stage_rank
 from hybridpar.rules import partition_error
@@ -99,45 +97,45 @@ def _layer_range(r: range) -> str:
 
 
 def _min_max_split(weights: Sequence[float], k: int, first: float, last: float) -> list[int]:
-    """:func:`_split_tables` on real tensors even under the dry run's fake-tensor mode (its
-    tables' values are read)."""
-    with real_tensors():
-        return _split_tables(weights, k, first, last)
-
-
-def _split_tables(weights: Sequence[float], k: int, first: float, last: float) -> list[int]:
     """Sizes of ``k`` contiguous non-empty groups of ``weights`` minimising the largest group sum,
     where the first group also carries ``first`` and the last ``last``; among those, the one with
-    the smallest sum of squared group sums (evenest). Two dynamic programs over (groups, prefix),
-    each step one ``[n + 1, n + 1]`` table (group from prefix i to prefix j) in float64, so the
-    planner can afford a partition per layout (126 layers in 126 chunks: about 40 ms here)."""
+    the smallest sum of squared group sums (evenest). Two dynamic programs over (groups, prefix)
+    in float64 (plain Python floats), each group ending at prefix ``j`` starting at the first best
+    prefix ``i < j``; prefixes from which the remaining groups cannot all be non-empty are skipped
+    (they never reach the end). Pure Python, so ``hybridpar plan`` imports no torch."""
     n = len(weights)
-    prefix = torch.cat([torch.zeros(1, dtype=torch.float64),
-                        torch.tensor(list(weights), dtype=torch.float64).cumsum(0)])
-    span = prefix[None, :] - prefix[:, None]  # [i, j]: weights[i:j]
-    inf = torch.tensor(float("inf"), dtype=torch.float64)
-    ends = torch.arange(n + 1)
-    span = torch.where(ends[:, None] < ends[None, :], span, inf)  # groups non-empty
+    prefix = [0.0, *itertools.accumulate(float(w) for w in weights)]
+    inf = float("inf")
 
     def solve(square: bool, bound: float) -> tuple[float, list[int]]:
-        best = torch.full((n + 1,), float("inf"), dtype=torch.float64)
-        best[0] = 0.0
+        best = [0.0] + [inf] * n
         cuts = []
         for g in range(k):
-            cost = span + ((first if g == 0 else 0.0) + (last if g == k - 1 else 0.0))
-            cost = torch.where(cost > bound, inf, cost)
-            table = best[:, None] + cost * cost if square else torch.maximum(best[:, None], cost)
-            cut = table.argmin(0)  # the first best start of the group ending at each prefix
-            best = table.gather(0, cut[None, :])[0]
-            cuts.append(cut.tolist())
+            extra = (first if g == 0 else 0.0) + (last if g == k - 1 else 0.0)
+            new, cut = [inf] * (n + 1), [0] * (n + 1)
+            starts = [i for i in range(n + 1) if best[i] != inf]
+            for j in range(g + 1, n - (k - 1 - g) + 1):
+                most, at, pj = inf, 0, prefix[j]
+                for i in starts:
+                    if i >= j:
+                        break
+                    cost = (pj - prefix[i]) + extra
+                    if cost > bound:
+                        continue
+                    value = best[i] + cost * cost if square else max(best[i], cost)
+                    if value < most:
+                        most, at = value, i
+                new[j], cut[j] = most, at
+            best = new
+            cuts.append(cut)
         sizes, j = [], n
         for g in range(k - 1, -1, -1):
             i = cuts[g][j]
             sizes.append(j - i)
             j = i
-        return float(best[n]), sizes[::-1]
+        return best[n], sizes[::-1]
 
-    top, _ = solve(False, float("inf"))
+    top, _ = solve(False, inf)
     _, sizes = solve(True, top * (1 + 1e-9) + 1e-12)
     return sizes
 

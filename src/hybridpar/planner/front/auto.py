@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from hybridpar.config import Config, ConfigError
 from hybridpar.distributed import device as devices
-from hybridpar.planner.machine.calibrate import default_profile_path, usable_cores
 from hybridpar.planner.machine.hardware import (
     CPU_CORE,
     GPUS,
@@ -38,6 +37,7 @@ from hybridpar.planner.machine.hardware import (
     PlanError,
     gpu_spec,
 )
+from hybridpar.planner.machine.profile import default_profile_path, usable_cores
 from hybridpar.planner.model.layout import Layout, Workload
 from hybridpar.planner.search.search import ZERO, Evaluation, complete, factorisations
 from hybridpar.rules import first_broken

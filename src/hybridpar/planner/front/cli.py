@@ -6,9 +6,8 @@ the cost model (:mod:`hybridpar.planner.price.cost`) and the search
 why; this module parses and prints. ``--dry-run [K]`` builds the top layouts with the trainer's
 dry run (:mod:`hybridpar.training.dryrun_plan`, handed in by :mod:`hybridpar.cli` as a
 :data:`DryRun`, since the planner sits below the trainer) and drops those that cannot build.
-``hybridpar calibrate`` (:func:`cmd_calibrate`) measures this
-machine (:mod:`hybridpar.planner.machine.calibrate`) or fits a profile to runs
-(:mod:`hybridpar.planner.front.fit`).
+``hybridpar calibrate`` is :mod:`hybridpar.planner.front.calibrate_cli` (it needs torch; ``plan``
+imports none).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpar.config import MODEL_PRESETS, ModelConfig, model_preset
-from hybridpar.distributed import device as devices
 from hybridpar.planner.front.explain import (
     dp_shard_reason,
     explain,
@@ -35,9 +33,8 @@ from hybridpar.planner.front.explain import (
     unbuilt_line,
     why,
 )
-from hybridpar.planner.front.fit import from_run, read_run, training_run, write_profile
+from hybridpar.planner.front.fit import from_run, read_run, training_run
 from hybridpar.planner.front.resilience import lines, parse_duration, resilience
-from hybridpar.planner.machine.calibrate import calibrate, default_profile_path, usable_cores
 from hybridpar.planner.machine.hardware import GPUS, Cluster, PlanError, gpu_spec
 from hybridpar.planner.model.layout import Workload, parse_layout
 from hybridpar.planner.model.moe import DEFAULT_IMBALANCE
@@ -294,33 +291,3 @@ def _resilience(args: argparse.Namespace, q: _Question, result: SearchResult) ->
     """``--mttf``: the best layout's snapshot and checkpoint intervals and goodput."""
     return resilience(result.ranked[0], q.cluster, parse_duration(args.mttf, "--mttf"), args.mttf_gpus,
                       args.restart_s, parse_duration(args.durable_every, "--durable-every"))
-
-
-def cmd_calibrate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="hybridpar calibrate",
-                                description="Measure matmul, attention, memory and collective rates of this "
-                                            "machine and write a hardware profile for plan and train.")
-    p.add_argument("--out", default=None, help=f"profile path (default {default_profile_path()})")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="processes for the collectives: axis sizes 2, 4, ... up to N are measured "
-                        "(default: CPU cores, or GPUs)")
-    p.add_argument("--quick", action="store_true", help="smaller grids and shorter timings (well under a minute)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--from-run", metavar="DIR", action="append",
-                   help="instead of measuring: fit the planner's efficiency terms to a hybridpar train run "
-                        "(repeatable) and write that profile (hybridpar.planner.front.fit)")
-    p.add_argument("--gpu", default=None, help="with --from-run: the device model to fit from (default: the run's)")
-    args = p.parse_args(argv)
-    if args.from_run:
-        args.model = args.gpus = args.global_batch = args.seq_len = None
-        fitted = from_run(args)
-        print("\n".join(fitted.lines()))
-        out = write_profile(fitted, Path(args.out) if args.out else default_profile_path())
-        print(f"wrote {out}")
-        return 0
-    cuda = devices.prefers_gpu(args.device)
-    nproc = args.nproc if args.nproc is not None else (
-        devices.accelerator_count() if cuda else max(2, usable_cores()))
-    out = Path(args.out) if args.out else default_profile_path()
-    calibrate(out, nproc, args.quick, args.device, progress=lambda s: print(s, flush=True))
-    return 0

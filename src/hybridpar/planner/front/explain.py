@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable
 
 from hybridpar.config import ModelConfig
-from hybridpar.parallel.offload_activations import offloaded_count
+from hybridpar.parallel.offload_count import offloaded_count
 from hybridpar.planner.errors import PlanError
 from hybridpar.planner.machine.hardware import Cluster
 from hybridpar.planner.memory.offload import layer_offload_bytes

@@ -31,7 +31,6 @@ from pathlib import Path
 
 from hybridpar.config import Config, ModelConfig, parse_config
 from hybridpar.planner.machine.allocator import cpu_resident_bytes, measured_cpu_baseline
-from hybridpar.planner.machine.calibrate import default_profile_path, to_toml
 from hybridpar.planner.machine.efficiency import CLASSES, efficiency_of, to_table
 from hybridpar.planner.machine.hardware import (
     _FIELDS,
@@ -42,6 +41,7 @@ from hybridpar.planner.machine.hardware import (
     gpu_spec,
     load_gpu_toml,
 )
+from hybridpar.planner.machine.profile import default_profile_path, to_toml
 from hybridpar.planner.memory.plan import plan_memory, rank_memory
 from hybridpar.planner.model.layout import LAYOUT_KEYS, BlockStyle, Layout, Workload
 from hybridpar.planner.price.cost import step_cost

@@ -28,13 +28,12 @@ The profile is a TOML file (plain data; :func:`hybridpar.planner.machine.hardwar
 it with the standard ``tomllib``): a ``[gpu]`` table of :class:`GPUSpec` constants derived from
 the measurements, and a ``[calibration]`` table of the measured tables. ``hybridpar plan --gpu
 FILE`` and ``hybridpar train --parallel.auto true`` (``train.hardware``, or the default file
-:func:`default_profile_path`) use it.
+:func:`hybridpar.planner.machine.profile.default_profile_path`) use it.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import platform
 import statistics
 import time
@@ -44,7 +43,6 @@ from typing import Any
 
 import torch
 
-from hybridpar.data.corpus import cache_root
 from hybridpar.distributed import device as devices
 from hybridpar.distributed.comm import Comm
 from hybridpar.distributed.mesh import Axis
@@ -62,24 +60,11 @@ from hybridpar.planner.machine.probes import (
     pool_views,
     reps_for,
 )
+from hybridpar.planner.machine.profile import to_toml, usable_cores
 
 
 class CalibrateError(UserError):
     """``hybridpar calibrate`` cannot measure what was asked (bad --nproc, no such device)."""
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, e.g. under taskset), else all."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def default_profile_path() -> Path:
-    """Where ``calibrate`` writes and ``train --parallel.auto`` looks: ``$HYBRIDPAR_CACHE`` (else
-    ``$XDG_CACHE_HOME/hybridpar``, else ``~/.cache/hybridpar``) ``/hardware.toml``."""
-    return cache_root() / "hardware.toml"
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -261,40 +246,6 @@ def measure_comm(nproc: int, backend: str, plan: Plan,
 
 
 # ------------------------------------------------------------------------------- the profile
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            raise ValueError(f"cannot write {v} to a profile")
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to a profile")
-
-
-def to_toml(gpu: dict[str, object], calibration: dict[str, object], comm: list[dict[str, object]],
-            header: str) -> str:
-    """The profile text: ``[gpu]``, ``[calibration]`` and ``[[calibration.comm]]`` tables."""
-    lines = [f"# {line}" for line in header.splitlines()] + ["", "[gpu]"]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in gpu.items()]
-    lines += ["", "[calibration]"]
-    for k, v in calibration.items():
-        if isinstance(v, list) and v and isinstance(v[0], list):
-            lines.append(f"{k} = [")
-            lines += [f"  {_toml_value(row)}," for row in v]
-            lines.append("]")
-        else:
-            lines.append(f"{k} = {_toml_value(v)}")
-    for fit in comm:
-        lines += ["", "[[calibration.comm]]"] + [f"{k} = {_toml_value(v)}" for k, v in fit.items()]
-    return "\n".join(lines) + "\n"
 
 
 def _host_name(device: torch.device) -> str:

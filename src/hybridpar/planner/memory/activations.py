@@ -35,10 +35,18 @@ replaces the dense MLP's with :func:`moe_ffn_bytes` at the busiest ep rank's loa
 
 from __future__ import annotations
 
+import functools
 import math
 
 from hybridpar.config import ModelConfig
-from hybridpar.planner.model.layout import BlockStyle, Layout, Workload
+from hybridpar.planner.model.layout import (
+    BlockStyle,
+    Layout,
+    ModelKey,
+    Workload,
+    model_key,
+    model_of,
+)
 from hybridpar.planner.model.mla import mla_shapes
 from hybridpar.planner.model.moe import dispatch_rows, ffn_shapes, rank_load
 from hybridpar.planner.model.sac import op_layer_bytes
@@ -182,9 +190,18 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
     as one graph: :func:`compiled_layer_bytes`). ``moe``: an MoE
     layer, whose feed-forward (:func:`moe_ffn_bytes`, at the busiest ep rank's load) replaces the
     dense MLP's (unless fully recomputed: then only the layer input is kept either way)."""
-    t, cp = layout.tp, layout.cp
-    s, b, sp = work.seq_len // cp, layout.micro_batch, layout.sequence_parallel and t > 1
     rec = layout.recompute if recompute is None else recompute
+    return _layer_activation_bytes(model_key(model), layout.tp, layout.cp, layout.micro_batch,
+                                   layout.sequence_parallel, layout.ep, rec, work, moe)
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_activation_bytes(key: ModelKey, t: int, cp: int, b: int, sequence_parallel: bool, ep: int,
+                            rec: str, work: Workload, moe: bool) -> float:
+    """:func:`layer_activation_bytes` of the fields it reads, memoised: the search asks for the same
+    layer under every pipeline rank, chunk, schedule and ZeRO stage of a candidate."""
+    model = model_of(key)
+    s, sp = work.seq_len // cp, sequence_parallel and t > 1
     a, r = work.act_bytes, work.param_bytes
     if work.style is BlockStyle.MEGATRON:
         dense = gpt_layer_bytes(model, s, b, t, sp, rec, a)
@@ -194,8 +211,8 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
         dense = op_layer_bytes(s, b, h, model.n_heads * model.head_dim, kv, model.ffn_hidden, model.n_heads, t, sp, a, r)
         if moe:
             dense -= s * b * a * (model.ffn_hidden / t + h)
-            load = rank_load(work.moe_imbalance, layout.ep, model.n_experts)
-            dense += moe_ffn_bytes(model, s, b, t, sp, a, r, layout.ep, load)
+            load = rank_load(work.moe_imbalance, ep, model.n_experts)
+            dense += moe_ffn_bytes(model, s, b, t, sp, a, r, ep, load)
         return dense
     elif work.style is BlockStyle.COMPILED and t == 1 and cp == 1 and not moe:  # one graph per block
         return compiled_layer_bytes(model, s, b, rec, a, r)
@@ -207,8 +224,8 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, work: Workload,
         return dense
     norm = ((4 + r) * model.dim + 4) / (t if sp else 1) + (2 if a != r else 1) * a * model.dim
     dense_ffn = s * b * (norm + 4 * a * model.ffn_hidden / t)
-    load = rank_load(work.moe_imbalance, layout.ep, model.n_experts)
-    return dense - dense_ffn + moe_ffn_bytes(model, s, b, t, sp, a, r, layout.ep, load)
+    load = rank_load(work.moe_imbalance, ep, model.n_experts)
+    return dense - dense_ffn + moe_ffn_bytes(model, s, b, t, sp, a, r, ep, load)
 
 
 def mtp_activation_bytes(model: ModelConfig, layout: Layout, work: Workload) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybridpar.config import ModelConfig
-from hybridpar.parallel.offload_activations import offloaded_count
+from hybridpar.parallel.offload_count import offloaded_count
 from hybridpar.parallel.pipeline.partition import ChunkSpec
 from hybridpar.planner.memory.activations import (
     deferred_layer_bytes,

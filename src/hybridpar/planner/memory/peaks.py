@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from hybridpar.parallel.pipeline.schedules import ActionKind, Schedule, compute_order, rank_stages
 
 
+@functools.lru_cache(maxsize=4096)
 def peak_microbatches(kind: str, pp: int, microbatches: int) -> int:
     """The micro-batch count :func:`live_chunk_counts` depends on: the walked schedules' peaks
     repeat past ``2 pp`` micro-batches (ZB-H1) or ``4 pp`` (interleaved), so longer runs share

@@ -329,14 +329,25 @@ def _rank_parts(key: ModelKey, L: Layout, work: Workload,
         st = dataclasses.replace(st, params=st.params + work.param_bytes * full)
     acts, logits, in_flight = _rank_activations(key, _activation_fields(L), work, pp_rank)
     part = layer_partition(key, L.pp, L.virtual_stages if L.pp > 1 else 1, L.pp > 1 and v_shaped(L.pipeline_schedule))
-    if any(c.head for c in part.for_rank(pp_rank)):
-        logits += loss_backward_bytes(L, work, padded(model_of(key).vocab_size, L.tp) // L.tp, model_of(key).dim)
+    if part.chunks[-1].rank == pp_rank:  # the rank with the head (the last chunk's)
+        logits += loss_backward_bytes(L, work, padded(_vocab_size(key), L.tp) // L.tp, _dim(key))
     if gradients_dropped(L, work) and acts + logits >= st.grads:
         st = dataclasses.replace(st, grads=0)  # the peak (backward's start) comes before any gradient
     elif L.zero_stage >= 2 and L.pp == 1 and not L.offload_optimizer and acts + logits >= work.param_bytes * shard:
         # the reduced shard is written as backward frees the activations: not there at the peak
         st = dataclasses.replace(st, grads=st.grads - work.param_bytes * shard)
     return st, (acts, logits, in_flight)
+
+
+_FIELD = {f.name: i for i, f in enumerate(dataclasses.fields(ModelConfig))}  # a field's place in a ModelKey
+
+
+def _vocab_size(key: ModelKey) -> int:
+    return key[_FIELD["vocab_size"]]
+
+
+def _dim(key: ModelKey) -> int:
+    return key[_FIELD["dim"]]
 
 
 def gradients_dropped(L: Layout, work: Workload) -> bool:
@@ -364,12 +375,21 @@ def rank_state_numels(key: ModelKey, L: Layout, pp_rank: int) -> tuple[int, int]
     optimizer of their own sharded over ``edp = dp * cp / ep`` (each ``[E/ep, ...]`` tensor in
     ``ceil((E/ep) / edp)``-row blocks: with one expert per rank, one edp rank holds it all).
     Hybrid sharding (``dp_shard``): over the ZeRO group instead (:func:`hybridpar.planner.model.hsdp.zero_group`)."""
-    n, args = zero_group(L)[1], (key, L.tp, L.pp, L.virtual_stages, pp_rank)
-    vs = {"v_shape": v_shaped(L.pipeline_schedule)}
-    if L.ep == 1:
+    edp = expert_group(L)[1] if L.ep > 1 else 1
+    return _rank_state_numels(key, L.tp, L.pp, L.virtual_stages, pp_rank, zero_group(L)[1], L.ep, edp,
+                              v_shaped(L.pipeline_schedule))
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_state_numels(key: ModelKey, tp: int, pp: int, virtual_stages: int, pp_rank: int, n: int, ep: int,
+                       edp: int, v_shape: bool) -> tuple[int, int]:
+    """:func:`rank_state_numels` of the fields it reads (ZeRO group ``n``, expert group ``edp``),
+    memoised: every recompute level and ZeRO stage of a candidate holds the same elements."""
+    args, vs = (key, tp, pp, virtual_stages, pp_rank), {"v_shape": v_shape}
+    if ep == 1:
         return rank_numel(*args, **vs), rank_numel(*args, n, **vs)
-    full = rank_numel(*args, 1, L.ep, "dense", **vs) + rank_numel(*args, 1, L.ep, "experts", **vs)
-    return full, rank_numel(*args, n, L.ep, "dense", **vs) + rank_numel(*args, expert_group(L)[1], L.ep, "experts", **vs)
+    full = rank_numel(*args, 1, ep, "dense", **vs) + rank_numel(*args, 1, ep, "experts", **vs)
+    return full, rank_numel(*args, n, ep, "dense", **vs) + rank_numel(*args, edp, ep, "experts", **vs)
 
 
 def _total(st: ModelStates, acts: float, logits: float, comm: CommBuffers, axes: int) -> float:
@@ -409,6 +429,22 @@ def _candidate_ranks(key: ModelKey, pp: int, virtual_stages: int, kind: str,
                        for q, theirs in members):
                 out.append(r)
     return tuple(sorted(out))
+
+
+def memory_bound(model: ModelConfig, layout: Layout, work: Workload, hint: int | None = None) -> float | None:
+    """A lower bound of ``plan_memory(model, layout, work).total``: the total of one of the
+    pipeline ranks it compares (``hint`` when it is one, else the first), computed as it does,
+    so never above the worst rank's. None when it compares one rank only (the bound would be
+    the answer: evaluate it instead)."""
+    if layout.pp == 1:
+        return None
+    ranks = candidate_ranks(model_key(model), layout.pp, layout.virtual_stages, layout.pipeline_schedule,
+                            layout.microbatches(work.global_batch))
+    if len(ranks) == 1:
+        return None
+    key, comm = model_key(model), comm_buffer_bytes(model, layout, work)
+    st, (acts, logits, _) = _rank_parts(key, layout, work, hint if hint in ranks else ranks[0])
+    return _total(st, acts, logits, comm, communicators(layout.dp, layout.tp, layout.pp, layout.cp))
 
 
 def plan_memory(model: ModelConfig, layout: Layout, work: Workload) -> MemoryReport:

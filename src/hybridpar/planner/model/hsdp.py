@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hybridpar.distributed.compression import padded as padded_blocks
-from hybridpar.distributed.compression import wire_numel
-from hybridpar.distributed.mesh import ParallelDims
+from hybridpar.distributed.dims import ParallelDims
+from hybridpar.distributed.int8_blocks import padded as padded_blocks
+from hybridpar.distributed.int8_blocks import wire_numel
 from hybridpar.planner.model.layout import Layout
 from hybridpar.planner.model.shapes import padded
 

@@ -29,9 +29,12 @@ def layer_partition(key: ModelKey, pp: int, virtual_stages: int, v_shape: bool =
     return partition_model(model_of(key), pp, virtual_stages, v_shape=v_shape)
 
 
+_ZBV = Schedule.ZBV.value  # read once: an enum member's value is a slow attribute to ask for every time
+
+
 def v_shaped(schedule: str) -> bool:
     """Whether ``schedule`` places its chunks as a V (ZBV)."""
-    return schedule == Schedule.ZBV.value
+    return schedule == _ZBV
 
 
 def layer_shapes(model: ModelConfig, tp: int, layer: int, ep: int = 1) -> list[tuple[str, tuple[int, ...]]]:

@@ -49,8 +49,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 from hybridpar.config import ModelConfig
-from hybridpar.distributed.compression import padded as padded_blocks
-from hybridpar.distributed.compression import wire_numel
+from hybridpar.distributed.int8_blocks import padded as padded_blocks
+from hybridpar.distributed.int8_blocks import wire_numel
 from hybridpar.parallel.pipeline.partition import ChunkSpec
 from hybridpar.parallel.pipeline.schedules import stage_rank
 from hybridpar.parallel.zero.reducer import cut_buckets

@@ -13,11 +13,12 @@ time; then the same levels with activation offload of all of each chunk's layers
 :func:`memory_levels`), and among the ZeRO stages that fit there the fastest, the one with less memory on a tie
 (ZeRO-2 over ZeRO-1 over ZeRO-0 when their step times are equal).
 
-Speed (user + sys CPU s, 2 loaded cores, ~1 s torch's import): 8B on 8 GPUs 1.7-1.9, 70B on 64
-4.1-4.6. Memory before time, cached per shape, only the pipeline ranks that can be the worst; a
-layer priced once per set of the fields it reads (:func:`~hybridpar.planner.price.cost.priced_layer`);
-the schedule simulated only where the lower bound (the busiest rank's compute) can still win.
-Pruning never changes the answer.
+Speed (``benchmarks/planner_search.py``; ``hybridpar plan`` imports no torch): memory before time,
+cached per shape, only the pipeline ranks that can be the worst, and a pipeline layout whose one
+rank already exceeds the GPU not priced further (:mod:`hybridpar.planner.search.fitting`); a
+layer priced once per set of the fields it reads (:func:`~hybridpar.planner.price.cost.priced_layer`,
+:func:`~hybridpar.planner.memory.activations.layer_activation_bytes`); the schedule simulated only
+where the lower bound (the busiest rank's compute) can still win. Pruning never changes the answer.
 """
 
 from __future__ import annotations
@@ -27,79 +28,28 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
-from hybridpar.planner.machine.hardware import Cluster, GiB
-from hybridpar.planner.memory.plan import MemoryReport, plan_memory
+from hybridpar.planner.machine.hardware import Cluster
 from hybridpar.planner.model.hsdp import shard_sizes
 from hybridpar.planner.model.layout import Layout, Workload, layout_rule, runtime_note
-from hybridpar.planner.price.cost import CostReport, step_cost
+from hybridpar.planner.price.cost import step_cost
 from hybridpar.planner.search.cp_modes import cp_fields
-from hybridpar.rules import Broken
+from hybridpar.planner.search.fitting import OFFLOAD_FRACTIONS as OFFLOAD_FRACTIONS
+from hybridpar.planner.search.fitting import OFFLOAD_LADDER as OFFLOAD_LADDER
+from hybridpar.planner.search.fitting import RECOMPUTE as RECOMPUTE
+from hybridpar.planner.search.fitting import ZERO as ZERO
+from hybridpar.planner.search.fitting import Evaluation as Evaluation
+from hybridpar.planner.search.fitting import Level as Level
+from hybridpar.planner.search.fitting import _fitting_options as _fitting_options
+from hybridpar.planner.search.fitting import _memory_only as _memory_only
+from hybridpar.planner.search.fitting import memory_levels as memory_levels
 
 MICRO_BATCHES = (1, 2, 4, 8)
-RECOMPUTE = ("none", "selective", "full")
-ZERO = (0, 1, 2, 3)
-# when nothing fits on the GPUs: ZeRO-3's state to host memory, then its parameter shards too,
-# then the same on disk (ZeRO-Offload, then ZeRO-Infinity); the first that fits is proposed
-OFFLOAD_LADDER = (("cpu", False), ("cpu", True), ("disk", False), ("disk", True))
-# activation offload, tried per recompute level when nothing fits without (memory_levels)
-# (all of each chunk's layers: a fraction is the user's choice, parallel.offload_activations_fraction;
-# more fractions would double the search's memory evaluations where nothing fits)
-OFFLOAD_FRACTIONS = (1.0,)
 TIE_DIGITS = 9  # step times equal to this many significant digits tie; memory decides
 PRUNE_MARGIN = 1e-7  # a bound this far (relative) above the best may still tie after rounding
 # the rules (by name) that another micro-batch size may mend: a factorisation whose probe breaks
 # one of them is completed anyway (its other micro-batch sizes are tried)
 MICRO_BATCH_RULES = frozenset({"dp-divides-batch", "microbatches-match-batch", "interleaved-microbatches-divisible",
                                "pp-2bw-microbatches"})
-
-
-@dataclass
-class Evaluation:
-    """One layout's verdict: the rule it breaks, or its memory, fit and predicted cost."""
-
-    layout: Layout
-    rule: str | None = None  # the message of the rule it breaks (or of the cluster size it misses)
-    memory: MemoryReport | None = None
-    cost: CostReport | None = None
-    capacity: float = 0.0
-    note: str | None = None  # why this version's trainer cannot run it yet
-    host_capacity: float = float("inf")  # host memory per GPU, for what offload puts there
-    broken: Broken | None = None  # the rule behind ``rule``, when it is one of the rules
-
-    @property
-    def reason(self) -> str | None:
-        """Why it is rejected, without the fix: what reports group rejected layouts by."""
-        return self.broken.reason if self.broken is not None else self.rule
-
-    @property
-    def fits(self) -> bool:
-        return (self.rule is None and self.memory is not None and self.memory.total <= self.capacity
-                and self.memory.cpu_bytes <= self.host_capacity)
-
-    @property
-    def shortfall_gib(self) -> float:
-        """GiB over capacity (0 when it fits)."""
-        if self.memory is None:
-            return float("inf")
-        return max(0.0, (self.memory.total - self.capacity) / GiB)
-
-    def to_json(self) -> dict[str, object]:
-        """The fields ``hybridpar plan --json`` promises for each evaluated layout."""
-        out: dict[str, object] = dict(self.layout.as_dict())
-        out["memory_gib"] = self.memory.gib() if self.memory else None
-        out["fits"] = self.fits
-        c = self.cost
-        out["step_time_s"] = c.step_time_s if c else None
-        out["mfu"] = c.mfu if c else None
-        out["tflops_per_gpu"] = c.tflops_per_gpu if c else None
-        out["tokens_per_s"] = c.tokens_per_s if c else None
-        if self.rule:
-            out["rejected"] = self.rule
-        elif not self.fits:
-            out["rejected"] = f"does not fit: needs {self.shortfall_gib:.2f} GiB more than the GPU has"
-        if self.note:
-            out["runtime_note"] = self.note
-        return out
 
 
 def evaluate(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
@@ -111,22 +61,6 @@ def evaluate(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluste
     if with_cost or ev.fits:
         ev.cost = step_cost(model, layout, work, cluster)
     ev.note = runtime_note(model, layout, work)
-    return ev
-
-
-def _memory_only(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
-                 rule: Broken | None | bool = False) -> Evaluation:
-    """Rules and memory, no cost and no runtime note (``rule``: the rule this shape breaks, or
-    None, when already checked; False to check it here)."""
-    ev = Evaluation(layout, capacity=cluster.gpu.usable_bytes, host_capacity=cluster.gpu.host_bytes)
-    ev.broken = layout_rule(model, layout, work) if rule is False else rule  # type: ignore[assignment]
-    if ev.broken is not None:
-        ev.rule = ev.broken.message
-        return ev
-    if layout.world_size != cluster.world_size:
-        ev.rule = (f"dp * tp * pp * cp = {layout.world_size} but the cluster has {cluster.world_size} GPUs")
-        return ev
-    ev.memory = plan_memory(model, layout, work)
     return ev
 
 
@@ -218,85 +152,6 @@ def complete(model: ModelConfig, partial: dict[str, object], work: Workload,
         return min(fitting, key=rank_key), tried
     ranked = sorted(tried, key=lambda e: (e.rule is not None, e.shortfall_gib))
     return ranked[0], tried
-
-
-def _fitting_options(model: ModelConfig, partial: dict[str, object], fixed: dict[str, object],
-                     work: Workload, cluster: Cluster) -> tuple[list[Evaluation], Evaluation]:
-    """For fixed axes, micro-batch and schedule (SP on when allowed): the evaluations (memory
-    only) of every ZeRO stage that fits at the first recompute level where one does, and the
-    smallest evaluation overall (or the one that breaks a rule: the rule is the same for all)."""
-    tp, cp = int(fixed["tp"]), int(fixed["cp"])  # type: ignore[call-overload]
-    sp_default = tp > 1 and work.seq_len % (tp * (2 * cp if cp > 1 else 1)) == 0  # the sp-seq-len rule
-    sp = bool(partial.get("sequence_parallel", sp_default))
-    levels = memory_levels(partial)
-    zeros = [partial["zero_stage"]] if "zero_stage" in partial else list(ZERO)
-    zeros = [z for z in zeros if z or "dp_shard" not in partial] or zeros  # dp_shard shards ZeRO-1/2/3 state
-    offload = bool(partial.get("offload_optimizer", False))
-    compression = str(partial.get("grad_compression", "none"))
-    layouts = {(rec, z): Layout(**fixed, sequence_parallel=sp, recompute=str(rec[0]), zero_stage=int(z),  # type: ignore[arg-type, call-overload]
-                                offload_optimizer=offload, grad_compression=compression,  # type: ignore[arg-type]
-                                offload_activations=rec[1], offload_activations_fraction=rec[2],
-                                dp_shard=int(partial.get("dp_shard", 0)))  # type: ignore[call-overload]
-               for rec in levels for z in zeros}
-    rule = layout_rule(model, next(iter(layouts.values())), work)  # the same for all of them
-    smallest: Evaluation | None = None
-    for rec in levels:
-        done: dict[object, Evaluation] = {}
-        order = list(zeros)
-        if order == list(ZERO):
-            # ZeRO-1 holds less than ZeRO-0 (equal at dp x cp = 1: ZeRO shards over both), and
-            # ZeRO-2 less than ZeRO-1 with one micro-batch per step but more with accumulation
-            # (the full gradients plus their shard): if the least of them does not fit, neither
-            # do the others
-            least = [0] if int(fixed["dp"]) * int(fixed["cp"]) == 1 else [1, 2]  # type: ignore[call-overload]
-            for z in least:
-                done[z] = _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)
-            if all(done[z].rule is None and not done[z].fits for z in least):
-                order = [*least, 3]
-        fits = []
-        for z in order:
-            ev = done[z] if z in done else _memory_only(model, layouts[(rec, z)], work, cluster, rule=rule)
-            if ev.rule is not None:
-                return [], ev
-            if ev.fits:
-                fits.append(ev)
-            if smallest is None or ev.shortfall_gib < smallest.shortfall_gib:
-                smallest = ev
-        if fits:
-            return fits, fits[0]
-    assert smallest is not None
-    if not any(k in partial for k in ("offload_optimizer", "offload_to", "offload_params", "zero_stage")):
-        # nothing fits on the device: offload ZeRO-3's optimizer state, then its parameter shards,
-        # to host memory, and where the host cannot hold them either, to disk (ZeRO-Infinity);
-        # activations stay on the device there (host memory is what those offloads compete for)
-        base = next((lv for lv in reversed(levels) if not lv[1]), levels[-1])
-        for where, params in OFFLOAD_LADDER:
-            ev = _memory_only(model, dataclasses.replace(layouts[(base, 3)], offload_optimizer=True,
-                                                         offload_to=where, offload_params=params),  # type: ignore[arg-type]
-                              work, cluster, rule=rule)
-            if ev.fits:
-                return [ev], ev
-    return [], smallest
-
-
-Level = tuple[str, bool, float]  # (recompute, offload_activations, offload_activations_fraction)
-
-
-def memory_levels(partial: dict[str, object]) -> list[Level]:
-    """What the search trades for memory, in order, as far as ``partial`` leaves it open: the
-    recompute levels (none < selective < full) without activation offload, then, when not even
-    full recomputation fits, each level again offloading all of each chunk's layers
-    (:data:`OFFLOAD_FRACTIONS`): offload needs host memory and a host link the step shares, so it
-    comes in where recomputation alone cannot make a layout (its micro-batch size) fit, before
-    the search has to settle for a smaller micro-batch (another candidate, ranked by step time)."""
-    recs = [str(partial["recompute"])] if "recompute" in partial else list(RECOMPUTE)
-    if "offload_activations" in partial:
-        chosen = bool(partial["offload_activations"])
-        fractions = [float(partial.get("offload_activations_fraction", 1.0))]  # type: ignore[arg-type]
-        return [(rec, chosen, f) for rec in recs for f in fractions]
-    if "offload_activations_fraction" in partial:
-        return [(rec, True, float(partial["offload_activations_fraction"])) for rec in recs]  # type: ignore[arg-type]
-    return [(rec, False, 1.0) for rec in recs] + [(rec, True, f) for rec in recs for f in OFFLOAD_FRACTIONS]
 
 
 def _cheapest_fit(model: ModelConfig, partial: dict[str, object], fixed: dict[str, object],
