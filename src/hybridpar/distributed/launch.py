@@ -57,10 +57,10 @@ SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # shared memory and removes when the job ends, so it outlives the workers it restarts.
 SNAPSHOT_STORE_ENV = "HYBRIDPAR_SNAPSHOT_STORE"
 SHM = Path("/dev/shm")
-# What the workers' forkserver imports before its first fork (the first moves it into a session of
-# its own: see that module): torch, and the modules a worker imports on its way to the first step
+# What the workers' forkserver imports before its first fork (the first sets that server up: see
+# that module): torch, and the modules a worker imports on its way to the first step
 # (the trainer pulls in nearly all of hybridpar; tensorboard is rank 0's metrics writer).
-PRELOAD = ("hybridpar.distributed.worker_session", "torch", "torch.distributed", "torch.utils.tensorboard",
+PRELOAD = ("hybridpar.distributed.template", "torch", "torch.distributed", "torch.utils.tensorboard",
            "hybridpar.cli", "hybridpar.training.trainer")
 # The variables this launcher sets for its workers. The forkserver keeps the environment it
 # started with, so a forked worker is given these values (or their absence) explicitly.
@@ -179,11 +179,24 @@ def _use_forkserver(config: Any) -> bool:
     """Have the agent fork the workers from a forkserver that preloads :data:`PRELOAD` (the
     module docstring), where this platform has one; False leaves ``config`` to spawn them."""
     import multiprocessing
+    from multiprocessing import resource_tracker
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     multiprocessing.set_forkserver_preload(list(PRELOAD))
     config.start_method = "forkserver"
+    # The agent's queues for forked workers are semaphores that multiprocessing's resource
+    # tracker removes when the launcher leaves; after a failed job it also warns that it did
+    # (their agent does not close them). The job's own line has said what happened.
+    saved = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(["ignore:resource_tracker:UserWarning", *([saved] if saved else [])])
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONWARNINGS")
+        else:
+            os.environ["PYTHONWARNINGS"] = saved
     return True
 
 
