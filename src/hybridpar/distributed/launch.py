@@ -179,7 +179,7 @@ def _use_forkserver(config: Any) -> bool:
     """Have the agent fork the workers from a forkserver that preloads :data:`PRELOAD` (the
     module docstring), where this platform has one; False leaves ``config`` to spawn them."""
     import multiprocessing
-    from multiprocessing import resource_tracker
+    from multiprocessing import forkserver, resource_tracker
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
@@ -197,6 +197,9 @@ def _use_forkserver(config: Any) -> bool:
             os.environ.pop("PYTHONWARNINGS")
         else:
             os.environ["PYTHONWARNINGS"] = saved
+    # started here, from the thread that outlives the job: the server dies with the thread that
+    # started it (see hybridpar.distributed.template), and the agent starts workers from a pool
+    forkserver.ensure_running()
     return True
 
 

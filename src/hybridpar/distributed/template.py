@@ -8,6 +8,10 @@ launcher names it as a string), so importing it changes only that server.
   once, and with it every worker, before the launcher forwarded the signal for their preemption
   checkpoint. In a session of its own, as a spawning launcher's workers are, only the launcher
   hears the terminal.
+* It dies with the launcher (its parent), so its workers die with it (``die_with_parent``
+  ties each worker to this server). Without that, the server would outlive a SIGKILLed
+  launcher: multiprocessing gives every forked child the write end of the pipe whose closing
+  tells the server to stop, so the workers keep the server alive and it keeps them.
 * No warning for re-running the launcher's main module. A forked child re-runs the parent's
   ``__main__`` module under the name ``__mp_main__`` (multiprocessing's preparation for
   pickled functions); for ``python -m hybridpar.cli`` that module is already imported here,
@@ -21,6 +25,9 @@ import contextlib
 import os
 import warnings
 
+from hybridpar.distributed.lifecycle import die_with_parent
+
 with contextlib.suppress(OSError):  # already a session's leader: nothing to move
     os.setsid()
+die_with_parent()
 warnings.filterwarnings("ignore", message=r"'hybridpar\.", category=RuntimeWarning, module="runpy")
