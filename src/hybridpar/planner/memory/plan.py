@@ -155,6 +155,7 @@ class ChunkBytes:
     body: float
     head: float = 0.0
     deferred: float = 0.0
+    casts: float = 0.0  # full recompute under autocast: the layers' half weight copies, alive during one forward
 
 
 def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: ChunkSpec) -> ChunkBytes:
@@ -179,8 +180,9 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     autocast = a != r
     rope = model.qk_rope_head_dim if model.mla else model.head_dim
     body = layers + (2 * s * rope * 4 if n else 0)  # RoPE cos and sin
-    if autocast:  # half copies of the layers' matmul weights
-        body += sum(layer_weight_cast_bytes(model, i, t, L.ep, a, work.fp8) for i in chunk.layers)
+    casts = sum(layer_weight_cast_bytes(model, i, t, L.ep, a, work.fp8) for i in chunk.layers) if autocast else 0.0
+    if L.recompute != "full":  # half copies of the layers' matmul weights, kept for backward
+        body, casts = body + casts, 0.0  # (a checkpointed block's are not: autocast's cache drops them)
     if chunk.embedding:  # token ids (int64), and under tp the out-of-shard mask
         body += tok * (9 if t > 1 else 8)
     held = tok * h * r / shard  # a hidden state crossing a stage boundary
@@ -206,7 +208,7 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
         deferred += tok * a * (h + vocab) + (a * vocab * h if autocast else 0)
     if L.recompute == "full" and L.pipeline_schedule in ("zb-h1", "zbv"):
         body += n * tok * inputs  # the deferred linears' inputs are saved at F, not recomputed
-    return ChunkBytes(body, head, deferred)
+    return ChunkBytes(body, head, deferred, casts)
 
 
 # ----------------------------------------------------------------------------- the whole rank
@@ -258,7 +260,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
     chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
     offloads = [chunk_offload(model, L, work, c) for c in chunks]  # parallel.offload_activations (.offload)
-    sizes = [ChunkBytes(cb.body - o.saved, cb.head, cb.deferred)
+    sizes = [ChunkBytes(cb.body - o.saved, cb.head, cb.deferred, cb.casts)
              for cb, o in zip((chunk_bytes(model, L, work, c) for c in chunks), offloads, strict=True)]
     v = len(chunks)
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
@@ -271,18 +273,41 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     _, acts, logits, in_flight = best
     transient = 0.0
     if L.recompute == "full" or (L.recompute == "selective" and work.selective_ac == "op"):
-        # The layer being recomputed holds its full activations (but shares what it stored)
-        # until its backward ends. The first recomputation on a rank with the loss follows that
-        # micro-batch's head backward, which has freed the head's tensors by then.
-        transient = max(layer_activation_bytes(model, L, work, "none", moe=moe)
-                        - layer_activation_bytes(model, L, work, moe=moe)
-                        for moe in {False, bool(model.moe_layer_ids())})
+        transient = recompute_transient(model, L, work, chunks)
         freed = max((cb.head for cb in sizes), default=0.0) if work.style is not BlockStyle.MEGATRON else 0.0
-        acts = max(acts, acts - freed + transient)
+        # a forward under autocast holds its chunk's weight casts until it ends; without a
+        # pipeline the loss runs after it (the head's tensors are not there yet)
+        forward = max(cb.casts for cb in sizes) - (freed if L.pp == 1 else 0.0)
+        acts = max(acts, acts - freed + transient, acts + forward)
     if any(o.working for o in offloads):
         acts = max(acts, offload_peak(vectors, sizes, offloads, transient) - logits)
     return acts, logits, in_flight
 
+
+
+def recompute_transient(model: ModelConfig, L: Layout, work: Workload, chunks: list[ChunkSpec]) -> float:
+    """What the layer being recomputed holds beyond what it stored, until its backward ends: its
+    full activations (sharing what it stored); under full recompute with autocast its half
+    weight copies, cast again in the recomputation and kept for the backward's matmuls; and under
+    full recompute the first weight gradient of its backward (the down projection's, fp32, before
+    it is added to ``.grad``; the matmul's saved input and weight copy it outlives are freed by
+    then, and its input gradient is their size). (The first
+    recomputation on a rank with the loss follows that micro-batch's head backward, which has
+    freed the head's tensors by then: the caller takes them off.)"""
+    a, full = work.act_bytes, L.recompute == "full" and work.style is not BlockStyle.MEGATRON
+    cast = full and a != work.param_bytes
+    moe_ids = set(model.moe_layer_ids())
+    worst = 0.0
+    for moe in {False, bool(moe_ids)}:
+        layers = [i for c in chunks for i in c.layers if (i in moe_ids) == moe]
+        if not layers and moe:
+            continue
+        held = (layer_activation_bytes(model, L, work, "none", moe=moe) - layer_activation_bytes(model, L, work, moe=moe)
+                + (max(layer_weight_cast_bytes(model, i, L.tp, L.ep, a, work.fp8) for i in layers)
+                   if cast and layers else 0.0)
+                + (work.param_bytes * model.dim * model.ffn_hidden / L.tp if full and not moe else 0.0))
+        worst = max(worst, held)
+    return worst
 
 
 @functools.lru_cache(maxsize=16384)
