@@ -29,7 +29,9 @@ host memory (``cpu_gib``), as :mod:`hybridpar.planner.memory.offload` says.
 
 Per micro-batch and pipeline chunk come the embedding's token ids (int64, plus a mask under tp),
 the fp32 RoPE tables, under autocast a half copy of every matmul weight (autocast caches casts per
-forward, and autograd keeps them; FP8 linears keep theirs quantized, ``fp8.recipe``), on non-last pipeline chunks the output the runner holds until
+forward, and autograd keeps them; FP8 linears keep theirs quantized, ``fp8.recipe``; under full
+recompute autograd keeps none: the chunk's casts live only during its forward, and the recomputed
+layer's own during its backward, :func:`recompute_transient`), on non-last pipeline chunks the output the runner holds until
 the backward, and on the last the final norm and the fp32 softmax of the loss (``4 V/t``; the
 logits themselves are not kept), or with the chunked loss (``train.loss_chunk_tokens``) 18 bytes
 per token instead (:data:`CHUNKED_LOSS_TOKEN_BYTES`; a chunk's logits are transient). The
