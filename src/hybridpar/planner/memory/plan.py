@@ -241,7 +241,8 @@ def rank_activations(model: ModelConfig, layout: Layout, work: Workload,
                      pp_rank: int) -> tuple[float, float, int]:
     """``(activations, logits, chunks in flight)`` of pipeline rank ``pp_rank`` at its peak:
     the heaviest :func:`live_chunk_counts` vector weighted by :func:`chunk_bytes`. (The ZeRO
-    stage and offload change none of it: cached without them.)"""
+    stage and offload change none of it: cached without them.) Saved tensors only: the rank's
+    peak adds the recomputed backward's weight gradient (:func:`recompute_transient`)."""
     return _rank_activations(model_key(model), _activation_fields(layout), work, pp_rank)
 
 
@@ -253,7 +254,7 @@ def _activation_fields(L: Layout) -> tuple:
 
 @functools.lru_cache(maxsize=65536)
 def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
-                      pp_rank: int) -> tuple[float, float, int]:
+                      pp_rank: int, live: bool = False) -> tuple[float, float, int]:
     dp, tp, pp, cp, sched, v, sp, rec, mb, ep, offload, fraction = fields
     model = model_of(key)
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v,
@@ -275,7 +276,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     _, acts, logits, in_flight = best
     transient = 0.0
     if L.recompute == "full" or (L.recompute == "selective" and work.selective_ac == "op"):
-        transient = recompute_transient(model, L, work, chunks)
+        transient = recompute_transient(model, L, work, chunks, live)
         freed = max((cb.head for cb in sizes), default=0.0) if work.style is not BlockStyle.MEGATRON else 0.0
         # a forward under autocast holds its chunk's weight casts until it ends; without a
         # pipeline the loss runs after it (the head's tensors are not there yet)
@@ -287,17 +288,18 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
 
 
 
-def recompute_transient(model: ModelConfig, L: Layout, work: Workload, chunks: list[ChunkSpec]) -> float:
+def recompute_transient(model: ModelConfig, L: Layout, work: Workload, chunks: list[ChunkSpec],
+                        live: bool = False) -> float:
     """What the layer being recomputed holds beyond what it stored, until its backward ends: its
     full activations (sharing what it stored); under full recompute with autocast its half
-    weight copies, cast again in the recomputation and kept for the backward's matmuls; and under
-    full recompute the first weight gradient of its backward (the down projection's, fp32, before
+    weight copies, cast again in the recomputation and kept for the backward's matmuls; and with
+    ``live`` (what is alive, not only saved) under full recompute the first weight gradient of its backward (the down projection's, fp32, before
     it is added to ``.grad``; the matmul's saved input and weight copy it outlives are freed by
     then, and its input gradient is their size). (The first
     recomputation on a rank with the loss follows that micro-batch's head backward, which has
     freed the head's tensors by then: the caller takes them off.)"""
     a, full = work.act_bytes, L.recompute == "full" and work.style is not BlockStyle.MEGATRON
-    cast = full and a != work.param_bytes
+    cast, grad = full and a != work.param_bytes, full and live
     moe_ids = set(model.moe_layer_ids())
     worst = 0.0
     for moe in {False, bool(moe_ids)}:
@@ -307,7 +309,7 @@ def recompute_transient(model: ModelConfig, L: Layout, work: Workload, chunks: l
         held = (layer_activation_bytes(model, L, work, "none", moe=moe) - layer_activation_bytes(model, L, work, moe=moe)
                 + (max(layer_weight_cast_bytes(model, i, L.tp, L.ep, a, work.fp8) for i in layers)
                    if cast and layers else 0.0)
-                + (work.param_bytes * model.dim * model.ffn_hidden / L.tp if full and not moe else 0.0))
+                + (work.param_bytes * model.dim * model.ffn_hidden / L.tp if grad and not moe else 0.0))
         worst = max(worst, held)
     return worst
 
@@ -354,7 +356,7 @@ def _rank_parts(key: ModelKey, L: Layout, work: Workload,
                                  + replica_residual_bytes(L, shard))
     if L.pipeline_schedule == "2bw" and L.pp > 1:  # PipeDream-2BW: the stage's second weight version
         st = dataclasses.replace(st, params=st.params + work.param_bytes * full)
-    acts, logits, in_flight = _rank_activations(key, _activation_fields(L), work, pp_rank)
+    acts, logits, in_flight = _rank_activations(key, _activation_fields(L), work, pp_rank, live=True)
     part = layer_partition(key, L.pp, L.virtual_stages if L.pp > 1 else 1, L.pp > 1 and v_shaped(L.pipeline_schedule))
     if any(c.head for c in part.for_rank(pp_rank)):
         logits += loss_backward_bytes(L, work, padded(model_of(key).vocab_size, L.tp) // L.tp, model_of(key).dim)
