@@ -107,6 +107,9 @@ def test_cli_json_reports_each_rank_beside_the_planner(tmp_path, capsys):
 
 
 ZERO3_SHAPE = ["--model.vocab_size", "1024", "--train.seq_len", "64", "--model.max_seq_len", "64"]
+PP_FULL_SHAPE = ["--model.dim", "64", "--model.ffn_hidden", "256", "--train.seq_len", "64", "--train.precision", "bf16",
+                 "--parallel.tp", "2", "--parallel.cp", "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",
+                 "--parallel.recompute", "full", "--train.global_batch", "8", "--train.micro_batch", "1"]
 MEMORY = {  # layouts whose peak live tensor bytes the planner's tensor term gets within 2%
     "dp2-zero1": ["--parallel.dp", "2", "--parallel.zero_stage", "1"],
     "dp2-zero2-one-micro-batch": ["--parallel.dp", "2", "--parallel.zero_stage", "2", "--train.micro_batch", "4"],
@@ -127,6 +130,10 @@ MEMORY = {  # layouts whose peak live tensor bytes the planner's tensor term get
                            "--parallel.sequence_parallel", "true"],
     # the expert dispatch's buffers are not alive at the loss's backward (planner/memory/comm.py)
     "moe-ep2-dp2": [*ZERO3_SHAPE, *LAYOUTS["moe-ep2-chunked-loss"][:8], "--parallel.dp", "2", "--parallel.ep", "2"],
+    # full recompute under autocast with pp, cp and SP (the 405B long-context row's shape): no weight
+    # casts per micro-batch in flight; the recomputed layer's casts and first fp32 weight gradient at
+    # its backward (2 layers a stage), or the chunk's casts at the end of its forward (4 layers)
+    **{f"tp2-cp2-pp2-sp-full-bf16-{n}-layers": [*PP_FULL_SHAPE, "--model.n_layers", str(n)] for n in (4, 8)},
     "deepseek-v3-dp2": [*DS, "--parallel.dp", "2"],  # latent attention's saved tensors, MoE with shared experts
     "deepseek-v3-dp2-mtp": [*DS, *MTP, "--parallel.dp", "2"],  # the MTP module's activations on the head's rank
 }

@@ -477,6 +477,15 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def work_completed(work: Any) -> bool:
+    """Whether a collective's or transfer's ``dist.Work`` has completed, without blocking. torch's
+    fake process group moves nothing, so its works are complete once posted, but its ``FakeWork``
+    (private, in ``torch._C._distributed_c10d``) never says so, even after ``wait()``: a pipeline
+    runner that lets go of a sent activation once its send is through (``Pending.done``) would keep
+    every micro-batch's sent output and input gradient to the end of the dry run's step."""
+    return type(work).__name__ == "FakeWork" or work.is_completed()
+
+
 def flop_counter() -> Any:
     """torch's ``FlopCounterMode``, counting :func:`flash_attention_cpu`'s kernels as it counts the
     GPU's flash kernels (forward 2 matmuls, backward 5 with the scores recomputed; GQA included),

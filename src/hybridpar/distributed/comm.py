@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
+from hybridpar import compat
 from hybridpar.distributed.staging import Host as _Host
 from hybridpar.distributed.staging import is_gloo as _gloo
 
@@ -186,7 +187,7 @@ class Pending:
 
     def done(self) -> bool:
         """Whether every transfer has completed, without blocking (then as if waited)."""
-        if all(work.is_completed() for work in self._works):
+        if all(compat.work_completed(work) for work in self._works):
             self.wait()
             return True
         return False

@@ -29,7 +29,9 @@ host memory (``cpu_gib``), as :mod:`hybridpar.planner.memory.offload` says.
 
 Per micro-batch and pipeline chunk come the embedding's token ids (int64, plus a mask under tp),
 the fp32 RoPE tables, under autocast a half copy of every matmul weight (autocast caches casts per
-forward, and autograd keeps them; FP8 linears keep theirs quantized, ``fp8.recipe``), on non-last pipeline chunks the output the runner holds until
+forward, and autograd keeps them; FP8 linears keep theirs quantized, ``fp8.recipe``; under full
+recompute autograd keeps none: the chunk's casts live only during its forward, and the recomputed
+layer's own during its backward, :func:`recompute_transient`), on non-last pipeline chunks the output the runner holds until
 the backward, and on the last the final norm and the fp32 softmax of the loss (``4 V/t``; the
 logits themselves are not kept), or with the chunked loss (``train.loss_chunk_tokens``) 18 bytes
 per token instead (:data:`CHUNKED_LOSS_TOKEN_BYTES`; a chunk's logits are transient). The
@@ -155,6 +157,7 @@ class ChunkBytes:
     body: float
     head: float = 0.0
     deferred: float = 0.0
+    casts: float = 0.0  # full recompute under autocast: the layers' half weight copies, alive during one forward
 
 
 def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: ChunkSpec) -> ChunkBytes:
@@ -179,8 +182,9 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
     autocast = a != r
     rope = model.qk_rope_head_dim if model.mla else model.head_dim
     body = layers + (2 * s * rope * 4 if n else 0)  # RoPE cos and sin
-    if autocast:  # half copies of the layers' matmul weights
-        body += sum(layer_weight_cast_bytes(model, i, t, L.ep, a, work.fp8) for i in chunk.layers)
+    casts = sum(layer_weight_cast_bytes(model, i, t, L.ep, a, work.fp8) for i in chunk.layers) if autocast else 0.0
+    if L.recompute != "full":  # half copies of the layers' matmul weights, kept for backward
+        body, casts = body + casts, 0.0  # (a checkpointed block's are not: autocast's cache drops them)
     if chunk.embedding:  # token ids (int64), and under tp the out-of-shard mask
         body += tok * (9 if t > 1 else 8)
     held = tok * h * r / shard  # a hidden state crossing a stage boundary
@@ -206,7 +210,7 @@ def chunk_bytes(model: ModelConfig, layout: Layout, work: Workload, chunk: Chunk
         deferred += tok * a * (h + vocab) + (a * vocab * h if autocast else 0)
     if L.recompute == "full" and L.pipeline_schedule in ("zb-h1", "zbv"):
         body += n * tok * inputs  # the deferred linears' inputs are saved at F, not recomputed
-    return ChunkBytes(body, head, deferred)
+    return ChunkBytes(body, head, deferred, casts)
 
 
 # ----------------------------------------------------------------------------- the whole rank
@@ -237,7 +241,8 @@ def rank_activations(model: ModelConfig, layout: Layout, work: Workload,
                      pp_rank: int) -> tuple[float, float, int]:
     """``(activations, logits, chunks in flight)`` of pipeline rank ``pp_rank`` at its peak:
     the heaviest :func:`live_chunk_counts` vector weighted by :func:`chunk_bytes`. (The ZeRO
-    stage and offload change none of it: cached without them.)"""
+    stage and offload change none of it: cached without them.) Saved tensors only: the rank's
+    peak adds the recomputed backward's weight gradient (:func:`recompute_transient`)."""
     return _rank_activations(model_key(model), _activation_fields(layout), work, pp_rank)
 
 
@@ -249,7 +254,7 @@ def _activation_fields(L: Layout) -> tuple:
 
 @functools.lru_cache(maxsize=65536)
 def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
-                      pp_rank: int) -> tuple[float, float, int]:
+                      pp_rank: int, live: bool = False) -> tuple[float, float, int]:
     dp, tp, pp, cp, sched, v, sp, rec, mb, ep, offload, fraction = fields
     model = model_of(key)
     L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, pipeline_schedule=sched, virtual_stages=v,
@@ -258,7 +263,7 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     # without pipelining the runtime runs the whole model (virtual stages mean nothing)
     chunks = layer_partition(key, pp, v if pp > 1 else 1, pp > 1 and v_shaped(sched)).for_rank(pp_rank)
     offloads = [chunk_offload(model, L, work, c) for c in chunks]  # parallel.offload_activations (.offload)
-    sizes = [ChunkBytes(cb.body - o.saved, cb.head, cb.deferred)
+    sizes = [ChunkBytes(cb.body - o.saved, cb.head, cb.deferred, cb.casts)
              for cb, o in zip((chunk_bytes(model, L, work, c) for c in chunks), offloads, strict=True)]
     v = len(chunks)
     vectors = live_chunk_counts(L.pipeline_schedule, L.pp, v, L.microbatches(work.global_batch), pp_rank)
@@ -271,18 +276,42 @@ def _rank_activations(key: ModelKey, fields: tuple, work: Workload,
     _, acts, logits, in_flight = best
     transient = 0.0
     if L.recompute == "full" or (L.recompute == "selective" and work.selective_ac == "op"):
-        # The layer being recomputed holds its full activations (but shares what it stored)
-        # until its backward ends. The first recomputation on a rank with the loss follows that
-        # micro-batch's head backward, which has freed the head's tensors by then.
-        transient = max(layer_activation_bytes(model, L, work, "none", moe=moe)
-                        - layer_activation_bytes(model, L, work, moe=moe)
-                        for moe in {False, bool(model.moe_layer_ids())})
+        transient = recompute_transient(model, L, work, chunks, live)
         freed = max((cb.head for cb in sizes), default=0.0) if work.style is not BlockStyle.MEGATRON else 0.0
-        acts = max(acts, acts - freed + transient)
+        # a forward under autocast holds its chunk's weight casts until it ends; without a
+        # pipeline the loss runs after it (the head's tensors are not there yet)
+        forward = max(cb.casts for cb in sizes) - (freed if L.pp == 1 else 0.0)
+        acts = max(acts, acts - freed + transient, acts + forward)
     if any(o.working for o in offloads):
         acts = max(acts, offload_peak(vectors, sizes, offloads, transient) - logits)
     return acts, logits, in_flight
 
+
+
+def recompute_transient(model: ModelConfig, L: Layout, work: Workload, chunks: list[ChunkSpec],
+                        live: bool = False) -> float:
+    """What the layer being recomputed holds beyond what it stored, until its backward ends: its
+    full activations (sharing what it stored); under full recompute with autocast its half
+    weight copies, cast again in the recomputation and kept for the backward's matmuls; and with
+    ``live`` (what is alive, not only saved) under full recompute the first weight gradient of its backward (the down projection's, fp32, before
+    it is added to ``.grad``; the matmul's saved input and weight copy it outlives are freed by
+    then, and its input gradient is their size). (The first
+    recomputation on a rank with the loss follows that micro-batch's head backward, which has
+    freed the head's tensors by then: the caller takes them off.)"""
+    a, full = work.act_bytes, L.recompute == "full" and work.style is not BlockStyle.MEGATRON
+    cast, grad = full and a != work.param_bytes, full and live
+    moe_ids = set(model.moe_layer_ids())
+    worst = 0.0
+    for moe in {False, bool(moe_ids)}:
+        layers = [i for c in chunks for i in c.layers if (i in moe_ids) == moe]
+        if not layers and moe:
+            continue
+        held = (layer_activation_bytes(model, L, work, "none", moe=moe) - layer_activation_bytes(model, L, work, moe=moe)
+                + (max(layer_weight_cast_bytes(model, i, L.tp, L.ep, a, work.fp8) for i in layers)
+                   if cast and layers else 0.0)
+                + (work.param_bytes * model.dim * model.ffn_hidden / L.tp if grad and not moe else 0.0))
+        worst = max(worst, held)
+    return worst
 
 
 @functools.lru_cache(maxsize=16384)
@@ -327,7 +356,7 @@ def _rank_parts(key: ModelKey, L: Layout, work: Workload,
                                  + replica_residual_bytes(L, shard))
     if L.pipeline_schedule == "2bw" and L.pp > 1:  # PipeDream-2BW: the stage's second weight version
         st = dataclasses.replace(st, params=st.params + work.param_bytes * full)
-    acts, logits, in_flight = _rank_activations(key, _activation_fields(L), work, pp_rank)
+    acts, logits, in_flight = _rank_activations(key, _activation_fields(L), work, pp_rank, live=True)
     part = layer_partition(key, L.pp, L.virtual_stages if L.pp > 1 else 1, L.pp > 1 and v_shaped(L.pipeline_schedule))
     if part.chunks[-1].rank == pp_rank:  # the rank with the head (the last chunk's)
         logits += loss_backward_bytes(L, work, padded(_vocab_size(key), L.tp) // L.tp, _dim(key))
