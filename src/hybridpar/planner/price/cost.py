@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
@@ -380,14 +381,17 @@ def pipeline_lower_bound(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p:
 _UNPRICED = dict(zero_stage=0, dp_shard=0, offload_optimizer=False, offload_to="cpu", offload_params=False,
                  grad_compression="none")
 _LAYERS: IdentityMemo[LayerTime] = IdentityMemo(65536)
+# the other fields, read in one C call: the memo's key (the shape priced is built on a miss only)
+_PRICED = operator.attrgetter(*(f.name for f in dataclasses.fields(Layout)
+                                if f.name not in _UNPRICED and f.name != "pipeline_schedule"))
 
 
 def priced_layer(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, moe: bool = False) -> LayerTime:
     """:func:`layer_time`, memoised per cluster, model shape and the layout fields it reads."""
     fields = _UNPRICED if L.offload_activations else {**_UNPRICED, "pipeline_schedule": "1f1b"}
-    shape = dataclasses.replace(L, **fields)  # type: ignore[arg-type]
-    return _LAYERS.get(cluster, (model_key(model), shape, work, moe),
-                       lambda: layer_time(model, shape, work, cluster, moe=moe))
+    sched = L.pipeline_schedule if L.offload_activations else "1f1b"
+    return _LAYERS.get(cluster, (model_key(model), _PRICED(L), sched, work, moe),
+                       lambda: layer_time(model, dataclasses.replace(L, **fields), work, cluster, moe=moe))  # type: ignore[arg-type]
 
 
 def _mean_layer(lts: dict[bool, LayerTime], n_moe: int, n_layers: int) -> LayerTime:
