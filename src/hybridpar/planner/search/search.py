@@ -18,7 +18,10 @@ cached per shape, only the pipeline ranks that can be the worst, and a pipeline 
 rank already exceeds the GPU not priced further (:mod:`hybridpar.planner.search.fitting`); a
 layer priced once per set of the fields it reads (:func:`~hybridpar.planner.price.cost.priced_layer`,
 :func:`~hybridpar.planner.memory.activations.layer_activation_bytes`); the schedule simulated only
-where the lower bound (the busiest rank's compute) can still win. Pruning never changes the answer.
+where the lower bound (the busiest rank's compute) can still win; a layout's stage scales and
+pipeline span shared by the options that differ only in ZeRO, offload and hybrid sharding; a
+hybrid-sharded variant whose one rank already exceeds the GPU not evaluated; the runtime notes
+read only for the options the ranking reaches (:class:`_Notes`). Pruning never changes the answer.
 """
 
 from __future__ import annotations
