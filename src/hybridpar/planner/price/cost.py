@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
@@ -63,19 +64,14 @@ from hybridpar.planner.machine.hardware import Cluster, GPUSpec
 from hybridpar.planner.machine.memo import IdentityMemo
 from hybridpar.planner.memory.offload import offload_layer_times
 from hybridpar.planner.model import sac
-from hybridpar.planner.model.layout import (
-    BlockStyle,
-    Layout,
-    Workload,
-    flops_per_token_of,
-    model_key,
-)
+from hybridpar.planner.model.layout import BlockStyle, Layout, Workload, model_key
 from hybridpar.planner.model.mla import mla_core_width, mla_gemms
 from hybridpar.planner.model.moe import dispatch_rows, rank_load
 from hybridpar.planner.model.shapes import layer_partition, padded, v_shaped
 from hybridpar.planner.price import pipesim
 from hybridpar.planner.price.cp import cp_times
 from hybridpar.planner.price.dp_cost import dp_time, gradients, optimizer_time
+from hybridpar.planner.price.flops import model_flops, recompute_flops
 from hybridpar.planner.price.fp8 import fp8_gemm_deltas
 from hybridpar.planner.price.rates import all_to_all_time, clip_time, weight_traffic
 
@@ -380,38 +376,22 @@ def pipeline_lower_bound(kind: str, pp: int, v: int, m: int, lt: LayerTime, p2p:
     return pipesim.lower_bound(kind, pp, v, m, lt.f, lt.b, lt.w, p2p, scale)
 
 
-def model_flops(model: ModelConfig, work: Workload) -> float:
-    """Model FLOPs of one step: ``flops_per_token(seq) * tokens`` (PaLM accounting)."""
-    return flops_per_token_of(model, work.seq_len) * work.global_batch * work.seq_len
-
-
 # The Layout fields layer_time never reads (nor what it calls): candidates differing only in them
 # share one layer's price (the schedule matters to activation offload's zero-bubble split only)
 _UNPRICED = dict(zero_stage=0, dp_shard=0, offload_optimizer=False, offload_to="cpu", offload_params=False,
                  grad_compression="none")
 _LAYERS: IdentityMemo[LayerTime] = IdentityMemo(65536)
+# the other fields, read in one C call: the memo's key (the shape priced is built on a miss only)
+_PRICED = operator.attrgetter(*(f.name for f in dataclasses.fields(Layout)
+                                if f.name not in _UNPRICED and f.name != "pipeline_schedule"))
 
 
 def priced_layer(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, moe: bool = False) -> LayerTime:
     """:func:`layer_time`, memoised per cluster, model shape and the layout fields it reads."""
     fields = _UNPRICED if L.offload_activations else {**_UNPRICED, "pipeline_schedule": "1f1b"}
-    shape = dataclasses.replace(L, **fields)  # type: ignore[arg-type]
-    return _LAYERS.get(cluster, (model_key(model), shape, work, moe),
-                       lambda: layer_time(model, shape, work, cluster, moe=moe))
-
-
-def recompute_flops(model: ModelConfig, layout: Layout, work: Workload) -> float:
-    """Extra forward FLOPs recomputation adds per step (layers only, not the head)."""
-    tokens = work.global_batch * work.seq_len
-    attn = 4.0 * model.n_layers * model.dim * work.seq_len * tokens
-    if layout.recompute == "full":
-        layer_matmul = (model.num_params() - model.vocab_size * model.dim * (1 if model.tie_embeddings else 2)
-                        - model.dim * (2 * model.n_layers + 1))
-        return 2.0 * layer_matmul * tokens + attn
-    if layout.recompute == "selective" and work.selective_ac == "op":  # the rerun GEMMs, not attention
-        q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
-        return 2.0 * model.n_layers * sac.recomputed_gemm_params(model.dim, q, kv, model.ffn_hidden) * tokens
-    return attn if layout.recompute == "selective" else 0.0
+    sched = L.pipeline_schedule if L.offload_activations else "1f1b"
+    return _LAYERS.get(cluster, (model_key(model), _PRICED(L), sched, work, moe),
+                       lambda: layer_time(model, dataclasses.replace(L, **fields), work, cluster, moe=moe))  # type: ignore[arg-type]
 
 
 def _mean_layer(lts: dict[bool, LayerTime], n_moe: int, n_layers: int) -> LayerTime:
@@ -461,6 +441,16 @@ def _pipeline_span(model: ModelConfig, L: Layout, work: Workload, cluster: Clust
     return span, busy, p2p
 
 
+_SPANS: IdentityMemo[tuple[tuple[float, ...], float, float, float]] = IdentityMemo(65536)
+
+
+def _scale_and_span(model: ModelConfig, L: Layout, work: Workload, cluster: Cluster, m: int, lts: dict[bool, LayerTime],
+                    lt: LayerTime, stage_lt: LayerTime, tok: int, bound_only: bool) -> tuple[tuple[float, ...], float, float, float]:
+    """(:func:`_stage_scale`, then :func:`_pipeline_span`'s makespan, busiest compute, p2p)."""
+    scale = _stage_scale(model, L, work, cluster, lts, lt, tok)
+    return (scale, *_pipeline_span(model, L, work, cluster, m, stage_lt, scale, bound_only))
+
+
 def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Cluster, *,
               bound_only: bool = False) -> CostReport:
     """Predicted time of one optimizer step and its terms (see the module docstring).
@@ -472,11 +462,15 @@ def step_cost(model: ModelConfig, layout: Layout, work: Workload, cluster: Clust
     moe_ids = set(model.moe_layer_ids())
     lts = {moe: priced_layer(model, L, work, cluster, moe) for moe in {i in moe_ids for i in range(model.n_layers)}}
     lt = _mean_layer(lts, len(moe_ids), model.n_layers)
-    scale = _stage_scale(model, L, work, cluster, lts, lt, tok)
     per_stage_layers = model.n_layers / (L.pp * v)
     stage_lt = LayerTime(lt.f * per_stage_layers * v, lt.b * per_stage_layers * v,
                          lt.w * per_stage_layers * v, 0.0)
-    span, busy, p2p = _pipeline_span(model, L, work, cluster, m, stage_lt, scale, bound_only)
+    # the stage scales and the schedule's span read only these fields (not ZeRO, offload, recompute
+    # but through the layer times): candidates differing in the others share them
+    key = (model_key(model), L.dp, L.tp, L.pp, L.cp, v, L.pipeline_schedule, L.micro_batch, L.sequence_parallel,
+           work, m, tuple(sorted(lts.items())), bound_only)
+    scale, span, busy, p2p = _SPANS.get(cluster, key, lambda: _scale_and_span(
+        model, L, work, cluster, m, lts, lt, stage_lt, tok, bound_only))
     gr = gradients(model, L, work, cluster.rank_gpu)
     dp_comm, dp_exposed = dp_time(model, L, work, cluster, gr, m, stage_lt, scale, overlap_fraction(cluster.rank_gpu))
     opt = optimizer_time(model, L, work, cluster.rank_gpu, gr.worst, m)

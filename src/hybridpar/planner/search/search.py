@@ -18,7 +18,10 @@ cached per shape, only the pipeline ranks that can be the worst, and a pipeline 
 rank already exceeds the GPU not priced further (:mod:`hybridpar.planner.search.fitting`); a
 layer priced once per set of the fields it reads (:func:`~hybridpar.planner.price.cost.priced_layer`,
 :func:`~hybridpar.planner.memory.activations.layer_activation_bytes`); the schedule simulated only
-where the lower bound (the busiest rank's compute) can still win. Pruning never changes the answer.
+where the lower bound (the busiest rank's compute) can still win; a layout's stage scales and
+pipeline span shared by the options that differ only in ZeRO, offload and hybrid sharding; a
+hybrid-sharded variant whose one rank already exceeds the GPU not evaluated; the runtime notes
+read only for the options the ranking reaches (:class:`_Notes`). Pruning never changes the answer.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 from hybridpar.config import ModelConfig
 from hybridpar.planner.machine.hardware import Cluster
+from hybridpar.planner.memory.plan import memory_bound
 from hybridpar.planner.model.hsdp import shard_sizes
 from hybridpar.planner.model.layout import Layout, Workload, layout_rule, runtime_note
 from hybridpar.planner.price.cost import step_cost
@@ -172,8 +176,15 @@ def _with_hsdp(model: ModelConfig, partial: dict[str, object], work: Workload, c
     added (:func:`with_shard_groups`), unless ``partial`` fixes ``dp_shard``."""
     if "dp_shard" in partial or not fits:
         return fits, smallest
-    return with_shard_groups(fits, lambda lay: _memory_only(model, lay, work, cluster, rule=fits[0].broken),
-                             cluster.gpus_per_node), smallest
+    def shard(lay: Layout, base: Evaluation) -> Evaluation | None:
+        # a pipeline layout whose one rank (the worst of the unsharded one, as a hint) already
+        # exceeds the GPU does not fit: not evaluated further (with_shard_groups keeps what fits)
+        assert base.memory is not None
+        bound = memory_bound(model, lay, work, base.memory.worst_rank)
+        if bound is not None and bound > cluster.gpu.usable_bytes:
+            return None
+        return _memory_only(model, lay, work, cluster, rule=fits[0].broken)
+    return with_shard_groups(fits, shard, cluster.gpus_per_node), smallest
 
 
 Option = tuple[float, int, Evaluation]  # (lower bound of the step time, order tried, evaluation)
@@ -281,33 +292,50 @@ def search(model: ModelConfig, work: Workload, cluster: Cluster, *,
     if top is None or runnable_only:
         result.ranked.sort(key=rank_key)
         return result
+    runs: Callable[[Evaluation], bool] | None = None
     if runnable_top:
-        found, result.unbuilt = _set_aside_unbuilt(found, model, work, cluster)
-    _top_ranked(result, found, top, model, work, cluster)
+        note = _Notes(model, work)
+        result.unbuilt = _best_unbuilt(found, note, model, work, cluster)
+        runs = note.runs
+    _top_ranked(result, found, top, model, work, cluster, runs)
     return result
 
 
-def _set_aside_unbuilt(found: list[tuple[list[Option], list[Evaluation]]], model: ModelConfig, work: Workload,
-                       cluster: Cluster) -> tuple[list[tuple[list[Option], list[Evaluation]]], Evaluation | None]:
-    """``found`` with only the options the trainer runs (no runtime note; a factorisation left
-    with none drops out), and the fastest of the options set aside, with its cost and note
-    (branch and bound on the options' lower bounds, as :func:`best_for_axes`)."""
-    kept: list[tuple[list[Option], list[Evaluation]]] = []
-    aside: list[Option] = []
-    for options, misses in found:
-        notes = [runtime_note(model, o[2].layout, work) for o in options]
-        runs = [o for o, note in zip(options, notes, strict=True) if note is None]
-        aside += [o for o, note in zip(options, notes, strict=True) if note is not None]
-        if runs:
-            kept.append((runs, misses))
+class _Notes:
+    """Each option's runtime note (:func:`runtime_note`), computed at most once and only when the
+    ranking asks for it: the search's branch and bound reads the notes of the options it reaches,
+    and of each factorisation's options up to its first runnable one, not of all of them."""
+
+    def __init__(self, model: ModelConfig, work: Workload) -> None:
+        self.model, self.work = model, work
+        self.got: dict[int, tuple[Evaluation, str | None]] = {}  # by id, the evaluation kept alive
+
+    def __call__(self, ev: Evaluation) -> str | None:
+        hit = self.got.get(id(ev))
+        if hit is None:
+            hit = self.got[id(ev)] = (ev, runtime_note(self.model, ev.layout, self.work))
+        return hit[1]
+
+    def runs(self, ev: Evaluation) -> bool:
+        """Whether this version's trainer runs the option (no note)."""
+        return self(ev) is None
+
+
+def _best_unbuilt(found: list[tuple[list[Option], list[Evaluation]]], note: _Notes, model: ModelConfig,
+                  work: Workload, cluster: Cluster) -> Evaluation | None:
+    """The fastest of the options set aside (those with a runtime note), with its cost and note:
+    branch and bound on the options' lower bounds, as :func:`best_for_axes`, in the order of
+    bound, then order tried, then factorisation (the notes read lazily, in that order)."""
     best: Evaluation | None = None
-    for bound, _, ev in sorted(aside, key=lambda o: (o[0], o[1])):
+    for bound, _, _, ev in sorted((o[0], o[1], i, o[2]) for i, (opts, _) in enumerate(found) for o in opts):
         if best is not None and bound > best.cost.step_time_s * (1 + PRUNE_MARGIN):  # type: ignore[union-attr]
             break
+        if note(ev) is None:
+            continue
         ev.cost = step_cost(model, ev.layout, work, cluster)
         if best is None or rank_key(ev) < rank_key(best):
             best = ev
-    return kept, None if best is None else _finish(best, model, work, cluster)
+    return None if best is None else _finish(best, model, work, cluster)
 
 
 def with_cost(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Cluster) -> Evaluation:
@@ -317,39 +345,48 @@ def with_cost(ev: Evaluation, model: ModelConfig, work: Workload, cluster: Clust
 
 
 def _top_ranked(result: SearchResult, found: list[tuple[list[Option], list[Evaluation]]], top: int,
-                model: ModelConfig, work: Workload, cluster: Cluster) -> None:
+                model: ModelConfig, work: Workload, cluster: Cluster,
+                runs: Callable[[Evaluation], bool] | None = None) -> None:
     """Branch and bound over every factorisation's options at once, in increasing bound order:
     stop when a bound exceeds the ``top``-th best step time among the factorisations' bests so
     far (those only improve, so nothing left could enter the top). Fills ``result.ranked`` with
     the top factorisations' bests (ties by factorisation order, as a full search sorts) and
-    ``result.unranked`` with one fitting evaluation of each other factorisation."""
+    ``result.unranked`` with one fitting evaluation of each other factorisation: its option of
+    least bound. ``runs``: rank only the options it accepts (a factorisation with none drops out)."""
+    ok = runs or (lambda ev: True)
     pending = sorted(((bound, i, order, ev) for i, (opts, _) in enumerate(found) for bound, order, ev in opts),
                      key=lambda o: o[:3])
     best: dict[int, tuple[tuple[float, float], int, Evaluation]] = {}
+    times: list[float] = []
     for bound, i, order, ev in pending:
-        times = sorted(b[2].cost.step_time_s for b in best.values())  # type: ignore[union-attr]
         if len(times) >= top and bound > times[top - 1] * (1 + PRUNE_MARGIN):
             break
+        if not ok(ev):
+            continue
         ev.cost = step_cost(model, ev.layout, work, cluster)
         if i not in best or (rank_key(ev), order) < best[i][:2]:
             best[i] = (rank_key(ev), order, ev)
+            times = sorted(b[2].cost.step_time_s for b in best.values())  # type: ignore[union-attr]
     order_of = sorted(best, key=lambda i: (best[i][0], i))[:top]
     result.ranked = [_finish(best[i][2], model, work, cluster) for i in order_of]
     chosen = set(order_of)
-    result.unranked = [min(opts, key=lambda o: (o[0], o[1]))[2] for i, (opts, _) in enumerate(found)
-                       if i not in chosen]
+    firsts = (next((o[2] for o in sorted(opts, key=lambda o: (o[0], o[1])) if ok(o[2])), None)
+              for i, (opts, _) in enumerate(found) if i not in chosen)
+    result.unranked = [ev for ev in firsts if ev is not None]
     for ev in result.unranked:
         ev.cost = None
 
 
-def with_shard_groups(fits: list[Evaluation], evaluate: Callable[[Layout], Evaluation], gpus_per_node: int) -> list[Evaluation]:
+def with_shard_groups(fits: list[Evaluation], evaluate: Callable[[Layout, Evaluation], Evaluation | None],
+                      gpus_per_node: int) -> list[Evaluation]:
     """``fits`` (evaluations of fitting layouts) and, for each ZeRO one, its hybrid-sharded
     variants (:func:`shard_sizes`) that fit too: the search then ranks them by step time like
-    any other option (``evaluate``: the memory-only evaluation of a layout)."""
+    any other option (``evaluate(layout, unsharded)``: the memory-only evaluation of a layout,
+    or None where it is known not to fit)."""
     out = list(fits)
     for ev in fits:
         for d in shard_sizes(ev.layout, gpus_per_node):
-            other = evaluate(dataclasses.replace(ev.layout, dp_shard=d))
-            if other.rule is None and other.fits:
+            other = evaluate(dataclasses.replace(ev.layout, dp_shard=d), ev)
+            if other is not None and other.rule is None and other.fits:
                 out.append(other)
     return out
