@@ -310,15 +310,11 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 
 
 def launch_config(cls: Any, newer: dict[str, Any], **fields: Any) -> tuple[Any, list[str]]:
-    """``cls(**fields, **newer)`` (``cls``: torch's ``LaunchConfig`` dataclass), leaving out the
-    ``newer`` fields this torch's ``cls`` lacks; returns it and the names left out.
-
-    Why: ``LaunchConfig`` grows fields between releases: ``shutdown_timeout`` (how long the agent
-    waits for signalled workers to exit) exists on torch 2.13 and not on 2.11, whose agent waits
-    its fixed 30 s. A feature check on the dataclass's fields, not a version number, decides.
-
-    Checked on: torch 2.13.0 (has shutdown_timeout); a LaunchConfig without it (tests).
-    """
+    """``cls(**fields, **newer)`` (``cls``: torch's ``LaunchConfig``) without the ``newer`` fields
+    this torch's ``cls`` lacks; returns it and the names left out. Why: ``LaunchConfig`` grows
+    fields between releases (``shutdown_timeout``, how long the agent waits for signalled workers,
+    is on 2.13, not 2.11, which waits 30 s): its fields, not a version number, decide.
+    Checked on: torch 2.13.0 (has shutdown_timeout); a LaunchConfig without it (tests)."""
     import dataclasses
     import inspect
 
@@ -335,13 +331,10 @@ def watch_worker_failures(callback: Any) -> Iterator[None]:
     signal), ``restarts_left`` the restarts the agent still has (it restarts when > 0).
 
     Why private: under ``max_restarts`` the agent restarts a failed worker group and only logs
-    it; ``LocalElasticAgent._monitor_workers``, whose ``RunResult.failures`` name each failed rank
-    and its exit code, is the one place that knows which rank died and how; ``_remaining_restarts``
-    is its count of restarts left. Forked workers' ``MultiprocessContext._poll`` names only the
-    first failed rank (a binary's ``SubprocessContext`` all): inside, it names all too.
-
-    Checked on: torch 2.13.0.
-    """
+    it; ``LocalElasticAgent._monitor_workers`` (its ``RunResult.failures``: each failed rank and
+    exit code) is the one place that knows which rank died and how; ``_remaining_restarts`` is its
+    restarts left. Forked workers' ``MultiprocessContext._poll`` names only the first failed rank
+    (a binary's ``SubprocessContext`` all): inside, it names all too. Checked on: torch 2.13.0."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -478,11 +471,9 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
 
 
 def work_completed(work: Any) -> bool:
-    """Whether a collective's or transfer's ``dist.Work`` has completed, without blocking. torch's
-    fake process group moves nothing, so its works are complete once posted, but its ``FakeWork``
-    (private, in ``torch._C._distributed_c10d``) never says so, even after ``wait()``: a pipeline
-    runner that lets go of a sent activation once its send is through (``Pending.done``) would keep
-    every micro-batch's sent output and input gradient to the end of the dry run's step."""
+    """Whether a ``dist.Work`` has completed, without blocking. The fake process group's
+    ``FakeWork`` (private) moves nothing yet never says it completed, even after ``wait()``: the
+    dry run's pipeline (``Pending.done``) would keep every sent activation to the step's end."""
     return type(work).__name__ == "FakeWork" or work.is_completed()
 
 
