@@ -7,8 +7,8 @@ less sensitive to other load on the machine), min and median. Targets: 3 s wall 
 Llama-3.1-8B on 8 H100 and 70B on 64 (point 18), 10 s for DeepSeek-V3 on 2,048 H800 (issue 43:
 "in seconds"; it exits 1, no layout its trainer runs fits, and the time still counts).
 The timings depend on the machine and its load: state both (``uptime``) with the numbers.
-DeepSeek-V3/2048 on the shared 2-core machine at load 3-4: CPU min / median 67.3 s (one run, load 3-4) before
-the lazy runtime notes and the span memo, 51.9 / 52.1 s after (``docs/howto/deepseek-v3.md``).
+DeepSeek-V3/2048 on the shared 2-core machine, CPU min / median: 70.0 / 78.4 s (load 1-2) before
+the lazy runtime notes and the span memo, 55.8 / 57.4 s (load 1) after (``docs/howto/deepseek-v3.md``).
 Moved here from the tests, which hold no timings.
 
     python benchmarks/planner_search.py [--repeat N] [--only NAME ...]
