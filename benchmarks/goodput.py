@@ -5,8 +5,8 @@ One job of 8 gloo processes as 2 nodes of 4 (two ``hybridpar train --elastic 8:8
 micro-batch 4, the tiny preset). Every ``--interval`` seconds after the job last made progress,
 one failure from ``--failures``:
 
-* ``worker``: ``kill -9`` of a random worker of the job (a child of a launcher's forkserver, found
-  in ``/proc``; its rank is the one the launcher names); both launchers restart their workers;
+* ``worker``: ``kill -9`` of a random worker of the job (found by its ``RANK`` and the job's
+  ``TORCHELASTIC_RUN_ID`` in ``/proc``); both launchers restart their workers;
 * ``node``: ``kill -9`` of a whole node's launcher with its workers (their snapshot store goes with
   them), and a fresh launcher started in its place, which the survivors wait for. It is the node
   that does not host the c10d rendezvous store: losing that one ends the job under any torch
@@ -24,11 +24,11 @@ Per failure: the steps lost (completed steps the job trained again) and the reco
 kill to the next completed step, seen in ``metrics.jsonl``), split by the lines the job prints,
 time-stamped as they arrive: ``detect`` (the kill to the launcher's "lost a peer" line; for a
 node, to the survivors' "restart" decision), ``restart`` (to rank 0's "restart N of the job" line:
-stopping the survivors, the agents' rendezvous, new processes forked from the launcher's preloaded
-forkserver, the process group, the agreement on where to continue), ``build`` (to the Trainer's
-"resumed from" line, less the load), ``load`` (the Trainer's own measurement), ``first step`` (to
-the first completed step). Goodput: the failure-free run's span from its first to its last
-completed step over this row's. The output is a table and one JSON line.
+the agents' rendezvous, new processes, imports, the process group, the agreement on where to
+continue), ``build`` (to the Trainer's "resumed from" line, less the load), ``load`` (the
+Trainer's own measurement), ``first step`` (to the first completed step). Goodput: the failure-free
+run's span from its first to its last completed step over this row's. The output is a table and
+one JSON line.
 
     nice python benchmarks/goodput.py [--steps 40] [--interval 40] [--failures worker,worker,node]
 """
@@ -109,30 +109,25 @@ class Job:
         return self.steps[-1][1] if self.steps else 0
 
     def workers(self) -> list[int]:
-        """The job's worker pids: the children of a launcher's forkserver (the launcher forks its
-        workers from it), or processes whose environment names this job and a rank (spawned ones)."""
-        parents, envs = {}, {}
+        """The job's worker pids (their environment names this job and a rank)."""
+        out = []
         for p in Path("/proc").iterdir():
             if not p.name.isdigit():
                 continue
             try:
-                parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                envs[int(p.name)] = (p / "environ").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
+                env = (p / "environ").read_bytes().split(b"\0")
+            except OSError:
                 continue
-        launchers = {n.pid for n in self.nodes}
-        servers = {pid for pid, parent in parents.items() if parent in launchers}
-        out = [pid for pid, env in envs.items() if parents.get(pid) in servers or (
-            f"TORCHELASTIC_RUN_ID={self.rdzv_id}".encode() in env and any(e.startswith(b"RANK=") for e in env))]
-        for pid in [*servers, *out]:  # a forked worker's environment is its forkserver's
-            self.stores.update(e.split(b"=", 1)[1].decode() for e in envs.get(pid, ())
-                               if e.startswith(b"HYBRIDPAR_SNAPSHOT_STORE="))
+            if f"TORCHELASTIC_RUN_ID={self.rdzv_id}".encode() in env and any(e.startswith(b"RANK=") for e in env):
+                out.append(int(p.name))
+                self.stores.update(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"HYBRIDPAR_SNAPSHOT_STORE="))
         return out
 
     def kill_worker(self, rng: random.Random) -> str:
         pid = rng.choice(self.workers())
+        rank = next(e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e.startswith(b"RANK="))
         os.kill(pid, signal.SIGKILL)
-        return f"worker pid={pid}"  # the rank: from the launcher's "lost a peer" line (run_row)
+        return f"worker {rank.decode().lower()}"
 
     def kill_node(self, rng: random.Random) -> str:  # noqa: ARG002 - the same signature as kill_worker
         """The second node: the first hosts the c10d rendezvous store, whose loss ends any torch
@@ -206,8 +201,6 @@ def run_row(name: str, steps: int, extra: list[str], failures: list[str], interv
                     raise RuntimeError(f"{name}: no recovery after {what}:\n" + "\n".join(x for _, x in job.lines[-60:]))
                 time.sleep(0.05)
             recovered, next_step = next((t, s) for t, s in job.steps if t > seen[0])
-            if said := job.first(r"lost a peer: rank \d+ \(killed by SIGKILL\)", killed):
-                what = "worker rank=" + re.search(r"rank (\d+) \(killed", said[1]).group(1)
             events.append({"failure": what, "steps_lost": done_before - (next_step - 1),
                            "recovery_s": recovered - killed, **_breakdown(job, killed, recovered)})
         code = job.wait(timeout=1800)

@@ -129,11 +129,7 @@ def test_node_faults_kill_the_agent_after_n_trained_steps_and_hold_until_signall
         def train_step(self, step: int) -> int:
             return step
 
-    monkeypatch.setenv(faults.NODE_FAULT_ENV, "3")
-    monkeypatch.setenv(faults.HOLD_ENV, "2")
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    monkeypatch.delenv(faults.FAULT_ENV, raising=False)
-    faults.inject(Fake)
+    faults.node_faults(Fake, kill_after=3, hold_after=2)
     trainer = Fake()
     assert [trainer.train_step(s) for s in (5, 6)] == [5, 6] and kills == []  # counted, not numbered
     signal_later = threading.Timer(0.2, lambda: setattr(trainer.stop, "signum", 15))  # the agent's SIGTERM

@@ -145,11 +145,7 @@ def test_injected_fault_kills_the_named_rank_after_the_named_step_returns(monkey
             self.steps.append(step)
             return step * 10
 
-    monkeypatch.setenv(FAULT_ENV, "5:1")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    faults.inject(Fake)  # as a launcher's forkserver does: once, before any worker has a restart count
-    assert Fake(1).train_step(5) == 50 and kills == []  # a restarted attempt runs through
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    faults.kill_after_step(Fake, step=5, rank=1)
     other, victim = Fake(0), Fake(1)
     assert [other.train_step(s) for s in range(1, 7)] == [10, 20, 30, 40, 50, 60] and kills == []
     assert victim.train_step(4) == 40 and kills == []

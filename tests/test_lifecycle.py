@@ -59,11 +59,8 @@ def _launch(args: list[str], log: Path):
 
 
 def _workers(args: list[str]) -> list[int]:
-    """Live worker processes of a launch. The launcher forks them from its forkserver: their
-    command line is the server's, their environment the one the server started with, which
-    carries the user's command (``HYBRIDPAR_COMMAND``, with the launch's run_dir), and unlike
-    the server they do not lead a session. A spawned worker's own command line carries the
-    run_dir argument but not --nproc (the launcher's does)."""
+    """Live worker processes of a launch: their command line carries the launch's run_dir
+    argument but not --nproc (the launcher's does)."""
     run_dir = args[args.index("--train.run_dir") + 1].encode()
     out = []
     for proc in Path("/proc").iterdir():
@@ -72,14 +69,9 @@ def _workers(args: list[str]) -> list[int]:
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
             state = next((ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:")), "")
-            env = (proc / "environ").read_bytes().split(b"\0")
-            session = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
-        forked = (any(b"multiprocessing.forkserver" in c for c in cmd) and session != int(proc.name)
-                  and any(e.startswith(b"HYBRIDPAR_COMMAND=") and run_dir in e for e in env))
-        spawned = b"hybridpar.cli" in cmd and run_dir in cmd and b"--nproc" not in cmd
-        if (forked or spawned) and "zombie" not in state:
+        if b"hybridpar.cli" in cmd and run_dir in cmd and b"--nproc" not in cmd and "zombie" not in state:
             out.append(int(proc.name))
     return out
 

@@ -123,8 +123,7 @@ def cmd_train(argv: list[str]) -> int:
 
         print(f"hybridpar: launching {nproc} local processes", flush=True)
         return launch_local(nproc, ["train", *strip_launcher_options(argv)], max_restarts=args.max_restarts or 0,
-                            run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv],
-                            entry=launched_worker)
+                            run_dir=Path(cfg.train.run_dir), command=["hybridpar", "train", *argv])
 
 
 def _train_under_launcher(cfg: Config, args: argparse.Namespace) -> int:
@@ -191,7 +190,7 @@ def _launch_elastic(cfg: Config, args: argparse.Namespace, argv: list[str]) -> i
           + (f", rendezvous at {args.rdzv_endpoint} (job {rdzv.run_id})" if args.rdzv_endpoint else ""), flush=True)
     restarts = args.max_restarts if args.max_restarts is not None else ELASTIC_RESTARTS
     return launch_local(nproc, ["train", *strip_launcher_options(argv)], max_restarts=restarts, run_dir=run_dir,
-                        command=["hybridpar", "train", *argv], rendezvous=rdzv, entry=launched_worker)
+                        command=["hybridpar", "train", *argv], rendezvous=rdzv)
 
 
 ELASTIC_RESTARTS = 3  # restarts after failures (a lost node counts one) when --elastic has no --max-restarts
@@ -472,21 +471,18 @@ def entry() -> NoReturn:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if not under_launcher():
         sys.exit(main())
-    from hybridpar.distributed.lifecycle import exit_process, worker_status
+    from hybridpar.distributed.lifecycle import exit_process
 
-    exit_process(worker_status(main))
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
 
-
-def launched_worker(argv: list[str], env: dict[str, str | None]) -> None:
-    """One worker of ``hybridpar train --nproc N``, forked from the launcher's preloaded forkserver
-    (:mod:`hybridpar.distributed.launch`; ``env``: its variables for this job). It leaves as
-    :func:`entry`'s do, but returns when it finished: the agent collects each worker's return value."""
-    from hybridpar.distributed.launch import enter_worker
-    from hybridpar.distributed.lifecycle import exit_process, worker_status
-
-    enter_worker(env)
-    if code := worker_status(lambda: main(argv)):
-        exit_process(code)
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
 
 
 if __name__ == "__main__":

@@ -331,16 +331,15 @@ def watch_worker_failures(callback: Any) -> Iterator[None]:
     signal), ``restarts_left`` the restarts the agent still has (it restarts when > 0).
 
     Why private: under ``max_restarts`` the agent restarts a failed worker group and only logs
-    it; ``LocalElasticAgent._monitor_workers`` (its ``RunResult.failures``: each failed rank and
-    exit code) is the one place that knows which rank died and how; ``_remaining_restarts`` is its
-    restarts left. Forked workers' ``MultiprocessContext._poll`` names only the first failed rank
-    (a binary's ``SubprocessContext`` all): inside, it names all too. Checked on: torch 2.13.0."""
+    it; ``LocalElasticAgent._monitor_workers``, whose ``RunResult.failures`` name each failed rank
+    and its exit code, is the one place that knows which rank died and how. The agent's
+    ``_remaining_restarts`` is its count of restarts left.
+
+    Checked on: torch 2.13.0.
+    """
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     original = LocalElasticAgent._monitor_workers
-    polled = MultiprocessContext._poll
 
     def monitored(self: Any, worker_group: Any) -> Any:
         result = original(self, worker_group)
@@ -349,20 +348,11 @@ def watch_worker_failures(callback: Any) -> Iterator[None]:
                      int(getattr(self, "_remaining_restarts", 0)))
         return result
 
-    def every_failure(self: Any) -> Any:  # it reports after joining the rest: their codes are known
-        result = polled(self)
-        for i, proc in enumerate(self._pc.processes if result is not None and result.failures else ()):
-            if i not in result.failures and proc.exitcode not in (0, None):
-                result.failures[i] = ProcessFailure(i, proc.pid, proc.exitcode, self.error_files[i])
-        return result
-
     LocalElasticAgent._monitor_workers = monitored
-    MultiprocessContext._poll = every_failure
     try:
         yield
     finally:
         LocalElasticAgent._monitor_workers = original
-        MultiprocessContext._poll = polled
 
 
 # ----------------------------------------------------------------------------- optimizers

@@ -14,8 +14,8 @@ makes that import fail with ``ValueError``. Another ``sitecustomize`` further do
 Two more, for elastic jobs, each set on one launcher (node) of a multi-node job only:
 
 * ``HYBRIDPAR_FAULT_KILL_NODE_AFTER_STEPS=N``: the whole node is lost once its ranks have trained
-  N steps (in this process, whichever steps they were): local rank 0 SIGKILLs the node's elastic
-  agent (its parent, or its forkserver's parent: :func:`agent_pid`) and then itself; the node's other ranks die with their parent
+  N steps (in this process, whichever steps they were): local rank 0 SIGKILLs its parent (the
+  node's elastic agent) and then itself; the node's other ranks die with their parent
   (``die_with_parent``);
 * ``HYBRIDPAR_FAULT_HOLD_AFTER_STEP=STEP``: after step STEP returns, every rank of the node waits
   until the job is signalled (a joining node makes torch's agent stop the workers with SIGTERM)
@@ -69,25 +69,8 @@ def step_spec(environ: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}={spec!r} must be a number of steps") from None
 
 
-def agent_pid() -> int:
-    """The pid of this worker's elastic agent: its parent, or its grandparent when the parent is
-    the launcher's forkserver (hybridpar's launcher forks its workers from one)."""
-    parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/cmdline", "rb") as f:
-            forked = b"multiprocessing.forkserver" in f.read()
-        if forked:
-            with open(f"/proc/{parent}/stat") as f:
-                return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        pass
-    return parent
-
-
-def inject(trainer_cls: type) -> None:
-    """Wrap ``trainer_cls.train_step`` with the faults the environment names (module docstring).
-    The specs are read at each step, not at import: a launcher's forkserver imports the trainer
-    once, before any worker has its rank or restart count."""
+def node_faults(trainer_cls: type, kill_after: int | None, hold_after: int | None) -> None:
+    """Wrap ``trainer_cls.train_step`` with the node faults (see the module docstring)."""
     real = trainer_cls.train_step
     trained = [0]
 
@@ -95,17 +78,28 @@ def inject(trainer_cls: type) -> None:
     def train_step(self: Any, s: int, *args: Any, **kwargs: Any) -> Any:
         result = real(self, s, *args, **kwargs)
         trained[0] += 1
-        found = kill_spec(os.environ)
-        if found is not None and s == found[0] and self.topo.rank == found[1]:
-            os.kill(os.getpid(), signal.SIGKILL)
-        kill_after, hold_after = step_spec(os.environ, NODE_FAULT_ENV), step_spec(os.environ, HOLD_ENV)
         if trained[0] == kill_after and os.environ.get("LOCAL_RANK") == "0":
-            os.kill(agent_pid(), signal.SIGKILL)
+            os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if s == hold_after:
             deadline = time.monotonic() + HOLD_LIMIT_S
             while not (self.stop is not None and self.stop.signum) and time.monotonic() < deadline:
                 time.sleep(0.05)
+        return result
+
+    trainer_cls.train_step = train_step
+
+
+def kill_after_step(trainer_cls: type, step: int, rank: int) -> None:
+    """Wrap ``trainer_cls.train_step``: global rank ``rank`` SIGKILLs itself once step ``step``
+    returns."""
+    real = trainer_cls.train_step
+
+    @functools.wraps(real)
+    def train_step(self: Any, s: int, *args: Any, **kwargs: Any) -> Any:
+        result = real(self, s, *args, **kwargs)
+        if s == step and self.topo.rank == rank:
+            os.kill(os.getpid(), signal.SIGKILL)
         return result
 
     trainer_cls.train_step = train_step
@@ -125,8 +119,12 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module: ModuleType) -> None:
             exec_module(module)
-            kill_spec(os.environ)  # a malformed spec fails the import
-            inject(module.Trainer)
+            found = kill_spec(os.environ)
+            if found is not None:
+                kill_after_step(module.Trainer, *found)
+            kill_after, hold_after = step_spec(os.environ, NODE_FAULT_ENV), step_spec(os.environ, HOLD_ENV)
+            if kill_after is not None or hold_after is not None:
+                node_faults(module.Trainer, kill_after, hold_after)
 
         spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec

@@ -7,16 +7,6 @@ a session of its own, so a terminal's Ctrl-C reaches only this process) and wait
 preemption checkpoint; its failures arrive as exceptions this module turns into one line and an
 exit status instead of a traceback. Workers die with this process (``die_with_parent``), so
 nothing of the job outlives it, even under SIGKILL.
-
-Workers are forked from a template: given the worker's function (``entry``), the agent starts
-them with multiprocessing's forkserver, whose server imports torch and the trainer once
-(:data:`PRELOAD`) and forks every worker of every restart from that state. A restart then costs
-no interpreter start and no import of torch: on the 2-core CPU machine that was ~19 s of a
-worker failure's ~20 s recovery (8 interpreters importing torch and the trainer at once). The
-server only imports; no torch operation runs in it, so no OpenMP or intra-op thread exists
-before a fork (the launcher's ``OMP_NUM_THREADS`` and ``OMP_WAIT_POLICY``, set before the
-server starts, are what its OpenMP reads). Without ``entry`` (or without a forkserver on this
-platform) each worker is a new ``python -m hybridpar.cli`` process, as before.
 """
 
 from __future__ import annotations
@@ -30,7 +20,7 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,14 +47,6 @@ SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # shared memory and removes when the job ends, so it outlives the workers it restarts.
 SNAPSHOT_STORE_ENV = "HYBRIDPAR_SNAPSHOT_STORE"
 SHM = Path("/dev/shm")
-# What the workers' forkserver imports before its first fork (the first sets that server up: see
-# that module): torch, and the modules a worker imports on its way to the first step
-# (the trainer pulls in nearly all of hybridpar; tensorboard is rank 0's metrics writer).
-PRELOAD = ("hybridpar.distributed.template", "torch", "torch.distributed", "torch.utils.tensorboard",
-           "hybridpar.cli", "hybridpar.training.trainer")
-# The variables this launcher sets for its workers. The forkserver keeps the environment it
-# started with, so a forked worker is given these values (or their absence) explicitly.
-WORKER_ENV = (ERROR_DIR_ENV, COMMAND_ENV, SNAPSHOT_STORE_ENV, SHARED_STORE_ENV, "OMP_NUM_THREADS")
 
 
 def _alive(pid: int) -> bool:
@@ -113,19 +95,15 @@ class Rendezvous:
 
 
 def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_dir: Path,
-                 command: list[str], rendezvous: Rendezvous | None = None,
-                 entry: Callable[[list[str], dict[str, str | None]], None] | None = None) -> int:
+                 command: list[str], rendezvous: Rendezvous | None = None) -> int:
     """Run ``python -m hybridpar.cli WORKER_ARGV`` on ``nproc`` local ranks and return the job's
     exit status. ``command`` is the user's own command line (for the resume hint); with
-    ``rendezvous`` these ranks are one node of an elastic job that the others join. ``entry``:
-    the worker as a module-level function ``entry(WORKER_ARGV, env)``, forked from a preloaded
-    forkserver (module docstring; ``env`` for :func:`enter_worker`)."""
+    ``rendezvous`` these ranks are one node of an elastic job that the others join."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in [*[n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")],
-                 "torch.multiprocessing.spawn"]:  # (its "Terminating process" when a forked worker fails)
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)  # this module says what happened, once
     rdzv = rendezvous or Rendezvous()
     config = launch_config(LaunchConfig, nproc, rdzv, max_restarts)
@@ -144,10 +122,7 @@ def launch_local(nproc: int, worker_argv: list[str], *, max_restarts: int, run_d
         os.environ.update(env)
         try:
             with compat.watch_worker_failures(_say_lost):
-                if entry is not None and _use_forkserver(config):
-                    elastic_launch(config, entry)(worker_argv, {k: os.environ.get(k) for k in WORKER_ENV})
-                else:
-                    elastic_launch(config, sys.executable)("-m", "hybridpar.cli", *worker_argv)
+                elastic_launch(config, sys.executable)("-m", "hybridpar.cli", *worker_argv)
             return 0
         except SignalException as e:  # the agent forwarded it and waited for the workers' checkpoint
             sig = int(e.sigval)
@@ -173,45 +148,6 @@ def launch_config(cls: Any, nproc: int, rdzv: Rendezvous, max_restarts: int) -> 
         nproc_per_node=nproc, run_id=rdzv.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint,
         rdzv_configs=dict(rdzv.conf), max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
     return config
-
-
-def _use_forkserver(config: Any) -> bool:
-    """Have the agent fork the workers from a forkserver that preloads :data:`PRELOAD` (the
-    module docstring), where this platform has one; False leaves ``config`` to spawn them."""
-    import multiprocessing
-    from multiprocessing import forkserver, resource_tracker
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return False
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
-    config.start_method = "forkserver"
-    # The agent's queues for forked workers are semaphores that multiprocessing's resource
-    # tracker removes when the launcher leaves; after a failed job it also warns that it did
-    # (their agent does not close them). The job's own line has said what happened.
-    saved = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = ",".join(["ignore:resource_tracker:UserWarning", *([saved] if saved else [])])
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONWARNINGS")
-        else:
-            os.environ["PYTHONWARNINGS"] = saved
-    # started here, from the thread that outlives the job: the server dies with the thread that
-    # started it (see hybridpar.distributed.template), and the agent starts workers from a pool
-    forkserver.ensure_running()
-    return True
-
-
-def enter_worker(env: dict[str, str | None]) -> None:
-    """The first thing a forked worker does: take the launcher's variables for this job
-    (``env``: :data:`WORKER_ENV` at launch; None: unset), which the forkserver's own environment,
-    fixed when it started, may lack or hold from an earlier job in the same process."""
-    for name, value in env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def _describe_exit(code: int) -> str:

@@ -225,20 +225,6 @@ def _release_groups() -> None:
             dist.destroy_process_group()
 
 
-def worker_status(run: Callable[[], int]) -> int:
-    """A launched worker's exit status for ``run()`` (the CLI's ``main``): its value, a
-    ``SystemExit``'s code, or 1 after printing the traceback of anything else it raised."""
-    try:
-        return run()
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        return 1
-
-
 def exit_process(code: int) -> NoReturn:
     """Flush output and leave without interpreter finalization (see the module docstring). Call
     only after the process groups are destroyed and every file the run writes is closed."""
